@@ -1,0 +1,354 @@
+"""The tool as a child process: spawn, feed stdin, drain stdout/stderr, kill the tree, reap.
+
+Contract (README "The child process"): payload JSON on stdin, then EOF; result JSON on
+stdout (capped at ``max_stdout`` bytes, the excess read and dropped, never held);
+stderr streamed line by line, its last 4 KiB kept. The child starts in a new session,
+gets SIGKILL as parent-death signal, and its exit is observed through a pidfd, so the
+job ends when the child exits even if a grandchild still holds the pipes (case F6).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import errno
+import os
+import signal
+import subprocess
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import psutil
+
+from sidecar.linux import child_preexec
+
+STDERR_TAIL_BYTES = 4096
+STDERR_LINE_BYTES = 4096
+_READ_CHUNK = 65536
+_READS_PER_WAKEUP = 4  # bounds the time one flooding pipe holds the event loop
+
+# Pids whose exit status this module collects itself; the adopted-orphan reaper skips them.
+MANAGED_PIDS: set[int] = set()
+
+# Spawns happen on one long-lived thread: the fork stays off the event loop thread, and
+# the parent-death signal (tied by Linux to the forking *thread*) fires only when the
+# sidecar process itself ends.
+_spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawn")
+
+
+class SpawnFailed(Exception):
+    """The command could not be started. ``exit_code`` follows tini: 127 not found,
+    126 not executable or not a valid program."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.message = message
+        self.exit_code = exit_code
+
+
+@dataclass
+class KillReport:
+    """What a tree kill did: ``signal`` is the strongest signal sent (None when nothing was
+    left to kill), ``killed`` the pids signalled, ``survivors`` pids still alive at the end."""
+
+    signal: int | None = None
+    killed: list[int] = field(default_factory=list)
+    survivors: list[int] = field(default_factory=list)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def find_tree(root_pid: int, cookie: dict[str, str]) -> list[psutil.Process]:
+    """Every live process of a job's tree: descendants of ``root_pid``, members of its
+    session (the child is a session leader, so sid == root_pid), and any process whose
+    environment carries all of ``cookie`` (re-parented or ``setsid`` escapees, case F7)."""
+    me = os.getpid()
+    found: dict[int, psutil.Process] = {}
+    try:
+        root = psutil.Process(root_pid)
+        for proc in [root, *root.children(recursive=True)]:
+            found[proc.pid] = proc
+    except psutil.Error:
+        pass
+    for proc in psutil.process_iter():
+        if proc.pid in found or proc.pid == me:
+            continue
+        try:
+            if os.getsid(proc.pid) == root_pid:
+                found[proc.pid] = proc
+                continue
+            env = proc.environ()
+            if all(env.get(k) == v for k, v in cookie.items()):
+                found[proc.pid] = proc
+        except (psutil.Error, OSError):
+            continue
+    return [proc for proc in found.values() if proc.pid != me and _alive(proc)]
+
+
+def reap_adopted() -> int:
+    """Reap zombie children this process adopted as a subreaper and does not manage itself
+    (never ``waitpid(-1)``: that would steal statuses asyncio or Popen wait for).
+    Returns how many were reaped."""
+    reaped = 0
+    try:
+        children = psutil.Process().children()
+    except psutil.Error:
+        return 0
+    for proc in children:
+        if proc.pid in MANAGED_PIDS:
+            continue
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                os.waitpid(proc.pid, os.WNOHANG)
+                reaped += 1
+        except (psutil.Error, ChildProcessError):
+            continue
+    return reaped
+
+
+def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int):
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    try:
+        popen = subprocess.Popen(
+            argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
+            start_new_session=True, preexec_fn=child_preexec(parent_pid),
+        )
+    except BaseException:
+        for fd in (in_w, out_r, err_r):
+            os.close(fd)
+        raise
+    finally:
+        for fd in (in_r, out_w, err_w):
+            os.close(fd)
+    MANAGED_PIDS.add(popen.pid)
+    return popen, in_w, out_r, err_r
+
+
+class Child:
+    """One running tool process and its pipes. Create with ``await Child.spawn(...)``.
+
+    ``exited`` resolves once the process itself has exited and been reaped;
+    ``returncode`` is then set (negative = killed by that signal).
+    """
+
+    def __init__(self, popen: subprocess.Popen, stdin_fd: int, stdout_fd: int, stderr_fd: int,
+                 payload: bytes, max_stdout: int, on_stderr_line: Callable[[bytes], None],
+                 cookie: dict[str, str]):
+        self.loop = asyncio.get_running_loop()
+        self.popen = popen
+        self.pid = popen.pid
+        self.cookie = cookie
+        self.max_stdout = max_stdout
+        self.stdout = bytearray()
+        self.stdout_bytes = 0
+        self.stdout_overflow = False
+        self.stderr_tail = b""
+        self._stderr_partial = b""
+        self._on_stderr_line = on_stderr_line
+        self.returncode: int | None = None
+        self.started = time.monotonic()
+        self.exited: asyncio.Future[int] = self.loop.create_future()
+        self._eof = {stdout_fd: self.loop.create_future(), stderr_fd: self.loop.create_future()}
+        self._open_fds = {stdout_fd, stderr_fd}
+        for fd in (stdin_fd, stdout_fd, stderr_fd):
+            os.set_blocking(fd, False)
+        self.loop.add_reader(stdout_fd, self._on_readable, stdout_fd, self._take_stdout)
+        self.loop.add_reader(stderr_fd, self._on_readable, stderr_fd, self._take_stderr)
+        self._stdin_task = asyncio.ensure_future(self._feed_stdin(stdin_fd, payload))
+        self._watch_exit()
+
+    @classmethod
+    async def spawn(cls, argv: list[str], env: dict[str, str], payload: bytes, max_stdout: int,
+                    on_stderr_line: Callable[[bytes], None], cookie: dict[str, str]) -> "Child":
+        """Start ``argv`` in a new session with ``env``; write ``payload`` to its stdin.
+
+        ``max_stdout`` caps the bytes of stdout kept (bytes). ``cookie`` is a subset of
+        ``env`` that marks the job's processes for the tree kill.
+        Raises SpawnFailed when the program is missing or not executable.
+        """
+        loop = asyncio.get_running_loop()
+        try:
+            popen, in_w, out_r, err_r = await loop.run_in_executor(
+                _spawner, _spawn_blocking, argv, env, os.getpid()
+            )
+        except FileNotFoundError:
+            raise SpawnFailed(f"command not found: {argv[0]}", 127) from None
+        except PermissionError:
+            raise SpawnFailed(f"command not executable (permission denied): {argv[0]}", 126) \
+                from None
+        except OSError as exc:
+            raise SpawnFailed(f"cannot execute {argv[0]}: {exc.strerror or exc}", 126) from None
+        except subprocess.SubprocessError as exc:
+            raise SpawnFailed(f"cannot start {argv[0]}: {exc}", 126) from None
+        return cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie)
+
+    # --- exit ---------------------------------------------------------------
+
+    def _watch_exit(self) -> None:
+        try:
+            pidfd = os.pidfd_open(self.pid)
+        except (AttributeError, OSError):
+            asyncio.ensure_future(self._poll_exit())
+            return
+
+        def on_exit() -> None:
+            if self._try_reap():
+                self.loop.remove_reader(pidfd)
+                os.close(pidfd)
+
+        self.loop.add_reader(pidfd, on_exit)
+
+    async def _poll_exit(self) -> None:
+        while not self._try_reap():
+            await asyncio.sleep(0.05)
+
+    def _try_reap(self) -> bool:
+        try:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+        except ChildProcessError:
+            pid, status = self.pid, 0
+        if pid == 0:
+            return False
+        self.returncode = os.waitstatus_to_exitcode(status)
+        self.popen.returncode = self.returncode  # so Popen never waits on a reused pid
+        MANAGED_PIDS.discard(self.pid)
+        if not self.exited.done():
+            self.exited.set_result(self.returncode)
+        return True
+
+    # --- pipes --------------------------------------------------------------
+
+    async def _feed_stdin(self, fd: int, payload: bytes) -> None:
+        view = memoryview(payload)
+        try:
+            while view:
+                try:
+                    written = os.write(fd, view)
+                except BlockingIOError:
+                    ready = self.loop.create_future()
+                    self.loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
+                    try:
+                        await ready
+                    finally:
+                        self.loop.remove_writer(fd)
+                    continue
+                except OSError as exc:  # EPIPE: the child exited or closed stdin; not our error
+                    if exc.errno in (errno.EPIPE, errno.ECONNRESET):
+                        return
+                    raise
+                view = view[written:]
+        finally:
+            os.close(fd)
+
+    def _on_readable(self, fd: int, take: Callable[[bytes], None]) -> None:
+        for _ in range(_READS_PER_WAKEUP):
+            try:
+                chunk = os.read(fd, _READ_CHUNK)
+            except BlockingIOError:
+                return
+            except OSError:
+                chunk = b""
+            if not chunk:
+                self._close_fd(fd)
+                take(b"")
+                return
+            take(chunk)
+
+    def _close_fd(self, fd: int) -> None:
+        if fd in self._open_fds:
+            self._open_fds.discard(fd)
+            self.loop.remove_reader(fd)
+            os.close(fd)
+            if not self._eof[fd].done():
+                self._eof[fd].set_result(None)
+
+    def _take_stdout(self, chunk: bytes) -> None:
+        self.stdout_bytes += len(chunk)
+        if self.stdout_overflow:
+            return
+        if len(self.stdout) + len(chunk) > self.max_stdout:
+            self.stdout_overflow = True
+            self.stdout = bytearray()  # the result is lost anyway: free it now
+            return
+        self.stdout += chunk
+
+    def _take_stderr(self, chunk: bytes) -> None:
+        if not chunk:  # EOF: flush an unterminated last line
+            if self._stderr_partial:
+                self._on_stderr_line(self._stderr_partial)
+                self._stderr_partial = b""
+            return
+        self.stderr_tail = (self.stderr_tail + chunk)[-STDERR_TAIL_BYTES:]
+        *lines, self._stderr_partial = (self._stderr_partial + chunk).split(b"\n")
+        if len(self._stderr_partial) > STDERR_LINE_BYTES:
+            lines.append(self._stderr_partial)
+            self._stderr_partial = b""
+        for line in lines:
+            if line:
+                self._on_stderr_line(line[:STDERR_LINE_BYTES])
+
+    async def close_pipes(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for stdout/stderr EOF (after the tree is dead EOF
+        is immediate), then close them; stop feeding stdin."""
+        pending = [fut for fut in self._eof.values() if not fut.done()]
+        if pending:
+            await asyncio.wait(pending, timeout=timeout)
+        for fd in list(self._open_fds):
+            self._close_fd(fd)
+        if not self._stdin_task.done():
+            self._stdin_task.cancel()
+        await asyncio.gather(self._stdin_task, return_exceptions=True)
+
+    # --- kill ---------------------------------------------------------------
+
+    async def kill_tree(self, grace: float) -> KillReport:
+        """SIGTERM every process of the tree, wait up to ``grace`` seconds, SIGKILL what
+        remains (re-scanning for new forks), and wait until all are gone and our child is
+        reaped. Safe to call when everything has already exited."""
+        report = KillReport()
+        procs = await self._scan()
+        if procs:
+            report.signal = signal.SIGTERM
+            self._signal(procs, signal.SIGTERM, report)
+            await self._wait_gone(procs, grace)
+        for _ in range(5):
+            procs = await self._scan()
+            if not procs:
+                break
+            report.signal = signal.SIGKILL
+            self._signal(procs, signal.SIGKILL, report)
+            await self._wait_gone(procs, 2.0)
+        report.survivors = [proc.pid for proc in await self._scan()]
+        if self.returncode is None:
+            try:
+                await asyncio.wait_for(asyncio.shield(self.exited), timeout=2.0)
+            except asyncio.TimeoutError:
+                report.survivors.append(self.pid)
+        return report
+
+    async def _scan(self) -> list[psutil.Process]:
+        return await self.loop.run_in_executor(None, find_tree, self.pid, self.cookie)
+
+    @staticmethod
+    def _signal(procs: list[psutil.Process], sig: int, report: KillReport) -> None:
+        for proc in procs:
+            try:
+                proc.send_signal(sig)
+                if proc.pid not in report.killed:
+                    report.killed.append(proc.pid)
+            except psutil.Error:
+                pass
+
+    @staticmethod
+    async def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while any(_alive(proc) for proc in procs) and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)

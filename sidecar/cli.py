@@ -1,0 +1,288 @@
+"""The ``sidecar`` command: argument parsing, and errors mapped to one line and an exit code.
+
+Data goes to stdout as JSON; messages and events go to stderr. Exit codes: 0 success,
+1 environment problem (database unreachable, job not found), 2 bad input or configuration.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import shutil
+import signal
+import sys
+import uuid
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Coroutine
+
+import asyncpg
+import orjson
+
+from sidecar import __version__, db, log as log_mod
+from sidecar.config import Settings, load_settings, validate_tool_name
+from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
+from sidecar.log import payload_digest
+from sidecar.store import Store
+
+STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+
+
+def _print_json(value: Any) -> None:
+    sys.stdout.buffer.write(orjson.dumps(value, option=orjson.OPT_APPEND_NEWLINE, default=str))
+    sys.stdout.flush()
+
+
+def run_async(settings: Settings, coro: Coroutine) -> Any:
+    """Run ``coro`` on uvloop (default) or asyncio's loop (``SIDECAR_EVENT_LOOP``)."""
+    factory = None
+    if settings.event_loop == "uvloop":
+        import uvloop
+
+        factory = uvloop.new_event_loop
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(coro)
+
+
+@asynccontextmanager
+async def open_store(settings: Settings, dsn: str | None = None) -> AsyncIterator[Store]:
+    """A Store on a small pool, schema migrated (idempotent, safe concurrently)."""
+    dsn = dsn or db.resolve_dsn(settings)
+    pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=2)
+    try:
+        store = Store(pool, settings.db_timeout_seconds)
+        await store.migrate()
+        yield store
+    finally:
+        await pool.close()
+
+
+def _job_id(text: str) -> uuid.UUID:
+    try:
+        return uuid.UUID(text)
+    except ValueError:
+        raise UsageError(f"JOB_ID {text!r} is not a UUID (as printed by 'sidecar enqueue')") \
+            from None
+
+
+# --- commands -----------------------------------------------------------------
+
+
+def cmd_migrate(args, settings: Settings) -> int:
+    async def go():
+        dsn = db.resolve_dsn(settings)
+        pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=1)
+        try:
+            store = Store(pool, settings.db_timeout_seconds)
+            applied = await store.migrate()
+            return {"applied": applied, "version": await store.schema_version()}
+        finally:
+            await pool.close()
+
+    _print_json(run_async(settings, go()))
+    return 0
+
+
+def _read_payload(args) -> tuple[Any, bytes]:
+    if args.payload is not None and args.payload_file is not None:
+        raise UsageError("give --payload or --payload-file, not both")
+    if args.payload_file is not None:
+        try:
+            raw = sys.stdin.buffer.read() if args.payload_file == "-" \
+                else Path(args.payload_file).read_bytes()
+        except OSError as exc:
+            raise UsageError(f"--payload-file {args.payload_file}: cannot read it "
+                             f"({exc.strerror or exc})") from None
+        source = f"--payload-file {args.payload_file}"
+    elif args.payload is not None:
+        raw, source = args.payload.encode(), "--payload"
+    else:
+        raw, source = b"{}", "--payload"
+    try:
+        return orjson.loads(raw), raw
+    except orjson.JSONDecodeError as exc:
+        raise UsageError(f"{source} is not valid JSON ({exc}); pass one JSON value, "
+                         "for example --payload '{\"path\": \"/etc/hosts\"}'") from None
+
+
+def cmd_enqueue(args, settings: Settings) -> int:
+    tool = validate_tool_name(args.tool)
+    profile = settings.profile(tool)
+    payload, raw = _read_payload(args)
+    if args.max_attempts is not None and args.max_attempts < 1:
+        raise UsageError(f"--max-attempts {args.max_attempts}: must be 1 or more")
+    max_attempts = args.max_attempts or profile.max_attempts
+    if args.idempotency_key is not None and not args.idempotency_key.strip():
+        raise UsageError("--idempotency-key must not be empty")
+
+    async def go():
+        async with open_store(settings) as store:
+            return await store.enqueue(tool, payload, args.idempotency_key, max_attempts,
+                                       {"payload": payload_digest(raw)})
+
+    job_id, created = run_async(settings, go())
+    _print_json({"id": job_id, "created": created})
+    return 0
+
+
+def cmd_run(args, settings: Settings) -> int:
+    from sidecar import guardian, linux
+    from sidecar.worker import Worker, install_signal_handlers
+
+    if not args.command:
+        raise UsageError("give the tool command after '--', e.g. sidecar run -- /usr/bin/ocr")
+    tool = validate_tool_name(args.tool or os.path.basename(args.command[0]))
+    profile = settings.profile(tool)
+    if args.concurrency < 1:
+        raise UsageError(f"--concurrency {args.concurrency}: must be 1 or more")
+    if shutil.which(args.command[0]) is None:
+        log_mod.log.emit("command_not_found", "warning", tool=tool,
+                         reason=f"{args.command[0]} is not an executable on PATH; "
+                                "jobs will fail with spawn_failed")
+    dsn = db.resolve_dsn(settings)
+    # Become the adopter of orphaned descendants, and drain if our own parent dies
+    # (an entrypoint shell that took the SIGTERM meant for us, case F8).
+    adopt = linux.set_child_subreaper()
+    parent = os.getppid()
+    linux.set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:
+        return 0
+    worker = Worker(settings, profile, dsn, args.command, args.concurrency, args.drain,
+                    adopt_orphans=adopt)
+    keeper = guardian.start(worker.owner_id)
+
+    async def go():
+        install_signal_handlers(worker)
+        return await worker.run()
+
+    try:
+        return run_async(settings, go())
+    finally:
+        keeper.stdin.close()
+
+
+def cmd_show(args, settings: Settings) -> int:
+    job_id = _job_id(args.job_id)
+
+    async def go():
+        async with open_store(settings) as store:
+            row = await store.get_job(job_id)
+            if row is None:
+                return None
+            job = dict(row)
+            job["events"] = [dict(e) for e in await store.job_events(job_id)]
+            return job
+
+    job = run_async(settings, go())
+    if job is None:
+        raise SidecarError(f"no job {job_id}")
+    _print_json(job)
+    return 0
+
+
+def cmd_jobs(args, settings: Settings) -> int:
+    if args.limit < 1:
+        raise UsageError(f"--limit {args.limit}: must be 1 or more")
+
+    async def go():
+        async with open_store(settings) as store:
+            return await store.list_jobs(args.state, args.tool, args.limit)
+
+    for row in run_async(settings, go()):
+        when = (row["finished_at"] or row["created_at"]).isoformat(timespec="seconds")
+        lease = row["lease_until"].isoformat(timespec="seconds") if row["lease_until"] else "-"
+        print(f"{row['id']}  {row['tool']:<16} {row['state']:<9} "
+              f"attempt {row['attempt']}/{row['max_attempts']}  token {row['fencing_token']}  "
+              f"lease_until {lease}  {row['error_kind'] or ''}  {when}".rstrip())
+    return 0
+
+
+def cmd_cancel(args, settings: Settings) -> int:
+    job_id = _job_id(args.job_id)
+
+    async def go():
+        async with open_store(settings) as store:
+            previous = await store.cancel(job_id)
+            row = await store.get_job(job_id) if previous is None else None
+            return previous, row
+
+    previous, row = run_async(settings, go())
+    if previous is None:
+        if row is None:
+            raise SidecarError(f"no job {job_id}")
+        raise SidecarError(f"job {job_id} is already {row['state']}; nothing to cancel")
+    _print_json({"id": job_id, "cancelled": True, "previous_state": previous})
+    return 0
+
+
+def cmd_demo(args, settings: Settings) -> int:
+    from sidecar.demo import run_demo
+
+    return run_demo(settings)
+
+
+# --- parser -------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="sidecar",
+        description="Run hang-prone tools from a PostgreSQL queue under a lease.")
+    parser.add_argument("--version", action="version", version=f"sidecar {__version__}")
+    sub = parser.add_subparsers(dest="command_name", required=True, metavar="COMMAND")
+
+    def add(name: str, func: Callable, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help, description=help)
+        p.set_defaults(func=func)
+        return p
+
+    add("migrate", cmd_migrate, "create or upgrade the schema")
+    p = add("enqueue", cmd_enqueue, "queue one job for TOOL; prints {id, created}")
+    p.add_argument("tool", metavar="TOOL")
+    p.add_argument("--payload", metavar="JSON")
+    p.add_argument("--payload-file", metavar="PATH", help="file with the JSON payload, - for stdin")
+    p.add_argument("--idempotency-key", metavar="KEY",
+                   help="the same key returns the existing job instead of a second one")
+    p.add_argument("--max-attempts", type=int, metavar="N")
+    p = add("run", cmd_run, "claim jobs of TOOL and run COMMAND once per job")
+    p.add_argument("--tool", metavar="TOOL", help="default: the basename of COMMAND")
+    p.add_argument("--concurrency", type=int, default=1, metavar="N")
+    p.add_argument("--drain", action="store_true",
+                   help="exit 0 once no job of the tool is queued or running")
+    p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
+    p = add("show", cmd_show, "one job as JSON, with its journal")
+    p.add_argument("job_id", metavar="JOB_ID")
+    p = add("jobs", cmd_jobs, "one line per job, newest first")
+    p.add_argument("--state", choices=STATES)
+    p.add_argument("--tool")
+    p.add_argument("--limit", type=int, default=50)
+    p = add("cancel", cmd_cancel, "cancel a queued or running job")
+    p.add_argument("job_id", metavar="JOB_ID")
+    add("demo", cmd_demo, "run the sidecar on real programs and a hung tool, print outcomes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``sidecar`` console script; returns the exit code."""
+    args = build_parser().parse_args(argv)
+    if getattr(args, "command", None) and args.command[:1] == ["--"]:
+        args.command = args.command[1:]
+    try:
+        settings = load_settings()
+        log_mod.configure(settings.log_level, settings.log_format)
+        return args.func(args, settings)
+    except SidecarError as exc:
+        print(f"sidecar: error: {exc.message}", file=sys.stderr)
+        return exc.exit_code
+    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError) as exc:
+        err = DatabaseUnavailable(f"database error: {type(exc).__name__}: "
+                                  f"{str(exc).splitlines()[0] if str(exc) else ''}")
+        print(f"sidecar: error: {err.message}", file=sys.stderr)
+        return err.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,278 @@
+"""Environment -> validated settings and per-tool lease profiles.
+
+Lease settings belong to the tool type, set by the operator's environment, never
+by a payload (P11, P20). Defaults come from ``SIDECAR_<FIELD>``; a tool overrides
+them with ``SIDECAR_PROFILE_<TOOL>_<FIELD>`` where TOOL is the tool name upper-cased
+with every other character as ``_``. Every ``SIDECAR_*`` variable must be known:
+a misspelled one is an error, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+from sidecar.errors import ConfigError
+
+PREFIX = "SIDECAR_"
+PROFILE_PREFIX = "SIDECAR_PROFILE_"
+TOOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+
+
+def _number(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError("not a finite number")
+    return value
+
+
+def _integer(text: str) -> int:
+    return int(text.strip())
+
+
+def _exit_codes(text: str) -> frozenset[int]:
+    codes = frozenset(int(part) for part in text.replace(" ", "").split(",") if part)
+    if any(not 1 <= code <= 255 for code in codes):
+        raise ValueError("exit codes are integers from 1 to 255")
+    return codes
+
+
+@dataclass(frozen=True)
+class _Field:
+    parse: Callable[[str], object]
+    default: str
+    unit: str
+    what: str
+
+
+# Fields a tool's profile may override. Units are in the names (seconds, bytes).
+PROFILE_FIELDS: dict[str, _Field] = {
+    "LEASE_SECONDS": _Field(_number, "90", "s", "lease length L (P1)"),
+    "HEARTBEAT_SECONDS": _Field(_number, "30", "s", "heartbeat period H (P5)"),
+    "TOLERATED_MISSES": _Field(_integer, "1", "count", "consecutive missed heartbeats R (P10)"),
+    "JITTER_SECONDS": _Field(_number, "20", "s", "allowance J for network jitter and pauses (P10)"),
+    "STAGE_TIMEOUT_SECONDS": _Field(_number, "600", "s", "stage deadline of one attempt (P8)"),
+    "MAX_ATTEMPTS": _Field(_integer, "3", "count", "attempts per job, set at enqueue (P16)"),
+    "KILL_GRACE_SECONDS": _Field(_number, "5", "s", "SIGTERM to SIGKILL grace"),
+    "NON_RETRYABLE_EXIT_CODES": _Field(_exit_codes, "64,65", "codes", "exit codes failed at once"),
+    "BACKOFF_BASE_SECONDS": _Field(_number, "2", "s", "first retry delay, doubled per attempt"),
+    "BACKOFF_MAX_SECONDS": _Field(_number, "300", "s", "retry delay cap"),
+    "MAX_RESULT_BYTES": _Field(_integer, str(8 * 1024 * 1024), "bytes", "stdout cap"),
+}
+
+# Sidecar-wide settings (not per tool).
+GLOBAL_FIELDS: dict[str, _Field] = {
+    "DATABASE_URL": _Field(str, "", "dsn", "PostgreSQL server; unset = embedded PostgreSQL"),
+    "DATA_DIR": _Field(str, "", "path", "embedded PostgreSQL data directory"),
+    "POLL_SECONDS": _Field(_number, "2", "s", "claim poll period when NOTIFY is missed"),
+    "DRAIN_SECONDS": _Field(_number, "20", "s", "on SIGTERM, how long running jobs may finish"),
+    "DB_TIMEOUT_SECONDS": _Field(_number, "5", "s", "client-side timeout of one statement"),
+    "LOG_LEVEL": _Field(str, "info", "level", "debug, info, warning or error"),
+    "LOG_FORMAT": _Field(str, "json", "format", "json or text"),
+    "WORKER_NAME": _Field(str, "", "name", "stable part of owner_id; default the hostname"),
+    "EVENT_LOOP": _Field(str, "uvloop", "name", "uvloop or asyncio"),
+}
+
+# Variables the sidecar sets for its child, and the test suite's own; allowed in
+# the environment so a tool may itself call `sidecar enqueue`.
+PASSIVE_VARIABLES = frozenset(
+    {
+        "SIDECAR_JOB_ID",
+        "SIDECAR_TOOL",
+        "SIDECAR_ATTEMPT",
+        "SIDECAR_FENCING_TOKEN",
+        "SIDECAR_IDEMPOTENCY_KEY",
+        "SIDECAR_OWNER_ID",
+        "SIDECAR_TEST_DATABASE_URL",
+    }
+)
+
+
+def tool_env_key(tool: str) -> str:
+    """The TOOL part of ``SIDECAR_PROFILE_<TOOL>_<FIELD>``: ``ocr-fast`` -> ``OCR_FAST``."""
+    return re.sub(r"[^A-Z0-9]", "_", tool.upper())
+
+
+def validate_tool_name(tool: str) -> str:
+    """Return ``tool`` if it matches ``[A-Za-z0-9][A-Za-z0-9._-]{0,62}``; else ConfigError."""
+    if not TOOL_NAME.match(tool or ""):
+        raise ConfigError(
+            f"tool name {tool!r} is invalid: use 1-63 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return tool
+
+
+@dataclass(frozen=True)
+class LeaseProfile:
+    """The effective lease profile of one tool (all durations in seconds).
+
+    ``sources`` maps each field name to the variable that set it (or "default"),
+    so an error can name the variable to change.
+    """
+
+    tool: str
+    lease_seconds: float
+    heartbeat_seconds: float
+    tolerated_misses: int
+    jitter_seconds: float
+    stage_timeout_seconds: float
+    max_attempts: int
+    kill_grace_seconds: float
+    non_retryable_exit_codes: frozenset[int]
+    backoff_base_seconds: float
+    backoff_max_seconds: float
+    max_result_bytes: int
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
+
+    def as_dict(self) -> dict[str, object]:
+        """The profile as plain JSON-able values, for ``sidecar config`` and the journal."""
+        out: dict[str, object] = {"tool": self.tool}
+        for name in PROFILE_FIELDS:
+            value = getattr(self, name.lower())
+            out[name.lower()] = sorted(value) if isinstance(value, frozenset) else value
+        return out
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Validated sidecar-wide settings plus the raw per-tool overrides."""
+
+    database_url: str
+    data_dir: str
+    poll_seconds: float
+    drain_seconds: float
+    db_timeout_seconds: float
+    log_level: str
+    log_format: str
+    worker_name: str
+    event_loop: str
+    defaults: Mapping[str, tuple[object, str]]
+    overrides: Mapping[str, Mapping[str, tuple[object, str]]]
+
+    def profile(self, tool: str) -> LeaseProfile:
+        """The validated lease profile of ``tool``; ConfigError names the variable and rule."""
+        validate_tool_name(tool)
+        return _build_profile(tool, self.defaults, self.overrides.get(tool_env_key(tool), {}))
+
+    def profile_tools(self) -> list[str]:
+        """Tool keys that have at least one ``SIDECAR_PROFILE_*`` override."""
+        return sorted(self.overrides)
+
+
+def _parse(var: str, raw: str, spec: _Field) -> object:
+    try:
+        return spec.parse(raw)
+    except ValueError:
+        raise ConfigError(
+            f"{var}={raw!r} is not valid: expected {spec.unit} ({spec.what})"
+        ) from None
+
+
+def _build_profile(
+    tool: str,
+    defaults: Mapping[str, tuple[object, str]],
+    overrides: Mapping[str, tuple[object, str]],
+) -> LeaseProfile:
+    values = {name: (overrides.get(name) or defaults[name]) for name in PROFILE_FIELDS}
+    p = {name.lower(): value for name, (value, _) in values.items()}
+    src = {name: source for name, (_, source) in values.items()}
+
+    for name in ("LEASE_SECONDS", "HEARTBEAT_SECONDS", "STAGE_TIMEOUT_SECONDS",
+                 "MAX_ATTEMPTS", "MAX_RESULT_BYTES", "TOLERATED_MISSES"):
+        if p[name.lower()] <= 0:
+            raise ConfigError(f"{src[name]}={p[name.lower()]}: must be a positive number")
+    for name in ("JITTER_SECONDS", "KILL_GRACE_SECONDS", "BACKOFF_BASE_SECONDS",
+                 "BACKOFF_MAX_SECONDS"):
+        if p[name.lower()] < 0:
+            raise ConfigError(f"{src[name]}={p[name.lower()]}: must not be negative")
+
+    lease, hb, misses, jitter = (
+        p["lease_seconds"], p["heartbeat_seconds"], p["tolerated_misses"], p["jitter_seconds"]
+    )
+    if not lease > misses * hb + jitter:
+        raise ConfigError(
+            f"{src['LEASE_SECONDS']}={lease:g} breaks rule P10 (L > R x H + J) for tool "
+            f"{tool!r}: {misses} x {hb:g} + {jitter:g} = {misses * hb + jitter:g} s "
+            f"(R from {src['TOLERATED_MISSES']}, H from {src['HEARTBEAT_SECONDS']}, "
+            f"J from {src['JITTER_SECONDS']}); raise the lease or shorten the heartbeat"
+        )
+    return LeaseProfile(tool=tool, sources=src, **p)
+
+
+def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+    """Read and validate every ``SIDECAR_*`` variable of ``env`` (default ``os.environ``).
+
+    Raises ConfigError (exit 2) with one line naming the variable, the value and
+    the fix, for an unknown variable, a bad number or a profile breaking P10.
+    """
+    env = os.environ if env is None else env
+    defaults: dict[str, tuple[object, str]] = {}
+    for name, spec in PROFILE_FIELDS.items():
+        var = PREFIX + name
+        raw = env.get(var)
+        if raw:
+            defaults[name] = (_parse(var, raw, spec), var)
+        else:
+            defaults[name] = (spec.parse(spec.default), f"(default) {var}")
+
+    glob: dict[str, object] = {}
+    for name, spec in GLOBAL_FIELDS.items():
+        var = PREFIX + name
+        raw = env.get(var, "")
+        glob[name.lower()] = _parse(var, raw, spec) if raw else spec.parse(spec.default)
+
+    overrides: dict[str, dict[str, tuple[object, str]]] = {}
+    for var, raw in env.items():
+        if not var.startswith(PREFIX):
+            continue
+        if var.startswith(PROFILE_PREFIX):
+            rest = var[len(PROFILE_PREFIX):]
+            match = next(
+                (f for f in PROFILE_FIELDS if rest.endswith("_" + f) and len(rest) > len(f) + 1),
+                None,
+            )
+            if match is None:
+                raise ConfigError(
+                    f"{var}: unknown profile variable; expected SIDECAR_PROFILE_<TOOL>_<FIELD> "
+                    f"with FIELD one of {', '.join(PROFILE_FIELDS)}"
+                )
+            tool_key = rest[: -(len(match) + 1)]
+            overrides.setdefault(tool_key, {})[match] = (
+                _parse(var, raw, PROFILE_FIELDS[match]), var
+            )
+        elif var[len(PREFIX):] not in PROFILE_FIELDS and var[len(PREFIX):] not in GLOBAL_FIELDS \
+                and var not in PASSIVE_VARIABLES:
+            raise ConfigError(
+                f"{var}: unknown variable; see the configuration table in README.md "
+                "(a misspelled setting would otherwise be ignored)"
+            )
+
+    if glob["log_level"] not in ("debug", "info", "warning", "error"):
+        raise ConfigError(f"SIDECAR_LOG_LEVEL={glob['log_level']!r}: use debug, info, warning or error")
+    if glob["log_format"] not in ("json", "text"):
+        raise ConfigError(f"SIDECAR_LOG_FORMAT={glob['log_format']!r}: use json or text")
+    if glob["event_loop"] not in ("uvloop", "asyncio"):
+        raise ConfigError(f"SIDECAR_EVENT_LOOP={glob['event_loop']!r}: use uvloop or asyncio")
+    for name in ("poll_seconds", "db_timeout_seconds"):
+        if glob[name] <= 0:
+            raise ConfigError(f"SIDECAR_{name.upper()}={glob[name]}: must be a positive number")
+    if glob["drain_seconds"] < 0:
+        raise ConfigError(f"SIDECAR_DRAIN_SECONDS={glob['drain_seconds']}: must not be negative")
+
+    settings = Settings(defaults=defaults, overrides=overrides, **glob)
+    # Every profile that is mentioned must be valid, not only the one in use.
+    _build_profile("(defaults)", defaults, {})
+    for tool_key in overrides:
+        _build_profile(tool_key.lower(), defaults, overrides[tool_key])
+    return settings
+
+
+def default_data_dir() -> Path:
+    """Per-user data directory of the embedded PostgreSQL: ``$XDG_DATA_HOME/sidecar/postgres``."""
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    return Path(base) / "sidecar" / "postgres"

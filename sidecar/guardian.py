@@ -1,0 +1,66 @@
+"""A tiny watchdog process that outlives a SIGKILLed sidecar just long enough to kill the
+descendants that the parent-death signal cannot reach (grandchildren, double-forked and
+``setsid`` processes).
+
+The sidecar starts it with a pipe on its stdin and never writes to it. When the sidecar
+dies, for any reason, the pipe reaches EOF; the guardian then SIGKILLs every process
+whose environment carries ``SIDECAR_OWNER_ID=<the sidecar's owner id>`` (the variable
+every tool inherits) and exits. Run as ``python -m sidecar.guardian OWNER_ID``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import psutil
+
+
+def processes_with_env(name: str, value: str, exclude: set[int]) -> list[psutil.Process]:
+    """Running processes whose environment has ``name=value`` (unreadable ones skipped)."""
+    found = []
+    for proc in psutil.process_iter():
+        if proc.pid in exclude:
+            continue
+        try:
+            if proc.environ().get(name) == value and proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def start(owner_id: str) -> subprocess.Popen:
+    """Start the guardian for this sidecar; keep the returned Popen (its stdin) open."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "sidecar.guardian", owner_id],
+        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        start_new_session=True, close_fds=True,
+    )
+
+
+def main(argv: list[str]) -> int:
+    owner_id = argv[0]
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    while sys.stdin.buffer.read(4096):
+        pass
+    me = {os.getpid()}
+    for _ in range(5):
+        procs = processes_with_env("SIDECAR_OWNER_ID", owner_id, me)
+        if not procs:
+            break
+        for proc in procs:
+            try:
+                proc.kill()
+            except psutil.Error:
+                pass
+        time.sleep(0.05)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

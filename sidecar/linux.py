@@ -1,0 +1,43 @@
+"""The few Linux process controls Python does not wrap: prctl() subreaper and parent-death signal."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
+
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _prctl(option: int, value: int) -> bool:
+    if _libc is None:
+        return False
+    return _libc.prctl(option, value, 0, 0, 0) == 0
+
+
+def set_child_subreaper() -> bool:
+    """Make this process adopt orphaned descendants (double-forked tool processes) instead
+    of PID 1, so the tree kill can still find them. True on success (Linux only)."""
+    return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def set_parent_death_signal(sig: int) -> bool:
+    """Ask the kernel to send ``sig`` to this process when the thread that forked it ends."""
+    return _prctl(PR_SET_PDEATHSIG, int(sig))
+
+
+def child_preexec(parent_pid: int):
+    """A Popen ``preexec_fn``: SIGKILL the child when the sidecar dies (a SIGKILLed sidecar
+    leaves no tool running); exit at once if the sidecar already died during the fork."""
+    sigkill = int(signal.SIGKILL)
+
+    def _in_child() -> None:
+        _prctl(PR_SET_PDEATHSIG, sigkill)
+        if os.getppid() != parent_pid:
+            os._exit(125)
+
+    return _in_child

@@ -1,0 +1,85 @@
+"""Structured events as JSON lines (orjson) on stderr, built in one place.
+
+Every line has ``ts``, ``level`` and ``event`` first, then the job fields that
+apply (``job_id``, ``tool``, ``fencing_token``, ``attempt``, ``lease_until``,
+``reason``, ``duration_s``), then the rest. Payloads, results and stderr content
+never appear in an event except the child's own stderr lines as ``tool_stderr``
+(P23: only ids, hashes, sizes, durations and error kinds).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import re
+import sys
+from typing import Any
+
+import orjson
+
+_LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
+_ORDER = ("job_id", "tool", "fencing_token", "attempt", "lease_until", "reason", "duration_s")
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f\x9b]")
+
+
+class EventLog:
+    """Writes events to a binary stream (default stderr) as JSON lines or text.
+
+    ``level`` drops events below it; ``fmt`` is "json" or "text" (for people;
+    control characters are escaped so a tool cannot drive the terminal).
+    """
+
+    def __init__(self, level: str = "info", fmt: str = "json", stream=None):
+        self.threshold = _LEVELS[level]
+        self.fmt = fmt
+        self.stream = stream if stream is not None else sys.stderr.buffer
+
+    def enabled(self, level: str) -> bool:
+        """True when events of ``level`` would be written (skip building costly ones)."""
+        return _LEVELS[level] >= self.threshold
+
+    def emit(self, event: str, level: str = "info", **fields: Any) -> None:
+        """Write one event; ``None`` fields are left out."""
+        if _LEVELS[level] < self.threshold:
+            return
+        record: dict[str, Any] = {
+            "ts": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
+            "level": level,
+            "event": event,
+        }
+        for key in _ORDER:
+            value = fields.pop(key, None)
+            if value is not None:
+                record[key] = value
+        record.update((k, v) for k, v in fields.items() if v is not None)
+        if self.fmt == "json":
+            line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE, default=str)
+        else:
+            head = f"{record.pop('ts')} {record.pop('level').upper():7} {record.pop('event')}"
+            rest = " ".join(f"{k}={_text(v)}" for k, v in record.items())
+            line = (head + (" " + rest if rest else "") + "\n").encode("utf-8", "replace")
+        try:
+            self.stream.write(line)
+            self.stream.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+
+def _text(value: Any) -> str:
+    text = value if isinstance(value, str) else str(value)
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
+def payload_digest(data: bytes) -> dict[str, Any]:
+    """``{"sha256": hex, "bytes": n}`` of a payload or result: what P6/P23 let us keep."""
+    return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+
+
+log = EventLog()
+
+
+def configure(level: str, fmt: str) -> None:
+    """Set the process-wide event log's level and format (from Settings)."""
+    global log
+    log.threshold = _LEVELS[level]
+    log.fmt = fmt

@@ -1,0 +1,208 @@
+-- Every statement the sidecar runs, by name. Loaded by sidecar/queries.py;
+-- run only from sidecar/store.py. A write whose name ends in _if_owner carries
+-- the four ownership conditions of P5/P6: id, owner_id, fencing_token, and a
+-- lease still in the future by the database's clock (P3).
+
+-- name: create_migrations_table
+CREATE TABLE IF NOT EXISTS sidecar_schema_migrations (
+    version    integer PRIMARY KEY,
+    name       text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: lock_migrations
+SELECT pg_advisory_xact_lock($1::bigint);
+
+-- name: applied_migrations
+SELECT version FROM sidecar_schema_migrations ORDER BY version;
+
+-- name: record_migration
+INSERT INTO sidecar_schema_migrations (version, name) VALUES ($1, $2);
+
+-- name: schema_version
+SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
+
+-- name: enqueue_job
+-- Inserts unless the idempotency key exists; wakes idle sidecars of the tool.
+WITH inserted AS (
+    INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts)
+    VALUES ($1, $2, $3, $4, $5)
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING id, tool
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, 0, 'job_enqueued', $6 FROM inserted
+)
+SELECT id, pg_notify('sidecar_jobs', tool) FROM inserted;
+
+-- name: find_job_by_idempotency_key
+SELECT id, tool, payload FROM tool_jobs WHERE idempotency_key = $1;
+
+-- name: fail_exhausted_leases
+-- Running jobs whose lease expired with no attempt left become terminal (P16)
+-- instead of being claimed again.
+WITH exhausted AS (
+    UPDATE tool_jobs
+    SET state = 'failed', finished_at = now(), lease_until = NULL,
+        error = jsonb_build_object(
+            'kind', 'max_attempts_exceeded',
+            'message', format('lease expired on attempt %s of %s; no attempts left',
+                              attempt, max_attempts))
+    WHERE id IN (
+        SELECT id FROM tool_jobs
+        WHERE tool = $1 AND state = 'running' AND lease_until < now()
+          AND attempt >= max_attempts
+        FOR UPDATE SKIP LOCKED)
+    RETURNING id, fencing_token, owner_id, attempt
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'job_failed',
+           jsonb_build_object('kind', 'max_attempts_exceeded', 'previous_owner', owner_id,
+                              'attempt', attempt)
+    FROM exhausted
+)
+SELECT id, fencing_token FROM exhausted;
+
+-- name: claim_job
+-- P4: one statement picks a queued job (or a running one whose lease expired)
+-- and takes it, bumping fencing_token and attempt.
+WITH candidate AS (
+    SELECT id, state AS previous_state
+    FROM tool_jobs
+    WHERE tool = $1
+      AND ((state = 'queued' AND run_after <= now())
+           OR (state = 'running' AND lease_until < now() AND attempt < max_attempts))
+    ORDER BY run_after, created_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), claimed AS (
+    UPDATE tool_jobs j
+    SET state = 'running',
+        owner_id = $2,
+        lease_until = now() + $3::float8 * interval '1 second',
+        heartbeat_at = now(),
+        fencing_token = j.fencing_token + 1,
+        attempt = j.attempt + 1,
+        first_claimed_at = coalesce(j.first_claimed_at, now())
+    FROM candidate
+    WHERE j.id = candidate.id
+    RETURNING j.id, j.tool, j.payload::text AS payload_text, j.fencing_token, j.attempt, j.max_attempts,
+              j.lease_until, j.idempotency_key, candidate.previous_state,
+              extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'job_claimed',
+           jsonb_build_object('owner_id', $2::text, 'attempt', attempt,
+                              'lease_until', lease_until,
+                              'reclaimed', previous_state = 'running')
+    FROM claimed
+)
+SELECT * FROM claimed;
+
+-- name: extend_leases_if_owner
+-- P5: one statement renews every lease this sidecar holds. A job missing from
+-- the result is no longer ours.
+UPDATE tool_jobs j
+SET lease_until = now() + $4::float8 * interval '1 second',
+    heartbeat_at = now()
+FROM unnest($2::uuid[], $3::bigint[]) AS held(id, token)
+WHERE j.id = held.id
+  AND j.fencing_token = held.token
+  AND j.owner_id = $1
+  AND j.state = 'running'
+  AND j.lease_until > now()
+RETURNING j.id, j.lease_until,
+          extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining;
+
+-- name: finish_job_if_owner
+-- P6: the terminal write (succeeded or failed) commits only for the owner.
+WITH finished AS (
+    UPDATE tool_jobs
+    SET state = $4, result = $5, error = $6, finished_at = now(), lease_until = NULL
+    WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
+      AND state = 'running' AND lease_until > now()
+    RETURNING id, fencing_token
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, $7, $8 FROM finished
+)
+SELECT id FROM finished;
+
+-- name: requeue_job_if_owner
+-- A retryable failure with attempts left: back to queued after a backoff.
+WITH requeued AS (
+    UPDATE tool_jobs
+    SET state = 'queued', owner_id = NULL, lease_until = NULL, error = $4,
+        run_after = now() + $5::float8 * interval '1 second'
+    WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
+      AND state = 'running' AND lease_until > now()
+    RETURNING id, fencing_token, run_after
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'job_retry_scheduled',
+           $6::jsonb || jsonb_build_object('run_after', run_after)
+    FROM requeued
+)
+SELECT id, run_after FROM requeued;
+
+-- name: release_lease_if_owner
+-- Shutdown: give the job back at once without spending the attempt.
+WITH released AS (
+    UPDATE tool_jobs
+    SET state = 'queued', owner_id = NULL, lease_until = NULL,
+        attempt = attempt - 1, run_after = now()
+    WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
+      AND state = 'running' AND lease_until > now()
+    RETURNING id, fencing_token, tool
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'lease_released', $4 FROM released
+)
+SELECT id, pg_notify('sidecar_jobs', tool) FROM released;
+
+-- name: cancel_job
+WITH target AS (
+    SELECT id, state AS previous_state FROM tool_jobs
+    WHERE id = $1 AND state IN ('queued', 'running')
+    FOR UPDATE
+), cancelled AS (
+    UPDATE tool_jobs j
+    SET state = 'cancelled', finished_at = now(), lease_until = NULL,
+        error = jsonb_build_object('kind', 'cancelled', 'message', 'cancelled by an operator')
+    FROM target
+    WHERE j.id = target.id
+    RETURNING j.id, j.fencing_token, target.previous_state
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'job_cancelled',
+           jsonb_build_object('previous_state', previous_state)
+    FROM cancelled
+)
+SELECT id, previous_state FROM cancelled;
+
+-- name: record_event
+INSERT INTO tool_job_events (job_id, fencing_token, event, details) VALUES ($1, $2, $3, $4);
+
+-- name: ownership_of_job
+SELECT state, owner_id, fencing_token FROM tool_jobs WHERE id = $1;
+
+-- name: get_job
+SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, attempt,
+       max_attempts, idempotency_key, payload, result, error, run_after, created_at,
+       first_claimed_at, finished_at
+FROM tool_jobs WHERE id = $1;
+
+-- name: job_events
+SELECT fencing_token, event, at, details FROM tool_job_events WHERE job_id = $1 ORDER BY id;
+
+-- name: list_jobs
+SELECT id, tool, state, attempt, max_attempts, fencing_token, owner_id, lease_until,
+       created_at, finished_at, error->>'kind' AS error_kind
+FROM tool_jobs
+WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR tool = $2)
+ORDER BY created_at DESC, id
+LIMIT $3;
+
+-- name: unfinished_jobs_of_tool
+-- --drain waits while any job of the tool is queued or running.
+SELECT count(*) FROM tool_jobs WHERE tool = $1 AND state IN ('queued', 'running');

@@ -1,0 +1,221 @@
+"""The only module that runs SQL. Statements come by name from ``sql/queries.sql``.
+
+Fenced methods (``*_if_owner``) return True only when this owner still held the
+lease by the database's clock (P5, P6); False means "not ours any more": the
+caller must not publish anything.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+import asyncpg
+
+from sidecar.db import RawJson
+from sidecar.errors import IdempotencyConflict
+from sidecar.queries import Q, migrations
+
+# Key of the transaction-scoped advisory lock that serialises migrations.
+MIGRATION_LOCK_KEY = 0x5DECA4_0001
+
+
+@dataclass(frozen=True)
+class ClaimedJob:
+    """A job this sidecar just claimed (P4).
+
+    ``payload_text`` is the payload as JSON text; ``lease_remaining`` (seconds) is
+    ``lease_until - now()`` by the database's clock at the claim; ``reclaimed`` is
+    True when the job was taken over from an owner whose lease had expired.
+    """
+
+    id: uuid.UUID
+    tool: str
+    payload_text: str
+    fencing_token: int
+    attempt: int
+    max_attempts: int
+    lease_until: dt.datetime
+    lease_remaining: float
+    idempotency_key: str
+    reclaimed: bool
+
+
+@dataclass(frozen=True)
+class Renewal:
+    """One renewed lease: the new ``lease_until`` and seconds left by the database clock."""
+
+    lease_until: dt.datetime
+    lease_remaining: float
+
+
+class Store:
+    """SQL access over an asyncpg pool; every call has a client-side ``timeout`` (seconds)."""
+
+    def __init__(self, pool: asyncpg.Pool, timeout: float):
+        self.pool = pool
+        self.timeout = timeout
+
+    # --- schema -------------------------------------------------------------
+
+    async def migrate(self) -> list[int]:
+        """Apply the migrations not yet recorded; return the versions applied now.
+
+        Safe to run twice and from two processes at once: one transaction holding
+        a transaction-scoped advisory lock.
+        """
+        applied_now = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            await conn.execute(Q["lock_migrations"], MIGRATION_LOCK_KEY)
+            await conn.execute(Q["create_migrations_table"])
+            done = {row[0] for row in await conn.fetch(Q["applied_migrations"])}
+            for migration in migrations():
+                if migration.version not in done:
+                    await conn.execute(migration.sql)
+                    await conn.execute(Q["record_migration"], migration.version, migration.name)
+                    applied_now.append(migration.version)
+        return applied_now
+
+    async def schema_version(self) -> int:
+        """Highest applied migration, 0 when none (or the table is missing)."""
+        try:
+            return await self.pool.fetchval(Q["schema_version"], timeout=self.timeout)
+        except asyncpg.UndefinedTableError:
+            return 0
+
+    # --- producers ----------------------------------------------------------
+
+    async def enqueue(
+        self, tool: str, payload: Any, idempotency_key: str | None, max_attempts: int,
+        details: dict[str, Any],
+    ) -> tuple[uuid.UUID, bool]:
+        """Insert a queued job; return ``(id, created)``.
+
+        The same idempotency key returns the existing job and inserts nothing, also
+        under concurrent calls. Raises IdempotencyConflict when the key already
+        names a job of another tool or with another payload.
+        """
+        job_id = uuid.uuid4()
+        key = idempotency_key or str(job_id)
+        row = await self.pool.fetchrow(
+            Q["enqueue_job"], job_id, tool, key, payload, max_attempts, details,
+            timeout=self.timeout,
+        )
+        if row is not None:
+            return row["id"], True
+        existing = await self.pool.fetchrow(
+            Q["find_job_by_idempotency_key"], key, timeout=self.timeout
+        )
+        if existing["tool"] != tool or existing["payload"] != payload:
+            raise IdempotencyConflict(
+                f"--idempotency-key {key!r} already names job {existing['id']} with a different "
+                "tool or payload; use a new key for a different operation"
+            )
+        return existing["id"], False
+
+    async def cancel(self, job_id: uuid.UUID) -> str | None:
+        """Cancel a queued or running job; return its previous state, None if not cancellable."""
+        row = await self.pool.fetchrow(Q["cancel_job"], job_id, timeout=self.timeout)
+        return row["previous_state"] if row else None
+
+    # --- the lease protocol -------------------------------------------------
+
+    async def fail_exhausted_leases(self, tool: str) -> list[asyncpg.Record]:
+        """Expired running jobs of ``tool`` with no attempt left -> failed (P16)."""
+        return await self.pool.fetch(Q["fail_exhausted_leases"], tool, timeout=self.timeout)
+
+    async def claim(self, tool: str, owner_id: str, lease_seconds: float) -> ClaimedJob | None:
+        """Claim one job of ``tool`` (P4) or return None when none is eligible."""
+        row = await self.pool.fetchrow(
+            Q["claim_job"], tool, owner_id, lease_seconds, timeout=self.timeout
+        )
+        if row is None:
+            return None
+        return ClaimedJob(
+            id=row["id"], tool=row["tool"], payload_text=row["payload_text"],
+            fencing_token=row["fencing_token"], attempt=row["attempt"],
+            max_attempts=row["max_attempts"], lease_until=row["lease_until"],
+            lease_remaining=row["lease_remaining"], idempotency_key=row["idempotency_key"],
+            reclaimed=row["previous_state"] == "running",
+        )
+
+    @staticmethod
+    async def extend_leases_if_owner(
+        conn: asyncpg.Connection, owner_id: str, held: Iterable[tuple[uuid.UUID, int]],
+        lease_seconds: float, timeout: float,
+    ) -> dict[uuid.UUID, Renewal]:
+        """Renew every lease in ``held`` ((job id, token) pairs) in one statement (P5).
+
+        Runs on the caller's dedicated connection. A job missing from the result
+        is no longer ours: expired, taken over, cancelled or changed by policy.
+        """
+        ids, tokens = zip(*held) if held else ((), ())
+        rows = await conn.fetch(
+            Q["extend_leases_if_owner"], owner_id, list(ids), list(tokens), lease_seconds,
+            timeout=timeout,
+        )
+        return {row["id"]: Renewal(row["lease_until"], row["lease_remaining"]) for row in rows}
+
+    async def finish_if_owner(
+        self, job: ClaimedJob, owner_id: str, state: str, result: RawJson | None,
+        error: dict[str, Any] | None, event: str, details: dict[str, Any],
+    ) -> bool:
+        """Write the terminal state (P6) and journal ``event``; False when not the owner."""
+        row = await self.pool.fetchrow(
+            Q["finish_job_if_owner"], job.id, owner_id, job.fencing_token, state, result, error,
+            event, details, timeout=self.timeout,
+        )
+        return row is not None
+
+    async def requeue_if_owner(
+        self, job: ClaimedJob, owner_id: str, error: dict[str, Any], backoff_seconds: float,
+        details: dict[str, Any],
+    ) -> dt.datetime | None:
+        """Back to queued with ``run_after = now() + backoff_seconds``; None when not the owner."""
+        row = await self.pool.fetchrow(
+            Q["requeue_job_if_owner"], job.id, owner_id, job.fencing_token, error,
+            backoff_seconds, details, timeout=self.timeout,
+        )
+        return row["run_after"] if row else None
+
+    async def release_if_owner(
+        self, job: ClaimedJob, owner_id: str, details: dict[str, Any]
+    ) -> bool:
+        """Give the job back (queued, attempt not spent) for another sidecar; False if not ours."""
+        row = await self.pool.fetchrow(
+            Q["release_lease_if_owner"], job.id, owner_id, job.fencing_token, details,
+            timeout=self.timeout,
+        )
+        return row is not None
+
+    async def record_event(
+        self, job_id: uuid.UUID, token: int | None, event: str, details: dict[str, Any]
+    ) -> None:
+        """Append one event to the journal (``tool_job_events``)."""
+        await self.pool.execute(
+            Q["record_event"], job_id, token, event, details, timeout=self.timeout
+        )
+
+    async def ownership(self, job_id: uuid.UUID) -> asyncpg.Record | None:
+        """``state``, ``owner_id`` and ``fencing_token`` of a job (to explain a lost lease)."""
+        return await self.pool.fetchrow(Q["ownership_of_job"], job_id, timeout=self.timeout)
+
+    async def unfinished_jobs(self, tool: str) -> int:
+        """Jobs of ``tool`` still queued or running."""
+        return await self.pool.fetchval(Q["unfinished_jobs_of_tool"], tool, timeout=self.timeout)
+
+    # --- inspection ---------------------------------------------------------
+
+    async def get_job(self, job_id: uuid.UUID) -> asyncpg.Record | None:
+        """The whole row of one job, or None."""
+        return await self.pool.fetchrow(Q["get_job"], job_id, timeout=self.timeout)
+
+    async def job_events(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
+        """The journal of one job, oldest first."""
+        return await self.pool.fetch(Q["job_events"], job_id, timeout=self.timeout)
+
+    async def list_jobs(self, state: str | None, tool: str | None, limit: int) -> list[asyncpg.Record]:
+        """Newest jobs first, filtered by state and tool."""
+        return await self.pool.fetch(Q["list_jobs"], state, tool, limit, timeout=self.timeout)

@@ -1,0 +1,295 @@
+"""One job, start to end: spawn -> race(exit | lease lost | cancel | stage deadline |
+shutdown) -> kill the tree -> fenced commit.
+
+The race lives in ``JobSupervisor.run``; its outcome is one ``stop_reason`` that decides
+the final state, the journal event and the log line (P8, P13).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from sidecar import lease as lease_mod
+from sidecar.child import Child, SpawnFailed
+from sidecar.config import LeaseProfile
+from sidecar.db import RawJson
+from sidecar.lease import Lease, LeaseKeeper
+from sidecar.log import log, payload_digest
+from sidecar.store import ClaimedJob, Store
+
+# Why the child stopped; the first one observed wins.
+EXITED = "exited"
+STAGE_TIMEOUT = "stage_timeout"
+SHUTDOWN = "shutdown"
+
+_STDERR_LINES_PER_SECOND = 200
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What every supervisor of one sidecar shares."""
+
+    store: Store
+    keeper: LeaseKeeper
+    profile: LeaseProfile
+    owner_id: str
+    argv: list[str]
+    base_env: dict[str, str]
+    shutdown_kill: asyncio.Event
+
+
+def child_environment(base_env: dict[str, str], job: ClaimedJob, profile: LeaseProfile,
+                      owner_id: str) -> dict[str, str]:
+    """The child's environment: the sidecar's without any ``SIDECAR_*`` variable (the child
+    never sees the database URL), plus the job's variables (README, "The child process")."""
+    env = {k: v for k, v in base_env.items() if not k.startswith("SIDECAR_")}
+    env.update(
+        SIDECAR_JOB_ID=str(job.id),
+        SIDECAR_TOOL=job.tool,
+        SIDECAR_ATTEMPT=str(job.attempt),
+        SIDECAR_FENCING_TOKEN=str(job.fencing_token),
+        SIDECAR_IDEMPOTENCY_KEY=f"tool-job:{job.id}",
+        SIDECAR_STAGE_TIMEOUT_SECONDS=f"{profile.stage_timeout_seconds:g}",
+        SIDECAR_OWNER_ID=owner_id,
+    )
+    return env
+
+
+def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
+    """Exponential backoff with jitter: base x 2^(attempt-1), capped, times 0.5-1.0."""
+    delay = min(profile.backoff_max_seconds, profile.backoff_base_seconds * 2 ** (attempt - 1))
+    return delay * random.uniform(0.5, 1.0)
+
+
+class _StderrRelay:
+    """Forwards the child's stderr lines to the log as ``tool_stderr`` events, at most
+    ``_STDERR_LINES_PER_SECOND`` a second; the rest are counted, not lost silently."""
+
+    def __init__(self, job: ClaimedJob):
+        self.job = job
+        self.window = time.monotonic()
+        self.count = 0
+        self.dropped = 0
+
+    def __call__(self, line: bytes) -> None:
+        now = time.monotonic()
+        if now - self.window >= 1.0:
+            self.flush()
+            self.window, self.count = now, 0
+        self.count += 1
+        if self.count > _STDERR_LINES_PER_SECOND:
+            self.dropped += 1
+            return
+        log.emit("tool_stderr", job_id=str(self.job.id), tool=self.job.tool,
+                 fencing_token=self.job.fencing_token,
+                 line=line.decode("utf-8", "replace").rstrip("\r"))
+
+    def flush(self) -> None:
+        if self.dropped:
+            log.emit("tool_stderr_dropped", "warning", job_id=str(self.job.id),
+                     tool=self.job.tool, lines=self.dropped)
+            self.dropped = 0
+
+
+class JobSupervisor:
+    """Runs one claimed job to a terminal, requeued, released or abandoned end."""
+
+    def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease):
+        self.ctx = ctx
+        self.job = job
+        self.lease = lease
+        self.started = time.monotonic()
+
+    def _fields(self) -> dict[str, Any]:
+        return {"job_id": str(self.job.id), "tool": self.job.tool,
+                "fencing_token": self.job.fencing_token, "attempt": self.job.attempt}
+
+    async def run(self) -> str:
+        """Supervise the job; return how it ended (the stop reason or the outcome)."""
+        try:
+            return await self._run()
+        finally:
+            self.ctx.keeper.drop(self.job.id)
+
+    async def _run(self) -> str:
+        job, profile = self.job, self.ctx.profile
+        payload = job.payload_text.encode()
+        log.emit("job_claimed", **self._fields(), lease_until=job.lease_until,
+                 reclaimed=job.reclaimed or None, payload=payload_digest(payload))
+        env = child_environment(self.ctx.base_env, job, profile, self.ctx.owner_id)
+        cookie = {k: env[k] for k in ("SIDECAR_JOB_ID", "SIDECAR_FENCING_TOKEN")}
+        relay = _StderrRelay(job)
+        try:
+            child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
+                                      relay, cookie)
+        except SpawnFailed as exc:
+            log.emit("spawn_failed", "error", **self._fields(), reason=exc.message)
+            error = {"kind": "spawn_failed", "message": exc.message, "exit_code": exc.exit_code}
+            return await self._fail(error, retryable=False)
+
+        await self._journal("tool_request_started", {"pid": child.pid, "argv0": self.ctx.argv[0],
+                                                     "payload": payload_digest(payload)})
+        log.emit("tool_request_started", **self._fields(), pid=child.pid)
+
+        reason = await self._race(child, profile.stage_timeout_seconds)
+        report = await child.kill_tree(profile.kill_grace_seconds)
+        await child.close_pipes(timeout=1.0)
+        relay.flush()
+        if reason != EXITED or report.signal is not None:
+            kill_reason = reason if reason != EXITED else "orphaned_descendants"
+            details = {"reason": kill_reason, "signal": report.signal and report.signal.name,
+                       "killed": len(report.killed), "survivors": len(report.survivors)}
+            log.emit("child_killed", "warning", **self._fields(), reason=kill_reason,
+                     signal=details["signal"], killed=len(report.killed),
+                     survivors=report.survivors or None)
+            await self._journal("child_killed", details)
+        return await self._settle(reason, child)
+
+    async def _race(self, child: Child, stage_timeout: float) -> str:
+        """Wait for the first of: the child exits, the lease is lost (or cancelled), the
+        stage deadline passes, or shutdown demands the kill. Return which."""
+        waiters = {
+            asyncio.ensure_future(asyncio.shield(child.exited)): EXITED,
+            asyncio.ensure_future(self.lease.lost.wait()): "lease",
+            asyncio.ensure_future(self.ctx.shutdown_kill.wait()): SHUTDOWN,
+        }
+        try:
+            done, _ = await asyncio.wait(waiters, timeout=stage_timeout,
+                                         return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for fut in waiters:
+                fut.cancel()
+        if self.lease.lost.is_set():
+            return self.lease.reason or lease_mod.LEASE_LOST
+        if not done:
+            return STAGE_TIMEOUT
+        return waiters[next(iter(done))] if len(done) == 1 else (
+            SHUTDOWN if self.ctx.shutdown_kill.is_set() else EXITED)
+
+    async def _settle(self, reason: str, child: Child) -> str:
+        job, profile = self.job, self.ctx.profile
+        duration = round(time.monotonic() - self.started, 3)
+        if self.lease.lost.is_set():
+            # P13: the lease is gone, whatever the tool answered. Keep evidence only.
+            if child.returncode == 0 and not child.stdout_overflow:
+                await self._reject(bytes(child.stdout), "lease lost before commit")
+            log.emit("lease_lost", "warning", **self._fields(), reason=self.lease.reason,
+                     duration_s=duration)
+            return self.lease.reason or lease_mod.LEASE_LOST
+        if reason == SHUTDOWN:
+            released = await self._release()
+            return "released" if released else "lease_lost"
+        stderr_tail = child.stderr_tail.decode("utf-8", "replace") or None
+        if reason == STAGE_TIMEOUT:
+            error = {"kind": "stage_timeout", "stderr_tail": stderr_tail,
+                     "message": f"no result within the stage deadline of "
+                                f"{profile.stage_timeout_seconds:g} s; the tree was killed"}
+            return await self._fail(error, retryable=True)
+        code = child.returncode
+        if code is not None and code < 0:
+            error = {"kind": "signal", "signal": -code, "stderr_tail": stderr_tail,
+                     "message": f"the tool was killed by signal {-code}"}
+            return await self._fail(error, retryable=True)
+        if code != 0:
+            retryable = code not in profile.non_retryable_exit_codes
+            error = {"kind": "exit_code", "exit_code": code, "stderr_tail": stderr_tail,
+                     "message": f"the tool exited with code {code}"
+                                + ("" if retryable else " (non-retryable for this profile)")}
+            return await self._fail(error, retryable=retryable)
+        if child.stdout_overflow:
+            error = {"kind": "result_too_large", "stderr_tail": stderr_tail,
+                     "message": f"stdout exceeded {profile.max_result_bytes} bytes "
+                                f"({child.stdout_bytes} bytes written); return less, or raise "
+                                f"SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES"}
+            return await self._fail(error, retryable=False)
+        return await self._succeed(bytes(child.stdout), stderr_tail)
+
+    async def _succeed(self, stdout: bytes, stderr_tail: str | None) -> str:
+        try:
+            orjson.loads(stdout)
+            result = RawJson(stdout.decode("utf-8"))
+        except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
+            error = {"kind": "bad_result", "stderr_tail": stderr_tail,
+                     "message": f"exit 0 but stdout is not one JSON value ({exc}); "
+                                f"{len(stdout)} bytes"}
+            return await self._fail(error, retryable=False)
+        details = {"result": payload_digest(stdout),
+                   "duration_s": round(time.monotonic() - self.started, 3)}
+        try:
+            accepted = await self.ctx.store.finish_if_owner(
+                self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded", details)
+        except Exception as exc:  # noqa: BLE001 - jsonb refused it (NUL escapes, depth)
+            if not _is_data_error(exc):
+                raise
+            error = {"kind": "bad_result", "stderr_tail": stderr_tail,
+                     "message": f"PostgreSQL refused the result as jsonb: {exc}"}
+            return await self._fail(error, retryable=False)
+        if not accepted:
+            await self._reject(stdout, "not the owner at commit")
+            return "rejected"
+        log.emit("job_succeeded", **self._fields(), duration_s=details["duration_s"])
+        return "succeeded"
+
+    async def _fail(self, error: dict[str, Any], retryable: bool) -> str:
+        job, profile = self.job, self.ctx.profile
+        error = {k: v for k, v in error.items() if v is not None}
+        duration = round(time.monotonic() - self.started, 3)
+        if retryable and job.attempt < job.max_attempts:
+            delay = backoff_seconds(profile, job.attempt)
+            run_after = await self.ctx.store.requeue_if_owner(
+                job, self.ctx.owner_id, error, delay,
+                {"kind": error["kind"], "backoff_s": round(delay, 3), "attempt": job.attempt})
+            if run_after is None:
+                await self._reject(None, "not the owner at requeue")
+                return "rejected"
+            log.emit("job_retry_scheduled", "warning", **self._fields(), reason=error["kind"],
+                     duration_s=duration, run_after=run_after)
+            return "requeued"
+        if retryable:
+            error["message"] += f"; attempt {job.attempt} of {job.max_attempts}, none left"
+        accepted = await self.ctx.store.finish_if_owner(
+            job, self.ctx.owner_id, "failed", None, error, "job_failed",
+            {"kind": error["kind"], "duration_s": duration})
+        if not accepted:
+            await self._reject(None, "not the owner at commit")
+            return "rejected"
+        log.emit("job_failed", "warning", **self._fields(), reason=error["kind"],
+                 duration_s=duration, exit_code=error.get("exit_code"))
+        return "failed"
+
+    async def _release(self) -> bool:
+        released = await self.ctx.store.release_if_owner(
+            self.job, self.ctx.owner_id, {"reason": "shutdown", "owner_id": self.ctx.owner_id})
+        log.emit("lease_released" if released else "lease_lost",
+                 "info" if released else "warning", **self._fields(), reason="shutdown")
+        return released
+
+    async def _reject(self, output: bytes | None, why: str) -> None:
+        """P6: an outcome we may not commit goes to the journal as hash and size only."""
+        details: dict[str, Any] = {"why": why, "owner_id": self.ctx.owner_id}
+        if output is not None:
+            details["result"] = payload_digest(output)
+        log.emit("result_rejected", "warning", **self._fields(), reason=why)
+        await self._journal("result_rejected", details)
+
+    async def _journal(self, event: str, details: dict[str, Any]) -> None:
+        try:
+            await self.ctx.store.record_event(self.job.id, self.job.fencing_token, event, details)
+        except Exception:  # noqa: BLE001 - the journal must not take the supervisor down
+            log.emit("journal_error", "warning", **self._fields(), reason=event)
+
+
+def _is_data_error(exc: BaseException) -> bool:
+    import asyncpg
+
+    return isinstance(exc, (asyncpg.DataError, asyncpg.UntranslatableCharacterError,
+                            asyncpg.InvalidTextRepresentationError,
+                            asyncpg.ProgramLimitExceededError))
+
+

@@ -1,0 +1,197 @@
+"""The claim loop of one sidecar: concurrency, NOTIFY wake-ups with polling as fallback,
+``--drain``, and a clean drain on SIGTERM/SIGINT (case F8).
+
+If a background task (heartbeat, claim loop) dies, the worker kills every child and
+stops: no half-alive process keeps leases it no longer renews.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import time
+import uuid
+
+import asyncpg
+
+from sidecar import db
+from sidecar.child import reap_adopted
+from sidecar.config import LeaseProfile, Settings
+from sidecar.lease import LeaseKeeper
+from sidecar.log import log
+from sidecar.store import Store
+from sidecar.supervisor import JobSupervisor, WorkerContext
+
+NOTIFY_CHANNEL = "sidecar_jobs"
+
+
+def worker_identity(worker_name: str) -> str:
+    """A fresh ``owner_id``: a stable name (default the hostname), the pid and a random part,
+    so a restarted pod that keeps its hostname and pid never inherits its predecessor's
+    leases (case F3)."""
+    name = worker_name or socket.gethostname()
+    return f"{name}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+class Worker:
+    """Claims jobs of ``profile.tool`` and runs ``argv`` once per job, ``concurrency`` at once.
+
+    ``drain``: return once no job of the tool is queued or running. ``adopt_orphans``:
+    reap zombies adopted as a child subreaper (set when the process is one).
+    """
+
+    def __init__(self, settings: Settings, profile: LeaseProfile, dsn: str, argv: list[str],
+                 concurrency: int = 1, drain: bool = False, adopt_orphans: bool = False,
+                 owner_id: str | None = None):
+        self.settings = settings
+        self.profile = profile
+        self.dsn = dsn
+        self.argv = argv
+        self.concurrency = concurrency
+        self.drain = drain
+        self.adopt_orphans = adopt_orphans
+        self.owner_id = owner_id or worker_identity(settings.worker_name)
+        self.stopping = asyncio.Event()
+        self.shutdown_kill = asyncio.Event()
+        self.wake = asyncio.Event()
+        self.running: dict[uuid.UUID, asyncio.Task] = {}
+        self.failure: BaseException | None = None
+
+    def request_stop(self) -> None:
+        """First call: stop claiming and drain. Second call: kill running children now."""
+        if self.stopping.is_set():
+            self.shutdown_kill.set()
+        self.stopping.set()
+        self.wake.set()
+
+    async def run(self) -> int:
+        """Run until drained or stopped; return the process exit code (0 clean, 1 failure)."""
+        timeout = self.settings.db_timeout_seconds
+        pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
+        store = Store(pool, timeout)
+        await store.migrate()
+        keeper = LeaseKeeper(self.dsn, self.owner_id, self.profile, store, timeout)
+        ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
+                            dict(os.environ), self.shutdown_kill)
+        log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
+                 concurrency=self.concurrency, profile=self.profile.as_dict())
+        background = [asyncio.create_task(keeper.run(), name="heartbeat"),
+                      asyncio.create_task(self._listen(), name="listen")]
+        if self.adopt_orphans:
+            background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
+        for task in background:
+            task.add_done_callback(self._background_done)
+        try:
+            await self._claim_loop(store, ctx)
+            await self._drain_running()
+        finally:
+            for task in background:
+                task.remove_done_callback(self._background_done)
+                task.cancel()
+            await asyncio.gather(*background, return_exceptions=True)
+            if self.adopt_orphans:
+                reap_adopted()
+            await asyncio.wait_for(pool.close(), timeout)
+        log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
+                 reason=repr(self.failure) if self.failure else None)
+        return 1 if self.failure else 0
+
+    def _background_done(self, task: asyncio.Task) -> None:
+        if task.cancelled():
+            return
+        self.failure = task.exception() or RuntimeError(f"{task.get_name()} task ended")
+        log.emit("worker_failed", "error", tool=self.profile.tool, reason=repr(self.failure),
+                 task=task.get_name())
+        self.stopping.set()
+        self.shutdown_kill.set()
+        self.wake.set()
+
+    async def _claim_loop(self, store: Store, ctx: WorkerContext) -> None:
+        tool, poll = self.profile.tool, self.settings.poll_seconds
+        last_sweep = 0.0
+        while not self.stopping.is_set():
+            self.wake.clear()
+            try:
+                if time.monotonic() - last_sweep >= poll:
+                    last_sweep = time.monotonic()
+                    for row in await store.fail_exhausted_leases(tool):
+                        log.emit("job_failed", "warning", job_id=str(row["id"]), tool=tool,
+                                 fencing_token=row["fencing_token"],
+                                 reason="max_attempts_exceeded")
+                while len(self.running) < self.concurrency and not self.stopping.is_set():
+                    sent = time.monotonic()
+                    job = await store.claim(tool, self.owner_id, self.profile.lease_seconds)
+                    if job is None:
+                        break
+                    lease = ctx.keeper.hold(job, sent)
+                    task = asyncio.create_task(JobSupervisor(ctx, job, lease).run())
+                    self.running[job.id] = task
+                    task.add_done_callback(lambda t, job_id=job.id: self._job_done(job_id, t))
+                if self.drain and not self.running and await store.unfinished_jobs(tool) == 0:
+                    log.emit("drained", tool=tool, owner_id=self.owner_id)
+                    return
+            except (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
+                    asyncpg.InterfaceError) as exc:
+                log.emit("claim_error", "warning", tool=tool, reason=f"{type(exc).__name__}: {exc}")
+            try:
+                await asyncio.wait_for(self.wake.wait(), poll)
+            except asyncio.TimeoutError:
+                pass
+
+    def _job_done(self, job_id: uuid.UUID, task: asyncio.Task) -> None:
+        self.running.pop(job_id, None)
+        if not task.cancelled() and task.exception() is not None:
+            exc = task.exception()
+            log.emit("supervisor_error", "error", job_id=str(job_id), tool=self.profile.tool,
+                     reason=f"{type(exc).__name__}: {exc}")
+        self.wake.set()
+
+    async def _drain_running(self) -> None:
+        if not self.running:
+            return
+        log.emit("draining", tool=self.profile.tool, running=len(self.running),
+                 drain_seconds=self.settings.drain_seconds)
+        tasks = list(self.running.values())
+        if not self.shutdown_kill.is_set():
+            await asyncio.wait(tasks, timeout=self.settings.drain_seconds)
+        self.shutdown_kill.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _listen(self) -> None:
+        """Wake the claim loop on NOTIFY for our tool; reconnect quietly, polling covers gaps."""
+        tool = self.profile.tool
+
+        def on_notify(_conn, _pid, _channel, payload: str) -> None:
+            if payload == tool:
+                self.wake.set()
+
+        while True:
+            conn = None
+            try:
+                conn = await db.connect(self.dsn, self.settings.db_timeout_seconds)
+                await conn.add_listener(NOTIFY_CHANNEL, on_notify)
+                while not conn.is_closed():
+                    await asyncio.sleep(self.settings.poll_seconds)
+                    await conn.execute("SELECT 1", timeout=self.settings.db_timeout_seconds)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - polling keeps working meanwhile
+                log.emit("listen_error", "debug", tool=tool, reason=type(exc).__name__)
+            finally:
+                if conn is not None:
+                    conn.terminate()
+            await asyncio.sleep(self.settings.poll_seconds)
+
+    async def _reap_orphans(self) -> None:
+        while True:
+            reap_adopted()
+            await asyncio.sleep(1.0)
+
+
+def install_signal_handlers(worker: Worker) -> None:
+    """SIGTERM and SIGINT: drain (a second one kills at once)."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, worker.request_stop)
