@@ -16,8 +16,8 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import psutil
 
@@ -167,7 +167,7 @@ class Child:
 
     @classmethod
     async def spawn(cls, argv: list[str], env: dict[str, str], payload: bytes, max_stdout: int,
-                    on_stderr_line: Callable[[bytes], None], cookie: dict[str, str]) -> "Child":
+                    on_stderr_line: Callable[[bytes], None], cookie: dict[str, str]) -> Child:
         """Start ``argv`` in a new session with ``env``; write ``payload`` to its stdin.
 
         ``max_stdout`` caps the bytes of stdout kept (bytes). ``cookie`` is a subset of
@@ -233,12 +233,7 @@ class Child:
                 try:
                     written = os.write(fd, view)
                 except BlockingIOError:
-                    ready = self.loop.create_future()
-                    self.loop.add_writer(fd, lambda: ready.done() or ready.set_result(None))
-                    try:
-                        await ready
-                    finally:
-                        self.loop.remove_writer(fd)
+                    await self._writable(fd)
                     continue
                 except OSError as exc:  # EPIPE: the child exited or closed stdin; not our error
                     if exc.errno in (errno.EPIPE, errno.ECONNRESET):
@@ -247,6 +242,19 @@ class Child:
                 view = view[written:]
         finally:
             os.close(fd)
+
+    async def _writable(self, fd: int) -> None:
+        ready = self.loop.create_future()
+
+        def on_writable() -> None:
+            if not ready.done():
+                ready.set_result(None)
+
+        self.loop.add_writer(fd, on_writable)
+        try:
+            await ready
+        finally:
+            self.loop.remove_writer(fd)
 
     def _on_readable(self, fd: int, take: Callable[[bytes], None]) -> None:
         for _ in range(_READS_PER_WAKEUP):
@@ -330,7 +338,7 @@ class Child:
         if self.returncode is None:
             try:
                 await asyncio.wait_for(asyncio.shield(self.exited), timeout=2.0)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 report.survivors.append(self.pid)
         return report
 

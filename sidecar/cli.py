@@ -13,14 +13,16 @@ import shutil
 import signal
 import sys
 import uuid
+from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, AsyncIterator, Callable, Coroutine
+from typing import Any
 
 import asyncpg
 import orjson
 
-from sidecar import __version__, db, log as log_mod
+from sidecar import __version__, db
+from sidecar import log as log_mod
 from sidecar.config import Settings, load_settings, validate_tool_name
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
 from sidecar.log import payload_digest
@@ -275,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     except SidecarError as exc:
         print(f"sidecar: error: {exc.message}", file=sys.stderr)
         return exc.exit_code
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, asyncio.TimeoutError) as exc:
+    except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
         err = DatabaseUnavailable(f"database error: {type(exc).__name__}: "
                                   f"{str(exc).splitlines()[0] if str(exc) else ''}")
         print(f"sidecar: error: {err.message}", file=sys.stderr)

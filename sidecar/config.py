@@ -12,9 +12,9 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
 
 from sidecar.errors import ConfigError
 
@@ -253,7 +253,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             )
 
     if glob["log_level"] not in ("debug", "info", "warning", "error"):
-        raise ConfigError(f"SIDECAR_LOG_LEVEL={glob['log_level']!r}: use debug, info, warning or error")
+        raise ConfigError(
+            f"SIDECAR_LOG_LEVEL={glob['log_level']!r}: use debug, info, warning or error")
     if glob["log_format"] not in ("json", "text"):
         raise ConfigError(f"SIDECAR_LOG_FORMAT={glob['log_format']!r}: use json or text")
     if glob["event_loop"] not in ("uvloop", "asyncio"):
@@ -274,5 +275,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
 
 def default_data_dir() -> Path:
     """Per-user data directory of the embedded PostgreSQL: ``$XDG_DATA_HOME/sidecar/postgres``."""
-    base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
+    base = os.environ.get("XDG_DATA_HOME") or os.path.join(
+        os.path.expanduser("~"), ".local", "share")
     return Path(base) / "sidecar" / "postgres"

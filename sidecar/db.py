@@ -16,7 +16,7 @@ import socket
 import sys
 import warnings
 from pathlib import Path
-from urllib.parse import parse_qs, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import asyncpg
 import orjson

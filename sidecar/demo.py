@@ -13,7 +13,8 @@ import os
 import sys
 from pathlib import Path
 
-from sidecar import db, log as log_mod
+from sidecar import db
+from sidecar import log as log_mod
 from sidecar.config import Settings, load_settings
 from sidecar.store import Store
 from sidecar.worker import Worker
@@ -39,7 +40,8 @@ DEMO_PROFILE = {
 def _summary(row) -> str:
     if row["state"] == "succeeded":
         r = row["result"]
-        return f"sha256 {r['sha256'][:16]}…  {r['lines']} lines  {r['words']} words  {r['bytes']} bytes"
+        return (f"sha256 {r['sha256'][:16]}…  {r['lines']} lines  {r['words']} words  "
+                f"{r['bytes']} bytes")
     error = row["error"] or {}
     return f"{error.get('kind', '?')}: {error.get('message', '')}"
 

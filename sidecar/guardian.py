@@ -10,6 +10,7 @@ every tool inherits) and exits. Run as ``python -m sidecar.guardian OWNER_ID``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -54,10 +55,8 @@ def main(argv: list[str]) -> int:
         if not procs:
             break
         for proc in procs:
-            try:
+            with contextlib.suppress(psutil.Error):
                 proc.kill()
-            except psutil.Error:
-                pass
         time.sleep(0.05)
     return 0
 

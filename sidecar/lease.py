@@ -106,10 +106,10 @@ class LeaseKeeper:
                     db.connect(self.dsn, self.statement_timeout), self.statement_timeout
                 )
             renewed = await Store.extend_leases_if_owner(
-                self._conn, self.owner_id, [(l.job.id, l.job.fencing_token) for l in held],
+                self._conn, self.owner_id, [(h.job.id, h.job.fencing_token) for h in held],
                 self.profile.lease_seconds, self.statement_timeout,
             )
-        except (Exception, asyncio.TimeoutError) as exc:  # noqa: BLE001 - any failure = unknown
+        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - any failure = unknown
             self._abort_connection()
             for lease in held:
                 log.emit("heartbeat_error", "warning", job_id=str(lease.job.id),

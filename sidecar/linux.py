@@ -1,4 +1,4 @@
-"""The few Linux process controls Python does not wrap: prctl() subreaper and parent-death signal."""
+"""The Linux process controls Python does not wrap: prctl() subreaper and parent-death signal."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ class EventLog:
         if _LEVELS[level] < self.threshold:
             return
         record: dict[str, Any] = {
-            "ts": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="milliseconds"),
+            "ts": _dt.datetime.now(_dt.UTC).isoformat(timespec="milliseconds"),
             "level": level,
             "event": event,
         }

@@ -16,7 +16,7 @@ _MIGRATION = re.compile(r"^(\d{3})_(\w+)\.sql$")
 def _load_named(text: str) -> dict[str, str]:
     parts = _NAME.split(text)
     named = {}
-    for name, body in zip(parts[1::2], parts[2::2]):
+    for name, body in zip(parts[1::2], parts[2::2], strict=True):
         if name in named:
             raise ValueError(f"query {name!r} is defined twice in queries.sql")
         named[name] = body.strip().rstrip(";")

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import datetime as dt
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import asyncpg
 
@@ -151,7 +152,7 @@ class Store:
         Runs on the caller's dedicated connection. A job missing from the result
         is no longer ours: expired, taken over, cancelled or changed by policy.
         """
-        ids, tokens = zip(*held) if held else ((), ())
+        ids, tokens = zip(*held, strict=True) if held else ((), ())
         rows = await conn.fetch(
             Q["extend_leases_if_owner"], owner_id, list(ids), list(tokens), lease_seconds,
             timeout=timeout,
@@ -216,6 +217,8 @@ class Store:
         """The journal of one job, oldest first."""
         return await self.pool.fetch(Q["job_events"], job_id, timeout=self.timeout)
 
-    async def list_jobs(self, state: str | None, tool: str | None, limit: int) -> list[asyncpg.Record]:
+    async def list_jobs(
+        self, state: str | None, tool: str | None, limit: int
+    ) -> list[asyncpg.Record]:
         """Newest jobs first, filtered by state and tool."""
         return await self.pool.fetch(Q["list_jobs"], state, tool, limit, timeout=self.timeout)

@@ -173,7 +173,7 @@ class JobSupervisor:
             SHUTDOWN if self.ctx.shutdown_kill.is_set() else EXITED)
 
     async def _settle(self, reason: str, child: Child) -> str:
-        job, profile = self.job, self.ctx.profile
+        profile = self.ctx.profile
         duration = round(time.monotonic() - self.started, 3)
         if self.lease.lost.is_set():
             # P13: the lease is gone, whatever the tool answered. Keep evidence only.

@@ -8,6 +8,7 @@ stops: no half-alive process keeps leases it no longer renews.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -132,13 +133,10 @@ class Worker:
                 if self.drain and not self.running and await store.unfinished_jobs(tool) == 0:
                     log.emit("drained", tool=tool, owner_id=self.owner_id)
                     return
-            except (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
-                    asyncpg.InterfaceError) as exc:
+            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
                 log.emit("claim_error", "warning", tool=tool, reason=f"{type(exc).__name__}: {exc}")
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), poll)
-            except asyncio.TimeoutError:
-                pass
 
     def _job_done(self, job_id: uuid.UUID, task: asyncio.Task) -> None:
         self.running.pop(job_id, None)
