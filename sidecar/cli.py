@@ -23,7 +23,7 @@ import orjson
 
 from sidecar import __version__, db
 from sidecar import log as log_mod
-from sidecar.config import Settings, load_settings, validate_tool_name
+from sidecar.config import MAX_ATTEMPTS_LIMIT, Settings, load_settings, validate_tool_name
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
 from sidecar.log import payload_digest
 from sidecar.store import Store
@@ -98,7 +98,7 @@ def _read_payload(args) -> tuple[Any, bytes]:
                              f"({exc.strerror or exc})") from None
         source = f"--payload-file {args.payload_file}"
     elif args.payload is not None:
-        raw, source = args.payload.encode(), "--payload"
+        raw, source = args.payload.encode("utf-8", "surrogateescape"), "--payload"
     else:
         raw, source = b"{}", "--payload"
     try:
@@ -112,11 +112,19 @@ def cmd_enqueue(args, settings: Settings) -> int:
     tool = validate_tool_name(args.tool)
     profile = settings.profile(tool)
     payload, raw = _read_payload(args)
-    if args.max_attempts is not None and args.max_attempts < 1:
-        raise UsageError(f"--max-attempts {args.max_attempts}: must be 1 or more")
+    if args.max_attempts is not None and not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
+        raise UsageError(f"--max-attempts {args.max_attempts}: must be from 1 to "
+                         f"{MAX_ATTEMPTS_LIMIT}")
     max_attempts = args.max_attempts or profile.max_attempts
-    if args.idempotency_key is not None and not args.idempotency_key.strip():
-        raise UsageError("--idempotency-key must not be empty")
+    if args.idempotency_key is not None:
+        key = args.idempotency_key
+        if not key.strip() or len(key) > 512 or not key.isprintable():
+            raise UsageError("--idempotency-key must be 1-512 printable characters, "
+                             "e.g. invoice-42:capture")
+        try:
+            key.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--idempotency-key is not valid UTF-8") from None
 
     async def go():
         async with open_store(settings) as store:

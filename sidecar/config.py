@@ -19,8 +19,9 @@ from pathlib import Path
 from sidecar.errors import ConfigError
 
 PREFIX = "SIDECAR_"
+MAX_ATTEMPTS_LIMIT = 1000
 PROFILE_PREFIX = "SIDECAR_PROFILE_"
-TOOL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$")
+TOOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
 def _number(text: str) -> float:
@@ -99,7 +100,7 @@ def tool_env_key(tool: str) -> str:
 
 def validate_tool_name(tool: str) -> str:
     """Return ``tool`` if it matches ``[A-Za-z0-9][A-Za-z0-9._-]{0,62}``; else ConfigError."""
-    if not TOOL_NAME.match(tool or ""):
+    if not TOOL_NAME.fullmatch(tool or ""):
         raise ConfigError(
             f"tool name {tool!r} is invalid: use 1-63 letters, digits, '.', '_' or '-', "
             "starting with a letter or digit"
@@ -186,6 +187,9 @@ def _build_profile(
                  "MAX_ATTEMPTS", "MAX_RESULT_BYTES", "TOLERATED_MISSES"):
         if p[name.lower()] <= 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must be a positive number")
+    if p["max_attempts"] > MAX_ATTEMPTS_LIMIT:
+        raise ConfigError(f"{src['MAX_ATTEMPTS']}={p['max_attempts']}: at most "
+                          f"{MAX_ATTEMPTS_LIMIT} attempts")
     for name in ("JITTER_SECONDS", "KILL_GRACE_SECONDS", "BACKOFF_BASE_SECONDS",
                  "BACKOFF_MAX_SECONDS"):
         if p[name.lower()] < 0:

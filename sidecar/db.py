@@ -16,7 +16,7 @@ import socket
 import sys
 import warnings
 from pathlib import Path
-from urllib.parse import parse_qs, urlsplit, urlunsplit
+from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
 
 import asyncpg
 import orjson
@@ -49,11 +49,14 @@ def mask_dsn(dsn: str) -> str:
         parts = urlsplit(dsn)
     except ValueError:
         return "<unparseable database URL>"
-    if parts.password is None:
-        return dsn
-    netloc = parts.netloc.rsplit("@", 1)
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc[-1]}"))
+    if parts.password:
+        host = parts.netloc.rsplit("@", 1)[-1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    if parts.query:
+        query = [(k, "***" if k.lower() in ("password", "sslpassword") else v)
+                 for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+        parts = parts._replace(query=urlencode(query, safe="*/"))
+    return urlunsplit(parts)
 
 
 def describe_host(dsn: str) -> str:

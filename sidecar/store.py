@@ -16,7 +16,7 @@ from typing import Any
 import asyncpg
 
 from sidecar.db import RawJson
-from sidecar.errors import IdempotencyConflict
+from sidecar.errors import IdempotencyConflict, UsageError
 from sidecar.queries import Q, migrations
 
 # Key of the transaction-scoped advisory lock that serialises migrations.
@@ -100,10 +100,16 @@ class Store:
         """
         job_id = uuid.uuid4()
         key = idempotency_key or str(job_id)
-        row = await self.pool.fetchrow(
-            Q["enqueue_job"], job_id, tool, key, payload, max_attempts, details,
-            timeout=self.timeout,
-        )
+        try:
+            row = await self.pool.fetchrow(
+                Q["enqueue_job"], job_id, tool, key, RawJson("null") if payload is None
+                else payload, max_attempts, details, timeout=self.timeout,
+            )
+        except asyncpg.DataError as exc:  # e.g. \u0000 in a string: valid JSON, not jsonb
+            message = exc.args[0] if exc.args else str(exc)
+            detail = getattr(exc, "detail", None)
+            raise UsageError(f"the payload cannot be stored as jsonb: {message}"
+                             + (f"; {detail}" if detail else "")) from None
         if row is not None:
             return row["id"], True
         existing = await self.pool.fetchrow(

@@ -1,0 +1,402 @@
+"""Lease profiles from the environment: defaults, per-tool overrides, rule P10
+(L > R x H + J), number parsing, unknown variables; both sidecar.config.load_settings
+directly and the `sidecar` command refusing to start (exit 2, one line)."""
+
+from __future__ import annotations
+
+import subprocess
+import uuid
+
+import pytest
+
+from conftest import FAST_PROFILE, base_env, cli, enqueue, scalar
+from sidecar.config import load_settings, tool_env_key
+from sidecar.errors import ConfigError
+
+UNREACHABLE = "postgresql://bob:s3cretpw@127.0.0.1:1/nope"
+
+
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    err = done.stderr.decode(errors="replace")
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}: {err!r}"
+    return lines[0]
+
+
+def plain_env(dsn: str, **extra: str) -> dict[str, str]:
+    """base_env without the suite's fast profile: the built-in defaults apply
+    (L 90, H 30, R 1, J 20) unless ``extra`` sets something."""
+    env = base_env(dsn)
+    for key in FAST_PROFILE:
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def refused(message_parts, **extra):
+    """`sidecar enqueue ocr` with ``extra`` set must exit 2 before touching the (unreachable)
+    database, with one stderr line containing every part of ``message_parts``."""
+    done = cli(UNREACHABLE, "enqueue", "ocr", env=plain_env(UNREACHABLE, **extra))
+    assert done.returncode == 2, (done.returncode, done.stderr.decode(errors="replace"))
+    assert done.stdout == b""
+    line = one_line_error(done)
+    for part in message_parts:
+        assert part in line, f"{part!r} not in {line!r}"
+    assert "cannot reach" not in line
+    return line
+
+
+def config_error(env: dict[str, str]) -> str:
+    with pytest.raises(ConfigError) as info:
+        load_settings(env)
+    message = info.value.message
+    assert "\n" not in message
+    assert info.value.exit_code == 2
+    return message
+
+
+# --- load_settings: defaults and overrides -----------------------------------------------
+
+
+def test_defaults():
+    settings = load_settings({})
+    p = settings.profile("ocr")
+    assert (p.lease_seconds, p.heartbeat_seconds, p.tolerated_misses, p.jitter_seconds) == \
+        (90, 30, 1, 20)
+    assert p.max_attempts == 3
+    assert p.non_retryable_exit_codes == frozenset({64, 65})
+    assert p.lease_seconds > p.tolerated_misses * p.heartbeat_seconds + p.jitter_seconds
+
+
+def test_environment_outside_the_prefix_is_ignored():
+    settings = load_settings({"PATH": "/bin", "HOME": "/root", "SIDECARX": "1",
+                              "sidecar_lease_seconds": "1"})
+    assert settings.profile("ocr").lease_seconds == 90
+
+
+def test_passive_variables_are_allowed():
+    settings = load_settings({"SIDECAR_JOB_ID": str(uuid.uuid4()), "SIDECAR_TOOL": "ocr",
+                              "SIDECAR_ATTEMPT": "1", "SIDECAR_FENCING_TOKEN": "4",
+                              "SIDECAR_TEST_DATABASE_URL": "postgresql://x@y/z"})
+    assert settings.profile("ocr").lease_seconds == 90
+
+
+def test_global_values_apply_to_every_tool():
+    settings = load_settings({"SIDECAR_LEASE_SECONDS": "120", "SIDECAR_MAX_ATTEMPTS": "6"})
+    for tool in ("ocr", "pdf"):
+        p = settings.profile(tool)
+        assert p.lease_seconds == 120 and p.max_attempts == 6
+
+
+def test_per_tool_override_beats_the_global():
+    settings = load_settings({
+        "SIDECAR_LEASE_SECONDS": "120",
+        "SIDECAR_MAX_ATTEMPTS": "6",
+        "SIDECAR_PROFILE_OCR_LEASE_SECONDS": "200",
+        "SIDECAR_PROFILE_OCR_MAX_ATTEMPTS": "2",
+    })
+    ocr = settings.profile("ocr")
+    other = settings.profile("pdf")
+    assert ocr.lease_seconds == 200 and ocr.max_attempts == 2
+    assert other.lease_seconds == 120 and other.max_attempts == 6
+    assert ocr.sources["LEASE_SECONDS"] == "SIDECAR_PROFILE_OCR_LEASE_SECONDS"
+    assert other.sources["LEASE_SECONDS"] == "SIDECAR_LEASE_SECONDS"
+
+
+def test_tool_key_maps_other_characters_to_underscore():
+    assert tool_env_key("ocr-fast") == "OCR_FAST"
+    assert tool_env_key("ocr.v2") == "OCR_V2"
+    settings = load_settings({"SIDECAR_PROFILE_OCR_FAST_MAX_ATTEMPTS": "8"})
+    assert settings.profile("ocr-fast").max_attempts == 8
+    assert settings.profile("ocr").max_attempts == 3
+
+
+def test_fractions_are_accepted():
+    settings = load_settings({"SIDECAR_LEASE_SECONDS": "1.5", "SIDECAR_HEARTBEAT_SECONDS": "0.5",
+                              "SIDECAR_JITTER_SECONDS": "0.5",
+                              "SIDECAR_KILL_GRACE_SECONDS": "0.25",
+                              "SIDECAR_POLL_SECONDS": "0.1"})
+    p = settings.profile("ocr")
+    assert p.lease_seconds == 1.5 and p.heartbeat_seconds == 0.5 and p.jitter_seconds == 0.5
+    assert p.kill_grace_seconds == 0.25
+    assert settings.poll_seconds == 0.1
+
+
+def test_per_tool_fraction_override():
+    settings = load_settings({"SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS": "0.5",
+                              "SIDECAR_PROFILE_OCR_JITTER_SECONDS": "0.5",
+                              "SIDECAR_PROFILE_OCR_LEASE_SECONDS": "1.5"})
+    p = settings.profile("ocr")
+    assert (p.lease_seconds, p.heartbeat_seconds, p.jitter_seconds) == (1.5, 0.5, 0.5)
+
+
+# --- load_settings: rule P10 ------------------------------------------------------------
+
+
+def test_p10_global_lease_too_short():
+    message = config_error({"SIDECAR_LEASE_SECONDS": "30"})
+    assert "SIDECAR_LEASE_SECONDS" in message
+    assert "P10" in message
+    assert "30" in message and "20" in message and "50" in message
+
+
+def test_p10_per_tool_lease_too_short_names_the_tool_variable():
+    message = config_error({"SIDECAR_PROFILE_OCR_LEASE_SECONDS": "30"})
+    assert "SIDECAR_PROFILE_OCR_LEASE_SECONDS" in message
+    assert "P10" in message
+    assert "30" in message and "50" in message
+
+
+def test_p10_equality_is_refused():
+    message = config_error({"SIDECAR_LEASE_SECONDS": "50"})
+    assert "P10" in message and "50" in message
+
+
+def test_p10_just_above_is_accepted():
+    assert load_settings({"SIDECAR_LEASE_SECONDS": "50.5"}).profile("ocr").lease_seconds == 50.5
+
+
+def test_p10_counts_tolerated_misses():
+    # 3 x 30 + 20 = 110 > 90 (default lease)
+    message = config_error({"SIDECAR_TOLERATED_MISSES": "3"})
+    assert "P10" in message and "110" in message
+    assert "SIDECAR_TOLERATED_MISSES" in message
+    assert load_settings({"SIDECAR_TOLERATED_MISSES": "2"}).profile("x").tolerated_misses == 2
+
+
+def test_p10_heartbeat_too_long_names_the_heartbeat_variable():
+    message = config_error({"SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS": "80"})
+    assert "P10" in message
+    assert "SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS" in message
+    assert "100" in message  # 1 x 80 + 20
+
+
+def test_invalid_profile_of_another_tool_is_refused_at_start():
+    env = {"SIDECAR_PROFILE_PDF_LEASE_SECONDS": "10"}
+    message = config_error(env)
+    assert "SIDECAR_PROFILE_PDF_LEASE_SECONDS" in message and "P10" in message
+
+
+# --- load_settings: numbers -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("var", [
+    "SIDECAR_LEASE_SECONDS", "SIDECAR_HEARTBEAT_SECONDS", "SIDECAR_TOLERATED_MISSES",
+    "SIDECAR_MAX_ATTEMPTS", "SIDECAR_STAGE_TIMEOUT_SECONDS", "SIDECAR_MAX_RESULT_BYTES",
+    "SIDECAR_PROFILE_OCR_LEASE_SECONDS", "SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS",
+    "SIDECAR_PROFILE_OCR_MAX_ATTEMPTS", "SIDECAR_POLL_SECONDS", "SIDECAR_DB_TIMEOUT_SECONDS",
+])
+@pytest.mark.parametrize("value", ["0", "-1"])
+def test_zero_and_negative_are_refused(var, value):
+    message = config_error({var: value})
+    assert var in message
+
+
+@pytest.mark.parametrize("var", [
+    "SIDECAR_JITTER_SECONDS", "SIDECAR_KILL_GRACE_SECONDS", "SIDECAR_BACKOFF_BASE_SECONDS",
+    "SIDECAR_BACKOFF_MAX_SECONDS", "SIDECAR_DRAIN_SECONDS", "SIDECAR_PROFILE_OCR_JITTER_SECONDS",
+])
+def test_negative_durations_are_refused(var):
+    message = config_error({var: "-0.5"})
+    assert var in message
+
+
+@pytest.mark.parametrize("var", [
+    "SIDECAR_LEASE_SECONDS", "SIDECAR_HEARTBEAT_SECONDS", "SIDECAR_JITTER_SECONDS",
+    "SIDECAR_PROFILE_OCR_LEASE_SECONDS", "SIDECAR_POLL_SECONDS",
+])
+@pytest.mark.parametrize("value", ["abc", "nan", "inf", "-inf", "NaN", "Infinity", "1e999"])
+def test_non_numeric_and_non_finite_are_refused(var, value):
+    message = config_error({var: value})
+    assert var in message
+    assert value in message
+
+
+@pytest.mark.parametrize("var", ["SIDECAR_TOLERATED_MISSES", "SIDECAR_MAX_ATTEMPTS",
+                                 "SIDECAR_PROFILE_OCR_MAX_ATTEMPTS",
+                                 "SIDECAR_MAX_RESULT_BYTES"])
+@pytest.mark.parametrize("value", ["1.5", "abc", "nan"])
+def test_counts_must_be_integers(var, value):
+    message = config_error({var: value})
+    assert var in message
+
+
+# --- load_settings: unknown variables ------------------------------------------------------
+
+
+@pytest.mark.parametrize("var", [
+    "SIDECAR_LEASE_SECONDSS", "SIDECAR_LEASE_SECOND", "SIDECAR_HEARTBEAT", "SIDECAR_FOO",
+    "SIDECAR_PROFILE_OCR_LEASE_SECOND", "SIDECAR_PROFILE_OCR_LEASESECONDS",
+    "SIDECAR_PROFILE_OCR", "SIDECAR_PROFILE__LEASE_SECONDS", "SIDECAR_PROFILE_OCR_POLL_SECONDS",
+])
+def test_unknown_variables_are_errors(var):
+    message = config_error({var: "100"})
+    assert var in message
+
+
+# --- load_settings: NON_RETRYABLE_EXIT_CODES --------------------------------------------
+
+
+@pytest.mark.parametrize("text,codes", [
+    ("64, 65", {64, 65}),
+    ("64,65", {64, 65}),
+    ("1", {1}),
+    ("255", {255}),
+    (" 2 , 3 ,4 ", {2, 3, 4}),
+    ("70,", {70}),
+])
+def test_non_retryable_exit_codes_parse(text, codes):
+    settings = load_settings({"SIDECAR_NON_RETRYABLE_EXIT_CODES": text})
+    assert settings.profile("ocr").non_retryable_exit_codes == frozenset(codes)
+
+
+def test_non_retryable_exit_codes_per_tool():
+    settings = load_settings({"SIDECAR_PROFILE_OCR_NON_RETRYABLE_EXIT_CODES": "3,4"})
+    assert settings.profile("ocr").non_retryable_exit_codes == frozenset({3, 4})
+    assert settings.profile("pdf").non_retryable_exit_codes == frozenset({64, 65})
+
+
+@pytest.mark.parametrize("text", ["300", "0", "-1", "abc", "64;65", "64,abc", "1.5", "256"])
+def test_non_retryable_exit_codes_invalid(text):
+    message = config_error({"SIDECAR_NON_RETRYABLE_EXIT_CODES": text})
+    assert "SIDECAR_NON_RETRYABLE_EXIT_CODES" in message
+
+
+def test_non_retryable_exit_codes_invalid_per_tool():
+    message = config_error({"SIDECAR_PROFILE_OCR_NON_RETRYABLE_EXIT_CODES": "300"})
+    assert "SIDECAR_PROFILE_OCR_NON_RETRYABLE_EXIT_CODES" in message
+
+
+# --- load_settings: other globals ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("var,value", [
+    ("SIDECAR_LOG_LEVEL", "verbose"),
+    ("SIDECAR_LOG_FORMAT", "xml"),
+    ("SIDECAR_EVENT_LOOP", "trio"),
+])
+def test_enumerated_globals_refuse_unknown_values(var, value):
+    message = config_error({var: value})
+    assert var in message
+
+
+# --- the command refuses to start --------------------------------------------------------
+
+
+def test_cli_global_lease_breaking_p10():
+    refused(["SIDECAR_LEASE_SECONDS", "P10", "30", "50"], SIDECAR_LEASE_SECONDS="30")
+
+
+def test_cli_tool_lease_breaking_p10():
+    line = refused(["SIDECAR_PROFILE_OCR_LEASE_SECONDS", "P10", "30", "20", "50"],
+                   SIDECAR_PROFILE_OCR_LEASE_SECONDS="30")
+    assert "s3cretpw" not in line
+
+
+@pytest.mark.parametrize("var,value", [
+    ("SIDECAR_LEASE_SECONDS", "0"),
+    ("SIDECAR_LEASE_SECONDS", "-5"),
+    ("SIDECAR_HEARTBEAT_SECONDS", "0"),
+    ("SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS", "-1"),
+    ("SIDECAR_TOLERATED_MISSES", "0"),
+    ("SIDECAR_JITTER_SECONDS", "-1"),
+    ("SIDECAR_MAX_ATTEMPTS", "0"),
+])
+def test_cli_zero_or_negative(var, value):
+    refused([var], **{var: value})
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "inf"])
+def test_cli_non_numeric(value):
+    refused(["SIDECAR_LEASE_SECONDS", value], SIDECAR_LEASE_SECONDS=value)
+    refused(["SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS", value],
+            SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS=value)
+
+
+@pytest.mark.parametrize("var", ["SIDECAR_LEASE_SECONDSS", "SIDECAR_PROFILE_OCR_LEASE_SECOND"])
+def test_cli_misspelled_variable(var):
+    refused([var], **{var: "100"})
+
+
+def test_cli_invalid_profile_of_another_tool_is_refused():
+    refused(["SIDECAR_PROFILE_PDF_LEASE_SECONDS", "P10"], SIDECAR_PROFILE_PDF_LEASE_SECONDS="10")
+
+
+def test_cli_invalid_exit_codes():
+    refused(["SIDECAR_NON_RETRYABLE_EXIT_CODES", "300"], SIDECAR_NON_RETRYABLE_EXIT_CODES="300")
+
+
+def test_cli_valid_profile_reaches_the_database():
+    """Control for `refused`: with a valid profile the same command gets as far as the
+    (unreachable) database and exits 1, so exit 2 above really is the configuration."""
+    done = cli(UNREACHABLE, "enqueue", "ocr",
+               env=plain_env(UNREACHABLE, SIDECAR_LEASE_SECONDS="50.5",
+                             SIDECAR_NON_RETRYABLE_EXIT_CODES="64, 65"))
+    assert done.returncode == 1
+    assert "cannot reach" in one_line_error(done)
+
+
+@pytest.mark.parametrize("extra", [
+    {"SIDECAR_LEASE_SECONDS": "30"},
+    {"SIDECAR_PROFILE_TRUE_LEASE_SECONDS": "30"},
+    {"SIDECAR_PROFILE_OTHER_LEASE_SECONDS": "30"},
+    {"SIDECAR_LEASE_SECONDSS": "100"},
+    {"SIDECAR_HEARTBEAT_SECONDS": "nan"},
+])
+def test_run_with_bad_profile_exits_2_before_touching_the_database(extra):
+    done = cli(UNREACHABLE, "run", "--drain", "--", "true",
+               env=plain_env(UNREACHABLE, **extra), timeout=60)
+    assert done.returncode == 2, (done.returncode, done.stderr.decode(errors="replace"))
+    line = one_line_error(done)
+    assert next(iter(extra)) in line
+    assert "cannot reach" not in line
+
+
+def test_run_with_bad_tool_profile_via_tool_option_exits_2():
+    done = cli(UNREACHABLE, "run", "--drain", "--tool", "ocr", "--", "true",
+               env=plain_env(UNREACHABLE, SIDECAR_PROFILE_OCR_LEASE_SECONDS="30"), timeout=60)
+    assert done.returncode == 2
+    line = one_line_error(done)
+    assert "SIDECAR_PROFILE_OCR_LEASE_SECONDS" in line and "P10" in line
+
+
+def test_run_with_valid_profile_and_unreachable_database_exits_1():
+    done = cli(UNREACHABLE, "run", "--drain", "--", "true", env=plain_env(UNREACHABLE),
+               timeout=60)
+    assert done.returncode == 1, done.stderr.decode(errors="replace")
+    err = done.stderr.decode(errors="replace")
+    assert "Traceback" not in err
+    assert "s3cretpw" not in err
+    assert "127.0.0.1:1" in err
+
+
+# --- the command with a valid profile, on the real database --------------------------------
+
+
+def test_cli_fractions_are_accepted(dsn):
+    env = plain_env(dsn, SIDECAR_LEASE_SECONDS="1.5", SIDECAR_HEARTBEAT_SECONDS="0.5",
+                    SIDECAR_JITTER_SECONDS="0.5", SIDECAR_POLL_SECONDS="0.5")
+    job_id = enqueue(dsn, "ocr", {}, env=env)
+    assert scalar(dsn, "SELECT count(*) FROM tool_jobs WHERE id = $1", uuid.UUID(job_id)) == 1
+
+
+def test_cli_per_tool_override_beats_the_global(dsn):
+    env = plain_env(dsn, SIDECAR_MAX_ATTEMPTS="7", SIDECAR_PROFILE_OCR_MAX_ATTEMPTS="5")
+    ocr = enqueue(dsn, "ocr", {}, env=env)
+    pdf = enqueue(dsn, "pdf", {}, env=env)
+    assert scalar(dsn, "SELECT max_attempts FROM tool_jobs WHERE id = $1", uuid.UUID(ocr)) == 5
+    assert scalar(dsn, "SELECT max_attempts FROM tool_jobs WHERE id = $1", uuid.UUID(pdf)) == 7
+
+
+def test_cli_per_tool_lease_can_fix_a_global_that_only_it_uses(dsn):
+    """A valid per-tool lease with the defaults elsewhere starts fine."""
+    env = plain_env(dsn, SIDECAR_PROFILE_OCR_LEASE_SECONDS="60")
+    job_id = enqueue(dsn, "ocr", {}, env=env)
+    assert scalar(dsn, "SELECT tool FROM tool_jobs WHERE id = $1", uuid.UUID(job_id)) == "ocr"
+
+
+def test_cli_drain_run_with_valid_profile_and_no_jobs_exits_0(dsn):
+    done = cli(dsn, "run", "--drain", "--", "true", timeout=60)
+    assert done.returncode == 0, done.stderr.decode(errors="replace")
+    assert "Traceback" not in done.stderr.decode(errors="replace")
