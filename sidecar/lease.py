@@ -39,6 +39,12 @@ class Lease:
     lease_until: dt.datetime
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str | None = None
+    settling: bool = False
+
+    def settle(self) -> None:
+        """The owner is about to write the job's outcome (fenced itself): stop renewing, so
+        a renewal racing that write cannot mistake our own commit for a lost lease."""
+        self.settling = True
 
     def lose(self, reason: str) -> None:
         """Mark the lease lost for ``reason`` (first reason wins)."""
@@ -96,7 +102,8 @@ class LeaseKeeper:
 
     async def beat(self) -> None:
         """One renewal round for all leases held now."""
-        held = [lease for lease in self.leases.values() if not lease.lost.is_set()]
+        held = [lease for lease in self.leases.values()
+                if not lease.lost.is_set() and not lease.settling]
         if not held:
             return
         sent = time.monotonic()
@@ -125,7 +132,7 @@ class LeaseKeeper:
                     log.emit("heartbeat_ok", "debug", job_id=str(lease.job.id),
                              tool=lease.job.tool, fencing_token=lease.job.fencing_token,
                              lease_until=renewal.lease_until)
-            elif not lease.lost.is_set():
+            elif not lease.lost.is_set() and not lease.settling:
                 await self._zero_rows(lease)
 
     async def _zero_rows(self, lease: Lease) -> None:
@@ -153,7 +160,7 @@ class LeaseKeeper:
     def _expire_local_deadlines(self) -> None:
         now = time.monotonic()
         for lease in self.leases.values():
-            if not lease.lost.is_set() and now >= lease.local_deadline:
+            if not lease.lost.is_set() and not lease.settling and now >= lease.local_deadline:
                 lease.lose(LOCAL_DEADLINE)
                 log.emit("lease_abandoned", "error", job_id=str(lease.job.id),
                          tool=lease.job.tool, fencing_token=lease.job.fencing_token,

@@ -131,6 +131,7 @@ class JobSupervisor:
         except SpawnFailed as exc:
             log.emit("spawn_failed", "error", **self._fields(), reason=exc.message)
             error = {"kind": "spawn_failed", "message": exc.message, "exit_code": exc.exit_code}
+            self.lease.settle()
             return await self._fail(error, retryable=False)
 
         await self._journal("tool_request_started", {"pid": child.pid, "argv0": self.ctx.argv[0],
@@ -175,6 +176,7 @@ class JobSupervisor:
     async def _settle(self, reason: str, child: Child) -> str:
         profile = self.ctx.profile
         duration = round(time.monotonic() - self.started, 3)
+        self.lease.settle()
         if self.lease.lost.is_set():
             # P13: the lease is gone, whatever the tool answered. Keep evidence only.
             if child.returncode == 0 and not child.stdout_overflow:
