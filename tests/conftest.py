@@ -163,7 +163,7 @@ class SidecarProcess:
     def __init__(self, dsn: str, command: list[str], *options: str, env: dict | None = None,
                  wrap: list[str] | None = None, tmp: Path):
         self.log_path = tmp / f"sidecar-{uuid.uuid4().hex[:8]}.log"
-        self._log = open(self.log_path, "wb")
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         argv = [sys.executable, "-m", "sidecar", "run", *options, "--", *command]
         if wrap:
             argv = [*wrap, " ".join(_quote(a) for a in argv)]

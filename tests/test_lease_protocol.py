@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 
-
 import asyncpg
 
 from conftest import query, run, scalar

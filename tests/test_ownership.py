@@ -10,6 +10,7 @@ files run on the same small machine.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -24,8 +25,18 @@ import asyncpg
 import orjson
 import psutil
 
-from conftest import (FAST_PROFILE, base_env, cli, enqueue, pid_alive, query, read_pids, run,
-                      scalar, wait_until)
+from conftest import (
+    FAST_PROFILE,
+    base_env,
+    cli,
+    enqueue,
+    pid_alive,
+    query,
+    read_pids,
+    run,
+    scalar,
+    wait_until,
+)
 from sidecar.db import init_connection
 from sidecar.store import ClaimedJob, Store
 
@@ -90,10 +101,8 @@ def wait_all_dead(pids: list[int], timeout: float, what: str = "the tool tree to
 def kill_leftovers(pids: list[int]) -> None:
     """Test hygiene only: never leave a hung tool running after a failed assertion."""
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
 
 
 def wait_fresh_heartbeat(sc, timeout: float = 10.0) -> None:
