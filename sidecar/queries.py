@@ -1,4 +1,4 @@
-"""Loads the named SQL statements of ``sql/queries.sql`` and the numbered migrations.
+"""Loads the named SQL statements of ``sql/*.sql`` and the numbered migrations.
 
 A block starts with ``-- name: NAME``; its text runs to the next such line.
 """
@@ -18,14 +18,25 @@ def _load_named(text: str) -> dict[str, str]:
     named = {}
     for name, body in zip(parts[1::2], parts[2::2], strict=True):
         if name in named:
-            raise ValueError(f"query {name!r} is defined twice in queries.sql")
+            raise ValueError(f"query {name!r} is defined twice")
         named[name] = body.strip().rstrip(";")
     return named
 
 
-Q: dict[str, str] = _load_named(
-    resources.files("sidecar").joinpath("sql/queries.sql").read_text(encoding="utf-8")
-)
+def _load_all() -> dict[str, str]:
+    named: dict[str, str] = {}
+    for entry in sorted(resources.files("sidecar").joinpath("sql").iterdir(),
+                        key=lambda e: e.name):
+        if entry.name.endswith(".sql"):
+            for name, body in _load_named(entry.read_text(encoding="utf-8")).items():
+                if name in named:
+                    raise ValueError(f"query {name!r} is defined twice in sidecar/sql")
+                named[name] = body
+    return named
+
+
+# Every named statement of sidecar/sql/*.sql (queries.sql: the lease protocol).
+Q: dict[str, str] = _load_all()
 
 
 @dataclass(frozen=True)
