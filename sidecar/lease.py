@@ -1,11 +1,21 @@
 """The heartbeat: one task on the sidecar's own event loop renews every lease it holds,
 with one statement per period on a connection of its own (P5, P9).
 
-Each lease keeps a conservative local deadline on the monotonic clock: the moment the
-last successful renewal was *sent*, plus the lease length the database returned, minus
-a safety margin. Zero rows for a job means the lease is lost (P5); a database that does
-not answer leaves ownership unknown (P14b) and the job is given up locally once the
-local deadline passes unconfirmed, before the database could hand it to someone else.
+Three kinds of heartbeat failure (P14):
+- zero rows for a job: the lease is lost (expired, taken over, cancelled); the job's
+  supervisor kills the tree and commits nothing (P13);
+- the database does not answer: ownership is unknown. Logged once per episode as
+  ``ownership_unknown`` (P15); renewals go on, each on a fresh connection, while the
+  conservative local deadline allows: the monotonic time the last successful renewal was
+  *sent*, plus the lease length the database returned, minus a safety margin. Past it the
+  job is given up locally (``lease_abandoned``): the tree is killed before the database
+  could hand the job to someone else;
+- the tool not answering is bounded by the stage deadline, not here (P8).
+
+An abandoned lease is not forgotten: once the database answers again, the keeper ends
+it if it is still ours (so the job is claimable at once) or journals ``heartbeat_lost``
+when it was not, plus ``lease_abandoned`` and any result that could not be committed.
+It never extends an abandoned lease.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ import datetime as dt
 import time
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 import asyncpg
 
@@ -32,7 +43,8 @@ LOCAL_DEADLINE = "local_deadline"  # ownership unknown until the conservative de
 @dataclass
 class Lease:
     """One lease this sidecar holds. ``lost`` is set once it is no longer ours; ``reason``
-    then says why. ``local_deadline`` is monotonic seconds."""
+    then says why. ``local_deadline`` is monotonic seconds. ``evidence`` holds what the
+    owner could not commit (hash and size only), journaled once the database answers."""
 
     job: ClaimedJob
     local_deadline: float
@@ -40,17 +52,24 @@ class Lease:
     lost: asyncio.Event = field(default_factory=asyncio.Event)
     reason: str | None = None
     settling: bool = False
-
-    def settle(self) -> None:
-        """The owner is about to write the job's outcome (fenced itself): stop renewing, so
-        a renewal racing that write cannot mistake our own commit for a lost lease."""
-        self.settling = True
+    unknown_since: float | None = None
+    evidence: dict[str, Any] | None = None
 
     def lose(self, reason: str) -> None:
         """Mark the lease lost for ``reason`` (first reason wins)."""
         if not self.lost.is_set():
             self.reason = reason
             self.lost.set()
+
+    def settle(self) -> None:
+        """The owner is about to write the job's outcome (fenced itself): stop renewing, so
+        a renewal racing that write cannot mistake our own commit for a lost lease."""
+        self.settling = True
+
+    @property
+    def abandoned(self) -> bool:
+        """Given up locally with ownership unknown: the database must still be told."""
+        return self.reason == LOCAL_DEADLINE
 
 
 def safety_margin(profile: LeaseProfile) -> float:
@@ -75,6 +94,7 @@ class LeaseKeeper:
         self.statement_timeout = min(db_timeout, 0.8 * profile.heartbeat_seconds)
         self.margin = safety_margin(profile)
         self.leases: dict[uuid.UUID, Lease] = {}
+        self.abandoned: dict[uuid.UUID, Lease] = {}
         self._conn: asyncpg.Connection | None = None
 
     def hold(self, job: ClaimedJob, claim_sent_at: float) -> Lease:
@@ -84,15 +104,18 @@ class LeaseKeeper:
         return lease
 
     def drop(self, job_id: uuid.UUID) -> None:
-        """Stop heartbeating a job (finished, released or lost)."""
-        self.leases.pop(job_id, None)
+        """The supervisor is done with a lease: stop renewing it. An abandoned lease moves to
+        the probe list, to be ended (never extended) once the database answers."""
+        lease = self.leases.pop(job_id, None)
+        if lease is not None and lease.abandoned:
+            self.abandoned[job_id] = lease
 
     async def run(self) -> None:
         """Renew every ``heartbeat_seconds`` until cancelled."""
         try:
             while True:
                 started = time.monotonic()
-                if self.leases:
+                if self.leases or self.abandoned:
                     await self.beat()
                 self._expire_local_deadlines()
                 delay = self.profile.heartbeat_seconds - (time.monotonic() - started)
@@ -101,39 +124,63 @@ class LeaseKeeper:
             self._abort_connection()
 
     async def beat(self) -> None:
-        """One renewal round for all leases held now."""
+        """One round: renew all leases held now, then probe the abandoned ones."""
         held = [lease for lease in self.leases.values()
                 if not lease.lost.is_set() and not lease.settling]
-        if not held:
-            return
         sent = time.monotonic()
         try:
-            if self._conn is None or self._conn.is_closed():
-                self._conn = await asyncio.wait_for(
-                    db.connect(self.dsn, self.statement_timeout), self.statement_timeout
+            conn = await self._connection()
+            renewed = {}
+            if held:
+                renewed = await Store.extend_leases_if_owner(
+                    conn, self.owner_id, [(h.job.id, h.job.fencing_token) for h in held],
+                    self.profile.lease_seconds, self.statement_timeout,
                 )
-            renewed = await Store.extend_leases_if_owner(
-                self._conn, self.owner_id, [(h.job.id, h.job.fencing_token) for h in held],
-                self.profile.lease_seconds, self.statement_timeout,
-            )
-        except (TimeoutError, Exception) as exc:  # noqa: BLE001 - any failure = unknown
+        except (Exception, TimeoutError) as exc:  # noqa: BLE001 - any failure = unknown
             self._abort_connection()
-            for lease in held:
-                log.emit("heartbeat_error", "warning", job_id=str(lease.job.id),
-                         tool=lease.job.tool, fencing_token=lease.job.fencing_token,
-                         lease_until=lease.lease_until, reason=type(exc).__name__)
+            self._ownership_unknown(held, exc)
             return
         for lease in held:
             renewal = renewed.get(lease.job.id)
             if renewal is not None:
                 lease.lease_until = renewal.lease_until
                 lease.local_deadline = sent + renewal.lease_remaining - self.margin
+                self._ownership_confirmed(lease)
                 if log.enabled("debug"):
                     log.emit("heartbeat_ok", "debug", job_id=str(lease.job.id),
                              tool=lease.job.tool, fencing_token=lease.job.fencing_token,
                              lease_until=renewal.lease_until)
             elif not lease.lost.is_set() and not lease.settling:
                 await self._zero_rows(lease)
+        try:
+            await self._probe_abandoned()
+        except (Exception, TimeoutError) as exc:  # noqa: BLE001 - probe again next round
+            self._abort_connection()
+            log.emit("heartbeat_error", "warning", reason=f"probe: {type(exc).__name__}")
+
+    async def _connection(self) -> asyncpg.Connection:
+        if self._conn is None or self._conn.is_closed():
+            self._conn = await asyncio.wait_for(
+                db.connect(self.dsn, self.statement_timeout), self.statement_timeout)
+        return self._conn
+
+    def _ownership_unknown(self, held: list[Lease], exc: BaseException) -> None:
+        now = time.monotonic()
+        for lease in held:
+            if lease.unknown_since is not None:
+                continue
+            lease.unknown_since = now
+            log.emit("ownership_unknown", "warning", job_id=str(lease.job.id),
+                     tool=lease.job.tool, fencing_token=lease.job.fencing_token,
+                     lease_until=lease.lease_until, reason=f"{type(exc).__name__}: {exc}"[:200],
+                     local_deadline_in_s=round(lease.local_deadline - now, 3))
+
+    def _ownership_confirmed(self, lease: Lease) -> None:
+        if lease.unknown_since is not None:
+            log.emit("ownership_confirmed", job_id=str(lease.job.id), tool=lease.job.tool,
+                     fencing_token=lease.job.fencing_token, lease_until=lease.lease_until,
+                     duration_s=round(time.monotonic() - lease.unknown_since, 3))
+            lease.unknown_since = None
 
     async def _zero_rows(self, lease: Lease) -> None:
         job = lease.job
@@ -146,7 +193,7 @@ class LeaseKeeper:
                 details.update(state=row["state"], current_token=row["fencing_token"])
                 if row["state"] == "cancelled":
                     reason = CANCELLED
-        except Exception:  # noqa: BLE001 - the explanation is optional; the loss is not
+        except Exception:  # noqa: BLE001, S110 - the explanation is optional; the loss is not
             pass
         lease.lose(reason)
         log.emit("heartbeat_lost", "warning", job_id=str(job.id), tool=job.tool,
@@ -156,6 +203,30 @@ class LeaseKeeper:
             await self.store.record_event(job.id, job.fencing_token, "heartbeat_lost", details)
         except Exception:  # noqa: BLE001
             log.emit("journal_error", "warning", job_id=str(job.id), reason="heartbeat_lost")
+
+    async def _probe_abandoned(self) -> None:
+        """Tell the database about leases given up while it did not answer."""
+        for job_id, lease in list(self.abandoned.items()):
+            job = lease.job
+            conn = await self._connection()
+            still_ours = await Store.expire_lease_if_owner(
+                conn, self.owner_id, job.id, job.fencing_token, self.statement_timeout)
+            base = {"owner_id": self.owner_id, "last_lease_until": lease.lease_until.isoformat()}
+            if not still_ours:
+                log.emit("heartbeat_lost", "warning", job_id=str(job.id), tool=job.tool,
+                         fencing_token=job.fencing_token, attempt=job.attempt,
+                         lease_until=lease.lease_until, reason="zero_rows")
+                await Store.record_event_on(conn, job.id, job.fencing_token, "heartbeat_lost",
+                                            {**base, "reason": "zero_rows"},
+                                            self.statement_timeout)
+            if lease.evidence is not None:
+                await Store.record_event_on(conn, job.id, job.fencing_token, "result_rejected",
+                                            {**base, **lease.evidence}, self.statement_timeout)
+            await Store.record_event_on(
+                conn, job.id, job.fencing_token, "lease_abandoned",
+                {**base, "reason": "ownership_unknown", "lease_ended_by_us": still_ours},
+                self.statement_timeout)
+            del self.abandoned[job_id]
 
     def _expire_local_deadlines(self) -> None:
         now = time.monotonic()

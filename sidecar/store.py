@@ -165,6 +165,24 @@ class Store:
         )
         return {row["id"]: Renewal(row["lease_until"], row["lease_remaining"]) for row in rows}
 
+    @staticmethod
+    async def expire_lease_if_owner(
+        conn: asyncpg.Connection, owner_id: str, job_id: uuid.UUID, token: int, timeout: float,
+    ) -> bool:
+        """End our own lease now (after abandoning the job locally); False when it was not
+        ours any more (expired, taken over, cancelled)."""
+        row = await conn.fetchrow(Q["expire_lease_if_owner"], owner_id, job_id, token,
+                                  timeout=timeout)
+        return row is not None
+
+    @staticmethod
+    async def record_event_on(
+        conn: asyncpg.Connection, job_id: uuid.UUID, token: int | None, event: str,
+        details: dict[str, Any], timeout: float,
+    ) -> None:
+        """Append one journal event on the given connection."""
+        await conn.execute(Q["record_event"], job_id, token, event, details, timeout=timeout)
+
     async def finish_if_owner(
         self, job: ClaimedJob, owner_id: str, state: str, result: RawJson | None,
         error: dict[str, Any] | None, event: str, details: dict[str, Any],

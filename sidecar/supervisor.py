@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
+import asyncpg
 import orjson
 
 from sidecar import lease as lease_mod
@@ -29,6 +31,7 @@ STAGE_TIMEOUT = "stage_timeout"
 SHUTDOWN = "shutdown"
 
 _STDERR_LINES_PER_SECOND = 200
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -181,6 +184,8 @@ class JobSupervisor:
             # P13: the lease is gone, whatever the tool answered. Keep evidence only.
             if child.returncode == 0 and not child.stdout_overflow:
                 await self._reject(bytes(child.stdout), "lease lost before commit")
+            elif self.lease.abandoned:
+                self.lease.evidence = {"why": "lease abandoned before the tool ended"}
             log.emit("lease_lost", "warning", **self._fields(), reason=self.lease.reason,
                      duration_s=duration)
             return self.lease.reason or lease_mod.LEASE_LOST
@@ -224,11 +229,11 @@ class JobSupervisor:
         details = {"result": payload_digest(stdout),
                    "duration_s": round(time.monotonic() - self.started, 3)}
         try:
-            accepted = await self.ctx.store.finish_if_owner(
-                self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded", details)
-        except Exception as exc:  # noqa: BLE001 - jsonb refused it (NUL escapes, depth)
-            if not _is_data_error(exc):
-                raise
+            accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
+                self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded", details))
+        except OwnershipUnknown:
+            return await self._abandon(stdout)
+        except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:  # jsonb refused it
             error = {"kind": "bad_result", "stderr_tail": stderr_tail,
                      "message": f"PostgreSQL refused the result as jsonb: {exc}"}
             return await self._fail(error, retryable=False)
@@ -244,9 +249,13 @@ class JobSupervisor:
         duration = round(time.monotonic() - self.started, 3)
         if retryable and job.attempt < job.max_attempts:
             delay = backoff_seconds(profile, job.attempt)
-            run_after = await self.ctx.store.requeue_if_owner(
-                job, self.ctx.owner_id, error, delay,
-                {"kind": error["kind"], "backoff_s": round(delay, 3), "attempt": job.attempt})
+            try:
+                run_after = await self._fenced(lambda: self.ctx.store.requeue_if_owner(
+                    job, self.ctx.owner_id, error, delay,
+                    {"kind": error["kind"], "backoff_s": round(delay, 3),
+                     "attempt": job.attempt}))
+            except OwnershipUnknown:
+                return await self._abandon(None)
             if run_after is None:
                 await self._reject(None, "not the owner at requeue")
                 return "rejected"
@@ -255,9 +264,12 @@ class JobSupervisor:
             return "requeued"
         if retryable:
             error["message"] += f"; attempt {job.attempt} of {job.max_attempts}, none left"
-        accepted = await self.ctx.store.finish_if_owner(
-            job, self.ctx.owner_id, "failed", None, error, "job_failed",
-            {"kind": error["kind"], "duration_s": duration})
+        try:
+            accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
+                job, self.ctx.owner_id, "failed", None, error, "job_failed",
+                {"kind": error["kind"], "duration_s": duration}))
+        except OwnershipUnknown:
+            return await self._abandon(None)
         if not accepted:
             await self._reject(None, "not the owner at commit")
             return "rejected"
@@ -265,20 +277,53 @@ class JobSupervisor:
                  duration_s=duration, exit_code=error.get("exit_code"))
         return "failed"
 
+    async def _abandon(self, output: bytes | None) -> str:
+        """The outcome could not be written before the local deadline: give the job up."""
+        self.lease.lose(lease_mod.LOCAL_DEADLINE)
+        log.emit("lease_abandoned", "error", **self._fields(),
+                 reason="outcome not written before the local deadline; ownership unknown")
+        await self._reject(output, "ownership unknown at commit")
+        return "abandoned"
+
     async def _release(self) -> bool:
-        released = await self.ctx.store.release_if_owner(
-            self.job, self.ctx.owner_id, {"reason": "shutdown", "owner_id": self.ctx.owner_id})
+        try:
+            released = await self._fenced(lambda: self.ctx.store.release_if_owner(
+                self.job, self.ctx.owner_id,
+                {"reason": "shutdown", "owner_id": self.ctx.owner_id}))
+        except OwnershipUnknown:
+            await self._abandon(None)
+            return False
         log.emit("lease_released" if released else "lease_lost",
                  "info" if released else "warning", **self._fields(), reason="shutdown")
         return released
 
     async def _reject(self, output: bytes | None, why: str) -> None:
-        """P6: an outcome we may not commit goes to the journal as hash and size only."""
+        """P6: an outcome we may not commit goes to the journal as hash and size only.
+        When ownership is unknown the database may be unreachable: the lease keeper
+        journals it once the database answers again."""
         details: dict[str, Any] = {"why": why, "owner_id": self.ctx.owner_id}
         if output is not None:
             details["result"] = payload_digest(output)
         log.emit("result_rejected", "warning", **self._fields(), reason=why)
-        await self._journal("result_rejected", details)
+        if self.lease.abandoned:
+            self.lease.evidence = details
+        else:
+            await self._journal("result_rejected", details)
+
+    async def _fenced(self, write: Callable[[], Awaitable[T]]) -> T:
+        """Run a fenced write; when the database does not answer, retry while the local
+        deadline allows (a fenced write is safe to repeat). Past it, ownership is unknown:
+        raise OwnershipUnknown and let the lease keeper settle it later."""
+        while True:
+            try:
+                return await write()
+            except (OSError, TimeoutError, asyncpg.InterfaceError,
+                    asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError) as exc:
+                if time.monotonic() >= self.lease.local_deadline:
+                    raise OwnershipUnknown() from exc
+                log.emit("commit_retry", "warning", **self._fields(),
+                         reason=f"{type(exc).__name__}: {exc}"[:200])
+                await asyncio.sleep(min(0.5, self.ctx.profile.heartbeat_seconds / 2))
 
     async def _journal(self, event: str, details: dict[str, Any]) -> None:
         try:
@@ -287,11 +332,7 @@ class JobSupervisor:
             log.emit("journal_error", "warning", **self._fields(), reason=event)
 
 
-def _is_data_error(exc: BaseException) -> bool:
-    import asyncpg
-
-    return isinstance(exc, (asyncpg.DataError, asyncpg.UntranslatableCharacterError,
-                            asyncpg.InvalidTextRepresentationError,
-                            asyncpg.ProgramLimitExceededError))
+class OwnershipUnknown(Exception):
+    """A fenced write got no answer before the lease's local deadline (P14b)."""
 
 

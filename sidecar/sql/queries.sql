@@ -206,3 +206,11 @@ LIMIT $3;
 -- name: unfinished_jobs_of_tool
 -- --drain waits while any job of the tool is queued or running.
 SELECT count(*) FROM tool_jobs WHERE tool = $1 AND state IN ('queued', 'running');
+
+-- name: expire_lease_if_owner
+-- An owner that gave a job up locally (ownership unknown past its local deadline)
+-- ends its lease now, if it is still its own, so the job is claimable at once.
+UPDATE tool_jobs SET lease_until = now()
+WHERE id = $2 AND owner_id = $1 AND fencing_token = $3
+  AND state = 'running' AND lease_until > now()
+RETURNING id;
