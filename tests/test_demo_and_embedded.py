@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import orjson
@@ -46,8 +48,11 @@ def _stop_embedded(data_dir: Path) -> None:
         pass
 
 
-def test_commands_share_one_embedded_postgres_when_no_url_is_set(tmp_path):
-    data_dir = tmp_path / "pg"
+def test_commands_share_one_embedded_postgres_when_no_url_is_set():
+    # Not under pytest's tmp_path: pytest resets its root to mode 0700, which the
+    # unprivileged user the embedded server runs as (when we are root) cannot traverse.
+    root = Path(tempfile.mkdtemp(prefix="sidecar-embedded-"))
+    data_dir = root / "pg"
     env = base_env("unused")
     del env["SIDECAR_DATABASE_URL"]
     env["SIDECAR_DATA_DIR"] = str(data_dir)
@@ -69,3 +74,4 @@ def test_commands_share_one_embedded_postgres_when_no_url_is_set(tmp_path):
         wait_until(lambda: psutil.pid_exists(pid), 5, what="embedded server still running")
     finally:
         _stop_embedded(data_dir)
+        shutil.rmtree(root, ignore_errors=True)
