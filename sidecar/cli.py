@@ -182,6 +182,7 @@ def cmd_show(args, settings: Settings) -> int:
                 return None
             job = dict(row)
             job["events"] = [dict(e) for e in await store.job_events(job_id)]
+            job["forwarding"] = [dict(o) for o in await store.outbox_of_job(job_id)]
             return job
 
     job = run_async(settings, go())
@@ -224,6 +225,13 @@ def cmd_cancel(args, settings: Settings) -> int:
         raise SidecarError(f"job {job_id} is already {row['state']}; nothing to cancel")
     _print_json({"id": job_id, "cancelled": True, "previous_state": previous})
     return 0
+
+
+def cmd_receiver(args, settings: Settings) -> int:
+    from sidecar import receiver
+
+    host, port = receiver.parse_listen(args.listen)
+    return run_async(settings, receiver.serve(settings, host, port))
 
 
 def cmd_demo(args, settings: Settings) -> int:
@@ -269,6 +277,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p = add("cancel", cmd_cancel, "cancel a queued or running job")
     p.add_argument("job_id", metavar="JOB_ID")
+    p = add("receiver", cmd_receiver,
+            "serve the reference receiver of fenced side effects (POST and GET /effects)")
+    p.add_argument("--listen", default="127.0.0.1:8900", metavar="HOST:PORT",
+                   help="address to serve on (default 127.0.0.1:8900)")
     add("demo", cmd_demo, "run the sidecar on real programs and a hung tool, print outcomes")
     return parser
 

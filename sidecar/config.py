@@ -15,6 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from sidecar.errors import ConfigError
 
@@ -33,6 +34,13 @@ def _number(text: str) -> float:
 
 def _integer(text: str) -> int:
     return int(text.strip())
+
+
+def _http_url(text: str) -> str:
+    text = text.strip()
+    if text and not text.startswith(("http://", "https://")):
+        raise ValueError("not an http:// or https:// URL")
+    return text
 
 
 def _exit_codes(text: str) -> frozenset[int]:
@@ -63,6 +71,7 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "BACKOFF_BASE_SECONDS": _Field(_number, "2", "s", "first retry delay, doubled per attempt"),
     "BACKOFF_MAX_SECONDS": _Field(_number, "300", "s", "retry delay cap"),
     "MAX_RESULT_BYTES": _Field(_integer, str(8 * 1024 * 1024), "bytes", "stdout cap"),
+    "RESULT_URL": _Field(_http_url, "", "url", "where accepted results are POSTed (outbox)"),
 }
 
 # Sidecar-wide settings (not per tool).
@@ -91,6 +100,22 @@ PASSIVE_VARIABLES = frozenset(
         "SIDECAR_TEST_DATABASE_URL",
     }
 )
+
+
+def mask_url(dsn: str) -> str:
+    """A DSN or URL with its password (userinfo or ``password=`` query) replaced by ``***``."""
+    try:
+        parts = urlsplit(dsn)
+    except ValueError:
+        return "<unparseable database URL>"
+    if parts.password:
+        host = parts.netloc.rsplit("@", 1)[-1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+    if parts.query:
+        query = [(k, "***" if k.lower() in ("password", "sslpassword") else v)
+                 for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+        parts = parts._replace(query=urlencode(query, safe="*/"))
+    return urlunsplit(parts)
 
 
 def tool_env_key(tool: str) -> str:
@@ -128,6 +153,7 @@ class LeaseProfile:
     backoff_base_seconds: float
     backoff_max_seconds: float
     max_result_bytes: int
+    result_url: str
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:
@@ -136,6 +162,8 @@ class LeaseProfile:
         for name in PROFILE_FIELDS:
             value = getattr(self, name.lower())
             out[name.lower()] = sorted(value) if isinstance(value, frozenset) else value
+        if self.result_url:
+            out["result_url"] = mask_url(self.result_url)
         return out
 
 

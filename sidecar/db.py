@@ -16,12 +16,13 @@ import socket
 import sys
 import warnings
 from pathlib import Path
-from urllib.parse import parse_qs, parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import asyncpg
 import orjson
 
 from sidecar.config import Settings, default_data_dir
+from sidecar.config import mask_url as mask_dsn
 from sidecar.errors import DatabaseUnavailable, UsageError
 
 
@@ -41,22 +42,6 @@ async def init_connection(conn: asyncpg.Connection) -> None:
         await conn.set_type_codec(
             name, schema="pg_catalog", encoder=_encode_json, decoder=orjson.loads, format="text"
         )
-
-
-def mask_dsn(dsn: str) -> str:
-    """The DSN with its password replaced by ``***`` (safe for logs and errors)."""
-    try:
-        parts = urlsplit(dsn)
-    except ValueError:
-        return "<unparseable database URL>"
-    if parts.password:
-        host = parts.netloc.rsplit("@", 1)[-1]
-        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
-    if parts.query:
-        query = [(k, "***" if k.lower() in ("password", "sslpassword") else v)
-                 for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-        parts = parts._replace(query=urlencode(query, safe="*/"))
-    return urlunsplit(parts)
 
 
 def describe_host(dsn: str) -> str:

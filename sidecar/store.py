@@ -186,11 +186,13 @@ class Store:
     async def finish_if_owner(
         self, job: ClaimedJob, owner_id: str, state: str, result: RawJson | None,
         error: dict[str, Any] | None, event: str, details: dict[str, Any],
+        result_url: str | None = None,
     ) -> bool:
-        """Write the terminal state (P6) and journal ``event``; False when not the owner."""
+        """Write the terminal state (P6) and journal ``event``; False when not the owner.
+        With ``result_url``, a success also queues its forwarding (outbox) atomically."""
         row = await self.pool.fetchrow(
             Q["finish_job_if_owner"], job.id, owner_id, job.fencing_token, state, result, error,
-            event, details, timeout=self.timeout,
+            event, details, result_url, timeout=self.timeout,
         )
         return row is not None
 
@@ -230,6 +232,41 @@ class Store:
     async def unfinished_jobs(self, tool: str) -> int:
         """Jobs of ``tool`` still queued or running."""
         return await self.pool.fetchval(Q["unfinished_jobs_of_tool"], tool, timeout=self.timeout)
+
+    # --- result outbox ------------------------------------------------------
+
+    async def claim_outbox(self, owner_id: str, lease_seconds: float,
+                           limit: int) -> list[asyncpg.Record]:
+        """Take up to ``limit`` deliverable outbox rows under a forwarding lease."""
+        return await self.pool.fetch(Q["claim_outbox_rows"], owner_id, lease_seconds, limit,
+                                     timeout=self.timeout)
+
+    async def outbox_delivered(self, row_id: int, owner_id: str, status: int) -> bool:
+        """Mark delivered and journal ``effect_forwarded``; False if the row was not ours."""
+        return await self.pool.fetchrow(Q["outbox_delivered_if_owner"], row_id, owner_id,
+                                        status, timeout=self.timeout) is not None
+
+    async def outbox_dead_letter(self, row_id: int, owner_id: str, status: int,
+                                 reason: str) -> bool:
+        """Dead-letter and journal ``effect_rejected`` and ``forward_dead_lettered``."""
+        return await self.pool.fetchrow(Q["outbox_dead_letter_if_owner"], row_id, owner_id,
+                                        status, reason, timeout=self.timeout) is not None
+
+    async def outbox_retry_later(self, row_id: int, owner_id: str, delay_seconds: float,
+                                 status: int | None, error: str) -> bool:
+        """Give the row back for another try after ``delay_seconds``."""
+        return await self.pool.fetchrow(Q["outbox_retry_later_if_owner"], row_id, owner_id,
+                                        delay_seconds, status, error,
+                                        timeout=self.timeout) is not None
+
+    async def due_outbox_rows(self, tool: str, within_seconds: float) -> int:
+        """Outbox rows of ``tool`` pending and due for delivery within ``within_seconds``."""
+        return await self.pool.fetchval(Q["due_outbox_rows_of_tool"], tool, within_seconds,
+                                        timeout=self.timeout)
+
+    async def outbox_of_job(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
+        """The forwarding rows of one job (for ``sidecar show``)."""
+        return await self.pool.fetch(Q["outbox_of_job"], job_id, timeout=self.timeout)
 
     # --- inspection ---------------------------------------------------------
 

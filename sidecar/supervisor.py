@@ -45,6 +45,7 @@ class WorkerContext:
     argv: list[str]
     base_env: dict[str, str]
     shutdown_kill: asyncio.Event
+    result_queued: Callable[[], None]
 
 
 def child_environment(base_env: dict[str, str], job: ClaimedJob, profile: LeaseProfile,
@@ -230,7 +231,8 @@ class JobSupervisor:
                    "duration_s": round(time.monotonic() - self.started, 3)}
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
-                self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded", details))
+                self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded", details,
+                self.ctx.profile.result_url or None))
         except OwnershipUnknown:
             return await self._abandon(stdout)
         except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:  # jsonb refused it
@@ -241,6 +243,8 @@ class JobSupervisor:
             await self._reject(stdout, "not the owner at commit")
             return "rejected"
         log.emit("job_succeeded", **self._fields(), duration_s=details["duration_s"])
+        if self.ctx.profile.result_url:
+            self.ctx.result_queued()
         return "succeeded"
 
     async def _fail(self, error: dict[str, Any], retryable: bool) -> str:

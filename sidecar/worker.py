@@ -20,6 +20,7 @@ import asyncpg
 from sidecar import db
 from sidecar.child import reap_adopted
 from sidecar.config import LeaseProfile, Settings
+from sidecar.forwarder import Forwarder
 from sidecar.lease import LeaseKeeper
 from sidecar.log import log
 from sidecar.store import Store
@@ -74,12 +75,14 @@ class Worker:
         store = Store(pool, timeout)
         await store.migrate()
         keeper = LeaseKeeper(self.dsn, self.owner_id, self.profile, store, timeout)
+        forwarder = Forwarder(store, self.settings, self.owner_id)
         ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
-                            dict(os.environ), self.shutdown_kill)
+                            dict(os.environ), self.shutdown_kill, forwarder.wake)
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict())
         background = [asyncio.create_task(keeper.run(), name="heartbeat"),
-                      asyncio.create_task(self._listen(), name="listen")]
+                      asyncio.create_task(self._listen(), name="listen"),
+                      asyncio.create_task(forwarder.run(), name="forwarder")]
         if self.adopt_orphans:
             background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
         for task in background:
@@ -130,7 +133,8 @@ class Worker:
                     task = asyncio.create_task(JobSupervisor(ctx, job, lease).run())
                     self.running[job.id] = task
                     task.add_done_callback(lambda t, job_id=job.id: self._job_done(job_id, t))
-                if self.drain and not self.running and await store.unfinished_jobs(tool) == 0:
+                if self.drain and not self.running and await store.unfinished_jobs(tool) == 0 \
+                        and await store.due_outbox_rows(tool, self.settings.drain_seconds) == 0:
                     log.emit("drained", tool=tool, owner_id=self.owner_id)
                     return
             except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:

@@ -263,3 +263,43 @@ def read_pids(path: Path, count: int, timeout: float = 15.0) -> list[int]:
         return pids if len(pids) >= count else None
 
     return wait_until(ready, timeout, what=f"{count} pids in {path}")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def http_get_json(url: str):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+@pytest.fixture
+def receiver(dsn, tmp_path):
+    """The reference receiver (`sidecar receiver`) as a real process."""
+    port = free_port()
+    log = open(tmp_path / "receiver.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", "receiver", "--listen",
+                             f"127.0.0.1:{port}"], env=base_env(dsn), stdout=log, stderr=log)
+    url = f"http://127.0.0.1:{port}"
+
+    def up():
+        try:
+            return http_get_json(url + "/effects") is not None
+        except OSError:
+            return proc.poll() is not None  # ended: fail below with its log
+
+    wait_until(up, 20, what="the reference receiver")
+    assert proc.poll() is None, (tmp_path / "receiver.log").read_text()
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(10)
+    log.close()

@@ -14,6 +14,10 @@ import pytest
 
 from conftest import base_env, cli, enqueue, query, run, scalar
 from sidecar.db import with_database
+from sidecar.queries import migrations
+
+ALL_VERSIONS = [m.version for m in migrations()]
+LATEST = ALL_VERSIONS[-1]
 
 UNREACHABLE = "postgresql://bob:s3cretpw@127.0.0.1:1/nope"
 
@@ -465,9 +469,9 @@ def test_migrate_twice_applies_nothing_the_second_time(dsn):
     # the dsn fixture already migrated once
     out = out_json(cli(dsn, "migrate"))
     assert out["applied"] == []
-    assert out["version"] == 1
+    assert out["version"] == LATEST
     assert out_json(cli(dsn, "migrate"))["applied"] == []
-    assert scalar(dsn, "SELECT count(*) FROM sidecar_schema_migrations") == 1
+    assert scalar(dsn, "SELECT count(*) FROM sidecar_schema_migrations") == len(ALL_VERSIONS)
 
 
 async def _admin(server_dsn: str, sql: str) -> None:
@@ -491,7 +495,7 @@ def fresh_database(server_dsn):
 
 def test_first_migrate_on_empty_database(fresh_database):
     out = out_json(cli(fresh_database, "migrate"))
-    assert out == {"applied": [1], "version": 1}
+    assert out == {"applied": ALL_VERSIONS, "version": LATEST}
     tables = {r["t"] for r in query(
         fresh_database,
         "SELECT tablename AS t FROM pg_tables WHERE schemaname = 'public'")}
@@ -516,10 +520,11 @@ def test_two_concurrent_migrates_on_a_fresh_database(fresh_database):
     for code, _, err in results:
         assert code == 0, err.decode(errors="replace")
     outputs = [orjson.loads(out) for _, out, _ in results]
-    assert sorted(v for o in outputs for v in o["applied"]) == [1], outputs
-    assert all(o["version"] == 1 for o in outputs), outputs
-    assert scalar(fresh_database, "SELECT max(version) FROM sidecar_schema_migrations") == 1
-    assert scalar(fresh_database, "SELECT count(*) FROM sidecar_schema_migrations") == 1
+    assert sorted(v for o in outputs for v in o["applied"]) == ALL_VERSIONS, outputs
+    assert all(o["version"] == LATEST for o in outputs), outputs
+    assert scalar(fresh_database, "SELECT max(version) FROM sidecar_schema_migrations") == LATEST
+    applied = scalar(fresh_database, "SELECT count(*) FROM sidecar_schema_migrations")
+    assert applied == len(ALL_VERSIONS)
     # the schema works
     job_id = enqueue(fresh_database, "ocr", {"ok": True})
     assert scalar(fresh_database, "SELECT count(*) FROM tool_jobs WHERE id = $1",
@@ -528,7 +533,7 @@ def test_two_concurrent_migrates_on_a_fresh_database(fresh_database):
 
 def test_enqueue_on_an_unmigrated_database_migrates_it(fresh_database):
     job_id = enqueue(fresh_database, "ocr", {})
-    assert scalar(fresh_database, "SELECT max(version) FROM sidecar_schema_migrations") == 1
+    assert scalar(fresh_database, "SELECT max(version) FROM sidecar_schema_migrations") == LATEST
     assert scalar(fresh_database, "SELECT count(*) FROM tool_jobs WHERE id = $1",
                   uuid.UUID(job_id)) == 1
 

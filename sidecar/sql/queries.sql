@@ -115,16 +115,25 @@ RETURNING j.id, j.lease_until,
           extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining;
 
 -- name: finish_job_if_owner
--- P6: the terminal write (succeeded or failed) commits only for the owner.
+-- P6: the terminal write (succeeded or failed) commits only for the owner. A success of
+-- a tool with a RESULT_URL ($9) queues its forwarding in the same statement, so a
+-- rejected completion is never forwarded and an accepted one always is.
 WITH finished AS (
     UPDATE tool_jobs
     SET state = $4, result = $5, error = $6, finished_at = now(), lease_until = NULL
     WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
       AND state = 'running' AND lease_until > now()
-    RETURNING id, fencing_token
+    RETURNING id, tool, fencing_token, attempt, result
 ), journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)
     SELECT id, fencing_token, $7, $8 FROM finished
+), outbox AS (
+    INSERT INTO tool_job_outbox (job_id, tool, url, idempotency_key, fencing_token, body)
+    SELECT id, tool, $9::text, 'tool-job:' || id || ':result', fencing_token,
+           jsonb_build_object('job_id', id, 'tool', tool, 'fencing_token', fencing_token,
+                              'attempt', attempt, 'result', result)
+    FROM finished
+    WHERE $9::text IS NOT NULL AND $4 = 'succeeded'
 )
 SELECT id FROM finished;
 

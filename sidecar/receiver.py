@@ -1,0 +1,105 @@
+"""``sidecar receiver``: the reference receiver of fenced side effects (P7, P17, P18).
+
+- ``POST /effects`` (fenced, see sidecar/fence.py): records the JSON body as one row of
+  ``fence_effects``, written on the connection the fence hands over, so the effect and
+  its bookkeeping commit together. ``201 {"effect_id", "entity", "fence"}``; a body
+  that is not JSON is ``400 {"error": "bad_body", ...}``.
+- ``GET /effects[?entity=E]``: ``{"effects": [{"id", "idempotency_key", "entity",
+  "fence", "body", "received_at"}, ...]}``, oldest first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import signal
+import sys
+
+import asyncpg
+import orjson
+from aiohttp import web
+
+from sidecar import db
+from sidecar.config import Settings
+from sidecar.errors import SidecarError, UsageError
+from sidecar.fence import FencedRequest, fence_middleware, fenced
+from sidecar.queries import Q
+from sidecar.store import Store
+
+POOL = web.AppKey("pool", asyncpg.Pool)
+_LISTEN = re.compile(r"(?P<host>\[[^\]]+\]|[^\s\[\]]+):(?P<port>[0-9]{1,5})")
+
+
+def _json(value, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(value), status=status,
+                        content_type="application/json")
+
+
+@fenced
+async def post_effect(request: web.Request) -> web.Response:
+    fence: FencedRequest = request["fence"]
+    try:
+        fence.json()
+        # A savepoint: if PostgreSQL refuses the JSON (\u0000 in a string), the fence's
+        # transaction stays usable and the 400 is recorded like any other answer.
+        async with fence.conn.transaction():
+            effect_id = await fence.conn.fetchval(
+                Q["fence_insert_effect"], fence.idempotency_key, fence.entity, fence.fence,
+                fence.body.decode())
+    except (orjson.JSONDecodeError, asyncpg.DataError) as exc:
+        return _json({"error": "bad_body", "message": f"the body must be one JSON value "
+                      f"({str(exc).splitlines()[0]})"}, status=400)
+    return _json({"effect_id": effect_id, "entity": fence.entity, "fence": fence.fence},
+                 status=201)
+
+
+async def list_effects(request: web.Request) -> web.Response:
+    rows = await request.app[POOL].fetch(Q["fence_list_effects"], request.query.get("entity"))
+    return _json({"effects": [dict(row) for row in rows]})
+
+
+def make_app(pool: asyncpg.Pool) -> web.Application:
+    """The receiver's aiohttp application on ``pool`` (migrated)."""
+    app = web.Application(middlewares=[fence_middleware(pool)])
+    app[POOL] = pool
+    app.router.add_post("/effects", post_effect)
+    app.router.add_get("/effects", list_effects)
+    return app
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:8900`` for IPv6) -> (host, port); UsageError otherwise."""
+    match = _LISTEN.fullmatch(text)
+    if not match or int(match["port"]) > 65535:
+        raise UsageError(f"--listen {text!r}: expected HOST:PORT with a port from 0 to 65535, "
+                         "e.g. 127.0.0.1:8900")
+    return match["host"].strip("[]"), int(match["port"])
+
+
+async def serve(settings: Settings, host: str, port: int) -> int:
+    """Migrate, serve until SIGTERM or SIGINT, return 0."""
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
+    pool = await db.create_pool(db.resolve_dsn(settings), settings.db_timeout_seconds,
+                                max_size=10)
+    try:
+        await Store(pool, settings.db_timeout_seconds).migrate()
+        runner = web.AppRunner(make_app(pool), access_log=None, shutdown_timeout=5)
+        await runner.setup()
+        try:
+            try:
+                await web.TCPSite(runner, host, port).start()
+            except OSError as exc:
+                raise SidecarError(f"receiver cannot listen on {host}:{port}: "
+                                   f"{exc.strerror or exc}") from None
+            bound_host, bound_port = runner.addresses[0][:2]
+            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
+            print(f"sidecar: receiver listening on http://{shown}:{bound_port}",
+                  file=sys.stderr, flush=True)
+            await stop.wait()
+        finally:
+            await runner.cleanup()
+    finally:
+        await pool.close()
+    return 0
