@@ -43,6 +43,14 @@ def _http_url(text: str) -> str:
     return text
 
 
+def _tool_list(text: str) -> frozenset[str]:
+    tools = frozenset(part for part in text.replace(" ", "").split(",") if part)
+    for tool in tools:
+        if not TOOL_NAME.fullmatch(tool):
+            raise ValueError(f"{tool!r} is not a valid tool name")
+    return tools
+
+
 def _exit_codes(text: str) -> frozenset[int]:
     codes = frozenset(int(part) for part in text.replace(" ", "").split(",") if part)
     if any(not 1 <= code <= 255 for code in codes):
@@ -72,6 +80,11 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "BACKOFF_MAX_SECONDS": _Field(_number, "300", "s", "retry delay cap"),
     "MAX_RESULT_BYTES": _Field(_integer, str(8 * 1024 * 1024), "bytes", "stdout cap"),
     "RESULT_URL": _Field(_http_url, "", "url", "where accepted results are POSTed (outbox)"),
+    "IDLE_TIMEOUT_SECONDS": _Field(_number, "0", "s",
+                                   "kill a tree with no CPU, I/O or output this long; 0 = off"),
+    "MAX_LIFETIME_SECONDS": _Field(_number, "0", "s",
+                                   "cap on a job's life from its first claim (P12); 0 = off"),
+    "NEXT_TOOLS": _Field(_tool_list, "", "tools", "tools a result may name as its next stage"),
 }
 
 # Sidecar-wide settings (not per tool).
@@ -154,6 +167,9 @@ class LeaseProfile:
     backoff_max_seconds: float
     max_result_bytes: int
     result_url: str
+    idle_timeout_seconds: float
+    max_lifetime_seconds: float
+    next_tools: frozenset[str]
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:
@@ -219,7 +235,7 @@ def _build_profile(
         raise ConfigError(f"{src['MAX_ATTEMPTS']}={p['max_attempts']}: at most "
                           f"{MAX_ATTEMPTS_LIMIT} attempts")
     for name in ("JITTER_SECONDS", "KILL_GRACE_SECONDS", "BACKOFF_BASE_SECONDS",
-                 "BACKOFF_MAX_SECONDS"):
+                 "BACKOFF_MAX_SECONDS", "IDLE_TIMEOUT_SECONDS", "MAX_LIFETIME_SECONDS"):
         if p[name.lower()] < 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must not be negative")
 

@@ -54,6 +54,8 @@ class Lease:
     settling: bool = False
     unknown_since: float | None = None
     evidence: dict[str, Any] | None = None
+    request_id: str | None = None        # the external request the tool last registered (P15)
+    stopping: str | None = None          # set by the supervisor once it stops the tool
 
     def lose(self, reason: str) -> None:
         """Mark the lease lost for ``reason`` (first reason wins)."""

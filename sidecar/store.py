@@ -42,6 +42,9 @@ class ClaimedJob:
     lease_remaining: float
     idempotency_key: str
     reclaimed: bool
+    checkpoint_text: str | None = None
+    stage: int = 0
+    lifetime_remaining: float | None = None
 
 
 @dataclass(frozen=True)
@@ -133,10 +136,15 @@ class Store:
         """Expired running jobs of ``tool`` with no attempt left -> failed (P16)."""
         return await self.pool.fetch(Q["fail_exhausted_leases"], tool, timeout=self.timeout)
 
-    async def claim(self, tool: str, owner_id: str, lease_seconds: float) -> ClaimedJob | None:
-        """Claim one job of ``tool`` (P4) or return None when none is eligible."""
+    async def claim(self, tool: str, owner_id: str, lease_seconds: float,
+                    max_lifetime_seconds: float | None = None) -> ClaimedJob | None:
+        """Claim one job of ``tool`` (P4) or return None when none is eligible.
+
+        ``max_lifetime_seconds`` (P12) makes the claim also return how much of the job's
+        lifetime is left, counted from its first claim by the database's clock."""
         row = await self.pool.fetchrow(
-            Q["claim_job"], tool, owner_id, lease_seconds, timeout=self.timeout
+            Q["claim_job"], tool, owner_id, lease_seconds, max_lifetime_seconds,
+            timeout=self.timeout
         )
         if row is None:
             return None
@@ -146,6 +154,8 @@ class Store:
             max_attempts=row["max_attempts"], lease_until=row["lease_until"],
             lease_remaining=row["lease_remaining"], idempotency_key=row["idempotency_key"],
             reclaimed=row["previous_state"] == "running",
+            checkpoint_text=row["checkpoint_text"], stage=row["stage"],
+            lifetime_remaining=row["lifetime_remaining"],
         )
 
     @staticmethod
@@ -215,6 +225,15 @@ class Store:
             Q["release_lease_if_owner"], job.id, owner_id, job.fencing_token, details,
             timeout=self.timeout,
         )
+        return row is not None
+
+    async def save_checkpoint_if_owner(
+        self, job: ClaimedJob, owner_id: str, checkpoint: RawJson, details: dict[str, Any],
+    ) -> bool:
+        """Store the tool's progress for the next attempt; False when not the owner."""
+        row = await self.pool.fetchrow(
+            Q["save_checkpoint_if_owner"], job.id, owner_id, job.fencing_token, checkpoint,
+            details, timeout=self.timeout)
         return row is not None
 
     async def record_event(

@@ -126,7 +126,8 @@ class Worker:
                                  reason="max_attempts_exceeded")
                 while len(self.running) < self.concurrency and not self.stopping.is_set():
                     sent = time.monotonic()
-                    job = await store.claim(tool, self.owner_id, self.profile.lease_seconds)
+                    job = await store.claim(tool, self.owner_id, self.profile.lease_seconds,
+                                            self.profile.max_lifetime_seconds or None)
                     if job is None:
                         break
                     lease = ctx.keeper.hold(job, sent)

@@ -88,7 +88,12 @@ WITH candidate AS (
     WHERE j.id = candidate.id
     RETURNING j.id, j.tool, j.payload::text AS payload_text, j.fencing_token, j.attempt, j.max_attempts,
               j.lease_until, j.idempotency_key, candidate.previous_state,
-              extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining
+              extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining,
+              j.checkpoint::text AS checkpoint_text, j.stage,
+              -- P12: seconds left of the job's lifetime cap ($4, NULL = none), counted
+              -- from its first claim by the database's clock
+              extract(epoch FROM j.first_claimed_at + $4::float8 * interval '1 second'
+                      - now())::float8 AS lifetime_remaining
 ), journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)
     SELECT id, fencing_token, 'job_claimed',
@@ -188,6 +193,19 @@ WITH target AS (
     FROM cancelled
 )
 SELECT id, previous_state FROM cancelled;
+
+-- name: save_checkpoint_if_owner
+-- A tool's progress, kept for the next attempt; only while this owner holds the lease.
+WITH saved AS (
+    UPDATE tool_jobs SET checkpoint = $4
+    WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
+      AND state = 'running' AND lease_until > now()
+    RETURNING id, fencing_token
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'checkpoint_saved', $5 FROM saved
+)
+SELECT id FROM saved;
 
 -- name: record_event
 INSERT INTO tool_job_events (job_id, fencing_token, event, details) VALUES ($1, $2, $3, $4);
