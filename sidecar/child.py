@@ -151,6 +151,7 @@ class Child:
         self.stdout_bytes = 0
         self.stdout_overflow = False
         self.stderr_tail = b""
+        self.stderr_bytes = 0
         self._stderr_partial = b""
         self._on_stderr_line = on_stderr_line
         self.returncode: int | None = None
@@ -294,6 +295,7 @@ class Child:
                 self._on_stderr_line(self._stderr_partial)
                 self._stderr_partial = b""
             return
+        self.stderr_bytes += len(chunk)
         self.stderr_tail = (self.stderr_tail + chunk)[-STDERR_TAIL_BYTES:]
         *lines, self._stderr_partial = (self._stderr_partial + chunk).split(b"\n")
         if len(self._stderr_partial) > STDERR_LINE_BYTES:

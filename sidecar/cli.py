@@ -183,6 +183,7 @@ def cmd_show(args, settings: Settings) -> int:
             job = dict(row)
             job["events"] = [dict(e) for e in await store.job_events(job_id)]
             job["forwarding"] = [dict(o) for o in await store.outbox_of_job(job_id)]
+            job["next_stages"] = [dict(c) for c in await store.children(job_id)]
             return job
 
     job = run_async(settings, go())
@@ -214,16 +215,20 @@ def cmd_cancel(args, settings: Settings) -> int:
 
     async def go():
         async with open_store(settings) as store:
-            previous = await store.cancel(job_id)
-            row = await store.get_job(job_id) if previous is None else None
-            return previous, row
+            cancelled = await store.cancel(job_id)
+            return cancelled, await store.get_job(job_id)
 
-    previous, row = run_async(settings, go())
-    if previous is None:
-        if row is None:
-            raise SidecarError(f"no job {job_id}")
+    cancelled, row = run_async(settings, go())
+    if row is None:
+        raise SidecarError(f"no job {job_id}")
+    if not cancelled:
         raise SidecarError(f"job {job_id} is already {row['state']}; nothing to cancel")
-    _print_json({"id": job_id, "cancelled": True, "previous_state": previous})
+    later = [str(i) for i in cancelled if i != job_id]
+    out: dict[str, Any] = {"id": job_id, "cancelled": job_id in cancelled,
+                           "previous_state": cancelled.get(job_id, row["state"])}
+    if later:
+        out["cancelled_stages"] = later
+    _print_json(out)
     return 0
 
 

@@ -56,6 +56,7 @@ class Lease:
     evidence: dict[str, Any] | None = None
     request_id: str | None = None        # the external request the tool last registered (P15)
     stopping: str | None = None          # set by the supervisor once it stops the tool
+    unjournaled: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     def lose(self, reason: str) -> None:
         """Mark the lease lost for ``reason`` (first reason wins)."""
@@ -155,6 +156,9 @@ class LeaseKeeper:
             elif not lease.lost.is_set() and not lease.settling:
                 await self._zero_rows(lease)
         try:
+            for lease in held:
+                if lease.unjournaled:
+                    await self._flush_journal(conn, lease)
             await self._probe_abandoned()
         except (Exception, TimeoutError) as exc:  # noqa: BLE001 - probe again next round
             self._abort_connection()
@@ -172,17 +176,34 @@ class LeaseKeeper:
             if lease.unknown_since is not None:
                 continue
             lease.unknown_since = now
+            reason = f"{type(exc).__name__}: {exc}"[:200]
             log.emit("ownership_unknown", "warning", job_id=str(lease.job.id),
                      tool=lease.job.tool, fencing_token=lease.job.fencing_token,
-                     lease_until=lease.lease_until, reason=f"{type(exc).__name__}: {exc}"[:200],
+                     lease_until=lease.lease_until, reason=reason, request_id=lease.request_id,
                      local_deadline_in_s=round(lease.local_deadline - now, 3))
+            # P15: its own journal row, written once the database answers again.
+            lease.unjournaled.append(("ownership_unknown", {
+                "last_confirmed_lease_until": lease.lease_until.isoformat(),
+                "request_id": lease.request_id, "reason": reason,
+                "owner_id": self.owner_id}))
 
     def _ownership_confirmed(self, lease: Lease) -> None:
         if lease.unknown_since is not None:
+            duration = round(time.monotonic() - lease.unknown_since, 3)
             log.emit("ownership_confirmed", job_id=str(lease.job.id), tool=lease.job.tool,
                      fencing_token=lease.job.fencing_token, lease_until=lease.lease_until,
-                     duration_s=round(time.monotonic() - lease.unknown_since, 3))
+                     duration_s=duration)
+            lease.unjournaled.append(("ownership_confirmed", {
+                "lease_until": lease.lease_until.isoformat(), "unknown_for_s": duration}))
             lease.unknown_since = None
+
+    async def _flush_journal(self, conn: asyncpg.Connection, lease: Lease) -> None:
+        """Write the events kept while the database did not answer."""
+        while lease.unjournaled:
+            event, details = lease.unjournaled[0]
+            await Store.record_event_on(conn, lease.job.id, lease.job.fencing_token, event,
+                                        details, self.statement_timeout)
+            lease.unjournaled.pop(0)
 
     async def _zero_rows(self, lease: Lease) -> None:
         job = lease.job
@@ -211,6 +232,7 @@ class LeaseKeeper:
         for job_id, lease in list(self.abandoned.items()):
             job = lease.job
             conn = await self._connection()
+            await self._flush_journal(conn, lease)
             still_ours = await Store.expire_lease_if_owner(
                 conn, self.owner_id, job.id, job.fencing_token, self.statement_timeout)
             base = {"owner_id": self.owner_id, "last_lease_until": lease.lease_until.isoformat()}

@@ -48,6 +48,15 @@ class ClaimedJob:
 
 
 @dataclass(frozen=True)
+class NextStage:
+    """The next stage a successful job names (P19): a job of ``tool`` with ``payload``."""
+
+    tool: str
+    payload: Any
+    max_attempts: int
+
+
+@dataclass(frozen=True)
 class Renewal:
     """One renewed lease: the new ``lease_until`` and seconds left by the database clock."""
 
@@ -125,10 +134,15 @@ class Store:
             )
         return existing["id"], False
 
-    async def cancel(self, job_id: uuid.UUID) -> str | None:
-        """Cancel a queued or running job; return its previous state, None if not cancellable."""
-        row = await self.pool.fetchrow(Q["cancel_job"], job_id, timeout=self.timeout)
-        return row["previous_state"] if row else None
+    async def cancel(self, job_id: uuid.UUID) -> dict[uuid.UUID, str]:
+        """Cancel a job and its later stages that are still queued or running; return
+        ``{id: previous state}`` of every job cancelled (empty when none was)."""
+        rows = await self.pool.fetch(Q["cancel_job"], job_id, timeout=self.timeout)
+        return {row["id"]: row["previous_state"] for row in rows}
+
+    async def children(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
+        """The next-stage jobs a job created (P19)."""
+        return await self.pool.fetch(Q["children_of_job"], job_id, timeout=self.timeout)
 
     # --- the lease protocol -------------------------------------------------
 
@@ -196,13 +210,20 @@ class Store:
     async def finish_if_owner(
         self, job: ClaimedJob, owner_id: str, state: str, result: RawJson | None,
         error: dict[str, Any] | None, event: str, details: dict[str, Any],
-        result_url: str | None = None,
+        result_url: str | None = None, next_stage: NextStage | None = None,
     ) -> bool:
         """Write the terminal state (P6) and journal ``event``; False when not the owner.
-        With ``result_url``, a success also queues its forwarding (outbox) atomically."""
+        With ``result_url``, a success also queues its forwarding (outbox); with
+        ``next_stage``, it creates the next stage's job; both in the same statement."""
         row = await self.pool.fetchrow(
             Q["finish_job_if_owner"], job.id, owner_id, job.fencing_token, state, result, error,
-            event, details, result_url, timeout=self.timeout,
+            event, details, result_url,
+            next_stage.tool if next_stage else None,
+            (RawJson("null") if next_stage.payload is None else next_stage.payload)
+            if next_stage else None,
+            next_stage.max_attempts if next_stage else None,
+            uuid.uuid4() if next_stage else None,
+            timeout=self.timeout,
         )
         return row is not None
 

@@ -1,5 +1,5 @@
 """One job, start to end: spawn -> race(exit | lease lost | cancel | stage deadline |
-shutdown) -> kill the tree -> fenced commit.
+lifetime cap | idle tree | shutdown) -> kill the tree -> fenced commit.
 
 The race lives in ``JobSupervisor.run``; its outcome is one ``stop_reason`` that decides
 the final state, the journal event and the log line (P8, P13).
@@ -8,27 +8,37 @@ the final state, the journal event and the log line (P8, P13).
 from __future__ import annotations
 
 import asyncio
+import os
 import random
+import tempfile
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 import orjson
+import psutil
 
 from sidecar import lease as lease_mod
 from sidecar.child import Child, SpawnFailed
-from sidecar.config import LeaseProfile
+from sidecar.config import LeaseProfile, Settings
 from sidecar.db import RawJson
 from sidecar.lease import Lease, LeaseKeeper
 from sidecar.log import log, payload_digest
-from sidecar.store import ClaimedJob, Store
+from sidecar.store import ClaimedJob, NextStage, Store
+
+if TYPE_CHECKING:
+    from sidecar.guard import GuardServer
 
 # Why the child stopped; the first one observed wins.
 EXITED = "exited"
 STAGE_TIMEOUT = "stage_timeout"
+LIFETIME = "max_lifetime_exceeded"
+IDLE = "idle_timeout"
 SHUTDOWN = "shutdown"
+
+CHECKPOINT_FILE_NAME = "checkpoint.json"
 
 _STDERR_LINES_PER_SECOND = 200
 T = TypeVar("T")
@@ -46,6 +56,9 @@ class WorkerContext:
     base_env: dict[str, str]
     shutdown_kill: asyncio.Event
     result_queued: Callable[[], None]
+    settings: Settings
+    guard: GuardServer | None = None
+    guard_url: str = ""
 
 
 def child_environment(base_env: dict[str, str], job: ClaimedJob, profile: LeaseProfile,
@@ -66,9 +79,10 @@ def child_environment(base_env: dict[str, str], job: ClaimedJob, profile: LeaseP
 
 
 def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
-    """Exponential backoff with jitter: base x 2^(attempt-1), capped, times 0.5-1.0."""
+    """Exponential backoff with full jitter (P16): a uniform draw in
+    [0, min(cap, base x 2^(attempt-1))] seconds, so retries of many jobs spread out."""
     delay = min(profile.backoff_max_seconds, profile.backoff_base_seconds * 2 ** (attempt - 1))
-    return delay * random.uniform(0.5, 1.0)
+    return random.uniform(0.0, delay)
 
 
 class _StderrRelay:
@@ -126,9 +140,29 @@ class JobSupervisor:
         payload = job.payload_text.encode()
         log.emit("job_claimed", **self._fields(), lease_until=job.lease_until,
                  reclaimed=job.reclaimed or None, payload=payload_digest(payload))
+        if job.lifetime_remaining is not None and job.lifetime_remaining <= 0:
+            self.lease.settle()
+            return await self._fail(self._lifetime_error(), retryable=False)
         env = child_environment(self.ctx.base_env, job, profile, self.ctx.owner_id)
+        with tempfile.TemporaryDirectory(prefix="sidecar-job-") as job_dir:
+            if job.checkpoint_text is not None:
+                path = os.path.join(job_dir, CHECKPOINT_FILE_NAME)
+                with open(path, "w", encoding="utf-8") as f:
+                    f.write(job.checkpoint_text)
+                env["SIDECAR_CHECKPOINT_FILE"] = path
+            if self.ctx.guard is not None:
+                env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
+                env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease)
+            try:
+                return await self._supervise(env, payload)
+            finally:
+                if self.ctx.guard is not None:
+                    self.ctx.guard.unregister(job.id)
+
+    async def _supervise(self, env: dict[str, str], payload: bytes) -> str:
+        profile = self.ctx.profile
         cookie = {k: env[k] for k in ("SIDECAR_JOB_ID", "SIDECAR_FENCING_TOKEN")}
-        relay = _StderrRelay(job)
+        relay = _StderrRelay(self.job)
         try:
             child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
                                       relay, cookie)
@@ -142,7 +176,9 @@ class JobSupervisor:
                                                      "payload": payload_digest(payload)})
         log.emit("tool_request_started", **self._fields(), pid=child.pid)
 
-        reason = await self._race(child, profile.stage_timeout_seconds)
+        reason = await self._race(child)
+        if reason != EXITED:
+            self.lease.stopping = reason  # the guard refuses from now on ("deadline")
         report = await child.kill_tree(profile.kill_grace_seconds)
         await child.close_pipes(timeout=1.0)
         relay.flush()
@@ -156,16 +192,25 @@ class JobSupervisor:
             await self._journal("child_killed", details)
         return await self._settle(reason, child)
 
-    async def _race(self, child: Child, stage_timeout: float) -> str:
+    async def _race(self, child: Child) -> str:
         """Wait for the first of: the child exits, the lease is lost (or cancelled), the
-        stage deadline passes, or shutdown demands the kill. Return which."""
+        stage deadline or the job's lifetime cap passes, the tree goes idle, or shutdown
+        demands the kill. Return which. Ownership wins every tie (P13)."""
+        profile = self.ctx.profile
+        timeout, on_timeout = profile.stage_timeout_seconds, STAGE_TIMEOUT
+        lifetime = self.job.lifetime_remaining
+        if lifetime is not None and lifetime - (time.monotonic() - self.started) < timeout:
+            timeout, on_timeout = max(0.0, lifetime - (time.monotonic() - self.started)), LIFETIME
         waiters = {
             asyncio.ensure_future(asyncio.shield(child.exited)): EXITED,
             asyncio.ensure_future(self.lease.lost.wait()): "lease",
             asyncio.ensure_future(self.ctx.shutdown_kill.wait()): SHUTDOWN,
         }
+        if profile.idle_timeout_seconds > 0:
+            waiters[asyncio.ensure_future(
+                watch_idle(child, profile.idle_timeout_seconds))] = IDLE
         try:
-            done, _ = await asyncio.wait(waiters, timeout=stage_timeout,
+            done, _ = await asyncio.wait(waiters, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
         finally:
             for fut in waiters:
@@ -173,9 +218,12 @@ class JobSupervisor:
         if self.lease.lost.is_set():
             return self.lease.reason or lease_mod.LEASE_LOST
         if not done:
-            return STAGE_TIMEOUT
-        return waiters[next(iter(done))] if len(done) == 1 else (
-            SHUTDOWN if self.ctx.shutdown_kill.is_set() else EXITED)
+            return on_timeout
+        reasons = {waiters[fut] for fut in done}
+        for reason in (SHUTDOWN, EXITED, IDLE):
+            if reason in reasons:
+                return reason
+        return EXITED
 
     async def _settle(self, reason: str, child: Child) -> str:
         profile = self.ctx.profile
@@ -199,6 +247,14 @@ class JobSupervisor:
                      "message": f"no result within the stage deadline of "
                                 f"{profile.stage_timeout_seconds:g} s; the tree was killed"}
             return await self._fail(error, retryable=True)
+        if reason == IDLE:
+            error = {"kind": "idle_timeout", "stderr_tail": stderr_tail,
+                     "message": f"no CPU time, I/O or output for "
+                                f"{profile.idle_timeout_seconds:g} s; the tree was killed"}
+            return await self._fail(error, retryable=True)
+        if reason == LIFETIME:
+            return await self._fail({**self._lifetime_error(), "stderr_tail": stderr_tail},
+                                    retryable=False)
         code = child.returncode
         if code is not None and code < 0:
             error = {"kind": "signal", "signal": -code, "stderr_tail": stderr_tail,
@@ -218,21 +274,52 @@ class JobSupervisor:
             return await self._fail(error, retryable=False)
         return await self._succeed(bytes(child.stdout), stderr_tail)
 
+    def _lifetime_error(self) -> dict[str, Any]:
+        return {"kind": "max_lifetime_exceeded",
+                "message": f"the job outlived its cap of "
+                           f"{self.ctx.profile.max_lifetime_seconds:g} s from its first claim "
+                           "(P12); split it into stages"}
+
+    def _next_stage(self, value: Any) -> tuple[Any, NextStage | None, dict[str, Any] | None]:
+        """Split ``{"result": R, "next": {"tool": T, "payload": P}}`` (P19); anything else
+        is a plain result. Returns (result, next stage or None, error or None)."""
+        if not (isinstance(value, dict) and value.keys() == {"result", "next"}):
+            return value, None, None
+        nxt = value["next"]
+        if not (isinstance(nxt, dict) and isinstance(nxt.get("tool"), str)
+                and set(nxt) <= {"tool", "payload"}):
+            return None, None, {"kind": "bad_result", "message":
+                                'a next stage must be {"tool": NAME, "payload": JSON}'}
+        if nxt["tool"] not in self.ctx.profile.next_tools:
+            allowed = ", ".join(sorted(self.ctx.profile.next_tools)) or "none"
+            return None, None, {"kind": "stage_not_allowed", "message":
+                                f"next stage tool {nxt['tool']!r} is not allowed for "
+                                f"{self.job.tool!r} (SIDECAR_PROFILE_<TOOL>_NEXT_TOOLS: "
+                                f"{allowed})"}
+        next_profile = self.ctx.settings.profile(nxt["tool"])
+        return value["result"], NextStage(nxt["tool"], nxt.get("payload", {}),
+                                          next_profile.max_attempts), None
+
     async def _succeed(self, stdout: bytes, stderr_tail: str | None) -> str:
         try:
-            orjson.loads(stdout)
+            value = orjson.loads(stdout)
             result = RawJson(stdout.decode("utf-8"))
         except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
             error = {"kind": "bad_result", "stderr_tail": stderr_tail,
                      "message": f"exit 0 but stdout is not one JSON value ({exc}); "
                                 f"{len(stdout)} bytes"}
             return await self._fail(error, retryable=False)
+        value, next_stage, stage_error = self._next_stage(value)
+        if stage_error is not None:
+            return await self._fail({**stage_error, "stderr_tail": stderr_tail}, retryable=False)
+        if next_stage is not None:
+            result = RawJson(orjson.dumps(value).decode())
         details = {"result": payload_digest(stdout),
                    "duration_s": round(time.monotonic() - self.started, 3)}
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
                 self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded", details,
-                self.ctx.profile.result_url or None))
+                self.ctx.profile.result_url or None, next_stage))
         except OwnershipUnknown:
             return await self._abandon(stdout)
         except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:  # jsonb refused it
@@ -242,7 +329,8 @@ class JobSupervisor:
         if not accepted:
             await self._reject(stdout, "not the owner at commit")
             return "rejected"
-        log.emit("job_succeeded", **self._fields(), duration_s=details["duration_s"])
+        log.emit("job_succeeded", **self._fields(), duration_s=details["duration_s"],
+                 next_tool=next_stage.tool if next_stage else None)
         if self.ctx.profile.result_url:
             self.ctx.result_queued()
         return "succeeded"
@@ -251,13 +339,15 @@ class JobSupervisor:
         job, profile = self.job, self.ctx.profile
         error = {k: v for k, v in error.items() if v is not None}
         duration = round(time.monotonic() - self.started, 3)
+        # Every attempt's summary goes to the journal (P16), the last error to the row.
+        summary = {"attempt": job.attempt, "kind": error["kind"], "duration_s": duration,
+                   **{k: error[k] for k in ("exit_code", "signal") if k in error}}
         if retryable and job.attempt < job.max_attempts:
             delay = backoff_seconds(profile, job.attempt)
             try:
                 run_after = await self._fenced(lambda: self.ctx.store.requeue_if_owner(
                     job, self.ctx.owner_id, error, delay,
-                    {"kind": error["kind"], "backoff_s": round(delay, 3),
-                     "attempt": job.attempt}))
+                    {**summary, "backoff_s": round(delay, 3)}))
             except OwnershipUnknown:
                 return await self._abandon(None)
             if run_after is None:
@@ -271,7 +361,7 @@ class JobSupervisor:
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
                 job, self.ctx.owner_id, "failed", None, error, "job_failed",
-                {"kind": error["kind"], "duration_s": duration}))
+                summary))
         except OwnershipUnknown:
             return await self._abandon(None)
         if not accepted:
@@ -334,6 +424,43 @@ class JobSupervisor:
             await self.ctx.store.record_event(self.job.id, self.job.fencing_token, event, details)
         except Exception:  # noqa: BLE001 - the journal must not take the supervisor down
             log.emit("journal_error", "warning", **self._fields(), reason=event)
+
+
+async def watch_idle(child: Child, idle_seconds: float) -> None:
+    """Return once the child's tree has shown no CPU time, no I/O and no output for
+    ``idle_seconds``: hung, although the sidecar itself is healthy and heartbeating."""
+    loop = asyncio.get_running_loop()
+    period = min(1.0, idle_seconds / 4)
+    last_sample, last_progress = None, time.monotonic()
+    while True:
+        await asyncio.sleep(period)
+        sample = (await loop.run_in_executor(None, tree_activity, child.pid),
+                  child.stdout_bytes, child.stderr_bytes)
+        now = time.monotonic()
+        if sample != last_sample:
+            last_sample, last_progress = sample, now
+        elif now - last_progress >= idle_seconds:
+            return
+
+
+def tree_activity(pid: int) -> tuple[float, int]:
+    """CPU seconds and I/O bytes (read + written) of a process and its descendants."""
+    cpu, io = 0.0, 0
+    try:
+        root = psutil.Process(pid)
+        procs = [root, *root.children(recursive=True)]
+    except psutil.Error:
+        return cpu, io
+    for proc in procs:
+        try:
+            with proc.oneshot():
+                times = proc.cpu_times()
+                cpu += times.user + times.system
+                counters = proc.io_counters()
+                io += counters.read_chars + counters.write_chars
+        except (psutil.Error, AttributeError):
+            continue
+    return round(cpu, 2), io
 
 
 class OwnershipUnknown(Exception):

@@ -21,6 +21,7 @@ from sidecar import db
 from sidecar.child import reap_adopted
 from sidecar.config import LeaseProfile, Settings
 from sidecar.forwarder import Forwarder
+from sidecar.guard import GuardServer
 from sidecar.lease import LeaseKeeper
 from sidecar.log import log
 from sidecar.store import Store
@@ -76,8 +77,11 @@ class Worker:
         await store.migrate()
         keeper = LeaseKeeper(self.dsn, self.owner_id, self.profile, store, timeout)
         forwarder = Forwarder(store, self.settings, self.owner_id)
+        guard = GuardServer(store, self.profile, self.owner_id)
+        guard_url = await guard.start()
         ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
-                            dict(os.environ), self.shutdown_kill, forwarder.wake)
+                            dict(os.environ), self.shutdown_kill, forwarder.wake,
+                            self.settings, guard, guard_url)
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict())
         background = [asyncio.create_task(keeper.run(), name="heartbeat"),
@@ -97,6 +101,7 @@ class Worker:
             await asyncio.gather(*background, return_exceptions=True)
             if self.adopt_orphans:
                 reap_adopted()
+            await guard.stop()
             await asyncio.wait_for(pool.close(), timeout)
         log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
                  reason=repr(self.failure) if self.failure else None)

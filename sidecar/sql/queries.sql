@@ -122,13 +122,27 @@ RETURNING j.id, j.lease_until,
 -- name: finish_job_if_owner
 -- P6: the terminal write (succeeded or failed) commits only for the owner. A success of
 -- a tool with a RESULT_URL ($9) queues its forwarding in the same statement, so a
--- rejected completion is never forwarded and an accepted one always is.
+-- rejected completion is never forwarded and an accepted one always is. A success that
+-- names a next stage (P19: tool $10, payload $11, max attempts $12, new id $13) creates
+-- it here too, keyed '{parent key}:stage:{n}': a repeated completion cannot make two.
 WITH finished AS (
     UPDATE tool_jobs
     SET state = $4, result = $5, error = $6, finished_at = now(), lease_until = NULL
     WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
       AND state = 'running' AND lease_until > now()
-    RETURNING id, tool, fencing_token, attempt, result
+    RETURNING id, tool, fencing_token, attempt, result, idempotency_key, stage
+), next_stage AS (
+    INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, parent_id, stage)
+    SELECT $13::uuid, $10::text, idempotency_key || ':stage:' || (stage + 1), $11::jsonb,
+           $12::int, id, stage + 1
+    FROM finished
+    WHERE $10::text IS NOT NULL
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING id, tool, parent_id, stage
+), next_journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, 0, 'job_enqueued', jsonb_build_object('parent_id', parent_id, 'stage', stage)
+    FROM next_stage
 ), journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)
     SELECT id, fencing_token, $7, $8 FROM finished
@@ -140,7 +154,10 @@ WITH finished AS (
     FROM finished
     WHERE $9::text IS NOT NULL AND $4 = 'succeeded'
 )
-SELECT id FROM finished;
+SELECT f.id,
+       (SELECT n.id FROM next_stage n CROSS JOIN LATERAL pg_notify('sidecar_jobs', n.tool)
+        LIMIT 1) AS next_id
+FROM finished f;
 
 -- name: requeue_job_if_owner
 -- A retryable failure with attempts left: back to queued after a backoff.
@@ -175,9 +192,14 @@ WITH released AS (
 SELECT id, pg_notify('sidecar_jobs', tool) FROM released;
 
 -- name: cancel_job
-WITH target AS (
-    SELECT id, state AS previous_state FROM tool_jobs
-    WHERE id = $1 AND state IN ('queued', 'running')
+-- Cancels the job and every later stage of it still queued or running.
+WITH RECURSIVE chain AS (
+    SELECT id FROM tool_jobs WHERE id = $1
+    UNION ALL
+    SELECT c.id FROM tool_jobs c JOIN chain ON c.parent_id = chain.id
+), target AS (
+    SELECT j.id, j.state AS previous_state FROM tool_jobs j
+    WHERE j.id IN (SELECT id FROM chain) AND j.state IN ('queued', 'running')
     FOR UPDATE
 ), cancelled AS (
     UPDATE tool_jobs j
@@ -216,11 +238,14 @@ SELECT state, owner_id, fencing_token FROM tool_jobs WHERE id = $1;
 -- name: get_job
 SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, attempt,
        max_attempts, idempotency_key, payload, result, error, run_after, created_at,
-       first_claimed_at, finished_at
+       first_claimed_at, finished_at, parent_id, stage, checkpoint
 FROM tool_jobs WHERE id = $1;
 
 -- name: job_events
 SELECT fencing_token, event, at, details FROM tool_job_events WHERE job_id = $1 ORDER BY id;
+
+-- name: children_of_job
+SELECT id, tool, state, stage FROM tool_jobs WHERE parent_id = $1 ORDER BY created_at, id;
 
 -- name: list_jobs
 SELECT id, tool, state, attempt, max_attempts, fencing_token, owner_id, lease_until,

@@ -1,0 +1,120 @@
+#!/usr/bin/env python3
+"""The sidecar's guard from a Python tool (stdlib only): copy this file next to your tool.
+
+Call ``guard()`` just before each irreversible step (sending an email, capturing a payment,
+creating a case). It returns ``{"fencing_token": N, "lease_remaining_seconds": S}`` while
+this attempt still owns the job with time to spare; send N as ``X-Execution-Fence``. It
+raises ``GuardRefused`` (``.reason``: cancelled, lease_lost, ownership_unknown, deadline,
+lease_ending) when the step must not start; stop, or for ``lease_ending`` (transient) pass
+``retry_seconds`` to wait for the next heartbeat. ``checkpoint(obj)`` saves progress (one
+JSON value, at most 64 KiB) for the next attempt, which finds it in the file named by
+``SIDECAR_CHECKPOINT_FILE``.
+
+    from guard_client import GuardRefused, checkpoint, guard
+
+    for page in pages:
+        fence = guard(request_id=f"{os.environ['SIDECAR_IDEMPOTENCY_KEY']}:page:{page}")
+        send(page, fence=fence["fencing_token"])
+        checkpoint({"done": page})
+
+As a script: ``guard_client.py [REQUEST_ID]`` asks the guard and prints its answer, and
+``guard_client.py --checkpoint JSON`` (``-`` reads stdin) saves a checkpoint. Exit 0 on
+success, 1 with the reason on stderr when refused (409), 2 when the guard cannot be asked.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+TIMEOUT = 10  # seconds; the guard is local, a checkpoint is one database write
+RETRYABLE = ("lease_ending",)
+
+# The guard is on 127.0.0.1: never send it (or its secret) through an http_proxy.
+_opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+class GuardError(Exception):
+    """The guard could not be asked: not run by a sidecar, 401, unreachable, other errors."""
+
+
+class GuardRefused(Exception):
+    """The guard said no (409). ``reason`` says why; do not start the step."""
+
+    def __init__(self, reason: str):
+        super().__init__(reason)
+        self.reason = reason
+
+
+def _post(path: str, body: bytes) -> dict:
+    url, token = os.environ.get("SIDECAR_GUARD_URL"), os.environ.get("SIDECAR_GUARD_TOKEN")
+    if not url or not token:
+        raise GuardError("SIDECAR_GUARD_URL and SIDECAR_GUARD_TOKEN are not set "
+                         "(not run by a sidecar?)")
+    request = urllib.request.Request(
+        url + path, data=body, method="POST",
+        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    try:
+        with _opener.open(request, timeout=TIMEOUT) as response:
+            return json.load(response)
+    except urllib.error.HTTPError as exc:
+        answer = exc.read()[:1000]
+        if exc.code == 409:
+            try:
+                raise GuardRefused(json.loads(answer)["reason"]) from None
+            except (ValueError, KeyError, TypeError):
+                pass
+        raise GuardError(f"{path} answered {exc.code}: {answer!r}") from None
+    except OSError as exc:
+        raise GuardError(f"{url} unreachable: {exc}") from None
+
+
+def guard(request_id: str | None = None, retry_seconds: float = 0.0) -> dict:
+    """May this attempt start an irreversible step now? Returns ``{"fencing_token": N,
+    "lease_remaining_seconds": S}``; raises GuardRefused or GuardError. ``request_id``
+    (1-200 characters) names the request you are about to send (logged by the sidecar if
+    ownership becomes unknown meanwhile). ``retry_seconds``: how long to keep asking
+    while the reason is ``lease_ending``."""
+    body = json.dumps({"request_id": request_id} if request_id is not None else {}).encode()
+    give_up = time.monotonic() + retry_seconds
+    while True:
+        try:
+            return _post("/v1/guard", body)
+        except GuardRefused as exc:
+            if exc.reason not in RETRYABLE or time.monotonic() >= give_up:
+                raise
+            time.sleep(0.5)
+
+
+def checkpoint(obj) -> dict:
+    """Save ``obj`` (JSON-able, at most 64 KiB encoded) as the job's progress, fenced on this
+    attempt. Returns ``{"saved": true, "bytes": n}``; raises GuardRefused ("lease_lost") when
+    the job is no longer ours, GuardError otherwise (413 too large, 503 database down)."""
+    return _post("/v1/checkpoint", json.dumps(obj, separators=(",", ":")).encode())
+
+
+def main(argv: list[str]) -> int:
+    try:
+        if argv[:1] == ["--checkpoint"] and len(argv) == 2:
+            text = sys.stdin.read() if argv[1] == "-" else argv[1]
+            answer = checkpoint(json.loads(text))
+        elif len(argv) <= 1 and argv[:1] != ["--checkpoint"]:
+            answer = guard(argv[0] if argv else None)
+        else:
+            print("usage: guard_client.py [REQUEST_ID] | --checkpoint JSON|-", file=sys.stderr)
+            return 2
+    except GuardRefused as exc:
+        print(f"guard: {exc.reason}", file=sys.stderr)
+        return 1
+    except (GuardError, ValueError) as exc:
+        print(f"guard: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(answer))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,362 @@
+"""The guard: a tool asks, just before an irreversible step, whether it may still act (P14,
+P15), and saves its progress with the job (checkpoints).
+
+One small aiohttp server per sidecar, on the loopback interface only (``127.0.0.1``, port
+chosen by the OS). Every running job gets its own secret; the child finds the server in
+``SIDECAR_GUARD_URL`` (``http://127.0.0.1:PORT``) and the secret in
+``SIDECAR_GUARD_TOKEN``, and sends ``Authorization: Bearer <secret>``. The secret names the
+job: there is no job id in the URL.
+
+``POST /v1/guard``, optional JSON body ``{"request_id": "..."}`` (1-200 printable
+characters: the id of the external request the tool is about to send):
+
+- ``200 {"fencing_token": N, "lease_remaining_seconds": S}`` only while ownership is
+  confirmed and at least H + J (the profile's heartbeat period plus jitter allowance)
+  remain before the conservative local deadline; S is the seconds left before that
+  deadline (monotonic clock, rounded to ms). The request id is then kept on the lease
+  (``Lease.request_id``) for the ownership-unknown event (P15).
+- ``409 {"reason": R}`` otherwise, R one of (checked in this order):
+  ``cancelled`` (an operator cancelled the job), ``ownership_unknown`` (given up locally at
+  the local deadline), ``lease_lost`` (any other loss, or a checkpoint write that found the
+  job no longer ours), ``deadline`` (the supervisor is stopping the tool: stage deadline,
+  lifetime cap, idle tree or shutdown), ``lease_lost`` (the outcome is being written),
+  ``ownership_unknown`` (the database does not answer the heartbeat), ``lease_ending``
+  (less than H + J left; transient: the next heartbeat renews the lease).
+- ``400 {"error": "bad_json" | "bad_request", "message"}`` for a body that is not JSON, not
+  an object, or has a bad ``request_id``; ``413 {"error": "body_too_large", "limit": 4096}``.
+
+``POST /v1/checkpoint``, body: one JSON value of at most 65536 bytes (the tool's progress):
+
+- ``200 {"saved": true, "bytes": n}``: stored in ``tool_jobs.checkpoint`` by a write
+  fenced on this attempt's token, and journaled as ``checkpoint_saved`` with its size and
+  sha256 (never its content). Allowed while the tool is being stopped (a SIGTERM handler
+  may save its progress) and while ownership is unknown (the write is fenced anyway).
+- ``409 {"reason": "lease_lost"}``: the lease is lost locally or the fenced write found
+  the job no longer ours (then every later guard call answers ``lease_lost`` too).
+- ``413 {"error": "checkpoint_too_large", "limit": 65536}``; ``400 {"error": "bad_json"}``
+  for a body that is not one JSON value (or that PostgreSQL's jsonb refuses, e.g.
+  ``\\u0000``); ``503 {"error": "database_unavailable"}`` when the database fails or does
+  not answer within the store's timeout (nothing was saved unless a retry says so).
+
+Both: a missing, malformed, unknown or no longer registered secret gets ``401
+{"error": "unauthorized"}`` with ``WWW-Authenticate: Bearer`` (the same answer for every
+case: the caller learns nothing); a body not complete within ``body_timeout`` seconds
+gets ``408 {"error": "body_timeout"}``.
+
+Every handler is a few dictionary lookups and at most one fenced statement: nothing blocks
+the event loop, and each connection is its own task, so a slow or hostile client holds
+only its own connection. Checkpoint writes take at most one connection of the store's
+pool at a time, and give up (503) rather than wait longer than the store's timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+import time
+import uuid
+from dataclasses import dataclass
+
+import asyncpg
+import orjson
+from aiohttp import web
+
+from sidecar.config import LeaseProfile
+from sidecar.db import RawJson
+from sidecar.lease import CANCELLED, LOCAL_DEADLINE, Lease
+from sidecar.log import log, payload_digest
+from sidecar.store import Store
+
+GUARD_PATH = "/v1/guard"
+CHECKPOINT_PATH = "/v1/checkpoint"
+CHECKPOINT_LIMIT = 65536          # bytes of one checkpoint body
+GUARD_BODY_LIMIT = 4096           # bytes of a guard request body
+MAX_REQUEST_ID = 200              # characters
+MAX_TOKEN_LENGTH = 256            # characters of a bearer token we bother to hash
+DEFAULT_BODY_TIMEOUT = 10.0       # seconds to receive a whole request body
+UNAUTHORIZED_LOG_PERIOD = 10.0    # seconds between two guard_unauthorized log lines
+
+# The 409 reasons.
+R_CANCELLED = "cancelled"
+R_LEASE_LOST = "lease_lost"
+R_OWNERSHIP_UNKNOWN = "ownership_unknown"
+R_DEADLINE = "deadline"
+R_LEASE_ENDING = "lease_ending"
+
+_UNAUTHORIZED_BODY = orjson.dumps({"error": "unauthorized"})
+_DB_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
+
+def _json(value: object, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(value), status=status,
+                        content_type="application/json")
+
+
+def _unauthorized() -> web.Response:
+    return web.Response(body=_UNAUTHORIZED_BODY, status=401, content_type="application/json",
+                        headers={"WWW-Authenticate": "Bearer"})
+
+
+def _digest(token: str) -> bytes:
+    return hashlib.sha256(token.encode("ascii")).digest()
+
+
+@dataclass(eq=False)
+class _Registration:
+    """One job's secret (as its sha256) and lease."""
+
+    lease: Lease
+    digest: bytes
+    refused: str | None = None       # the last refusal logged, so a polling tool logs once
+    fenced_out: bool = False         # a fenced checkpoint write found the job not ours
+
+
+class GuardServer:
+    """The guard of one sidecar (one tool, one lease profile, one owner).
+
+    ``store``: the sidecar's Store (checkpoint writes use its pool and timeout).
+    ``profile``: the tool's lease profile; H + J = ``heartbeat_seconds + jitter_seconds``
+    is the least time (seconds) that must remain before a lease's local deadline for a 200.
+    ``owner_id``: this sidecar's owner id, which fences the checkpoint writes.
+    ``body_timeout``: seconds a client may take to send a request body (then 408).
+    """
+
+    def __init__(self, store: Store, profile: LeaseProfile, owner_id: str, *,
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT):
+        self.store = store
+        self.profile = profile
+        self.owner_id = owner_id
+        self.body_timeout = body_timeout
+        self.min_remaining = profile.heartbeat_seconds + profile.jitter_seconds
+        self.url: str | None = None
+        self._by_digest: dict[bytes, _Registration] = {}
+        self._by_job: dict[uuid.UUID, list[_Registration]] = {}
+        self._runner: web.AppRunner | None = None
+        self._db_slot = asyncio.Semaphore(1)
+        self._unauthorized = 0
+        self._unauthorized_logged = float("-inf")
+
+    # --- lifecycle ----------------------------------------------------------
+
+    async def start(self) -> str:
+        """Listen on 127.0.0.1 on a port chosen by the OS; return the base URL
+        (``http://127.0.0.1:PORT``, no trailing slash). Raises RuntimeError when already
+        started, OSError when the socket cannot be bound."""
+        if self._runner is not None:
+            raise RuntimeError("the guard server is already started")
+        app = web.Application(client_max_size=CHECKPOINT_LIMIT)
+        app.router.add_post(GUARD_PATH, self._guard)
+        app.router.add_post(CHECKPOINT_PATH, self._checkpoint)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0,
+                               keepalive_timeout=15.0, auto_decompress=False)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, "127.0.0.1", 0).start()
+        except BaseException:
+            await runner.cleanup()
+            raise
+        self._runner = runner
+        port = runner.addresses[0][1]
+        self.url = f"http://127.0.0.1:{port}"
+        log.emit("guard_started", url=self.url, tool=self.profile.tool)
+        return self.url
+
+    async def stop(self) -> None:
+        """Close the listener and every connection (in-flight requests get up to 2 s) and
+        forget every secret. Safe to call twice, or without start()."""
+        runner, self._runner = self._runner, None
+        self._by_digest.clear()
+        self._by_job.clear()
+        if runner is not None:
+            await runner.cleanup()
+
+    # --- jobs ---------------------------------------------------------------
+
+    def register(self, lease: Lease) -> str:
+        """Accept requests for ``lease``'s job from now on; return the job's new secret
+        (``secrets.token_urlsafe(32)``: 43 URL-safe characters) for ``SIDECAR_GUARD_TOKEN``.
+        Only its sha256 is kept. May be called before start()."""
+        token = secrets.token_urlsafe(32)
+        registration = _Registration(lease, _digest(token))
+        self._by_digest[registration.digest] = registration
+        self._by_job.setdefault(lease.job.id, []).append(registration)
+        return token
+
+    def unregister(self, job_id: uuid.UUID) -> None:
+        """Forget the job's secret: its requests get 401 from now on. When this sidecar
+        registered the same job again meanwhile (it claimed the job anew after giving it
+        back), only the registrations whose leases are settled or lost are forgotten, so
+        the new attempt keeps its secret. Unknown ids are ignored."""
+        registrations = self._by_job.get(job_id)
+        if not registrations:
+            return
+        ended = [r for r in registrations if r.lease.settling or r.lease.lost.is_set()]
+        if len(registrations) == 1 or not ended:
+            ended = registrations[:1]
+        for registration in ended:
+            registrations.remove(registration)
+            self._by_digest.pop(registration.digest, None)
+        if not registrations:
+            del self._by_job[job_id]
+
+    # --- requests -----------------------------------------------------------
+
+    def _authenticate(self, request: web.Request) -> _Registration | None:
+        """The registration the bearer secret names, or None (and a rate-limited log line)."""
+        values = request.headers.getall("Authorization", [])
+        registration = None
+        if len(values) == 1:
+            scheme, _, token = values[0].partition(" ")
+            token = token.strip()
+            if (scheme.lower() == "bearer" and 0 < len(token) <= MAX_TOKEN_LENGTH
+                    and token.isascii()):
+                digest = _digest(token)
+                found = self._by_digest.get(digest)
+                if found is not None and hmac.compare_digest(found.digest, digest):
+                    registration = found
+        if registration is None:
+            self._unauthorized += 1
+            now = time.monotonic()
+            if now - self._unauthorized_logged >= UNAUTHORIZED_LOG_PERIOD:
+                log.emit("guard_unauthorized", "warning", tool=self.profile.tool,
+                         path=request.path, requests=self._unauthorized)
+                self._unauthorized_logged, self._unauthorized = now, 0
+        return registration
+
+    async def _read_body(self, request: web.Request, limit: int,
+                         too_large: dict[str, object]) -> bytes | web.Response:
+        """The whole body (at most ``limit`` bytes) or the error answer to send instead."""
+        if request.content_length is not None and request.content_length > limit:
+            return _json(too_large, 413)
+        try:
+            async with asyncio.timeout(self.body_timeout):
+                body = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            return _json(too_large, 413)
+        except TimeoutError:
+            return _json({"error": "body_timeout", "message": f"the body did not arrive "
+                          f"within {self.body_timeout:g} s"}, 408)
+        if len(body) > limit:
+            return _json(too_large, 413)
+        return body
+
+    def _refusal(self, registration: _Registration) -> str | None:
+        """Why the tool may not start an irreversible step now, or None when it may."""
+        lease = registration.lease
+        if lease.lost.is_set():
+            if lease.reason == CANCELLED:
+                return R_CANCELLED
+            if lease.reason == LOCAL_DEADLINE:
+                return R_OWNERSHIP_UNKNOWN
+            return R_LEASE_LOST
+        if registration.fenced_out:
+            return R_LEASE_LOST
+        if lease.stopping:
+            return R_DEADLINE
+        if lease.settling:
+            return R_LEASE_LOST
+        if lease.unknown_since is not None:
+            return R_OWNERSHIP_UNKNOWN
+        if lease.local_deadline - time.monotonic() < self.min_remaining:
+            return R_LEASE_ENDING
+        return None
+
+    async def _guard(self, request: web.Request) -> web.Response:
+        registration = self._authenticate(request)
+        if registration is None:
+            return _unauthorized()
+        body = await self._read_body(request, GUARD_BODY_LIMIT,
+                                     {"error": "body_too_large", "limit": GUARD_BODY_LIMIT})
+        if isinstance(body, web.Response):
+            return body
+        request_id = None
+        if body.strip():
+            try:
+                parsed = orjson.loads(body)
+            except orjson.JSONDecodeError as exc:
+                return _json({"error": "bad_json", "message": f"the body is not JSON ({exc})"},
+                             400)
+            if not isinstance(parsed, dict):
+                return _json({"error": "bad_request",
+                              "message": 'the body must be a JSON object {"request_id": ...}'},
+                             400)
+            request_id = parsed.get("request_id")
+            if request_id is not None and not (
+                    isinstance(request_id, str) and 0 < len(request_id) <= MAX_REQUEST_ID
+                    and request_id.isprintable()):
+                return _json({"error": "bad_request", "message": f"request_id must be a "
+                              f"string of 1-{MAX_REQUEST_ID} printable characters"}, 400)
+        lease = registration.lease
+        reason = self._refusal(registration)
+        if reason is not None:
+            self._log_refusal(registration, reason, request_id)
+            return _json({"reason": reason}, 409)
+        remaining = lease.local_deadline - time.monotonic()
+        if request_id is not None:
+            lease.request_id = request_id
+        registration.refused = None
+        return _json({"fencing_token": lease.job.fencing_token,
+                      "lease_remaining_seconds": round(remaining, 3)})
+
+    def _log_refusal(self, registration: _Registration, reason: str,
+                     request_id: str | None) -> None:
+        """One line per change of reason (a tool polling the guard does not flood the log);
+        with the fields P15 asks for when ownership is unknown."""
+        if registration.refused == reason:
+            return
+        registration.refused = reason
+        lease, job = registration.lease, registration.lease.job
+        unknown_for = (round(time.monotonic() - lease.unknown_since, 3)
+                       if lease.unknown_since is not None else None)
+        log.emit("guard_refused", "warning" if reason == R_OWNERSHIP_UNKNOWN else "info",
+                 job_id=str(job.id), tool=job.tool, fencing_token=job.fencing_token,
+                 lease_until=lease.lease_until, reason=reason, request_id=request_id,
+                 last_request_id=lease.request_id, unknown_for_s=unknown_for,
+                 stopping=lease.stopping)
+
+    async def _checkpoint(self, request: web.Request) -> web.Response:
+        registration = self._authenticate(request)
+        if registration is None:
+            return _unauthorized()
+        body = await self._read_body(request, CHECKPOINT_LIMIT,
+                                     {"error": "checkpoint_too_large", "limit": CHECKPOINT_LIMIT})
+        if isinstance(body, web.Response):
+            return body
+        try:
+            orjson.loads(body)
+        except orjson.JSONDecodeError as exc:
+            return _json({"error": "bad_json",
+                          "message": f"a checkpoint must be one JSON value ({exc})"}, 400)
+        lease, job = registration.lease, registration.lease.job
+        if lease.lost.is_set() or lease.settling or registration.fenced_out:
+            return _json({"reason": R_LEASE_LOST}, 409)
+        digest = payload_digest(body)
+        fields = {"job_id": str(job.id), "tool": job.tool, "fencing_token": job.fencing_token}
+        try:
+            async with asyncio.timeout(self.store.timeout):
+                await self._db_slot.acquire()
+        except TimeoutError:
+            log.emit("checkpoint_failed", "warning", **fields, reason="database busy")
+            return _json({"error": "database_unavailable"}, 503)
+        try:
+            saved = await self.store.save_checkpoint_if_owner(
+                job, self.owner_id, RawJson(body.decode("utf-8")), digest)
+        except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:
+            return _json({"error": "bad_json", "message": "PostgreSQL refused the checkpoint "
+                          f"as jsonb: {str(exc).splitlines()[0] if str(exc) else exc}"}, 400)
+        except _DB_ERRORS as exc:
+            log.emit("checkpoint_failed", "warning", **fields,
+                     reason=f"{type(exc).__name__}: {exc}"[:200])
+            return _json({"error": "database_unavailable"}, 503)
+        finally:
+            self._db_slot.release()
+        if not saved:
+            registration.fenced_out = True
+            log.emit("checkpoint_rejected", "warning", **fields, reason="not the owner",
+                     bytes=digest["bytes"])
+            return _json({"reason": R_LEASE_LOST}, 409)
+        if log.enabled("debug"):
+            log.emit("checkpoint_saved", "debug", **fields, bytes=digest["bytes"])
+        return _json({"saved": True, "bytes": digest["bytes"]})
