@@ -1,23 +1,56 @@
 # syntax=docker/dockerfile:1
-# The sidecar image: wheels are built in one stage, installed in a slim runtime stage.
-# Wrap a tool by building FROM this image (or adding the tool to it) and running
+# The sidecar image, and the relocatable bundle for tool images without Python.
+#
+#   docker build -t sidecar .                              # the image (last stage)
+#   docker build --target bundle --output type=local,dest=out .   # just the bundle: out/sidecar/
+#
+# Wrap a tool by building FROM this image (adding the tool) and running
 #   sidecar run --tool TOOL -- /path/to/tool
-FROM python:3.12-slim AS build
+# or, for an image you do not rebuild, copy the bundle in with an init container
+# (`/opt/sidecar/sidecar install /sidecar`) and run `/sidecar/sidecar run -- TOOL` there
+# (k8s/). The bundle needs glibc at least as new as the build stage's (Debian 12: 2.36).
+
+ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+
+# --- build: wheels of the sidecar and its dependencies, and the PyInstaller bundle ---------
+FROM ${PYTHON_IMAGE} AS build
+# PyInstaller reads shared-library dependencies with objdump (binutils). Debian packages
+# are not pinned: the suite's security updates replace old versions in the archive.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends binutils \
+    && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
-RUN pip wheel --no-cache-dir --wheel-dir /wheels .
+COPY packaging ./packaging
+RUN pip wheel --no-cache-dir --wheel-dir /wheels . \
+    && python -m venv /venv \
+    && /venv/bin/pip install --no-cache-dir --no-index --find-links /wheels /wheels/sidecar-*.whl \
+    && /venv/bin/pip install --no-cache-dir 'pyinstaller>=6.10,<7' \
+    && /venv/bin/python packaging/build_bundle.py --dist /bundle --work /tmp/pyinstaller \
+    && /bundle/sidecar/sidecar --version
 
-FROM python:3.12-slim
+# --- bundle: the relocatable directory alone (docker build --target bundle --output ...) ---
+FROM scratch AS bundle
+COPY --from=build /bundle/sidecar /sidecar
+
+# --- runtime: the sidecar image ---------------------------------------------------------
+FROM ${PYTHON_IMAGE}
+# hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/*
-COPY --from=build /wheels /wheels
-RUN pip install --no-cache-dir /wheels/*.whl && rm -rf /wheels
+RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
+    pip install --no-cache-dir --no-index --find-links /wheels /wheels/sidecar-*.whl
+# The bundle, for init containers: /opt/sidecar/sidecar install /sidecar
+COPY --from=build /bundle/sidecar /opt/sidecar
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
+WORKDIR /tmp
 # Numeric non-root user: Kubernetes' runAsNonRoot can verify it.
 USER 10001:10001
-# tini is PID 1 and reaps; the sidecar drains on the SIGTERM tini forwards.
+# tini is PID 1: it forwards SIGTERM to the sidecar (which drains) and reaps what the
+# sidecar does not (the sidecar is also a child subreaper for its tools' descendants).
 ENTRYPOINT ["/usr/bin/tini", "--", "sidecar"]
 CMD ["run", "--help"]

@@ -157,6 +157,8 @@ class Child:
         self.returncode: int | None = None
         self.started = time.monotonic()
         self.exited: asyncio.Future[int] = self.loop.create_future()
+        # Resolves when stdout passes max_stdout: the result is lost, so is the attempt.
+        self.overflowed: asyncio.Future[None] = self.loop.create_future()
         self._eof = {stdout_fd: self.loop.create_future(), stderr_fd: self.loop.create_future()}
         self._open_fds = {stdout_fd, stderr_fd}
         for fd in (stdin_fd, stdout_fd, stderr_fd):
@@ -286,6 +288,8 @@ class Child:
         if len(self.stdout) + len(chunk) > self.max_stdout:
             self.stdout_overflow = True
             self.stdout = bytearray()  # the result is lost anyway: free it now
+            if not self.overflowed.done():
+                self.overflowed.set_result(None)
             return
         self.stdout += chunk
 

@@ -15,6 +15,7 @@ import sys
 import uuid
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
+from datetime import UTC
 from pathlib import Path
 from typing import Any
 
@@ -23,9 +24,17 @@ import orjson
 
 from sidecar import __version__, db
 from sidecar import log as log_mod
-from sidecar.config import MAX_ATTEMPTS_LIMIT, Settings, load_settings, validate_tool_name
+from sidecar.config import (
+    GLOBAL_FIELDS,
+    MAX_ATTEMPTS_LIMIT,
+    Settings,
+    default_data_dir,
+    load_settings,
+    mask_url,
+    tool_env_key,
+    validate_tool_name,
+)
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
-from sidecar.log import payload_digest
 from sidecar.store import Store
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -126,10 +135,14 @@ def cmd_enqueue(args, settings: Settings) -> int:
         except UnicodeEncodeError:
             raise UsageError("--idempotency-key is not valid UTF-8") from None
 
+    # The text as given, validated: jsonb keeps every number exactly, where a round trip
+    # through Python floats would not (12345678901234567890123 stays an integer).
+    text = db.RawJson(raw.decode("utf-8"))
+
     async def go():
         async with open_store(settings) as store:
-            return await store.enqueue(tool, payload, args.idempotency_key, max_attempts,
-                                       {"payload": payload_digest(raw)})
+            return await store.enqueue(tool, None if payload is None else text,
+                                       args.idempotency_key, max_attempts, {})
 
     job_id, created = run_async(settings, go())
     _print_json({"id": job_id, "created": created})
@@ -159,7 +172,7 @@ def cmd_run(args, settings: Settings) -> int:
     if os.getppid() != parent:
         return 0
     worker = Worker(settings, profile, dsn, args.command, args.concurrency, args.drain,
-                    adopt_orphans=adopt)
+                    adopt_orphans=adopt, serve_http=True)
     keeper = guardian.start(worker.owner_id)
 
     async def go():
@@ -245,6 +258,120 @@ def cmd_demo(args, settings: Settings) -> int:
     return run_demo(settings)
 
 
+def cmd_config(args, settings: Settings) -> int:
+    """The effective settings and profiles, secrets masked. An invalid variable never
+    gets here: load_settings already failed with one line and exit 2."""
+    if settings.database_url:
+        db.resolve_dsn(settings)  # checks the URL's scheme; connects to nothing
+    out: dict[str, Any] = {"settings": _global_settings(settings)}
+    if args.tool:
+        out["profiles"] = [_profile_entry(settings, validate_tool_name(args.tool))]
+    else:
+        out["defaults"] = _profile_entry(settings)
+        out["profiles"] = [_profile_entry(settings, env_key=key)
+                           for key in settings.profile_tools()]
+    _print_json(out)
+    return 0
+
+
+def _global_settings(settings: Settings) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for name, spec in GLOBAL_FIELDS.items():
+        value = getattr(settings, name.lower(), None)
+        if isinstance(value, str) and spec.unit in ("dsn", "url") and value:
+            value = mask_url(value)
+        elif isinstance(value, frozenset):
+            value = sorted(value)
+        out[name.lower()] = value
+    if not settings.database_url:
+        out["database_url"] = None  # the embedded PostgreSQL in data_dir
+        out["data_dir"] = settings.data_dir or str(default_data_dir())
+    return out
+
+
+def _profile_entry(settings: Settings, tool: str | None = None,
+                   env_key: str | None = None) -> dict[str, Any]:
+    """One profile as JSON, with the variables that set it (defaults left out): of
+    ``tool``, of the tool(s) whose ``SIDECAR_PROFILE_<env_key>_*`` variables exist, or the
+    defaults."""
+    entry: dict[str, Any] = {}
+    if tool is not None:
+        profile = settings.profile(tool)
+        entry["tool"] = tool
+        entry["env_key"] = tool_env_key(tool)
+    elif env_key is not None:
+        profile = settings.profile(env_key.lower())
+        entry["env_key"] = env_key
+    else:
+        profile = settings.default_profile()
+    entry.update({k: v for k, v in profile.as_dict().items() if k != "tool"})
+    entry["set_by"] = {name.lower(): var for name, var in profile.sources.items()
+                       if not var.startswith("(default)")}
+    return entry
+
+
+def _compact(value: Any) -> str:
+    if isinstance(value, str):
+        return value if value and all(c.isprintable() and c not in " =\"" for c in value) \
+            else orjson.dumps(value).decode()
+    return orjson.dumps(value, default=str).decode()
+
+
+def format_event(row) -> str:
+    """One journal row as one line: time (UTC), event, fencing token, ``key=value``."""
+    at = row["at"].astimezone(UTC).isoformat(timespec="milliseconds")
+    details = row["details"]
+    if isinstance(details, dict):
+        text = " ".join(f"{k}={_compact(v)}" for k, v in details.items() if v is not None)
+    else:
+        text = "" if details is None else _compact(details)
+    return f"{at.replace('+00:00', 'Z')}  {row['event']:<22} token {row['fencing_token']:<4} " \
+           f"{text}".rstrip()
+
+
+def cmd_events(args, settings: Settings) -> int:
+    job_id = _job_id(args.job_id)
+
+    async def go():
+        async with open_store(settings) as store:
+            if await store.get_job(job_id) is None:
+                return None
+            return await store.job_events(job_id)
+
+    rows = run_async(settings, go())
+    if rows is None:
+        raise SidecarError(f"no job {job_id}")
+    for row in rows:
+        print(format_event(row))
+    return 0
+
+
+def bundle_dir() -> Path | None:
+    """The directory of the relocatable bundle this sidecar runs from, or None when it
+    runs from a Python installation (PyInstaller ``--onedir``: the executable's dir)."""
+    if not getattr(sys, "frozen", False):
+        return None
+    return Path(sys.executable).resolve().parent
+
+
+def cmd_install(args, settings: Settings) -> int:
+    source = bundle_dir()
+    if source is None:
+        raise UsageError("sidecar install copies the relocatable bundle and must be run from "
+                         "it (e.g. /opt/sidecar/sidecar install /sidecar); this sidecar runs "
+                         f"from a Python installation ({sys.executable})")
+    dest = Path(args.dest).absolute()
+    if dest.resolve() == source or source in dest.resolve().parents:
+        raise UsageError(f"DEST {dest} is the bundle itself or inside it; choose another "
+                         "directory, e.g. a shared emptyDir mounted at /sidecar")
+    try:
+        shutil.copytree(source, dest, symlinks=True, dirs_exist_ok=True)
+    except (OSError, shutil.Error) as exc:
+        raise SidecarError(f"cannot copy the bundle {source} to {dest}: {exc}") from None
+    _print_json({"installed": str(dest / Path(sys.executable).name), "from": str(source)})
+    return 0
+
+
 # --- parser -------------------------------------------------------------------
 
 
@@ -287,11 +414,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--listen", default="127.0.0.1:8900", metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8900)")
     add("demo", cmd_demo, "run the sidecar on real programs and a hung tool, print outcomes")
+    p = add("config", cmd_config,
+            "print the effective settings and lease profiles (secrets masked) as JSON; "
+            "exit 2 when any is invalid")
+    p.add_argument("--tool", metavar="TOOL", help="only this tool's effective profile")
+    p = add("events", cmd_events, "the journal of one job, one line per event")
+    p.add_argument("job_id", metavar="JOB_ID")
+    p = add("install", cmd_install,
+            "copy the relocatable bundle this sidecar runs from to DEST (init containers)")
+    p.add_argument("dest", metavar="DEST")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``sidecar`` console script; returns the exit code."""
+    raw = sys.argv[1:] if argv is None else argv
+    if raw[:1] == ["_guardian"]:  # the guardian of a frozen bundle (no `python -m` there)
+        from sidecar import guardian
+
+        return guardian.main(raw[1:])
     args = build_parser().parse_args(argv)
     if getattr(args, "command", None) and args.command[:1] == ["--"]:
         args.command = args.command[1:]

@@ -22,6 +22,9 @@ from sidecar.errors import ConfigError
 PREFIX = "SIDECAR_"
 MAX_ATTEMPTS_LIMIT = 1000
 PROFILE_PREFIX = "SIDECAR_PROFILE_"
+# SIDECAR_DATABASE_POOLER: "transaction" = a transaction-mode pooler (PgBouncer) sits in
+# front of PostgreSQL, so no statement may rely on the server session.
+POOLER_MODES = ("none", "transaction")
 TOOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
@@ -40,6 +43,30 @@ def _http_url(text: str) -> str:
     text = text.strip()
     if text and not text.startswith(("http://", "https://")):
         raise ValueError("not an http:// or https:// URL")
+    return text
+
+
+def _label(text: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9._-]{0,63}", text):
+        raise ValueError("use up to 63 letters, digits, '.', '_' or '-'")
+    return text
+
+
+def _flag(text: str) -> bool:
+    value = text.strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("use true or false")
+
+
+def _listen_addr(text: str) -> str:
+    if text == "off":
+        return text
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise ValueError("use HOST:PORT, e.g. 0.0.0.0:9180, or off")
     return text
 
 
@@ -85,6 +112,7 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "MAX_LIFETIME_SECONDS": _Field(_number, "0", "s",
                                    "cap on a job's life from its first claim (P12); 0 = off"),
     "NEXT_TOOLS": _Field(_tool_list, "", "tools", "tools a result may name as its next stage"),
+    "PROVIDER": _Field(_label, "", "label", "the external provider, a metrics label (P21)"),
 }
 
 # Sidecar-wide settings (not per tool).
@@ -98,6 +126,13 @@ GLOBAL_FIELDS: dict[str, _Field] = {
     "LOG_FORMAT": _Field(str, "json", "format", "json or text"),
     "WORKER_NAME": _Field(str, "", "name", "stable part of owner_id; default the hostname"),
     "EVENT_LOOP": _Field(str, "uvloop", "name", "uvloop or asyncio"),
+    "DATABASE_POOLER": _Field(str, "none", "mode",
+                              "none, or transaction behind PgBouncer's transaction pooling: "
+                              "no prepared-statement cache, no LISTEN (polling)"),
+    "HTTP_ADDR": _Field(_listen_addr, "0.0.0.0:9180", "host:port",
+                        "metrics, /livez and /readyz of `sidecar run`; off = none"),
+    "LOG_TOOL_STDERR": _Field(_flag, "false", "bool",
+                              "log the tool's stderr lines (content) as tool_stderr events"),
 }
 
 # Variables the sidecar sets for its child, and the test suite's own; allowed in
@@ -118,20 +153,29 @@ PASSIVE_VARIABLES = frozenset(
 )
 
 
+# Query parameters whose value is a credential: password=, sslpassword=, token=,
+# access_token=, api_key=, client_secret=, signature=, X-Amz-Credential=, auth=, ...
+_SECRET_QUERY_KEY = re.compile(r"pass|secret|token|key|sig|auth|credential", re.IGNORECASE)
+
+
 def mask_url(dsn: str) -> str:
-    """A DSN or URL with its password (userinfo or ``password=`` query) replaced by ``***``."""
+    """A DSN or URL with its credentials replaced by ``***``: the userinfo password, the
+    user of an http(s) URL without a password (a token in the user part), and the values of
+    query parameters that name a password, token, key, secret or signature."""
     try:
         parts = urlsplit(dsn)
+        if parts.password:
+            host = parts.netloc.rsplit("@", 1)[-1]
+            parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
+        elif "@" in parts.netloc and parts.scheme in ("http", "https"):
+            parts = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[-1])
+        if parts.query:
+            query = [(k, "***" if _SECRET_QUERY_KEY.search(k) else v)
+                     for k, v in parse_qsl(parts.query, keep_blank_values=True)]
+            parts = parts._replace(query=urlencode(query, safe="*/"))
+        return urlunsplit(parts)
     except ValueError:
-        return "<unparseable database URL>"
-    if parts.password:
-        host = parts.netloc.rsplit("@", 1)[-1]
-        parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
-    if parts.query:
-        query = [(k, "***" if k.lower() in ("password", "sslpassword") else v)
-                 for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-        parts = parts._replace(query=urlencode(query, safe="*/"))
-    return urlunsplit(parts)
+        return "<unparseable URL>"
 
 
 def tool_env_key(tool: str) -> str:
@@ -173,11 +217,13 @@ class LeaseProfile:
     idle_timeout_seconds: float
     max_lifetime_seconds: float
     next_tools: frozenset[str]
+    provider: str
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:
         """The profile as plain JSON-able values, for ``sidecar config`` and the journal."""
-        out: dict[str, object] = {"tool": self.tool}
+        out: dict[str, object] = {"tool": self.tool, "tolerated_silence_s": tolerated_silence(
+            self.lease_seconds, self.heartbeat_seconds, self.kill_grace_seconds)}
         for name in PROFILE_FIELDS:
             value = getattr(self, name.lower())
             out[name.lower()] = sorted(value) if isinstance(value, frozenset) else value
@@ -199,6 +245,9 @@ class Settings:
     log_format: str
     worker_name: str
     event_loop: str
+    database_pooler: str
+    http_addr: str
+    log_tool_stderr: bool
     defaults: Mapping[str, tuple[object, str]]
     overrides: Mapping[str, Mapping[str, tuple[object, str]]]
 
@@ -206,6 +255,10 @@ class Settings:
         """The validated lease profile of ``tool``; ConfigError names the variable and rule."""
         validate_tool_name(tool)
         return _build_profile(tool, self.defaults, self.overrides.get(tool_env_key(tool), {}))
+
+    def default_profile(self) -> LeaseProfile:
+        """The profile a tool without ``SIDECAR_PROFILE_*`` overrides gets."""
+        return _build_profile("(defaults)", self.defaults, {})
 
     def profile_tools(self) -> list[str]:
         """Tool keys that have at least one ``SIDECAR_PROFILE_*`` override."""
@@ -252,7 +305,23 @@ def _build_profile(
             f"(R from {src['TOLERATED_MISSES']}, H from {src['HEARTBEAT_SECONDS']}, "
             f"J from {src['JITTER_SECONDS']}); raise the lease or shorten the heartbeat"
         )
+    silence = tolerated_silence(lease, hb, p["kill_grace_seconds"])
+    if silence < misses * hb:
+        raise ConfigError(
+            f"{src['LEASE_SECONDS']}={lease:g} cannot survive {misses} missed heartbeat(s) and "
+            f"still kill the tool before the lease ends, for tool {tool!r}: "
+            f"L - H - kill grace - L/10 = {silence:g} s < R x H = {misses * hb:g} s "
+            f"(H from {src['HEARTBEAT_SECONDS']}, kill grace from {src['KILL_GRACE_SECONDS']}); "
+            "raise the lease or shorten the heartbeat or the kill grace")
     return LeaseProfile(tool=tool, sources=src, **p)
+
+
+def tolerated_silence(lease: float, heartbeat: float, kill_grace: float) -> float:
+    """Seconds without any database answer that a lease survives in the worst case: a
+    renewal sent just before the outage, minus one heartbeat period, minus the safety
+    margin of the local deadline (kill grace + L/10) that gets the tree killed before the
+    database could hand the job to someone else (P14b)."""
+    return round(lease - heartbeat - kill_grace - 0.1 * lease, 3)
 
 
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
@@ -310,6 +379,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(f"SIDECAR_LOG_FORMAT={glob['log_format']!r}: use json or text")
     if glob["event_loop"] not in ("uvloop", "asyncio"):
         raise ConfigError(f"SIDECAR_EVENT_LOOP={glob['event_loop']!r}: use uvloop or asyncio")
+    if glob["database_pooler"] not in POOLER_MODES:
+        raise ConfigError(
+            f"SIDECAR_DATABASE_POOLER={glob['database_pooler']!r}: use none, or transaction "
+            "when SIDECAR_DATABASE_URL points at PgBouncer with pool_mode = transaction")
     for name in ("poll_seconds", "db_timeout_seconds"):
         if glob[name] <= 0:
             raise ConfigError(f"SIDECAR_{name.upper()}={glob[name]}: must be a positive number")

@@ -21,7 +21,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import asyncpg
 import orjson
 
-from sidecar.config import Settings, default_data_dir
+from sidecar.config import POOLER_MODES, Settings, default_data_dir
 from sidecar.config import mask_url as mask_dsn
 from sidecar.errors import DatabaseUnavailable, UsageError
 
@@ -99,7 +99,12 @@ def embedded_dsn(data_dir: str | Path) -> str:
 
 
 def resolve_dsn(settings: Settings) -> str:
-    """The DSN to use: SIDECAR_DATABASE_URL, else the embedded server's."""
+    """The DSN to use: SIDECAR_DATABASE_URL, else the embedded server's.
+
+    Also applies ``SIDECAR_DATABASE_POOLER`` to every later ``connect``/``create_pool``
+    of this process (see ``use_pooler``).
+    """
+    use_pooler(settings.database_pooler)
     if settings.database_url:
         if not settings.database_url.startswith(("postgres://", "postgresql://")):
             raise UsageError(
@@ -124,25 +129,74 @@ CONNECT_ERRORS = (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
 
 
 def _server_settings() -> dict[str, str]:
+    # Only parameters PgBouncer passes through (it refuses other startup parameters).
     return {"application_name": "sidecar"}
 
 
-async def connect(dsn: str, timeout: float) -> asyncpg.Connection:
-    """One connection with the JSON codecs; DatabaseUnavailable on failure."""
+# --- SIDECAR_DATABASE_POOLER ---------------------------------------------------
+#
+# Behind a transaction-mode pooler (PgBouncer, pool_mode = transaction) consecutive
+# transactions of one client connection may run on different server connections, so
+# nothing may outlive a transaction on the server: no named prepared statements (asyncpg
+# caches them by default: "prepared statement __asyncpg_stmt_N__ does not exist"), no
+# LISTEN (the worker polls instead), no session SET or session advisory lock (the
+# sidecar uses none: migrations take pg_advisory_xact_lock inside their transaction and
+# the fence sets lock_timeout with set_config(..., true)). With statement_cache_size=0
+# asyncpg uses the unnamed statement and re-sends Parse with every Bind, so each
+# statement is self-contained; PgBouncer >= 1.21 could track named statements
+# (max_prepared_statements), but the sidecar does not depend on it.
+
+_pooler = "none"
+
+
+def use_pooler(mode: str) -> None:
+    """Set the pooler mode (``none`` or ``transaction``) for this process's connections."""
+    global _pooler
+    if mode not in POOLER_MODES:
+        raise UsageError(f"SIDECAR_DATABASE_POOLER={mode!r}: use none or transaction")
+    _pooler = mode
+
+
+class _PooledConnection(asyncpg.Connection):
+    """A connection behind a transaction pooler: nothing to reset on release.
+
+    asyncpg's reset query (``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL``)
+    would run on whichever server connection the pooler lends at that moment, one that
+    other clients share; an open transaction is still rolled back by ``reset()``.
+    """
+
+    def get_reset_query(self) -> str:
+        return ""
+
+
+def _options(pooler: str | None) -> dict:
+    if (pooler or _pooler) == "transaction":
+        return {"statement_cache_size": 0, "connection_class": _PooledConnection}
+    return {}
+
+
+async def connect(dsn: str, timeout: float, *, pooler: str | None = None) -> asyncpg.Connection:
+    """One connection with the JSON codecs; DatabaseUnavailable on failure.
+
+    ``pooler``: ``none`` or ``transaction``; default the process's (``use_pooler``)."""
     try:
-        conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=_server_settings())
+        conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=_server_settings(),
+                                     **_options(pooler))
         await init_connection(conn)
         return conn
     except CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None
 
 
-async def create_pool(dsn: str, timeout: float, max_size: int) -> asyncpg.Pool:
-    """A pool of ``max_size`` connections with the JSON codecs; DatabaseUnavailable on failure."""
+async def create_pool(dsn: str, timeout: float, max_size: int, *,
+                      pooler: str | None = None) -> asyncpg.Pool:
+    """A pool of ``max_size`` connections with the JSON codecs; DatabaseUnavailable on failure.
+
+    ``pooler``: ``none`` or ``transaction``; default the process's (``use_pooler``)."""
     try:
         return await asyncpg.create_pool(
             dsn, min_size=1, max_size=max_size, timeout=timeout, init=init_connection,
-            server_settings=_server_settings(), command_timeout=None,
+            server_settings=_server_settings(), command_timeout=None, **_options(pooler),
         )
     except CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None

@@ -72,10 +72,12 @@ async def _demo(settings: Settings) -> int:
     finally:
         await pool.close()
 
-    print(f"{'job':<8}  {'tool':<13}  {'input':<28}  {'state':<9}  outcome")
+    print(f"{'job':<36}  {'tool':<13}  {'input':<24}  {'state':<9}  outcome")
     for row, label in rows:
-        print(f"{str(row['id'])[:8]}  {row['tool']:<13}  {label[-28:]:<28}  "
-              f"{row['state']:<9}  {_summary(row)}")
+        shown = label if len(label) <= 24 else label[:23] + "…"
+        print(f"{row['id']}  {row['tool']:<13}  {shown:<24}  {row['state']:<9}  "
+              f"{_summary(row)}")
+    print("\nInspect one with: sidecar show JOB_ID  (its row, journal and forwarding)")
     ok = all(r["state"] == "succeeded" for r, _ in rows[:-1]) and \
         rows[-1][0]["error"]["kind"] == "stage_timeout"
     print("\nEvery real file got its checksum; the hung tool was killed at its stage deadline"

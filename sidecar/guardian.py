@@ -5,7 +5,8 @@ descendants that the parent-death signal cannot reach (grandchildren, double-for
 The sidecar starts it with a pipe on its stdin and never writes to it. When the sidecar
 dies, for any reason, the pipe reaches EOF; the guardian then SIGKILLs every process
 whose environment carries ``SIDECAR_OWNER_ID=<the sidecar's owner id>`` (the variable
-every tool inherits) and exits. Run as ``python -m sidecar.guardian OWNER_ID``.
+every tool inherits) and exits. Run as ``python -m sidecar.guardian OWNER_ID``, or
+``sidecar _guardian OWNER_ID`` from the frozen bundle.
 """
 
 from __future__ import annotations
@@ -35,9 +36,17 @@ def processes_with_env(name: str, value: str, exclude: set[int]) -> list[psutil.
 
 
 def start(owner_id: str) -> subprocess.Popen:
-    """Start the guardian for this sidecar; keep the returned Popen (its stdin) open."""
+    """Start the guardian for this sidecar; keep the returned Popen (its stdin) open.
+
+    In a frozen bundle (PyInstaller) there is no ``python -m``: the bundle's own
+    executable runs it as ``sidecar _guardian OWNER_ID`` (dispatched by cli.main).
+    """
+    if getattr(sys, "frozen", False):
+        argv = [sys.executable, "_guardian", owner_id]
+    else:
+        argv = [sys.executable, "-m", "sidecar.guardian", owner_id]
     return subprocess.Popen(
-        [sys.executable, "-m", "sidecar.guardian", owner_id],
+        argv,
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True,
     )

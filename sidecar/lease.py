@@ -29,7 +29,7 @@ from typing import Any
 
 import asyncpg
 
-from sidecar import db
+from sidecar import db, metrics
 from sidecar.config import LeaseProfile
 from sidecar.log import log
 from sidecar.store import ClaimedJob, Store
@@ -99,6 +99,7 @@ class LeaseKeeper:
         self.leases: dict[uuid.UUID, Lease] = {}
         self.abandoned: dict[uuid.UUID, Lease] = {}
         self._conn: asyncpg.Connection | None = None
+        self.labels = (profile.tool, profile.provider)
 
     def hold(self, job: ClaimedJob, claim_sent_at: float) -> Lease:
         """Start heartbeating ``job``; ``claim_sent_at`` is when the claim was sent (monotonic)."""
@@ -114,7 +115,10 @@ class LeaseKeeper:
             self.abandoned[job_id] = lease
 
     async def run(self) -> None:
-        """Renew every ``heartbeat_seconds`` until cancelled."""
+        """Renew every ``heartbeat_seconds`` until cancelled; meanwhile watch the local
+        deadlines on a timer of their own, so a renewal stuck on a dead path (up to its
+        statement timeout) or the wait for the next period never delays giving up."""
+        watcher = asyncio.create_task(self._watch_deadlines(), name="lease-deadlines")
         try:
             while True:
                 started = time.monotonic()
@@ -124,12 +128,25 @@ class LeaseKeeper:
                 delay = self.profile.heartbeat_seconds - (time.monotonic() - started)
                 await asyncio.sleep(max(0.0, delay))
         finally:
+            watcher.cancel()
             self._abort_connection()
+
+    async def _watch_deadlines(self) -> None:
+        """Sleep until the earliest local deadline of a live lease, then give it up."""
+        while True:
+            live = [lease.local_deadline for lease in self.leases.values()
+                    if not lease.lost.is_set() and not lease.settling]
+            wait = min(live) - time.monotonic() if live else self.profile.heartbeat_seconds
+            # A renewal only moves a deadline later and a new lease's deadline lies a lease
+            # ahead, so sleeping to the earliest one (at most H) misses nothing.
+            await asyncio.sleep(min(max(wait, 0.0) + 0.001, self.profile.heartbeat_seconds))
+            self._expire_local_deadlines()
 
     async def beat(self) -> None:
         """One round: renew all leases held now, then probe the abandoned ones."""
         held = [lease for lease in self.leases.values()
                 if not lease.lost.is_set() and not lease.settling]
+        metrics.LEASES_HELD.labels(*self.labels).set(len(held))
         sent = time.monotonic()
         try:
             conn = await self._connection()
@@ -141,11 +158,21 @@ class LeaseKeeper:
                 )
         except (Exception, TimeoutError) as exc:  # noqa: BLE001 - any failure = unknown
             self._abort_connection()
+            result = "timeout" if isinstance(exc, TimeoutError) else "error"
+            metrics.HEARTBEATS.labels(*self.labels, result).inc(len(held))
             self._ownership_unknown(held, exc)
             return
+        if held:
+            metrics.HEARTBEAT_SECONDS.labels(*self.labels).observe(time.monotonic() - sent)
         for lease in held:
             renewal = renewed.get(lease.job.id)
             if renewal is not None:
+                # Slack: how much of the old lease was left by the database clock.
+                db_now = renewal.lease_until.timestamp() - renewal.lease_remaining
+                metrics.LEASE_SLACK.labels(*self.labels).observe(
+                    max(0.0, lease.lease_until.timestamp() - db_now))
+                metrics.HEARTBEATS.labels(*self.labels, "ok").inc()
+                metrics.LAST_HEARTBEAT.labels(*self.labels).set(time.time())
                 lease.lease_until = renewal.lease_until
                 lease.local_deadline = sent + renewal.lease_remaining - self.margin
                 self._ownership_confirmed(lease)
@@ -176,6 +203,7 @@ class LeaseKeeper:
             if lease.unknown_since is not None:
                 continue
             lease.unknown_since = now
+            metrics.OWNERSHIP_UNKNOWN.labels(*self.labels).inc()
             reason = f"{type(exc).__name__}: {exc}"[:200]
             log.emit("ownership_unknown", "warning", job_id=str(lease.job.id),
                      tool=lease.job.tool, fencing_token=lease.job.fencing_token,
@@ -216,9 +244,11 @@ class LeaseKeeper:
                 details.update(state=row["state"], current_token=row["fencing_token"])
                 if row["state"] == "cancelled":
                     reason = CANCELLED
-        except Exception:  # noqa: BLE001, S110 - the explanation is optional; the loss is not
-            pass
+        except Exception as exc:  # noqa: BLE001 - the explanation is optional; the loss is not
+            details["ownership_error"] = f"{type(exc).__name__}: {exc}"[:200]
         lease.lose(reason)
+        metrics.HEARTBEATS.labels(*self.labels, "lost").inc()
+        metrics.LEASES_EXPIRED.labels(*self.labels).inc()
         log.emit("heartbeat_lost", "warning", job_id=str(job.id), tool=job.tool,
                  fencing_token=job.fencing_token, attempt=job.attempt,
                  lease_until=lease.lease_until, reason=reason)
@@ -240,8 +270,11 @@ class LeaseKeeper:
                 log.emit("heartbeat_lost", "warning", job_id=str(job.id), tool=job.tool,
                          fencing_token=job.fencing_token, attempt=job.attempt,
                          lease_until=lease.lease_until, reason="zero_rows")
+                now_owned = await self.store.ownership(job.id)
+                explained = {"state": now_owned["state"],
+                             "current_token": now_owned["fencing_token"]} if now_owned else {}
                 await Store.record_event_on(conn, job.id, job.fencing_token, "heartbeat_lost",
-                                            {**base, "reason": "zero_rows"},
+                                            {**base, "reason": "zero_rows", **explained},
                                             self.statement_timeout)
             if lease.evidence is not None:
                 await Store.record_event_on(conn, job.id, job.fencing_token, "result_rejected",
@@ -257,6 +290,7 @@ class LeaseKeeper:
         for lease in self.leases.values():
             if not lease.lost.is_set() and not lease.settling and now >= lease.local_deadline:
                 lease.lose(LOCAL_DEADLINE)
+                metrics.LEASES_EXPIRED.labels(*self.labels).inc()
                 log.emit("lease_abandoned", "error", job_id=str(lease.job.id),
                          tool=lease.job.tool, fencing_token=lease.job.fencing_token,
                          lease_until=lease.lease_until, reason="no confirmed renewal before "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import logging
 import re
 import sys
 from typing import Any
@@ -78,8 +79,23 @@ def payload_digest(data: bytes) -> dict[str, Any]:
 log = EventLog()
 
 
+class _LibraryBridge(logging.Handler):
+    """Turns warnings of libraries (asyncpg's pool, aiohttp) into ``library_log`` events, so
+    stderr stays JSON lines: the message and the exception's type, no traceback."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        level = "error" if record.levelno >= logging.ERROR else "warning"
+        exc = record.exc_info[1] if record.exc_info else None
+        log.emit("library_log", level, logger=record.name,
+                 reason=record.getMessage()[:300],
+                 exception=f"{type(exc).__name__}: {exc}"[:300] if exc else None)
+
+
 def configure(level: str, fmt: str) -> None:
-    """Set the process-wide event log's level and format (from Settings)."""
-    global log
+    """Set the process-wide event log's level and format (from Settings), and route
+    library log records (WARNING and up) through it."""
     log.threshold = _LEVELS[level]
     log.fmt = fmt
+    root = logging.getLogger()
+    if not any(isinstance(h, _LibraryBridge) for h in root.handlers):
+        root.addHandler(_LibraryBridge(logging.WARNING))

@@ -54,13 +54,23 @@ async def post_effect(request: web.Request) -> web.Response:
 
 
 async def list_effects(request: web.Request) -> web.Response:
-    rows = await request.app[POOL].fetch(Q["fence_list_effects"], request.query.get("entity"))
+    entity = request.query.get("entity")
+    if entity is not None and (not entity.isprintable() or len(entity) > 512):
+        return _json({"error": "bad_query", "message": "entity must be 1-512 printable "
+                      "characters"}, status=400)
+    rows = await request.app[POOL].fetch(Q["fence_list_effects"], entity)
     return _json({"effects": [dict(row) for row in rows]})
 
 
+# Results forwarded by sidecars may be up to MAX_RESULT_BYTES (8 MiB by default) plus the
+# envelope; aiohttp's default request cap (1 MiB) would dead-letter them with a 413.
+MAX_BODY_BYTES = 16 * 1024 * 1024
+
+
 def make_app(pool: asyncpg.Pool) -> web.Application:
-    """The receiver's aiohttp application on ``pool`` (migrated)."""
-    app = web.Application(middlewares=[fence_middleware(pool)])
+    """The receiver's aiohttp application on ``pool`` (migrated); bodies up to 16 MiB."""
+    app = web.Application(middlewares=[fence_middleware(pool)],
+                          client_max_size=MAX_BODY_BYTES)
     app[POOL] = pool
     app.router.add_post("/effects", post_effect)
     app.router.add_get("/effects", list_effects)

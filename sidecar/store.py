@@ -64,12 +64,52 @@ class Renewal:
     lease_remaining: float
 
 
-class Store:
-    """SQL access over an asyncpg pool; every call has a client-side ``timeout`` (seconds)."""
+class BoundedPool:
+    """The asyncpg pool calls the Store makes, each bounded in time end to end (case F2).
+
+    Acquiring waits at most ``timeout`` seconds (a new connection on a blackholed path
+    must not hang), the statement has the same client-side timeout, and a connection that
+    failed or timed out is terminated (transport aborted) before it goes back, so the pool
+    never waits on a cancel or reset over a dead path and never reuses a connection in an
+    unknown protocol state.
+    """
 
     def __init__(self, pool: asyncpg.Pool, timeout: float):
         self.pool = pool
         self.timeout = timeout
+
+    async def _call(self, method: str, query: str, *args: Any, timeout: float | None = None):
+        timeout = self.timeout if timeout is None else timeout
+        conn = await self.pool.acquire(timeout=timeout)
+        try:
+            return await getattr(conn, method)(query, *args, timeout=timeout)
+        except BaseException:
+            conn.terminate()
+            raise
+        finally:
+            await self.pool.release(conn, timeout=timeout)
+
+    async def fetch(self, query: str, *args: Any, timeout: float | None = None):
+        return await self._call("fetch", query, *args, timeout=timeout)
+
+    async def fetchrow(self, query: str, *args: Any, timeout: float | None = None):
+        return await self._call("fetchrow", query, *args, timeout=timeout)
+
+    async def fetchval(self, query: str, *args: Any, timeout: float | None = None):
+        return await self._call("fetchval", query, *args, timeout=timeout)
+
+    async def execute(self, query: str, *args: Any, timeout: float | None = None):
+        return await self._call("execute", query, *args, timeout=timeout)
+
+
+class Store:
+    """SQL access over an asyncpg pool; every call is bounded by ``timeout`` (seconds),
+    acquiring a connection included (see BoundedPool)."""
+
+    def __init__(self, pool: asyncpg.Pool, timeout: float):
+        self.pool = pool
+        self.timeout = timeout
+        self.db = BoundedPool(pool, timeout)
 
     # --- schema -------------------------------------------------------------
 
@@ -94,7 +134,7 @@ class Store:
     async def schema_version(self) -> int:
         """Highest applied migration, 0 when none (or the table is missing)."""
         try:
-            return await self.pool.fetchval(Q["schema_version"], timeout=self.timeout)
+            return await self.db.fetchval(Q["schema_version"], timeout=self.timeout)
         except asyncpg.UndefinedTableError:
             return 0
 
@@ -104,7 +144,8 @@ class Store:
         self, tool: str, payload: Any, idempotency_key: str | None, max_attempts: int,
         details: dict[str, Any],
     ) -> tuple[uuid.UUID, bool]:
-        """Insert a queued job; return ``(id, created)``.
+        """Insert a queued job; return ``(id, created)``. ``payload`` is any JSON-able value,
+        or RawJson text kept exactly as given (big integers, decimals).
 
         The same idempotency key returns the existing job and inserts nothing, also
         under concurrent calls. Raises IdempotencyConflict when the key already
@@ -113,7 +154,7 @@ class Store:
         job_id = uuid.uuid4()
         key = idempotency_key or str(job_id)
         try:
-            row = await self.pool.fetchrow(
+            row = await self.db.fetchrow(
                 Q["enqueue_job"], job_id, tool, key, RawJson("null") if payload is None
                 else payload, max_attempts, details, timeout=self.timeout,
             )
@@ -124,10 +165,11 @@ class Store:
                              + (f"; {detail}" if detail else "")) from None
         if row is not None:
             return row["id"], True
-        existing = await self.pool.fetchrow(
-            Q["find_job_by_idempotency_key"], key, timeout=self.timeout
+        existing = await self.db.fetchrow(
+            Q["find_job_by_idempotency_key"], key,
+            RawJson("null") if payload is None else payload, timeout=self.timeout
         )
-        if existing["tool"] != tool or existing["payload"] != payload:
+        if existing["tool"] != tool or not existing["same_payload"]:
             raise IdempotencyConflict(
                 f"--idempotency-key {key!r} already names job {existing['id']} with a different "
                 "tool or payload; use a new key for a different operation"
@@ -137,18 +179,18 @@ class Store:
     async def cancel(self, job_id: uuid.UUID) -> dict[uuid.UUID, str]:
         """Cancel a job and its later stages that are still queued or running; return
         ``{id: previous state}`` of every job cancelled (empty when none was)."""
-        rows = await self.pool.fetch(Q["cancel_job"], job_id, timeout=self.timeout)
+        rows = await self.db.fetch(Q["cancel_job"], job_id, timeout=self.timeout)
         return {row["id"]: row["previous_state"] for row in rows}
 
     async def children(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
         """The next-stage jobs a job created (P19)."""
-        return await self.pool.fetch(Q["children_of_job"], job_id, timeout=self.timeout)
+        return await self.db.fetch(Q["children_of_job"], job_id, timeout=self.timeout)
 
     # --- the lease protocol -------------------------------------------------
 
     async def fail_exhausted_leases(self, tool: str) -> list[asyncpg.Record]:
         """Expired running jobs of ``tool`` with no attempt left -> failed (P16)."""
-        return await self.pool.fetch(Q["fail_exhausted_leases"], tool, timeout=self.timeout)
+        return await self.db.fetch(Q["fail_exhausted_leases"], tool, timeout=self.timeout)
 
     async def claim(self, tool: str, owner_id: str, lease_seconds: float,
                     max_lifetime_seconds: float | None = None) -> ClaimedJob | None:
@@ -156,7 +198,7 @@ class Store:
 
         ``max_lifetime_seconds`` (P12) makes the claim also return how much of the job's
         lifetime is left, counted from its first claim by the database's clock."""
-        row = await self.pool.fetchrow(
+        row = await self.db.fetchrow(
             Q["claim_job"], tool, owner_id, lease_seconds, max_lifetime_seconds,
             timeout=self.timeout
         )
@@ -215,7 +257,7 @@ class Store:
         """Write the terminal state (P6) and journal ``event``; False when not the owner.
         With ``result_url``, a success also queues its forwarding (outbox); with
         ``next_stage``, it creates the next stage's job; both in the same statement."""
-        row = await self.pool.fetchrow(
+        row = await self.db.fetchrow(
             Q["finish_job_if_owner"], job.id, owner_id, job.fencing_token, state, result, error,
             event, details, result_url,
             next_stage.tool if next_stage else None,
@@ -232,7 +274,7 @@ class Store:
         details: dict[str, Any],
     ) -> dt.datetime | None:
         """Back to queued with ``run_after = now() + backoff_seconds``; None when not the owner."""
-        row = await self.pool.fetchrow(
+        row = await self.db.fetchrow(
             Q["requeue_job_if_owner"], job.id, owner_id, job.fencing_token, error,
             backoff_seconds, details, timeout=self.timeout,
         )
@@ -242,7 +284,7 @@ class Store:
         self, job: ClaimedJob, owner_id: str, details: dict[str, Any]
     ) -> bool:
         """Give the job back (queued, attempt not spent) for another sidecar; False if not ours."""
-        row = await self.pool.fetchrow(
+        row = await self.db.fetchrow(
             Q["release_lease_if_owner"], job.id, owner_id, job.fencing_token, details,
             timeout=self.timeout,
         )
@@ -252,7 +294,7 @@ class Store:
         self, job: ClaimedJob, owner_id: str, checkpoint: RawJson, details: dict[str, Any],
     ) -> bool:
         """Store the tool's progress for the next attempt; False when not the owner."""
-        row = await self.pool.fetchrow(
+        row = await self.db.fetchrow(
             Q["save_checkpoint_if_owner"], job.id, owner_id, job.fencing_token, checkpoint,
             details, timeout=self.timeout)
         return row is not None
@@ -261,65 +303,69 @@ class Store:
         self, job_id: uuid.UUID, token: int | None, event: str, details: dict[str, Any]
     ) -> None:
         """Append one event to the journal (``tool_job_events``)."""
-        await self.pool.execute(
+        await self.db.execute(
             Q["record_event"], job_id, token, event, details, timeout=self.timeout
         )
 
     async def ownership(self, job_id: uuid.UUID) -> asyncpg.Record | None:
         """``state``, ``owner_id`` and ``fencing_token`` of a job (to explain a lost lease)."""
-        return await self.pool.fetchrow(Q["ownership_of_job"], job_id, timeout=self.timeout)
+        return await self.db.fetchrow(Q["ownership_of_job"], job_id, timeout=self.timeout)
+
+    async def claimable_jobs(self, tool: str) -> int:
+        """Jobs of ``tool`` claimable now (queued and due, or running with an expired lease)."""
+        return await self.db.fetchval(Q["claimable_jobs_of_tool"], tool, timeout=self.timeout)
 
     async def unfinished_jobs(self, tool: str) -> int:
         """Jobs of ``tool`` still queued or running."""
-        return await self.pool.fetchval(Q["unfinished_jobs_of_tool"], tool, timeout=self.timeout)
+        return await self.db.fetchval(Q["unfinished_jobs_of_tool"], tool, timeout=self.timeout)
 
     # --- result outbox ------------------------------------------------------
 
     async def claim_outbox(self, owner_id: str, lease_seconds: float,
                            limit: int) -> list[asyncpg.Record]:
         """Take up to ``limit`` deliverable outbox rows under a forwarding lease."""
-        return await self.pool.fetch(Q["claim_outbox_rows"], owner_id, lease_seconds, limit,
+        return await self.db.fetch(Q["claim_outbox_rows"], owner_id, lease_seconds, limit,
                                      timeout=self.timeout)
 
     async def outbox_delivered(self, row_id: int, owner_id: str, status: int) -> bool:
         """Mark delivered and journal ``effect_forwarded``; False if the row was not ours."""
-        return await self.pool.fetchrow(Q["outbox_delivered_if_owner"], row_id, owner_id,
+        return await self.db.fetchrow(Q["outbox_delivered_if_owner"], row_id, owner_id,
                                         status, timeout=self.timeout) is not None
 
     async def outbox_dead_letter(self, row_id: int, owner_id: str, status: int,
                                  reason: str) -> bool:
         """Dead-letter and journal ``effect_rejected`` and ``forward_dead_lettered``."""
-        return await self.pool.fetchrow(Q["outbox_dead_letter_if_owner"], row_id, owner_id,
+        return await self.db.fetchrow(Q["outbox_dead_letter_if_owner"], row_id, owner_id,
                                         status, reason, timeout=self.timeout) is not None
 
     async def outbox_retry_later(self, row_id: int, owner_id: str, delay_seconds: float,
                                  status: int | None, error: str) -> bool:
         """Give the row back for another try after ``delay_seconds``."""
-        return await self.pool.fetchrow(Q["outbox_retry_later_if_owner"], row_id, owner_id,
+        return await self.db.fetchrow(Q["outbox_retry_later_if_owner"], row_id, owner_id,
                                         delay_seconds, status, error,
                                         timeout=self.timeout) is not None
 
     async def due_outbox_rows(self, tool: str, within_seconds: float) -> int:
         """Outbox rows of ``tool`` pending and due for delivery within ``within_seconds``."""
-        return await self.pool.fetchval(Q["due_outbox_rows_of_tool"], tool, within_seconds,
+        return await self.db.fetchval(Q["due_outbox_rows_of_tool"], tool, within_seconds,
                                         timeout=self.timeout)
 
     async def outbox_of_job(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
         """The forwarding rows of one job (for ``sidecar show``)."""
-        return await self.pool.fetch(Q["outbox_of_job"], job_id, timeout=self.timeout)
+        return await self.db.fetch(Q["outbox_of_job"], job_id, timeout=self.timeout)
 
     # --- inspection ---------------------------------------------------------
 
     async def get_job(self, job_id: uuid.UUID) -> asyncpg.Record | None:
         """The whole row of one job, or None."""
-        return await self.pool.fetchrow(Q["get_job"], job_id, timeout=self.timeout)
+        return await self.db.fetchrow(Q["get_job"], job_id, timeout=self.timeout)
 
     async def job_events(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
         """The journal of one job, oldest first."""
-        return await self.pool.fetch(Q["job_events"], job_id, timeout=self.timeout)
+        return await self.db.fetch(Q["job_events"], job_id, timeout=self.timeout)
 
     async def list_jobs(
         self, state: str | None, tool: str | None, limit: int
     ) -> list[asyncpg.Record]:
         """Newest jobs first, filtered by state and tool."""
-        return await self.pool.fetch(Q["list_jobs"], state, tool, limit, timeout=self.timeout)
+        return await self.db.fetch(Q["list_jobs"], state, tool, limit, timeout=self.timeout)

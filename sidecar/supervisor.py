@@ -21,6 +21,7 @@ import orjson
 import psutil
 
 from sidecar import lease as lease_mod
+from sidecar import metrics
 from sidecar.child import Child, SpawnFailed
 from sidecar.config import LeaseProfile, Settings
 from sidecar.db import RawJson
@@ -36,6 +37,7 @@ EXITED = "exited"
 STAGE_TIMEOUT = "stage_timeout"
 LIFETIME = "max_lifetime_exceeded"
 IDLE = "idle_timeout"
+TOO_LARGE = "result_too_large"
 SHUTDOWN = "shutdown"
 
 CHECKPOINT_FILE_NAME = "checkpoint.json"
@@ -86,16 +88,32 @@ def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
 
 
 class _StderrRelay:
-    """Forwards the child's stderr lines to the log as ``tool_stderr`` events, at most
-    ``_STDERR_LINES_PER_SECOND`` a second; the rest are counted, not lost silently."""
+    """The child's stderr in the log. By default (P23) only a count: one ``tool_stderr``
+    event with lines and bytes when the attempt ends. With ``SIDECAR_LOG_TOOL_STDERR`` each
+    line is an event of its own, at most ``_STDERR_LINES_PER_SECOND`` a second; the rest
+    are counted, not lost silently."""
 
-    def __init__(self, job: ClaimedJob):
+    def __init__(self, job: ClaimedJob, with_content: bool):
         self.job = job
+        self.with_content = with_content
         self.window = time.monotonic()
         self.count = 0
         self.dropped = 0
+        self.lines = 0
+        self.bytes = 0
+
+    def summary(self) -> None:
+        """The end-of-attempt event: how much the tool wrote to stderr."""
+        self.flush()
+        if self.lines:
+            log.emit("tool_stderr", job_id=str(self.job.id), tool=self.job.tool,
+                     fencing_token=self.job.fencing_token, lines=self.lines, bytes=self.bytes)
 
     def __call__(self, line: bytes) -> None:
+        self.lines += 1
+        self.bytes += len(line) + 1
+        if not self.with_content:
+            return
         now = time.monotonic()
         if now - self.window >= 1.0:
             self.flush()
@@ -131,9 +149,13 @@ class JobSupervisor:
     async def run(self) -> str:
         """Supervise the job; return how it ended (the stop reason or the outcome)."""
         try:
-            return await self._run()
+            outcome = await self._run()
         finally:
             self.ctx.keeper.drop(self.job.id)
+        labels = (self.job.tool, self.ctx.profile.provider)
+        metrics.JOBS_FINISHED.labels(*labels, outcome).inc()
+        metrics.JOB_DURATION.labels(*labels).observe(time.monotonic() - self.started)
+        return outcome
 
     async def _run(self) -> str:
         job, profile = self.job, self.ctx.profile
@@ -162,7 +184,7 @@ class JobSupervisor:
     async def _supervise(self, env: dict[str, str], payload: bytes) -> str:
         profile = self.ctx.profile
         cookie = {k: env[k] for k in ("SIDECAR_JOB_ID", "SIDECAR_FENCING_TOKEN")}
-        relay = _StderrRelay(self.job)
+        relay = _StderrRelay(self.job, self.ctx.settings.log_tool_stderr)
         try:
             child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
                                       relay, cookie)
@@ -181,7 +203,7 @@ class JobSupervisor:
             self.lease.stopping = reason  # the guard refuses from now on ("deadline")
         report = await child.kill_tree(profile.kill_grace_seconds)
         await child.close_pipes(timeout=1.0)
-        relay.flush()
+        relay.summary()
         if reason != EXITED or report.signal is not None:
             kill_reason = reason if reason != EXITED else "orphaned_descendants"
             details = {"reason": kill_reason, "signal": report.signal and report.signal.name,
@@ -189,6 +211,9 @@ class JobSupervisor:
             log.emit("child_killed", "warning", **self._fields(), reason=kill_reason,
                      signal=details["signal"], killed=len(report.killed),
                      survivors=report.survivors or None)
+            labels = (self.job.tool, self.ctx.profile.provider)
+            metrics.CHILD_KILLS.labels(*labels, kill_reason, details["signal"] or "none").inc()
+            metrics.PROCESSES_LEFT.labels(*labels).inc(len(report.survivors))
             await self._journal("child_killed", details)
         return await self._settle(reason, child)
 
@@ -205,6 +230,7 @@ class JobSupervisor:
             asyncio.ensure_future(asyncio.shield(child.exited)): EXITED,
             asyncio.ensure_future(self.lease.lost.wait()): "lease",
             asyncio.ensure_future(self.ctx.shutdown_kill.wait()): SHUTDOWN,
+            asyncio.ensure_future(asyncio.shield(child.overflowed)): TOO_LARGE,
         }
         if profile.idle_timeout_seconds > 0:
             waiters[asyncio.ensure_future(
@@ -220,7 +246,7 @@ class JobSupervisor:
         if not done:
             return on_timeout
         reasons = {waiters[fut] for fut in done}
-        for reason in (SHUTDOWN, EXITED, IDLE):
+        for reason in (SHUTDOWN, EXITED, TOO_LARGE, IDLE):
             if reason in reasons:
                 return reason
         return EXITED
@@ -233,8 +259,6 @@ class JobSupervisor:
             # P13: the lease is gone, whatever the tool answered. Keep evidence only.
             if child.returncode == 0 and not child.stdout_overflow:
                 await self._reject(bytes(child.stdout), "lease lost before commit")
-            elif self.lease.abandoned:
-                self.lease.evidence = {"why": "lease abandoned before the tool ended"}
             log.emit("lease_lost", "warning", **self._fields(), reason=self.lease.reason,
                      duration_s=duration)
             return self.lease.reason or lease_mod.LEASE_LOST
@@ -252,6 +276,12 @@ class JobSupervisor:
                      "message": f"no CPU time, I/O or output for "
                                 f"{profile.idle_timeout_seconds:g} s; the tree was killed"}
             return await self._fail(error, retryable=True)
+        if reason == TOO_LARGE:
+            error = {"kind": "result_too_large", "stderr_tail": stderr_tail,
+                     "message": f"stdout passed {profile.max_result_bytes} bytes; the tree was "
+                                "killed. Return less, or raise "
+                                "SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES"}
+            return await self._fail(error, retryable=False)
         if reason == LIFETIME:
             return await self._fail({**self._lifetime_error(), "stderr_tail": stderr_tail},
                                     retryable=False)
@@ -399,6 +429,7 @@ class JobSupervisor:
         if output is not None:
             details["result"] = payload_digest(output)
         log.emit("result_rejected", "warning", **self._fields(), reason=why)
+        metrics.COMPLETIONS_REJECTED.labels(self.job.tool, self.ctx.profile.provider).inc()
         if self.lease.abandoned:
             self.lease.evidence = details
         else:

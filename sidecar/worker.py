@@ -17,13 +17,16 @@ import uuid
 
 import asyncpg
 
-from sidecar import db
+from sidecar import db, health, metrics
 from sidecar.child import reap_adopted
 from sidecar.config import LeaseProfile, Settings
+from sidecar.errors import ConfigError
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
+from sidecar.health import Readiness
 from sidecar.lease import LeaseKeeper
 from sidecar.log import log
+from sidecar.queries import migrations
 from sidecar.store import Store
 from sidecar.supervisor import JobSupervisor, WorkerContext
 
@@ -43,11 +46,12 @@ class Worker:
 
     ``drain``: return once no job of the tool is queued or running. ``adopt_orphans``:
     reap zombies adopted as a child subreaper (set when the process is one).
+    ``serve_http``: serve /metrics, /livez and /readyz on ``SIDECAR_HTTP_ADDR``.
     """
 
     def __init__(self, settings: Settings, profile: LeaseProfile, dsn: str, argv: list[str],
                  concurrency: int = 1, drain: bool = False, adopt_orphans: bool = False,
-                 owner_id: str | None = None):
+                 owner_id: str | None = None, serve_http: bool = False):
         self.settings = settings
         self.profile = profile
         self.dsn = dsn
@@ -61,6 +65,11 @@ class Worker:
         self.wake = asyncio.Event()
         self.running: dict[uuid.UUID, asyncio.Task] = {}
         self.failure: BaseException | None = None
+        self.serve_http = serve_http and settings.http_addr != "off"
+        self.labels = (profile.tool, profile.provider)
+        self.readiness = Readiness(expected_schema=migrations()[-1].version,
+                                   db_fresh_seconds=max(10.0, 3 * settings.poll_seconds),
+                                   draining=self.stopping.is_set)
 
     def request_stop(self) -> None:
         """First call: stop claiming and drain. Second call: kill running children now."""
@@ -75,6 +84,18 @@ class Worker:
         pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
         store = Store(pool, timeout)
         await store.migrate()
+        self.readiness.schema = await store.schema_version()
+        self.readiness.db_ok_at = time.monotonic()
+        metrics.start_at_zero(*self.labels)
+        http_runner, http_addr = None, None
+        if self.serve_http:
+            try:
+                http_runner, http_addr = await health.serve(self.readiness,
+                                                            self.settings.http_addr)
+            except OSError as exc:
+                await pool.close()
+                raise ConfigError(f"SIDECAR_HTTP_ADDR={self.settings.http_addr}: cannot listen "
+                                  f"({exc.strerror or exc}); pick a free port, or off") from None
         keeper = LeaseKeeper(self.dsn, self.owner_id, self.profile, store, timeout)
         forwarder = Forwarder(store, self.settings, self.owner_id)
         guard = GuardServer(store, self.profile, self.owner_id)
@@ -83,10 +104,12 @@ class Worker:
                             dict(os.environ), self.shutdown_kill, forwarder.wake,
                             self.settings, guard, guard_url)
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
-                 concurrency=self.concurrency, profile=self.profile.as_dict())
+                 concurrency=self.concurrency, profile=self.profile.as_dict(),
+                 http_addr=http_addr, guard_url=guard_url)
         background = [asyncio.create_task(keeper.run(), name="heartbeat"),
                       asyncio.create_task(self._listen(), name="listen"),
-                      asyncio.create_task(forwarder.run(), name="forwarder")]
+                      asyncio.create_task(forwarder.run(), name="forwarder"),
+                      asyncio.create_task(health.watch_loop(self.readiness), name="loop-watch")]
         if self.adopt_orphans:
             background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
         for task in background:
@@ -102,6 +125,8 @@ class Worker:
             if self.adopt_orphans:
                 reap_adopted()
             await guard.stop()
+            if http_runner is not None:
+                await http_runner.cleanup()
             await asyncio.wait_for(pool.close(), timeout)
         log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
                  reason=repr(self.failure) if self.failure else None)
@@ -129,12 +154,19 @@ class Worker:
                         log.emit("job_failed", "warning", job_id=str(row["id"]), tool=tool,
                                  fencing_token=row["fencing_token"],
                                  reason="max_attempts_exceeded")
+                    metrics.QUEUE_DEPTH.labels(*self.labels).set(
+                        await store.claimable_jobs(tool))
+                    self.readiness.db_ok_at = time.monotonic()
                 while len(self.running) < self.concurrency and not self.stopping.is_set():
                     sent = time.monotonic()
                     job = await store.claim(tool, self.owner_id, self.profile.lease_seconds,
                                             self.profile.max_lifetime_seconds or None)
+                    self.readiness.db_ok_at = time.monotonic()
                     if job is None:
                         break
+                    metrics.JOBS_CLAIMED.labels(*self.labels).inc()
+                    if job.reclaimed:
+                        metrics.JOBS_RECLAIMED.labels(*self.labels).inc()
                     lease = ctx.keeper.hold(job, sent)
                     task = asyncio.create_task(JobSupervisor(ctx, job, lease).run())
                     self.running[job.id] = task
@@ -154,6 +186,7 @@ class Worker:
             exc = task.exception()
             log.emit("supervisor_error", "error", job_id=str(job_id), tool=self.profile.tool,
                      reason=f"{type(exc).__name__}: {exc}")
+            metrics.JOBS_FINISHED.labels(*self.labels, "abandoned").inc()
         self.wake.set()
 
     async def _drain_running(self) -> None:
@@ -168,8 +201,19 @@ class Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _listen(self) -> None:
-        """Wake the claim loop on NOTIFY for our tool; reconnect quietly, polling covers gaps."""
+        """Wake the claim loop on NOTIFY for our tool; reconnect quietly, polling covers gaps.
+
+        Behind a transaction pooler (``SIDECAR_DATABASE_POOLER=transaction``) LISTEN has no
+        session to live in: no listener at all, the claim loop polls every
+        ``SIDECAR_POLL_SECONDS``. The task then just waits to be cancelled (a background
+        task that returns counts as a failure of the worker).
+        """
         tool = self.profile.tool
+        if self.settings.database_pooler == "transaction":
+            log.emit("listen_disabled", tool=tool,
+                     reason="SIDECAR_DATABASE_POOLER=transaction: polling every "
+                            f"{self.settings.poll_seconds:g} s instead of LISTEN")
+            await asyncio.Event().wait()
 
         def on_notify(_conn, _pid, _channel, payload: str) -> None:
             if payload == tool:

@@ -35,6 +35,7 @@ FAST_PROFILE = {
     "SIDECAR_BACKOFF_MAX_SECONDS": "0.5",
     "SIDECAR_DRAIN_SECONDS": "5",
     "SIDECAR_DB_TIMEOUT_SECONDS": "2",
+    "SIDECAR_HTTP_ADDR": "127.0.0.1:0",  # many sidecars at once: any free port
 }
 
 

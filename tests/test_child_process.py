@@ -298,7 +298,12 @@ def test_huge_stdout_fails_result_too_large_with_bounded_memory(dsn, sidecars):
     row = job_row(dsn, job)
     assert row["state"] == "failed", row
     assert row["error"]["kind"] == "result_too_large"
-    assert str(total) in row["error"]["message"]  # all of it was read (and dropped)
+    assert "1048576" in row["error"]["message"]  # the cap, named
+    # The result was lost at the cap, so the tool was stopped there, not left to write on.
+    killed = query(dsn, "SELECT details FROM tool_job_events WHERE job_id = $1 AND event = "
+                        "'child_killed'", job)
+    assert killed and killed[0]["details"]["reason"] == "result_too_large"
+    assert total > 1048576
     assert row["attempt"] == 1
     assert 0 < peak < 150 * MIB, f"sidecar peak RSS {peak / MIB:.1f} MiB"
     assert_no_crash_text(sc)

@@ -585,3 +585,23 @@ def test_database_url_with_wrong_scheme_is_a_usage_error():
     line = one_line_error(done)
     assert "SIDECAR_DATABASE_URL" in line
     assert "s3cretpw" not in line
+
+
+def test_payload_numbers_are_kept_exactly(dsn):
+    """jsonb keeps a big integer or a long decimal as given; the tool receives the same text."""
+    raw = '{"n": 123456789012345678901234567890, "d": 0.10000000000000000000001}'
+    job_id = enqueue_raw(dsn, raw)
+    text = scalar(dsn, "SELECT payload::text FROM tool_jobs WHERE id = $1", uuid.UUID(job_id))
+    assert "123456789012345678901234567890" in text and "0.10000000000000000000001" in text
+    # The same key with the same numbers is the same job; a rounded number is not.
+    again = cli(dsn, "enqueue", "nums", "--payload", raw, "--idempotency-key", "nums-1")
+    assert again.returncode == 0 and orjson.loads(again.stdout)["id"] == job_id
+    rounded = cli(dsn, "enqueue", "nums", "--payload", '{"n": 1.2345678901234568e+29, '
+                  '"d": 0.1}', "--idempotency-key", "nums-1")
+    assert rounded.returncode == 2
+
+
+def enqueue_raw(dsn, raw: str) -> str:
+    done = cli(dsn, "enqueue", "nums", "--payload", raw, "--idempotency-key", "nums-1")
+    assert done.returncode == 0, done.stderr.decode()
+    return orjson.loads(done.stdout)["id"]

@@ -126,9 +126,20 @@ def test_fractions_are_accepted():
 def test_per_tool_fraction_override():
     settings = load_settings({"SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS": "0.5",
                               "SIDECAR_PROFILE_OCR_JITTER_SECONDS": "0.5",
+                              "SIDECAR_PROFILE_OCR_KILL_GRACE_SECONDS": "0.2",
                               "SIDECAR_PROFILE_OCR_LEASE_SECONDS": "1.5"})
     p = settings.profile("ocr")
     assert (p.lease_seconds, p.heartbeat_seconds, p.jitter_seconds) == (1.5, 0.5, 0.5)
+
+
+def test_a_lease_too_short_to_kill_the_tool_before_it_ends_is_refused():
+    """P10 holds (1.5 > 1 x 0.5 + 0.5) but the default kill grace (5 s) cannot fit: the
+    tree could not be dead before the lease ends (P14b)."""
+    message = config_error({"SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS": "0.5",
+                            "SIDECAR_PROFILE_OCR_JITTER_SECONDS": "0.5",
+                            "SIDECAR_PROFILE_OCR_LEASE_SECONDS": "1.5"})
+    assert "SIDECAR_PROFILE_OCR_LEASE_SECONDS=1.5" in message
+    assert "kill grace" in message and "SIDECAR_KILL_GRACE_SECONDS" in message
 
 
 # --- load_settings: rule P10 ------------------------------------------------------------
@@ -154,7 +165,17 @@ def test_p10_equality_is_refused():
 
 
 def test_p10_just_above_is_accepted():
-    assert load_settings({"SIDECAR_LEASE_SECONDS": "50.5"}).profile("ocr").lease_seconds == 50.5
+    # 1 x 10 + 40.4 = 50.4 < 50.5; and 50.5 - 10 - 5 - 5.05 = 30.45 s of silence >= 10
+    env = {"SIDECAR_LEASE_SECONDS": "50.5", "SIDECAR_HEARTBEAT_SECONDS": "10",
+           "SIDECAR_JITTER_SECONDS": "40.4"}
+    assert load_settings(env).profile("ocr").lease_seconds == 50.5
+
+
+def test_p10_alone_is_not_enough_when_a_missed_heartbeat_would_abandon_the_job():
+    """90 > 1 x 30 + 20 holds for 50.5 too, but after one missed heartbeat the local
+    deadline (50.5 - 5 - 5.05 s after the last renewal sent) passes before the next one."""
+    message = config_error({"SIDECAR_LEASE_SECONDS": "50.5"})
+    assert "SIDECAR_LEASE_SECONDS=50.5" in message and "missed heartbeat" in message
 
 
 def test_p10_counts_tolerated_misses():
@@ -162,7 +183,8 @@ def test_p10_counts_tolerated_misses():
     message = config_error({"SIDECAR_TOLERATED_MISSES": "3"})
     assert "P10" in message and "110" in message
     assert "SIDECAR_TOLERATED_MISSES" in message
-    assert load_settings({"SIDECAR_TOLERATED_MISSES": "2"}).profile("x").tolerated_misses == 2
+    env = {"SIDECAR_TOLERATED_MISSES": "2", "SIDECAR_HEARTBEAT_SECONDS": "20"}
+    assert load_settings(env).profile("x").tolerated_misses == 2
 
 
 def test_p10_heartbeat_too_long_names_the_heartbeat_variable():
@@ -331,7 +353,7 @@ def test_cli_valid_profile_reaches_the_database():
     """Control for `refused`: with a valid profile the same command gets as far as the
     (unreachable) database and exits 1, so exit 2 above really is the configuration."""
     done = cli(UNREACHABLE, "enqueue", "ocr",
-               env=plain_env(UNREACHABLE, SIDECAR_LEASE_SECONDS="50.5",
+               env=plain_env(UNREACHABLE, SIDECAR_LEASE_SECONDS="80",
                              SIDECAR_NON_RETRYABLE_EXIT_CODES="64, 65"))
     assert done.returncode == 1
     assert "cannot reach" in one_line_error(done)
@@ -375,8 +397,9 @@ def test_run_with_valid_profile_and_unreachable_database_exits_1():
 
 
 def test_cli_fractions_are_accepted(dsn):
-    env = plain_env(dsn, SIDECAR_LEASE_SECONDS="1.5", SIDECAR_HEARTBEAT_SECONDS="0.5",
-                    SIDECAR_JITTER_SECONDS="0.5", SIDECAR_POLL_SECONDS="0.5")
+    env = plain_env(dsn, SIDECAR_LEASE_SECONDS="1.5", SIDECAR_HEARTBEAT_SECONDS="0.25",
+                    SIDECAR_JITTER_SECONDS="0.5", SIDECAR_POLL_SECONDS="0.5",
+                    SIDECAR_KILL_GRACE_SECONDS="0.25")
     job_id = enqueue(dsn, "ocr", {}, env=env)
     assert scalar(dsn, "SELECT count(*) FROM tool_jobs WHERE id = $1", uuid.UUID(job_id)) == 1
 
@@ -391,7 +414,7 @@ def test_cli_per_tool_override_beats_the_global(dsn):
 
 def test_cli_per_tool_lease_can_fix_a_global_that_only_it_uses(dsn):
     """A valid per-tool lease with the defaults elsewhere starts fine."""
-    env = plain_env(dsn, SIDECAR_PROFILE_OCR_LEASE_SECONDS="60")
+    env = plain_env(dsn, SIDECAR_PROFILE_OCR_LEASE_SECONDS="75")
     job_id = enqueue(dsn, "ocr", {}, env=env)
     assert scalar(dsn, "SELECT tool FROM tool_jobs WHERE id = $1", uuid.UUID(job_id)) == "ocr"
 

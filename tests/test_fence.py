@@ -458,3 +458,22 @@ def test_concurrent_duplicate_waits_or_gets_in_progress(dsn):
 
     _fence_run(dsn, scenario)
     assert calls == ["job:5:slow"]
+
+
+def test_reference_receiver_takes_a_forwarded_result_of_several_mib_and_refuses_a_nul_query(
+        receiver):
+    import json as _json
+    import urllib.error as _error
+    import urllib.request as _request
+
+    body = _json.dumps({"result": "x" * (3 * 1024 * 1024)}).encode()
+    req = _request.Request(receiver.url + "/effects", method="POST", data=body, headers={
+        "Content-Type": "application/json", "Idempotency-Key": "tool-job:big:result",
+        "X-Execution-Fence": "1"})
+    with _request.urlopen(req, timeout=10) as response:
+        assert response.status == 201
+    try:
+        _request.urlopen(receiver.url + "/effects?entity=%00", timeout=5)
+        raise AssertionError("a NUL in the entity filter must be refused")
+    except _error.HTTPError as exc:
+        assert exc.code == 400

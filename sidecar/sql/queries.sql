@@ -24,19 +24,24 @@ SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
 
 -- name: enqueue_job
 -- Inserts unless the idempotency key exists; wakes idle sidecars of the tool.
+-- The journal keeps the payload's sha256 and size as the tool will receive it (P23).
 WITH inserted AS (
     INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts)
     VALUES ($1, $2, $3, $4, $5)
     ON CONFLICT (idempotency_key) DO NOTHING
-    RETURNING id, tool
+    RETURNING id, tool, payload::text AS payload_text
 ), journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, 0, 'job_enqueued', $6 FROM inserted
+    SELECT id, 0, 'job_enqueued', $6::jsonb || jsonb_build_object('payload', jsonb_build_object(
+               'sha256', encode(sha256(convert_to(payload_text, 'UTF8')), 'hex'),
+               'bytes', octet_length(payload_text)))
+    FROM inserted
 )
 SELECT id, pg_notify('sidecar_jobs', tool) FROM inserted;
 
 -- name: find_job_by_idempotency_key
-SELECT id, tool, payload FROM tool_jobs WHERE idempotency_key = $1;
+-- jsonb equality: the same payload whatever its key order or spacing.
+SELECT id, tool, payload = $2::jsonb AS same_payload FROM tool_jobs WHERE idempotency_key = $1;
 
 -- name: fail_exhausted_leases
 -- Running jobs whose lease expired with no attempt left become terminal (P16)
@@ -266,3 +271,10 @@ UPDATE tool_jobs SET lease_until = now()
 WHERE id = $2 AND owner_id = $1 AND fencing_token = $3
   AND state = 'running' AND lease_until > now()
 RETURNING id;
+
+-- name: claimable_jobs_of_tool
+-- Queue depth for metrics: served by the partial indexes, sampled once per poll period.
+SELECT count(*) FROM tool_jobs
+WHERE tool = $1
+  AND ((state = 'queued' AND run_after <= now())
+       OR (state = 'running' AND lease_until < now()));

@@ -1,0 +1,71 @@
+"""Ownership metrics (P21) with prometheus-client, in the process-wide registry.
+
+Names follow Prometheus conventions: prefix ``sidecar_``, base units (seconds), ``_total``
+counters (the client appends it), timestamps rather than ages. Labels are the ``tool`` and
+the profile's ``provider``, plus a bounded reason where one is named (outcome, heartbeat
+result, kill reason and signal); never a job id. ``start_at_zero`` creates every known label
+set, so a rate() over a fresh sidecar sees zeros instead of missing series.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+_TP = ("tool", "provider")
+_DURATIONS = (0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800, 3600)
+_FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
+
+OUTCOMES = ("succeeded", "failed", "requeued", "released", "lease_lost", "cancelled",
+            "local_deadline", "rejected", "abandoned")
+HEARTBEAT_RESULTS = ("ok", "lost", "error", "timeout")
+KILL_REASONS = ("stage_timeout", "idle_timeout", "max_lifetime_exceeded", "result_too_large",
+                "lease_lost",
+                "cancelled", "local_deadline", "shutdown", "orphaned_descendants")
+KILL_SIGNALS = ("SIGTERM", "SIGKILL")
+
+JOBS_CLAIMED = Counter("sidecar_jobs_claimed", "Jobs claimed (P4).", _TP)
+JOBS_RECLAIMED = Counter("sidecar_jobs_reclaimed",
+                         "Jobs claimed from an owner whose lease had expired.", _TP)
+JOBS_FINISHED = Counter("sidecar_jobs_finished", "Attempts ended, by outcome.", (*_TP, "outcome"))
+JOB_DURATION = Histogram("sidecar_job_duration_seconds", "Attempt duration, claim to end.", _TP,
+                         buckets=_DURATIONS)
+HEARTBEATS = Counter("sidecar_heartbeats",
+                     "Lease renewals by result: ok, lost (zero rows), error, timeout.",
+                     (*_TP, "result"))
+HEARTBEAT_SECONDS = Histogram("sidecar_heartbeat_duration_seconds",
+                              "Round trip of one renewal statement.", _TP, buckets=_FAST)
+LEASE_SLACK = Histogram("sidecar_lease_slack_seconds",
+                        "lease_until - now() by the database clock just before each renewal.",
+                        _TP, buckets=(0.5, 1, 2, 5, 10, 20, 30, 45, 60, 90, 120, 300, 600))
+LAST_HEARTBEAT = Gauge("sidecar_last_heartbeat_timestamp_seconds",
+                       "Unix time of the last successful renewal.", _TP)
+LEASES_HELD = Gauge("sidecar_leases_held", "Leases this sidecar holds now.", _TP)
+LEASES_EXPIRED = Counter("sidecar_leases_expired",
+                         "Leases lost before the job ended: zero rows or local deadline.", _TP)
+OWNERSHIP_UNKNOWN = Counter("sidecar_ownership_unknown_episodes",
+                            "Episodes where the database did not answer a renewal (P14b).", _TP)
+CHILD_KILLS = Counter("sidecar_child_kills", "Tree kills by reason and strongest signal.",
+                      (*_TP, "reason", "signal"))
+PROCESSES_LEFT = Counter("sidecar_processes_left_after_kill",
+                         "Processes still alive after a tree kill finished.", _TP)
+COMPLETIONS_REJECTED = Counter("sidecar_completions_rejected",
+                               "Outcomes not committed because the lease was not ours (P6).",
+                               _TP)
+QUEUE_DEPTH = Gauge("sidecar_queue_depth", "Jobs of the tool claimable now (sampled).", _TP)
+LOOP_LAG = Histogram("sidecar_event_loop_lag_seconds", "Event-loop lag of the sidecar.",
+                     buckets=_FAST)
+
+
+def start_at_zero(tool: str, provider: str) -> None:
+    """Create every known label set of ``tool``/``provider`` at zero."""
+    for metric in (JOBS_CLAIMED, JOBS_RECLAIMED, JOB_DURATION, HEARTBEAT_SECONDS, LEASE_SLACK,
+                   LAST_HEARTBEAT, LEASES_HELD, LEASES_EXPIRED, OWNERSHIP_UNKNOWN,
+                   PROCESSES_LEFT, COMPLETIONS_REJECTED, QUEUE_DEPTH):
+        metric.labels(tool, provider)
+    for outcome in OUTCOMES:
+        JOBS_FINISHED.labels(tool, provider, outcome)
+    for result in HEARTBEAT_RESULTS:
+        HEARTBEATS.labels(tool, provider, result)
+    for reason in KILL_REASONS:
+        for sig in KILL_SIGNALS:
+            CHILD_KILLS.labels(tool, provider, reason, sig)

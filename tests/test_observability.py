@@ -1,0 +1,158 @@
+"""Metrics (P21), health endpoints, logs and the no-payload rule (P23), on real sidecars."""
+
+from __future__ import annotations
+
+import json
+import signal
+import urllib.error
+import urllib.request
+
+import orjson
+import pytest
+from netproxy import BlackholeProxy, through, upstream_of
+
+from conftest import base_env, cli, enqueue, query, wait_until
+
+
+def _get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def _metric(text: str, name: str, **labels) -> float | None:
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            return float(value)
+    return None
+
+
+def _addr(sc) -> str:
+    return "http://" + sc.wait_event("worker_started")["http_addr"]
+
+
+def test_metrics_start_at_zero_and_count_ownership_events(dsn, sidecars):
+    env = base_env(dsn, SIDECAR_PROFILE_HANG_TREE_PY_PROVIDER="acme",
+                   SIDECAR_PROFILE_HANG_TREE_PY_STAGE_TIMEOUT_SECONDS="1",
+                   SIDECAR_LOG_LEVEL="debug")
+    sc = sidecars(dsn, ["hang_tree.py"], env=env)
+    base = _addr(sc)
+    status, text = _get(base + "/metrics")
+    assert status == 200
+    labels = {"tool": "hang_tree.py", "provider": "acme"}
+    # Known label sets exist before anything happened.
+    assert _metric(text, "sidecar_jobs_finished_total", outcome="failed", **labels) == 0
+    assert _metric(text, "sidecar_heartbeats_total", result="lost", **labels) == 0
+    assert _metric(text, "sidecar_child_kills_total", reason="stage_timeout", signal="SIGKILL",
+                   **labels) == 0
+    assert "job_id" not in text
+
+    job_id = enqueue(dsn, "hang_tree.py", {"pidfile": "/dev/null"}, "--max-attempts", "1",
+                     env=env)
+    wait_until(lambda: query(dsn, "SELECT state FROM tool_jobs WHERE id = $1", job_id)[0]
+               ["state"] == "failed", 20, what="the stage timeout")
+    _, text = _get(base + "/metrics")
+    assert _metric(text, "sidecar_jobs_claimed_total", **labels) == 1
+    assert _metric(text, "sidecar_jobs_finished_total", outcome="failed", **labels) == 1
+    assert _metric(text, "sidecar_child_kills_total", reason="stage_timeout", signal="SIGKILL",
+                   **labels) == 1
+    assert _metric(text, "sidecar_processes_left_after_kill_total", **labels) == 0
+    assert _metric(text, "sidecar_heartbeats_total", result="ok", **labels) >= 1
+    assert _metric(text, "sidecar_last_heartbeat_timestamp_seconds", **labels) > 1.7e9
+    assert _metric(text, "sidecar_lease_slack_seconds_count", **labels) >= 1
+    assert _metric(text, "sidecar_job_duration_seconds_count", **labels) == 1
+    assert _metric(text, "sidecar_queue_depth", **labels) == 0
+
+
+def test_livez_and_readyz_and_draining(dsn, sidecars):
+    env = base_env(dsn, SIDECAR_DRAIN_SECONDS="30")
+    sc = sidecars(dsn, ["hang_tree.py"], env=env)
+    base = _addr(sc)
+    assert _get(base + "/livez")[0] == 200
+    status, body = _get(base + "/readyz")
+    assert status == 200 and json.loads(body)["ready"] is True
+    enqueue(dsn, "hang_tree.py", {"pidfile": "/dev/null", "ignore_term": False}, env=env)
+    sc.wait_event("tool_request_started")
+    sc.proc.send_signal(signal.SIGTERM)  # drains for up to 30 s: not ready meanwhile
+    sc.wait_event("draining")
+    status, body = _get(base + "/readyz")
+    assert status == 503 and "draining" in json.loads(body)["problems"]
+    assert _get(base + "/livez")[0] == 200  # liveness never depends on work or database
+
+
+def test_readyz_fails_when_the_database_is_not_reached_but_livez_stays_up(dsn, sidecars):
+    proxy = BlackholeProxy(upstream_of(dsn))
+    proxy.start()
+    try:
+        env = base_env(through(dsn, proxy.port), SIDECAR_POLL_SECONDS="0.5")
+        sc = sidecars(through(dsn, proxy.port), ["cat"], env=env)
+        base = _addr(sc)
+        assert _get(base + "/readyz")[0] == 200
+        proxy.blackhole()
+        wait_until(lambda: _get(base + "/readyz")[0] == 503, 30, interval=0.5,
+                   what="readyz to notice the database is gone")
+        assert "database" in _get(base + "/readyz")[1]
+        assert _get(base + "/livez")[0] == 200
+        proxy.restore()
+        wait_until(lambda: _get(base + "/readyz")[0] == 200, 30, interval=0.5,
+                   what="readyz to recover")
+    finally:
+        proxy.stop()
+
+
+def test_no_payload_result_or_stderr_content_in_logs_or_journal(dsn, sidecars, tmp_path):
+    secret = "sk_live_51HxSECRETdoNotLog"
+    env = base_env(dsn)
+    job_id = enqueue(dsn, "leaky", {"api_key": secret}, env=env)
+    # A tool that echoes its payload to stdout (the result) and to stderr.
+    done = cli(dsn, "run", "--tool", "leaky", "--drain", "--", "sh", "-c", "tee /dev/stderr",
+               env=env)
+    assert done.returncode == 0
+    assert query(dsn, "SELECT state FROM tool_jobs WHERE id = $1", job_id)[0]["state"] == \
+        "succeeded"
+    assert secret not in done.stderr.decode()
+    journal = query(dsn, "SELECT event, details FROM tool_job_events WHERE job_id = $1", job_id)
+    assert journal and all(secret not in orjson.dumps(dict(r)).decode() for r in journal)
+    summary = [json.loads(line) for line in done.stderr.decode().splitlines()
+               if '"tool_stderr"' in line]
+    assert summary and summary[0]["lines"] == 1 and "line" not in summary[0]
+
+    # Opting in puts the stderr lines themselves in the log.
+    enqueue(dsn, "leaky", {"api_key": secret}, env=env)
+    loud = cli(dsn, "run", "--tool", "leaky", "--drain", "--", "sh", "-c", "tee /dev/stderr",
+               env=base_env(dsn, SIDECAR_LOG_TOOL_STDERR="true"))
+    assert secret in loud.stderr.decode()
+
+
+@pytest.mark.parametrize("fmt", ["json", "text"])
+def test_log_lines_have_fixed_keys(dsn, fmt):
+    env = base_env(dsn, SIDECAR_LOG_FORMAT=fmt)
+    job_id = enqueue(dsn, "cat", {"x": 1}, env=env)
+    done = cli(dsn, "run", "--drain", "--", "cat", env=env)
+    lines = done.stderr.decode().splitlines()
+    if fmt == "json":
+        events = [json.loads(line) for line in lines]
+        assert all(list(e)[:3] == ["ts", "level", "event"] for e in events)
+        claimed = next(e for e in events if e["event"] == "job_claimed")
+        assert list(claimed)[3:8] == ["job_id", "tool", "fencing_token", "attempt",
+                                      "lease_until"]
+        assert claimed["job_id"] == job_id
+    else:
+        claimed = next(line for line in lines if " job_claimed " in line)
+        assert f"job_id={job_id}" in claimed and "fencing_token=1" in claimed
+        assert not any(line.startswith("{") for line in lines)
+
+
+def test_http_addr_in_use_is_one_clear_line(dsn, sidecars):
+    sc = sidecars(dsn, ["cat"])
+    addr = sc.wait_event("worker_started")["http_addr"]
+    done = cli(dsn, "run", "--drain", "--", "cat", env=base_env(dsn, SIDECAR_HTTP_ADDR=addr))
+    assert done.returncode == 2
+    err = done.stderr.decode().strip().splitlines()
+    assert err[-1].startswith("sidecar: error: SIDECAR_HTTP_ADDR=") and "Traceback" not in \
+        done.stderr.decode()

@@ -1,0 +1,253 @@
+"""Case F4: behind PgBouncer in transaction mode (Debian's package, pool size 2) with
+SIDECAR_DATABASE_POOLER=transaction, four sidecars run 200 short jobs with claims,
+heartbeats and commits interleaving: no prepared-statement error, every job succeeds,
+LISTEN is replaced by polling. The reference receiver's fenced transactions work there too.
+
+The test starts its own pgbouncer on a free port in front of the suite's server (TCP, or
+the embedded server's Unix socket directory). PgBouncer refuses to run as root: as root
+the test runs it as the owner of that socket directory, or as ``nobody``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import pwd
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlsplit
+
+import orjson
+import pytest
+
+from conftest import base_env, cli, free_port, query, wait_until
+from sidecar import db
+from sidecar.store import Store
+
+JOBS = 200
+SIDECARS = 4
+TOOL = "bouncer-echo"
+# Fast enough that heartbeats interleave with the claims and commits of other jobs, with
+# room for a queue of clients in front of two server connections on a busy machine.
+PROFILE = {
+    "SIDECAR_LEASE_SECONDS": "10",
+    "SIDECAR_HEARTBEAT_SECONDS": "0.5",
+    "SIDECAR_JITTER_SECONDS": "5",
+    "SIDECAR_DB_TIMEOUT_SECONDS": "5",
+    "SIDECAR_POLL_SECONDS": "0.2",
+    "SIDECAR_DATABASE_POOLER": "transaction",
+    "SIDECAR_LOG_LEVEL": "debug",  # heartbeat_ok lines show that renewals interleaved
+}
+PREPARED_ERRORS = ("prepared statement", "__asyncpg_stmt", "DuplicatePreparedStatement",
+                   "InvalidSQLStatementName")
+
+
+class PgBouncer:
+    """A pgbouncer process of this test, pool_mode = transaction, default_pool_size 2."""
+
+    def __init__(self, server_dsn: str):
+        binary = shutil.which("pgbouncer") or next(
+            (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.path.exists(p)),
+            None)
+        if binary is None:
+            pytest.fail("pgbouncer is not installed: the PgBouncer test (case F4) needs it; "
+                        "install it with 'apt-get install -y pgbouncer' (.ci/run does)")
+        parts = urlsplit(server_dsn)
+        query_args = parse_qs(parts.query)
+        host = parts.hostname or (query_args.get("host") or ["127.0.0.1"])[0]
+        port = parts.port or int((query_args.get("port") or ["5432"])[0])
+        self.user = unquote(parts.username or "postgres")
+        password = unquote(parts.password or "")
+        self.port = free_port()
+        self.dir = Path(tempfile.mkdtemp(prefix="sidecar-pgbouncer-"))
+        run_as = None
+        if os.geteuid() == 0:
+            # The embedded server's socket directory is readable by its owner only.
+            owner = os.stat(host).st_uid if host.startswith("/") else 0
+            run_as = pwd.getpwuid(owner).pw_name if owner != 0 else "nobody"
+        server = f"host={host} port={port} user={self.user}"
+        if password:
+            server += f" password={password}"
+        (self.dir / "userlist.txt").write_text(f'"{self.user}" ""\n')
+        (self.dir / "pgbouncer.ini").write_text(
+            "[databases]\n"
+            f"* = {server}\n"
+            "[pgbouncer]\n"
+            "listen_addr = 127.0.0.1\n"
+            f"listen_port = {self.port}\n"
+            "unix_socket_dir =\n"
+            "auth_type = trust\n"
+            f"auth_file = {self.dir / 'userlist.txt'}\n"
+            "pool_mode = transaction\n"
+            "default_pool_size = 2\n"
+            "min_pool_size = 0\n"
+            "reserve_pool_size = 0\n"
+            "max_client_conn = 500\n"
+            "max_db_connections = 2\n"
+            f"logfile = {self.dir / 'pgbouncer.log'}\n"
+        )
+        if run_as is not None:
+            pw = pwd.getpwnam(run_as)
+            for path in (self.dir, *self.dir.iterdir()):
+                os.chown(path, pw.pw_uid, pw.pw_gid)
+        argv = [binary, *(["-u", run_as] if run_as else []), str(self.dir / "pgbouncer.ini")]
+        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 15
+        while True:
+            if self.proc.poll() is not None:
+                pytest.fail(f"pgbouncer exited with {self.proc.returncode}: "
+                            f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}"
+                            f"{self.log()[-2000:]}")
+            try:
+                socket.create_connection(("127.0.0.1", self.port), 0.5).close()
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    pytest.fail(f"pgbouncer did not listen on {self.port}: {self.log()[-2000:]}")
+                time.sleep(0.05)
+
+    def dsn_for(self, database_dsn: str) -> str:
+        """The DSN of ``database_dsn``'s database through this pgbouncer."""
+        name = urlsplit(database_dsn).path.lstrip("/")
+        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{name}"
+
+    def log(self) -> str:
+        try:
+            return (self.dir / "pgbouncer.log").read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.proc.stderr.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture
+def bouncer(server_dsn):
+    proc = PgBouncer(server_dsn)
+    yield proc
+    proc.stop()
+
+
+def _enqueue_many(bouncer_dsn: str, count: int) -> list[str]:
+    """Enqueue ``count`` jobs through the pooler, 20 at a time, in this process."""
+
+    async def go():
+        pool = await db.create_pool(bouncer_dsn, 5, max_size=4, pooler="transaction")
+        try:
+            store = Store(pool, 10)
+            ids = []
+            for start in range(0, count, 20):
+                batch = await asyncio.gather(*(
+                    store.enqueue(TOOL, {"n": n}, f"f4-{n}", 3, {})
+                    for n in range(start, min(start + 20, count))))
+                ids.extend(str(job_id) for job_id, _ in batch)
+            return ids
+        finally:
+            await pool.close()
+
+    return asyncio.run(go())
+
+
+def test_f4_four_sidecars_behind_pgbouncer_transaction_mode(dsn, bouncer, sidecars, tmp_path):
+    bdsn = bouncer.dsn_for(dsn)
+    env = base_env(bdsn, **PROFILE)
+    migrated = cli(bdsn, "migrate", env=env)
+    assert migrated.returncode == 0, migrated.stderr.decode()
+    ids = _enqueue_many(bdsn, JOBS)
+    assert len(set(ids)) == JOBS
+    # A short tool: sleeps a little so several leases are held and heartbeated at once.
+    tool = tmp_path / "bouncer-echo"
+    tool.write_text("#!/bin/sh\nsleep 0.3\nexec cat\n")
+    tool.chmod(0o755)
+    procs = [sidecars(bdsn, [str(tool)], "--tool", TOOL, "--concurrency", "3", "--drain",
+                      env=env) for _ in range(SIDECARS)]
+    for proc in procs:
+        assert proc.wait(timeout=150) == 0, proc.stderr_text()[-3000:]
+
+    states = query(dsn, "SELECT state, count(*) AS n FROM tool_jobs GROUP BY state")
+    assert {r["state"]: r["n"] for r in states} == {"succeeded": JOBS}, states
+    results = query(dsn, "SELECT idempotency_key, result FROM tool_jobs")
+    assert all(r["result"] == {"n": int(r["idempotency_key"][3:])} for r in results)
+    logs = "\n".join(proc.stderr_text() for proc in procs) + bouncer.log()
+    for marker in PREPARED_ERRORS:
+        assert marker not in logs, f"{marker!r} in the logs:\n{logs[-3000:]}"
+    for proc in procs:
+        assert proc.events("listen_disabled"), "LISTEN must give way to polling"
+        assert not proc.events("worker_failed") and not proc.events("supervisor_error")
+    assert sum(len(proc.events("heartbeat_ok")) for proc in procs) >= SIDECARS
+    # Every sidecar did part of the work, so their statements really interleaved.
+    claimed = query(dsn, "SELECT DISTINCT details->>'owner_id' AS owner FROM tool_job_events "
+                         "WHERE event = 'job_claimed'")
+    assert len(claimed) >= 2
+    shown = cli(bdsn, "show", ids[0], env=env)
+    assert shown.returncode == 0 and orjson.loads(shown.stdout)["state"] == "succeeded"
+
+
+def _post(url: str, key: str, fence: int, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        url, data=json.dumps(body).encode(), method="POST",
+        headers={"Idempotency-Key": key, "X-Execution-Fence": str(fence),
+                 "Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=10) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.load(exc)
+
+
+def test_reference_receiver_behind_pgbouncer(dsn, bouncer, tmp_path):
+    """The receiver's pool gets the same pooler handling (db.create_pool): fenced
+    transactions with a transaction-local lock_timeout, replays and stale fences."""
+    port = free_port()
+    env = base_env(bouncer.dsn_for(dsn), **PROFILE)
+    log_path = tmp_path / "receiver.log"
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "sidecar", "receiver", "--listen",
+                                 f"127.0.0.1:{port}"], env=env, stdout=log, stderr=log)
+        try:
+            url = f"http://127.0.0.1:{port}/effects"
+
+            def up():
+                if proc.poll() is not None:
+                    return True
+                try:
+                    urllib.request.urlopen(url, timeout=2).close()
+                    return True
+                except OSError:
+                    return False
+
+            wait_until(up, 20, what="the receiver behind pgbouncer")
+            assert proc.poll() is None, log_path.read_text()
+            for round_ in range(3):  # the second and third rounds are replays
+                for n in range(10):
+                    status, answer = _post(url, f"tool-job:e{n}:create_case", 2,
+                                           {"case": n})
+                    assert status == 201, (round_, answer)
+                    assert answer["fence"] == 2
+            status, answer = _post(url, "tool-job:e0:other_step", 1, {"case": 0})
+            assert (status, answer["error"]) == (409, "stale_fence")
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(10)
+    assert len(query(dsn, "SELECT 1 FROM fence_effects")) == 10
+    text = log_path.read_text(errors="replace") + bouncer.log()
+    for marker in PREPARED_ERRORS:
+        assert marker not in text, text[-3000:]
