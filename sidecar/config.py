@@ -340,6 +340,10 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         else:
             defaults[name] = (spec.parse(spec.default), f"(default) {var}")
 
+    if "SIDECAR_DATABASE_URL" in env and not env["SIDECAR_DATABASE_URL"].strip():
+        # An empty secret must not quietly switch production to a local embedded database.
+        raise ConfigError("SIDECAR_DATABASE_URL is set but empty; give the server's URL, or "
+                          "unset it to use the embedded PostgreSQL")
     glob: dict[str, object] = {}
     for name, spec in GLOBAL_FIELDS.items():
         var = PREFIX + name

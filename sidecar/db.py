@@ -106,12 +106,18 @@ def resolve_dsn(settings: Settings) -> str:
     """
     use_pooler(settings.database_pooler)
     if settings.database_url:
-        if not settings.database_url.startswith(("postgres://", "postgresql://")):
+        url = settings.database_url
+        if not url.startswith(("postgres://", "postgresql://")):
             raise UsageError(
-                "SIDECAR_DATABASE_URL must start with postgresql:// "
-                f"(got {mask_dsn(settings.database_url)!r})"
-            )
-        return settings.database_url
+                f"SIDECAR_DATABASE_URL must start with postgresql:// (got {mask_dsn(url)!r})")
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+            parts.hostname  # noqa: B018 - raises ValueError for a broken [IPv6] host
+        except ValueError as exc:
+            raise UsageError(f"SIDECAR_DATABASE_URL {mask_dsn(url)!r} is malformed ({exc}); "
+                             "expected postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
+        return url
     return embedded_dsn(settings.data_dir or default_data_dir())
 
 

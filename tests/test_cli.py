@@ -605,3 +605,16 @@ def enqueue_raw(dsn, raw: str) -> str:
     done = cli(dsn, "enqueue", "nums", "--payload", raw, "--idempotency-key", "nums-1")
     assert done.returncode == 0, done.stderr.decode()
     return orjson.loads(done.stdout)["id"]
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("postgresql://u:pw@127.0.0.1:abc/x", "malformed"),
+    ("postgresql://postgres@[::1/x", "malformed"),
+    ("", "set but empty"),
+])
+def test_a_malformed_or_empty_database_url_is_one_line_exit_2(dsn, url, fragment):
+    done = cli(dsn, "jobs", env=base_env(dsn, SIDECAR_DATABASE_URL=url))
+    assert done.returncode == 2
+    err = done.stderr.decode()
+    assert len(err.strip().splitlines()) == 1 and fragment in err and "Traceback" not in err
+    assert "pw@" not in err
