@@ -522,12 +522,11 @@ def test_guard_client_retries_lease_ending_until_renewed(dsn):
 
 
 def _require_wired_guard(result: dict) -> None:
-    if result.get("guard") is None:
-        pytest.skip("the supervisor does not give the child SIDECAR_GUARD_URL yet")
+    assert result.get("guard") is not None, "the child got no SIDECAR_GUARD_URL"
 
 
 def test_sidecar_run_gives_the_tool_a_working_guard(dsn):
-    env = base_env(dsn)
+    env = base_env(dsn, SIDECAR_LEASE_SECONDS="6")  # the guard's window always open
     job_id = enqueue(dsn, TOOL, {"step": "publish"}, env=env)
     done = cli(dsn, "run", "--tool", TOOL, "--drain", "--", str(TOOLS / "guard_steps.py"),
                env=env)
@@ -545,7 +544,9 @@ def test_sidecar_run_gives_the_tool_a_working_guard(dsn):
 
 
 def test_a_tool_stopped_at_its_stage_deadline_is_refused_but_may_checkpoint(dsn, tmp_path):
-    env = base_env(dsn, SIDECAR_STAGE_TIMEOUT_SECONDS="2")
+    # A 6 s lease: the guard's window (H + J = 1.5 s before the local deadline) is then
+    # open all the time; with the 3 s fast profile it is open about half of each period.
+    env = base_env(dsn, SIDECAR_STAGE_TIMEOUT_SECONDS="2", SIDECAR_LEASE_SECONDS="6")
     report, ready = tmp_path / "report.json", tmp_path / "ready.json"
     job_id = enqueue(dsn, TOOL, {"report": str(report), "readyfile": str(ready)},
                      "--max-attempts", "1", env=env)
@@ -554,11 +555,8 @@ def test_a_tool_stopped_at_its_stage_deadline_is_refused_but_may_checkpoint(dsn,
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     job = query(dsn, "SELECT state, error, checkpoint FROM tool_jobs WHERE id = $1",
                 job_id)[0]
-    if not ready.exists():
-        stderr = done.stderr.decode()
-        if "SIDECAR_GUARD_URL" in stderr and "not set" in stderr:
-            pytest.skip("the supervisor does not give the child SIDECAR_GUARD_URL yet")
-        pytest.fail(f"the tool never got its first guard answer: {stderr[-3000:]}")
+    assert ready.exists(), f"the tool never got its first guard answer: " \
+        f"{done.stderr.decode()[-3000:]}"
     assert orjson.loads(ready.read_bytes())["fencing_token"] == 1
     assert report.exists(), done.stderr.decode()[-3000:]
     got = orjson.loads(report.read_bytes())
