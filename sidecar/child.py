@@ -31,6 +31,17 @@ _READS_PER_WAKEUP = 4  # bounds the time one flooding pipe holds the event loop
 # Pids whose exit status this module collects itself; the adopted-orphan reaper skips them.
 MANAGED_PIDS: set[int] = set()
 
+# True once this process is a child subreaper (``sidecar run``): every descendant of a tool
+# then stays either a descendant of the tool or becomes our own (adopted) child, so a tree
+# scan need not read the environment of every process on the host.
+SUBREAPER = False
+
+
+def use_subreaper(enabled: bool) -> None:
+    """Record whether this process adopts orphaned descendants (see SUBREAPER)."""
+    global SUBREAPER
+    SUBREAPER = enabled
+
 # Spawns happen on one long-lived thread: the fork stays off the event loop thread, and
 # the parent-death signal (tied by Linux to the forking *thread*) fires only when the
 # sidecar process itself ends.
@@ -67,7 +78,11 @@ def _alive(proc: psutil.Process) -> bool:
 def find_tree(root_pid: int, cookie: dict[str, str]) -> list[psutil.Process]:
     """Every live process of a job's tree: descendants of ``root_pid``, members of its
     session (the child is a session leader, so sid == root_pid), and any process whose
-    environment carries all of ``cookie`` (re-parented or ``setsid`` escapees, case F7)."""
+    environment carries all of ``cookie`` (re-parented or ``setsid`` escapees, case F7).
+
+    As a child subreaper, escapees can only be our own adopted children (and their
+    descendants), so only those are checked for the cookie; otherwise every process on
+    the host is."""
     me = os.getpid()
     found: dict[int, psutil.Process] = {}
     try:
@@ -76,6 +91,21 @@ def find_tree(root_pid: int, cookie: dict[str, str]) -> list[psutil.Process]:
             found[proc.pid] = proc
     except psutil.Error:
         pass
+    if SUBREAPER:
+        try:
+            adopted = [p for p in psutil.Process(me).children()
+                       if p.pid not in MANAGED_PIDS and p.pid not in found]
+        except psutil.Error:
+            adopted = []
+        for proc in adopted:
+            try:
+                env = proc.environ()
+                if all(env.get(k) == v for k, v in cookie.items()):
+                    for member in [proc, *proc.children(recursive=True)]:
+                        found[member.pid] = member
+            except (psutil.Error, OSError):
+                continue
+        return [proc for proc in found.values() if proc.pid != me and _alive(proc)]
     for proc in psutil.process_iter():
         if proc.pid in found or proc.pid == me:
             continue

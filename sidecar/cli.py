@@ -150,7 +150,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
 
 
 def cmd_run(args, settings: Settings) -> int:
-    from sidecar import guardian, linux
+    from sidecar import child, guardian, linux
     from sidecar.worker import Worker, install_signal_handlers
 
     if not args.command:
@@ -167,6 +167,7 @@ def cmd_run(args, settings: Settings) -> int:
     # Become the adopter of orphaned descendants, and drain if our own parent dies
     # (an entrypoint shell that took the SIGTERM meant for us, case F8).
     adopt = linux.set_child_subreaper()
+    child.use_subreaper(adopt)
     parent = os.getppid()
     linux.set_parent_death_signal(signal.SIGTERM)
     if os.getppid() != parent:
