@@ -36,8 +36,35 @@ def _encode_json(value) -> str:
     return orjson.dumps(value).decode()
 
 
+# TCP keepalive and user timeout on every TCP connection to PostgreSQL (P14b): a silently
+# dropped path is also noticed by the kernel, behind the client-side statement timeouts.
+KEEPALIVE_IDLE_SECONDS = 5
+KEEPALIVE_INTERVAL_SECONDS = 2
+KEEPALIVE_PROBES = 3
+USER_TIMEOUT_MS = 15_000
+
+
+def set_keepalive(conn: asyncpg.Connection) -> bool:
+    """Turn on TCP keepalive (and TCP_USER_TIMEOUT, so unacknowledged data cannot wait on
+    retransmits for minutes) on a connection's socket; False for a Unix socket."""
+    transport = getattr(conn, "_transport", None)  # asyncpg offers no public handle
+    sock = transport.get_extra_info("socket") if transport is not None else None
+    if sock is None or sock.family not in (socket.AF_INET, socket.AF_INET6):
+        return False
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for option, value in (("TCP_KEEPIDLE", KEEPALIVE_IDLE_SECONDS),
+                          ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_SECONDS),
+                          ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+                          ("TCP_USER_TIMEOUT", USER_TIMEOUT_MS)):
+        if hasattr(socket, option):
+            sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, option), value)
+    return True
+
+
 async def init_connection(conn: asyncpg.Connection) -> None:
-    """Per-connection setup: jsonb/json parameters and results go through orjson."""
+    """Per-connection setup: jsonb/json parameters and results go through orjson; TCP
+    keepalive on (see set_keepalive)."""
+    set_keepalive(conn)
     for name in ("jsonb", "json"):
         await conn.set_type_codec(
             name, schema="pg_catalog", encoder=_encode_json, decoder=orjson.loads, format="text"

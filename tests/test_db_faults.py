@@ -367,3 +367,21 @@ def test_heartbeat_timeout_is_shorter_than_its_period(dsn, proxy, sidecars, tmp_
     assert unknown["fencing_token"] == 1
     assert "local_deadline_in_s" in unknown and "lease_until" in unknown  # P15 fields
     wait_until(lambda: _state(dsn, job_id) != "running", 30, what="the job to end")
+
+
+def test_every_tcp_connection_to_postgres_has_keepalive_on(dsn, proxy, sidecars):
+    """P14b: behind the statement timeouts, the kernel also probes a silent path (TCP
+    keepalive, TCP_USER_TIMEOUT). Checked with `ss` on the sidecar's real sockets."""
+    side_dsn = through(dsn, proxy.port)  # TCP whatever the server (the embedded one is a socket)
+    sc = sidecars(side_dsn, ["cat"], env=base_env(side_dsn))
+    sc.wait_event("worker_started")
+
+    def sockets():
+        out = subprocess.run(["ss", "-tnpo", "state", "established", f"dport = :{proxy.port}"],
+                             capture_output=True, text=True, check=True).stdout
+        return [line for line in out.splitlines() if f"pid={sc.pid}," in line]
+
+    # pool, heartbeat (once it beats), LISTEN: at least two connections of the sidecar
+    mine = wait_until(lambda: len(sockets()) >= 2 and sockets(), 15,
+                      what="the sidecar's connections")
+    assert all("timer:(keepalive" in line for line in mine), mine
