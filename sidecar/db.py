@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import sys
 import warnings
@@ -234,9 +233,3 @@ async def create_pool(dsn: str, timeout: float, max_size: int, *,
     except CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None
 
-
-def worker_identity(worker_name: str) -> str:
-    """A fresh ``owner_id``: stable name + pid + random part (F3: a restarted pod that
-    keeps its hostname and pid must not inherit its predecessor's leases)."""
-    name = worker_name or socket.gethostname()
-    return f"{name}:{os.getpid()}:{os.urandom(6).hex()}"
