@@ -13,6 +13,7 @@ import asyncio
 import concurrent.futures
 import errno
 import os
+import resource
 import signal
 import subprocess
 import time
@@ -21,6 +22,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from sidecar.cgroups import JobCgroup
 from sidecar.linux import child_preexec
 
 STDERR_TAIL_BYTES = 4096
@@ -142,14 +144,16 @@ def reap_adopted() -> int:
     return reaped
 
 
-def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int):
+def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: str | None,
+                    make_preexec: Callable[[int], Callable[[], None]] | None):
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
         popen = subprocess.Popen(
-            argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
-            start_new_session=True, preexec_fn=child_preexec(parent_pid),
+            argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True, cwd=cwd,
+            start_new_session=True,
+            preexec_fn=(make_preexec or child_preexec)(parent_pid),
         )
     except BaseException:
         for fd in (in_w, out_r, err_r):
@@ -171,8 +175,11 @@ class Child:
 
     def __init__(self, popen: subprocess.Popen, stdin_fd: int, stdout_fd: int, stderr_fd: int,
                  payload: bytes, max_stdout: int, on_stderr_line: Callable[[bytes], None],
-                 cookie: dict[str, str]):
+                 cookie: dict[str, str], cgroup: JobCgroup | None = None):
         self.loop = asyncio.get_running_loop()
+        self.cgroup = cgroup
+        # The child's own resource use (wait4), its reaped descendants included.
+        self.rusage: resource.struct_rusage | None = None
         self.popen = popen
         self.pid = popen.pid
         self.cookie = cookie
@@ -200,17 +207,23 @@ class Child:
 
     @classmethod
     async def spawn(cls, argv: list[str], env: dict[str, str], payload: bytes, max_stdout: int,
-                    on_stderr_line: Callable[[bytes], None], cookie: dict[str, str]) -> Child:
-        """Start ``argv`` in a new session with ``env``; write ``payload`` to its stdin.
+                    on_stderr_line: Callable[[bytes], None], cookie: dict[str, str],
+                    cwd: str | None = None,
+                    make_preexec: Callable[[int], Callable[[], None]] | None = None,
+                    cgroup: JobCgroup | None = None) -> Child:
+        """Start ``argv`` in a new session with ``env`` in ``cwd``; write ``payload`` to its
+        stdin. No file descriptor but stdin, stdout and stderr is inherited.
 
         ``max_stdout`` caps the bytes of stdout kept (bytes). ``cookie`` is a subset of
-        ``env`` that marks the job's processes for the tree kill.
+        ``env`` that marks the job's processes for the tree kill. ``make_preexec(parent_pid)``
+        gives the ``preexec_fn`` (limits, cgroup, identity; sidecar.isolation), and
+        ``cgroup`` the job cgroup the child joins there (its members are part of the tree).
         Raises SpawnFailed when the program is missing or not executable.
         """
         loop = asyncio.get_running_loop()
         try:
             popen, in_w, out_r, err_r = await loop.run_in_executor(
-                _spawner, _spawn_blocking, argv, env, os.getpid()
+                _spawner, _spawn_blocking, argv, env, os.getpid(), cwd, make_preexec
             )
         except FileNotFoundError:
             raise SpawnFailed(f"command not found: {argv[0]}", 127) from None
@@ -221,7 +234,7 @@ class Child:
             raise SpawnFailed(f"cannot execute {argv[0]}: {exc.strerror or exc}", 126) from None
         except subprocess.SubprocessError as exc:
             raise SpawnFailed(f"cannot start {argv[0]}: {exc}", 126) from None
-        return cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie)
+        return cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie, cgroup)
 
     # --- exit ---------------------------------------------------------------
 
@@ -245,10 +258,11 @@ class Child:
 
     def _try_reap(self) -> bool:
         try:
-            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            pid, status, self.rusage = os.wait4(self.pid, os.WNOHANG)
         except ChildProcessError:
             pid, status = self.pid, 0
         if pid == 0:
+            self.rusage = None
             return False
         self.returncode = os.waitstatus_to_exitcode(status)
         self.popen.returncode = self.returncode  # so Popen never waits on a reused pid
@@ -368,6 +382,8 @@ class Child:
             if not procs:
                 break
             report.signal = signal.SIGKILL
+            if self.cgroup is not None:  # atomic where cgroup.kill exists: no fork escapes
+                await self.loop.run_in_executor(None, self.cgroup.kill)
             self._signal(procs, signal.SIGKILL, report)
             await self._wait_gone(procs, 2.0)
         report.survivors = [proc.pid for proc in await self._scan()]
@@ -379,7 +395,20 @@ class Child:
         return report
 
     async def _scan(self) -> list[psutil.Process]:
-        return await self.loop.run_in_executor(None, find_tree, self.pid, self.cookie)
+        return await self.loop.run_in_executor(None, self._scan_blocking)
+
+    def _scan_blocking(self) -> list[psutil.Process]:
+        procs = find_tree(self.pid, self.cookie)
+        if self.cgroup is not None:
+            known = {proc.pid for proc in procs}
+            for pid in self.cgroup.members() - known:
+                try:
+                    proc = psutil.Process(pid)
+                except psutil.Error:
+                    continue
+                if _alive(proc):
+                    procs.append(proc)
+        return procs
 
     @staticmethod
     def _signal(procs: list[psutil.Process], sig: int, report: KillReport) -> None:

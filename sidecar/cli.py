@@ -95,13 +95,18 @@ def cmd_migrate(args, settings: Settings) -> int:
     return 0
 
 
-def _read_payload(args) -> tuple[Any, bytes]:
+def _read_payload(args, limit: int) -> tuple[Any, bytes]:
+    """The payload's value and bytes; at most ``limit`` bytes (0 = any) are accepted, and
+    no more than one byte past it is ever read (SIDECAR_MAX_PAYLOAD_BYTES)."""
     if args.payload is not None and args.payload_file is not None:
         raise UsageError("give --payload or --payload-file, not both")
     if args.payload_file is not None:
         try:
-            raw = sys.stdin.buffer.read() if args.payload_file == "-" \
-                else Path(args.payload_file).read_bytes()
+            if args.payload_file == "-":
+                raw = sys.stdin.buffer.read(limit + 1) if limit else sys.stdin.buffer.read()
+            else:
+                with open(args.payload_file, "rb") as f:
+                    raw = f.read(limit + 1) if limit else f.read()
         except OSError as exc:
             raise UsageError(f"--payload-file {args.payload_file}: cannot read it "
                              f"({exc.strerror or exc})") from None
@@ -110,6 +115,10 @@ def _read_payload(args) -> tuple[Any, bytes]:
         raw, source = args.payload.encode("utf-8", "surrogateescape"), "--payload"
     else:
         raw, source = b"{}", "--payload"
+    if limit and len(raw) > limit:
+        raise UsageError(f"{source}: the payload is larger than SIDECAR_MAX_PAYLOAD_BYTES="
+                         f"{limit} bytes; pass a reference (a URL or object key) instead, "
+                         "or raise that limit")
     try:
         return orjson.loads(raw), raw
     except orjson.JSONDecodeError as exc:
@@ -120,7 +129,7 @@ def _read_payload(args) -> tuple[Any, bytes]:
 def cmd_enqueue(args, settings: Settings) -> int:
     tool = validate_tool_name(args.tool)
     profile = settings.profile(tool)
-    payload, raw = _read_payload(args)
+    payload, raw = _read_payload(args, settings.max_payload_bytes)
     if args.max_attempts is not None and not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
         raise UsageError(f"--max-attempts {args.max_attempts}: must be from 1 to "
                          f"{MAX_ATTEMPTS_LIMIT}")
@@ -150,7 +159,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
 
 
 def cmd_run(args, settings: Settings) -> int:
-    from sidecar import child, guardian, linux
+    from sidecar import cgroups, child, guardian, isolation, linux
     from sidecar.worker import Worker, install_signal_handlers
 
     if not args.command:
@@ -163,6 +172,9 @@ def cmd_run(args, settings: Settings) -> int:
         log_mod.log.emit("command_not_found", "warning", tool=tool,
                          reason=f"{args.command[0]} is not an executable on PATH; "
                                 "jobs will fail with spawn_failed")
+    host = cgroups.detect(settings.cgroups)
+    isolation.check_profile(profile, host)
+    isolation.check_work_dir(settings)
     dsn = db.resolve_dsn(settings)
     # Become the adopter of orphaned descendants, and drain if our own parent dies
     # (an entrypoint shell that took the SIGTERM meant for us, case F8).
@@ -173,7 +185,7 @@ def cmd_run(args, settings: Settings) -> int:
     if os.getppid() != parent:
         return 0
     worker = Worker(settings, profile, dsn, args.command, args.concurrency, args.drain,
-                    adopt_orphans=adopt, serve_http=True)
+                    adopt_orphans=adopt, serve_http=True, cgroup_host=host)
     keeper = guardian.start(worker.owner_id)
 
     async def go():
@@ -264,13 +276,23 @@ def cmd_config(args, settings: Settings) -> int:
     gets here: load_settings already failed with one line and exit 2."""
     if settings.database_url:
         db.resolve_dsn(settings)  # checks the URL's scheme; connects to nothing
-    out: dict[str, Any] = {"settings": _global_settings(settings)}
+    from sidecar import cgroups, isolation
+
+    host = cgroups.detect(settings.cgroups)
+    out: dict[str, Any] = {"settings": _global_settings(settings),
+                           "isolation": host.describe()}
     if args.tool:
         out["profiles"] = [_profile_entry(settings, validate_tool_name(args.tool))]
     else:
         out["defaults"] = _profile_entry(settings)
         out["profiles"] = [_profile_entry(settings, env_key=key)
                            for key in settings.profile_tools()]
+    for entry in out["profiles"]:
+        try:  # what `sidecar run` would refuse on this host, said here already
+            isolation.check_profile(settings.profile(entry.get("tool")
+                                                     or entry["env_key"].lower()), host)
+        except SidecarError as exc:
+            entry["isolation_error"] = str(exc)
     _print_json(out)
     return 0
 

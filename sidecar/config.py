@@ -28,6 +28,10 @@ POOLER_MODES = ("none", "transaction")
 TOOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 
 
+class _Invalid(ValueError):
+    """A value refused for a reason worth showing (the parsers' own ValueErrors are not)."""
+
+
 def _number(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -78,6 +82,34 @@ def _tool_list(text: str) -> frozenset[str]:
     return tools
 
 
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def _env_names(text: str) -> frozenset[str]:
+    names = frozenset(part for part in text.replace(" ", "").split(",") if part)
+    for name in names:
+        if not _ENV_NAME.fullmatch(name):
+            raise _Invalid(f"{name!r} is not an environment variable name")
+        if name.upper().startswith(PREFIX):
+            raise _Invalid(f"{name} is the sidecar's own; SIDECAR_* variables never pass "
+                             "to a tool (the child gets its job variables instead)")
+    return names
+
+
+def _run_as(text: str) -> str:
+    text = text.strip()
+    if text and not re.fullmatch(r"\d{1,10}(:\d{1,10})?", text):
+        raise _Invalid("use a numeric uid or uid:gid, e.g. 65534:65534")
+    return text
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text.strip())
+    if value < 0:
+        raise _Invalid("must not be negative; 0 means no limit")
+    return value
+
+
 def _exit_codes(text: str) -> frozenset[int]:
     codes = frozenset(int(part) for part in text.replace(" ", "").split(",") if part)
     if any(not 1 <= code <= 255 for code in codes):
@@ -113,6 +145,19 @@ PROFILE_FIELDS: dict[str, _Field] = {
                                    "cap on a job's life from its first claim (P12); 0 = off"),
     "NEXT_TOOLS": _Field(_tool_list, "", "tools", "tools a result may name as its next stage"),
     "PROVIDER": _Field(_label, "", "label", "the external provider, a metrics label (P21)"),
+    # Isolation of the child (README "Isolation and security"); 0 = no limit.
+    "MEMORY_BYTES": _Field(_non_negative_int, "0", "bytes",
+                           "memory of the tool's whole tree (cgroup), else RLIMIT_AS per process"),
+    "CPU_SECONDS": _Field(_number, "0", "s", "CPU time of the tool's tree; 0 = no limit"),
+    "OPEN_FILES": _Field(_non_negative_int, "0", "count",
+                         "RLIMIT_NOFILE of every tool process; 0 = inherit"),
+    "PROCESSES": _Field(_non_negative_int, "0", "count",
+                        "processes of the tool's tree (cgroup pids.max), else RLIMIT_NPROC"),
+    "CORE_DUMPS": _Field(_flag, "false", "bool", "let the tool write core dumps"),
+    "RUN_AS": _Field(_run_as, "", "uid[:gid]",
+                     "run the tool as this user (the sidecar must be root)"),
+    "ENV_PASSTHROUGH": _Field(_env_names, "PATH,HOME,LANG,LC_ALL,LC_CTYPE,TZ", "names",
+                              "the sidecar's variables the tool may see; nothing else passes"),
 }
 
 # Sidecar-wide settings (not per tool).
@@ -133,6 +178,12 @@ GLOBAL_FIELDS: dict[str, _Field] = {
                         "metrics, /livez and /readyz of `sidecar run`; off = none"),
     "LOG_TOOL_STDERR": _Field(_flag, "false", "bool",
                               "log the tool's stderr lines (content) as tool_stderr events"),
+    "WORK_DIR": _Field(str, "", "path",
+                       "root of each attempt's private work directory; default the temp dir"),
+    "MAX_PAYLOAD_BYTES": _Field(_non_negative_int, str(8 * 1024 * 1024), "bytes",
+                                "largest payload `enqueue` accepts (and a next stage's)"),
+    "CGROUPS": _Field(str, "auto", "mode",
+                      "auto: a cgroup per job where this host lets the sidecar make one; off"),
 }
 
 # Variables the sidecar sets for its child, and the test suite's own; allowed in
@@ -148,6 +199,8 @@ PASSIVE_VARIABLES = frozenset(
         "SIDECAR_GUARD_URL",
         "SIDECAR_GUARD_TOKEN",
         "SIDECAR_CHECKPOINT_FILE",
+        "SIDECAR_JOB_DIR",
+        "SIDECAR_RESULT_FILE",
         "SIDECAR_TEST_DATABASE_URL",
     }
 )
@@ -218,6 +271,13 @@ class LeaseProfile:
     max_lifetime_seconds: float
     next_tools: frozenset[str]
     provider: str
+    memory_bytes: int
+    cpu_seconds: float
+    open_files: int
+    processes: int
+    core_dumps: bool
+    run_as: str
+    env_passthrough: frozenset[str]
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:
@@ -248,6 +308,9 @@ class Settings:
     database_pooler: str
     http_addr: str
     log_tool_stderr: bool
+    work_dir: str
+    max_payload_bytes: int
+    cgroups: str
     defaults: Mapping[str, tuple[object, str]]
     overrides: Mapping[str, Mapping[str, tuple[object, str]]]
 
@@ -268,6 +331,8 @@ class Settings:
 def _parse(var: str, raw: str, spec: _Field) -> object:
     try:
         return spec.parse(raw)
+    except _Invalid as exc:
+        raise ConfigError(f"{var}={raw!r} is not valid: {exc}") from None
     except ValueError:
         raise ConfigError(
             f"{var}={raw!r} is not valid: expected {spec.unit} ({spec.what})"
@@ -291,7 +356,8 @@ def _build_profile(
         raise ConfigError(f"{src['MAX_ATTEMPTS']}={p['max_attempts']}: at most "
                           f"{MAX_ATTEMPTS_LIMIT} attempts")
     for name in ("JITTER_SECONDS", "KILL_GRACE_SECONDS", "BACKOFF_BASE_SECONDS",
-                 "BACKOFF_MAX_SECONDS", "IDLE_TIMEOUT_SECONDS", "MAX_LIFETIME_SECONDS"):
+                 "BACKOFF_MAX_SECONDS", "IDLE_TIMEOUT_SECONDS", "MAX_LIFETIME_SECONDS",
+                 "CPU_SECONDS"):
         if p[name.lower()] < 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must not be negative")
 
@@ -390,6 +456,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     for name in ("poll_seconds", "db_timeout_seconds"):
         if glob[name] <= 0:
             raise ConfigError(f"SIDECAR_{name.upper()}={glob[name]}: must be a positive number")
+    if glob["cgroups"] not in ("auto", "off"):
+        raise ConfigError(f"SIDECAR_CGROUPS={glob['cgroups']!r}: use auto or off")
     if glob["drain_seconds"] < 0:
         raise ConfigError(f"SIDECAR_DRAIN_SECONDS={glob['drain_seconds']}: must not be negative")
 

@@ -8,9 +8,8 @@ the final state, the journal event and the log line (P8, P13).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-import tempfile
+import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -22,11 +21,14 @@ import psutil
 
 from sidecar import lease as lease_mod
 from sidecar import metrics
+from sidecar.cgroups import CgroupHost, Usage
 from sidecar.child import Child, SpawnFailed
 from sidecar.config import LeaseProfile, Settings
 from sidecar.db import RawJson
+from sidecar.isolation import TMPDIR_VARIABLES, ResultFile, Sandbox, child_environment
 from sidecar.lease import Lease, LeaseKeeper
 from sidecar.log import log, payload_digest
+from sidecar.results import BadResult, parse_result, scrub_text
 from sidecar.store import ClaimedJob, NextStage, Store
 
 if TYPE_CHECKING:
@@ -39,6 +41,11 @@ LIFETIME = "max_lifetime_exceeded"
 IDLE = "idle_timeout"
 TOO_LARGE = "result_too_large"
 SHUTDOWN = "shutdown"
+CPU_LIMIT = "cpu_limit"
+
+# What a process killed by RLIMIT_AS, or a tool refused memory, typically writes last.
+_OUT_OF_MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "out of memory",
+                          "Out of memory", "bad_alloc", "failed to allocate")
 
 CHECKPOINT_FILE_NAME = "checkpoint.json"
 
@@ -61,14 +68,14 @@ class WorkerContext:
     settings: Settings
     guard: GuardServer | None = None
     guard_url: str = ""
+    cgroup_host: CgroupHost = CgroupHost()
 
 
-def child_environment(base_env: dict[str, str], job: ClaimedJob, profile: LeaseProfile,
-                      owner_id: str) -> dict[str, str]:
-    """The child's environment: the sidecar's without any ``SIDECAR_*`` variable (the child
-    never sees the database URL), plus the job's variables (README, "The child process")."""
-    env = {k: v for k, v in base_env.items() if not k.startswith("SIDECAR_")}
-    env.update(
+def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
+                  sandbox: Sandbox) -> dict[str, str]:
+    """The ``SIDECAR_*`` variables a child gets for one attempt (README, "The child
+    process"); its temporary directory is its work directory."""
+    variables = dict(
         SIDECAR_JOB_ID=str(job.id),
         SIDECAR_TOOL=job.tool,
         SIDECAR_ATTEMPT=str(job.attempt),
@@ -76,8 +83,11 @@ def child_environment(base_env: dict[str, str], job: ClaimedJob, profile: LeaseP
         SIDECAR_IDEMPOTENCY_KEY=f"tool-job:{job.id}",
         SIDECAR_STAGE_TIMEOUT_SECONDS=f"{profile.stage_timeout_seconds:g}",
         SIDECAR_OWNER_ID=owner_id,
+        SIDECAR_JOB_DIR=sandbox.job_dir,
+        SIDECAR_RESULT_FILE=sandbox.result_file,
     )
-    return env
+    variables.update(dict.fromkeys(TMPDIR_VARIABLES, sandbox.job_dir))
+    return variables
 
 
 def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
@@ -141,6 +151,8 @@ class JobSupervisor:
         self.job = job
         self.lease = lease
         self.started = time.monotonic()
+        # The attempt's peak memory and CPU time, journaled with its outcome.
+        self.resources: dict[str, Any] = {}
 
     def _fields(self) -> dict[str, Any]:
         return {"job_id": str(self.job.id), "tool": self.job.tool,
@@ -165,29 +177,46 @@ class JobSupervisor:
         if job.lifetime_remaining is not None and job.lifetime_remaining <= 0:
             self.lease.settle()
             return await self._fail(self._lifetime_error(), retryable=False)
-        env = child_environment(self.ctx.base_env, job, profile, self.ctx.owner_id)
-        with tempfile.TemporaryDirectory(prefix="sidecar-job-") as job_dir:
+        sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
+                          f"job-{job.id}-{job.fencing_token}")
+        loop = asyncio.get_running_loop()
+        try:
+            await loop.run_in_executor(None, sandbox.open)
+        except OSError as exc:
+            await loop.run_in_executor(None, sandbox.close)
+            log.emit("sandbox_failed", "error", **self._fields(), reason=str(exc))
+            self.lease.settle()
+            return await self._fail({"kind": "sandbox_failed", "message":
+                                     f"cannot make the attempt's work directory: {exc}; "
+                                     "check SIDECAR_WORK_DIR"}, retryable=True)
+        for note in sandbox.notes:
+            log.emit("cgroup_unavailable", "warning", **self._fields(),
+                     reason=note + "; this attempt runs under rlimits only")
+        env = child_environment(self.ctx.base_env, profile,
+                                job_variables(job, profile, self.ctx.owner_id, sandbox))
+        try:
             if job.checkpoint_text is not None:
-                path = os.path.join(job_dir, CHECKPOINT_FILE_NAME)
-                with open(path, "w", encoding="utf-8") as f:
-                    f.write(job.checkpoint_text)
-                env["SIDECAR_CHECKPOINT_FILE"] = path
+                env["SIDECAR_CHECKPOINT_FILE"] = sandbox.write_file(CHECKPOINT_FILE_NAME,
+                                                                    job.checkpoint_text)
             if self.ctx.guard is not None:
                 env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
                 env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease)
-            try:
-                return await self._supervise(env, payload)
-            finally:
-                if self.ctx.guard is not None:
-                    self.ctx.guard.unregister(job.id)
+            return await self._supervise(env, payload, sandbox)
+        finally:
+            if self.ctx.guard is not None:
+                self.ctx.guard.unregister(job.id)
+            left = await loop.run_in_executor(None, sandbox.close)
+            if left:
+                log.emit("sandbox_left", "warning", **self._fields(), paths=left)
 
-    async def _supervise(self, env: dict[str, str], payload: bytes) -> str:
+    async def _supervise(self, env: dict[str, str], payload: bytes, sandbox: Sandbox) -> str:
         profile = self.ctx.profile
         cookie = {k: env[k] for k in ("SIDECAR_JOB_ID", "SIDECAR_FENCING_TOKEN")}
         relay = _StderrRelay(self.job, self.ctx.settings.log_tool_stderr)
         try:
             child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
-                                      relay, cookie)
+                                      relay, cookie, cwd=sandbox.job_dir,
+                                      make_preexec=sandbox.preexec, cgroup=sandbox.cgroup)
         except SpawnFailed as exc:
             log.emit("spawn_failed", "error", **self._fields(), reason=exc.message)
             error = {"kind": "spawn_failed", "message": exc.message, "exit_code": exc.exit_code}
@@ -198,7 +227,7 @@ class JobSupervisor:
                                                      "payload": payload_digest(payload)})
         log.emit("tool_request_started", **self._fields(), pid=child.pid)
 
-        reason = await self._race(child)
+        reason = await self._race(child, sandbox)
         if reason != EXITED:
             self.lease.stopping = reason  # the guard refuses from now on ("deadline")
         report = await child.kill_tree(profile.kill_grace_seconds)
@@ -215,9 +244,15 @@ class JobSupervisor:
             metrics.CHILD_KILLS.labels(*labels, kill_reason, details["signal"] or "none").inc()
             metrics.PROCESSES_LEFT.labels(*labels).inc(len(report.survivors))
             await self._journal("child_killed", details)
-        return await self._settle(reason, child)
+        usage = await asyncio.get_running_loop().run_in_executor(None, measure, child, sandbox)
+        self.resources = {k: v for k, v in (
+            ("peak_memory_bytes", usage.peak_memory_bytes),
+            ("cpu_seconds", None if usage.cpu_seconds is None else round(usage.cpu_seconds, 3)),
+            ("oom_kills", usage.oom_kills or None),
+            ("process_limit_hits", usage.process_limit_hits or None)) if v is not None}
+        return await self._settle(reason, child, sandbox, usage)
 
-    async def _race(self, child: Child) -> str:
+    async def _race(self, child: Child, sandbox: Sandbox) -> str:
         """Wait for the first of: the child exits, the lease is lost (or cancelled), the
         stage deadline or the job's lifetime cap passes, the tree goes idle, or shutdown
         demands the kill. Return which. Ownership wins every tie (P13)."""
@@ -235,6 +270,9 @@ class JobSupervisor:
         if profile.idle_timeout_seconds > 0:
             waiters[asyncio.ensure_future(
                 watch_idle(child, profile.idle_timeout_seconds))] = IDLE
+        if profile.cpu_seconds > 0:
+            waiters[asyncio.ensure_future(
+                watch_cpu(child, sandbox, profile.cpu_seconds))] = CPU_LIMIT
         try:
             done, _ = await asyncio.wait(waiters, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -246,12 +284,12 @@ class JobSupervisor:
         if not done:
             return on_timeout
         reasons = {waiters[fut] for fut in done}
-        for reason in (SHUTDOWN, EXITED, TOO_LARGE, IDLE):
+        for reason in (SHUTDOWN, EXITED, TOO_LARGE, IDLE, CPU_LIMIT):
             if reason in reasons:
                 return reason
         return EXITED
 
-    async def _settle(self, reason: str, child: Child) -> str:
+    async def _settle(self, reason: str, child: Child, sandbox: Sandbox, usage: Usage) -> str:
         profile = self.ctx.profile
         duration = round(time.monotonic() - self.started, 3)
         self.lease.settle()
@@ -265,7 +303,7 @@ class JobSupervisor:
         if reason == SHUTDOWN:
             released = await self._release()
             return "released" if released else "lease_lost"
-        stderr_tail = child.stderr_tail.decode("utf-8", "replace") or None
+        stderr_tail = scrub_text(child.stderr_tail.decode("utf-8", "replace")) or None
         if reason == STAGE_TIMEOUT:
             error = {"kind": "stage_timeout", "stderr_tail": stderr_tail,
                      "message": f"no result within the stage deadline of "
@@ -285,6 +323,9 @@ class JobSupervisor:
         if reason == LIFETIME:
             return await self._fail({**self._lifetime_error(), "stderr_tail": stderr_tail},
                                     retryable=False)
+        limit_error = self._limit_error(reason, child, usage, sandbox, stderr_tail)
+        if limit_error is not None:
+            return await self._fail(limit_error, retryable=False)
         code = child.returncode
         if code is not None and code < 0:
             error = {"kind": "signal", "signal": -code, "stderr_tail": stderr_tail,
@@ -302,7 +343,52 @@ class JobSupervisor:
                                 f"({child.stdout_bytes} bytes written); return less, or raise "
                                 f"SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES"}
             return await self._fail(error, retryable=False)
-        return await self._succeed(bytes(child.stdout), stderr_tail)
+        try:
+            result = ResultFile(sandbox.result_file, profile.max_result_bytes,
+                                sandbox.ids[0] if sandbox.ids else None)
+        except FileNotFoundError:
+            return await self._succeed(bytes(child.stdout), stderr_tail)
+        except BadResult as exc:
+            return await self._fail({"kind": "bad_result", "message": exc.message,
+                                     "stderr_tail": stderr_tail}, retryable=False)
+        with result:  # the file is the result; stdout is ignored
+            return await self._succeed(result.view or b"", stderr_tail)
+
+    def _limit_error(self, reason: str, child: Child, usage: Usage, sandbox: Sandbox,
+                     stderr_tail: str | None) -> dict[str, Any] | None:
+        """The failure of a tool stopped by one of its profile's limits, or None.
+        ``cpu_limit``: the tree's CPU time reached CPU_SECONDS (our watcher, or RLIMIT_CPU's
+        SIGXCPU/SIGKILL); ``memory_limit``: the cgroup's OOM killer fired, or without a
+        memory cgroup the tool failed saying it ran out of memory under RLIMIT_AS;
+        ``process_limit``: a fork was refused at PROCESSES and the tool failed."""
+        profile, code = self.ctx.profile, child.returncode
+        cpu = usage.cpu_seconds or 0.0
+        if profile.cpu_seconds and (
+                reason == CPU_LIMIT or code == -signal.SIGXCPU
+                or (code == -signal.SIGKILL and cpu >= profile.cpu_seconds)):
+            return {"kind": "cpu_limit", "stderr_tail": stderr_tail, "cpu_seconds": round(cpu, 3),
+                    "message": f"the tool used {cpu:.1f} s of CPU time, its limit is "
+                               f"{profile.cpu_seconds:g} s; the tree was killed. Raise "
+                               "SIDECAR_PROFILE_<TOOL>_CPU_SECONDS or give it less work"}
+        if reason != EXITED or code == 0:
+            return None
+        memory_cgroup = sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None
+        if profile.memory_bytes and (usage.oom_kills or (not memory_cgroup and any(
+                marker in (stderr_tail or "") for marker in _OUT_OF_MEMORY_MARKERS))):
+            return {"kind": "memory_limit", "stderr_tail": stderr_tail,
+                    "peak_memory_bytes": usage.peak_memory_bytes,
+                    "message": f"the tool ran out of its memory limit of "
+                               f"{profile.memory_bytes} bytes"
+                               + (" (killed by the cgroup's OOM killer)" if usage.oom_kills
+                                  else " (RLIMIT_AS)")
+                               + "; raise SIDECAR_PROFILE_<TOOL>_MEMORY_BYTES"}
+        if profile.processes and usage.process_limit_hits:
+            return {"kind": "process_limit", "stderr_tail": stderr_tail,
+                    "message": f"the tool failed after the kernel refused "
+                               f"{usage.process_limit_hits} fork(s) at its limit of "
+                               f"{profile.processes} processes; raise "
+                               "SIDECAR_PROFILE_<TOOL>_PROCESSES"}
+        return None
 
     def _lifetime_error(self) -> dict[str, Any]:
         return {"kind": "max_lifetime_exceeded",
@@ -326,18 +412,22 @@ class JobSupervisor:
                                 f"next stage tool {nxt['tool']!r} is not allowed for "
                                 f"{self.job.tool!r} (SIDECAR_PROFILE_<TOOL>_NEXT_TOOLS: "
                                 f"{allowed})"}
+        limit = self.ctx.settings.max_payload_bytes
+        if limit and len(orjson.dumps(nxt.get("payload", {}))) > limit:
+            return None, None, {"kind": "bad_result", "message":
+                                f"the next stage's payload is larger than "
+                                f"SIDECAR_MAX_PAYLOAD_BYTES={limit}"}
         next_profile = self.ctx.settings.profile(nxt["tool"])
         return value["result"], NextStage(nxt["tool"], nxt.get("payload", {}),
                                           next_profile.max_attempts), None
 
-    async def _succeed(self, stdout: bytes, stderr_tail: str | None) -> str:
+    async def _succeed(self, stdout: bytes | memoryview, stderr_tail: str | None) -> str:
+        """Commit ``stdout`` (the tool's JSON text: its stdout, or its result file mapped
+        in memory) if the lease is still ours; a bad result fails the job."""
         try:
-            value = orjson.loads(stdout)
-            result = RawJson(stdout.decode("utf-8"))
-        except (orjson.JSONDecodeError, UnicodeDecodeError) as exc:
-            error = {"kind": "bad_result", "stderr_tail": stderr_tail,
-                     "message": f"exit 0 but stdout is not one JSON value ({exc}); "
-                                f"{len(stdout)} bytes"}
+            value, result = parse_result(stdout)
+        except BadResult as exc:
+            error = {"kind": "bad_result", "stderr_tail": stderr_tail, "message": exc.message}
             return await self._fail(error, retryable=False)
         value, next_stage, stage_error = self._next_stage(value)
         if stage_error is not None:
@@ -345,7 +435,7 @@ class JobSupervisor:
         if next_stage is not None:
             result = RawJson(orjson.dumps(value).decode())
         details = {"result": payload_digest(stdout),
-                   "duration_s": round(time.monotonic() - self.started, 3)}
+                   "duration_s": round(time.monotonic() - self.started, 3), **self.resources}
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
                 self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded", details,
@@ -371,7 +461,8 @@ class JobSupervisor:
         duration = round(time.monotonic() - self.started, 3)
         # Every attempt's summary goes to the journal (P16), the last error to the row.
         summary = {"attempt": job.attempt, "kind": error["kind"], "duration_s": duration,
-                   **{k: error[k] for k in ("exit_code", "signal") if k in error}}
+                   **{k: error[k] for k in ("exit_code", "signal") if k in error},
+                   **self.resources}
         if retryable and job.attempt < job.max_attempts:
             delay = backoff_seconds(profile, job.attempt)
             try:
@@ -472,6 +563,34 @@ async def watch_idle(child: Child, idle_seconds: float) -> None:
             last_sample, last_progress = sample, now
         elif now - last_progress >= idle_seconds:
             return
+
+
+async def watch_cpu(child: Child, sandbox: Sandbox, limit_seconds: float) -> None:
+    """Return once the tool's whole tree has used ``limit_seconds`` of CPU time: from the
+    job cgroup where there is one (exited processes count too), else from the live tree.
+    RLIMIT_CPU bounds each process on its own; this bounds their sum."""
+    loop = asyncio.get_running_loop()
+    period = min(1.0, max(0.05, limit_seconds / 10))
+    while True:
+        await asyncio.sleep(period)
+        used = sandbox.cgroup.cpu_seconds() if sandbox.cgroup is not None else None
+        if used is None:
+            used = (await loop.run_in_executor(None, tree_activity, child.pid))[0]
+        if used >= limit_seconds:
+            return
+
+
+def measure(child: Child, sandbox: Sandbox) -> Usage:
+    """The attempt's resource use once its tree is dead: the cgroup's figures where there
+    is one, else (and for what it lacks) the child's own rusage from wait4, which counts
+    the descendants it reaped itself."""
+    usage = sandbox.cgroup.usage() if sandbox.cgroup is not None else Usage()
+    if child.rusage is not None:
+        if usage.cpu_seconds is None:
+            usage.cpu_seconds = child.rusage.ru_utime + child.rusage.ru_stime
+        if usage.peak_memory_bytes is None:
+            usage.peak_memory_bytes = child.rusage.ru_maxrss * 1024  # KiB on Linux
+    return usage
 
 
 def tree_activity(pid: int) -> tuple[float, int]:

@@ -18,6 +18,7 @@ import uuid
 import asyncpg
 
 from sidecar import db, health, metrics
+from sidecar.cgroups import CgroupHost
 from sidecar.child import reap_adopted
 from sidecar.config import LeaseProfile, Settings
 from sidecar.errors import ConfigError
@@ -51,8 +52,11 @@ class Worker:
 
     def __init__(self, settings: Settings, profile: LeaseProfile, dsn: str, argv: list[str],
                  concurrency: int = 1, drain: bool = False, adopt_orphans: bool = False,
-                 owner_id: str | None = None, serve_http: bool = False):
+                 owner_id: str | None = None, serve_http: bool = False,
+                 cgroup_host: CgroupHost | None = None):
         self.settings = settings
+        # Where job cgroups go; the default (none) leaves rlimits and the psutil tree kill.
+        self.cgroup_host = cgroup_host or CgroupHost(notes=("not detected",))
         self.profile = profile
         self.dsn = dsn
         self.argv = argv
@@ -102,10 +106,11 @@ class Worker:
         guard_url = await guard.start()
         ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
                             dict(os.environ), self.shutdown_kill, forwarder.wake,
-                            self.settings, guard, guard_url)
+                            self.settings, guard, guard_url, self.cgroup_host)
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict(),
-                 http_addr=http_addr, guard_url=guard_url)
+                 http_addr=http_addr, guard_url=guard_url,
+                 isolation=self.cgroup_host.describe())
         background = [asyncio.create_task(keeper.run(), name="heartbeat"),
                       asyncio.create_task(self._listen(), name="listen"),
                       asyncio.create_task(forwarder.run(), name="forwarder"),

@@ -1,0 +1,268 @@
+"""What the tool may see and use: its environment, its work directory, its limits and its
+user. The supervisor asks this module for an attempt's ``Sandbox`` and hands the pieces to
+the child; README "Isolation and security" states what is contained and what is not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import mmap
+import os
+import pwd
+import resource
+import shutil
+import signal
+import stat
+import tempfile
+from dataclasses import dataclass, field
+
+from sidecar.cgroups import CgroupError, CgroupHost, JobCgroup
+from sidecar.config import LeaseProfile, Settings
+from sidecar.errors import ConfigError
+from sidecar.linux import PR_SET_PDEATHSIG, _prctl
+from sidecar.results import BadResult
+
+RESULT_FILE_NAME = "result.json"
+# The tool's own temporary files go to its work directory too, and are removed with it.
+TMPDIR_VARIABLES = ("TMPDIR", "TMP", "TEMP")
+
+
+def run_as_ids(spec: str) -> tuple[int, int] | None:
+    """``uid[:gid]`` -> (uid, gid); the gid defaults to the uid's primary group, else the
+    uid itself. None for an empty spec."""
+    if not spec:
+        return None
+    uid_text, _, gid_text = spec.partition(":")
+    uid = int(uid_text)
+    if gid_text:
+        return uid, int(gid_text)
+    try:
+        return uid, pwd.getpwuid(uid).pw_gid
+    except KeyError:
+        return uid, uid
+
+
+def check_profile(profile: LeaseProfile, host: CgroupHost, euid: int | None = None) -> None:
+    """Refuse a profile whose isolation this host cannot give (ConfigError, one line):
+    RUN_AS without root, and PROCESSES with neither a pids cgroup nor RUN_AS (RLIMIT_NPROC
+    does not bind root, and for any other user counts all its processes on the host)."""
+    euid = os.geteuid() if euid is None else euid
+    var = f"SIDECAR_PROFILE_{profile.tool.upper()}"
+    if profile.run_as and euid != 0:
+        raise ConfigError(f"{profile.sources.get('RUN_AS', var + '_RUN_AS')}={profile.run_as}: "
+                          "the sidecar must run as root to start a tool as another user; "
+                          "unset it, or run the sidecar as root")
+    if profile.processes and host.pids is None and not profile.run_as:
+        raise ConfigError(
+            f"{profile.sources.get('PROCESSES', var + '_PROCESSES')}={profile.processes} "
+            "cannot be enforced here: no pids cgroup can be made "
+            f"({'; '.join(host.notes) or 'none'}) and without one only RLIMIT_NPROC is left, "
+            "which needs the tool to run as its own user: set "
+            "SIDECAR_PROFILE_<TOOL>_RUN_AS=uid[:gid], or give the sidecar a writable cgroup")
+
+
+def check_work_dir(settings: Settings) -> str:
+    """Make sure attempts can get work directories under ``SIDECAR_WORK_DIR`` (default the
+    system temp directory); return the root. Raises ConfigError naming the variable."""
+    root = settings.work_dir or tempfile.gettempdir()
+    try:
+        os.makedirs(root, exist_ok=True)
+        os.rmdir(tempfile.mkdtemp(prefix="sidecar-probe-", dir=root))
+    except OSError as exc:
+        raise ConfigError(f"SIDECAR_WORK_DIR={root}: cannot make work directories there "
+                          f"({exc.strerror or exc}); point it at a writable directory") from None
+    return root
+
+
+def rlimits(profile: LeaseProfile, cgroup: JobCgroup | None) -> list[tuple[int, int, int]]:
+    """The (resource, soft, hard) limits set in the child before exec, inherited by its
+    tree. Memory and processes go to the cgroup when it has the controller."""
+    limits: list[tuple[int, int, int]] = []
+    if not profile.core_dumps:
+        limits.append((resource.RLIMIT_CORE, 0, 0))
+    if profile.open_files:
+        limits.append((resource.RLIMIT_NOFILE, profile.open_files, profile.open_files))
+    if profile.cpu_seconds:
+        soft = max(1, math.ceil(profile.cpu_seconds))
+        # SIGXCPU at the soft limit (a tool may catch it and exit), SIGKILL one grace later.
+        limits.append((resource.RLIMIT_CPU, soft,
+                       soft + max(1, math.ceil(profile.kill_grace_seconds))))
+    if profile.memory_bytes and (cgroup is None or cgroup.host.memory is None):
+        limits.append((resource.RLIMIT_AS, profile.memory_bytes, profile.memory_bytes))
+    if profile.processes and (cgroup is None or cgroup.host.pids is None):
+        limits.append((resource.RLIMIT_NPROC, profile.processes, profile.processes))
+    return limits
+
+
+def make_preexec(parent_pid: int, procs_files: list[str], limits: list[tuple[int, int, int]],
+                 ids: tuple[int, int] | None):
+    """A Popen ``preexec_fn``, run in the child between fork and exec: join the job's
+    cgroups, set the rlimits, drop to ``ids`` (uid, gid) with no supplementary groups, then
+    ask for SIGKILL when the sidecar dies (after the identity change, which clears it), and
+    exit at once if the sidecar already died during the fork. A step that fails is written
+    to the tool's stderr and the child exits 126 before running the tool."""
+    sigkill = int(signal.SIGKILL)
+
+    def _in_child() -> None:
+        step = "join cgroup"
+        try:
+            for path in procs_files:
+                step = f"join cgroup {path}"
+                fd = os.open(path, os.O_WRONLY)
+                try:
+                    os.write(fd, b"0")
+                finally:
+                    os.close(fd)
+            for res, soft, hard in limits:
+                step = f"set rlimit {res}"
+                resource.setrlimit(res, (soft, hard))
+            if ids is not None:
+                step = f"switch to uid:gid {ids[0]}:{ids[1]}"
+                os.setgroups([])
+                os.setgid(ids[1])
+                os.setuid(ids[0])
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.write(2, f"sidecar: cannot {step}: {exc.strerror or exc}\n".encode())
+            os._exit(126)
+        _prctl(PR_SET_PDEATHSIG, sigkill)
+        if os.getppid() != parent_pid:
+            os._exit(125)
+
+    return _in_child
+
+
+def child_environment(base_env: dict[str, str], profile: LeaseProfile,
+                      job_vars: dict[str, str]) -> dict[str, str]:
+    """The child's environment: only the variables named in the profile's
+    ``ENV_PASSTHROUGH`` (never a ``SIDECAR_*`` one, so never the database URL), plus the
+    job's own ``SIDECAR_*`` variables (README, "The child process")."""
+    env = {k: v for k, v in base_env.items()
+           if k in profile.env_passthrough and not k.startswith("SIDECAR_")}
+    env.update(job_vars)
+    return env
+
+
+@dataclass
+class Sandbox:
+    """One attempt's private work directory and cgroup. ``open`` makes them; ``close``
+    removes both (call it only once the tree is dead). ``notes`` collects what degraded
+    (a cgroup that could not be made), for the log."""
+
+    settings: Settings
+    profile: LeaseProfile
+    host: CgroupHost
+    name: str
+    job_dir: str = ""
+    cgroup: JobCgroup | None = None
+    ids: tuple[int, int] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def open(self) -> None:
+        """Make the work directory (mode 0700, owned by the RUN_AS user) and the job cgroup.
+        Raises OSError when the work directory cannot be made."""
+        self.ids = run_as_ids(self.profile.run_as)
+        root = self.settings.work_dir or tempfile.gettempdir()
+        os.makedirs(root, exist_ok=True)
+        self.job_dir = tempfile.mkdtemp(prefix=self.name + "-", dir=root)
+        if self.ids is not None:
+            os.chown(self.job_dir, *self.ids)
+        if self.host.usable:
+            cgroup = JobCgroup(self.host, self.name, self.profile.memory_bytes,
+                               self.profile.processes)
+            try:
+                cgroup.create()
+                self.cgroup = cgroup
+            except CgroupError as exc:
+                self.notes.append(str(exc))
+
+    @property
+    def result_file(self) -> str:
+        return os.path.join(self.job_dir, RESULT_FILE_NAME)
+
+    def write_file(self, name: str, text: str) -> str:
+        """Write ``text`` into the work directory, readable by the tool; return the path."""
+        path = os.path.join(self.job_dir, name)
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+        if self.ids is not None:
+            os.chown(path, *self.ids)
+        return path
+
+    def preexec(self, parent_pid: int):
+        """The child's ``preexec_fn`` for this sandbox (see ``make_preexec``)."""
+        files = self.cgroup.procs_files if self.cgroup else []
+        return make_preexec(parent_pid, files, rlimits(self.profile, self.cgroup), self.ids)
+
+    def close(self) -> list[str]:
+        """Remove the cgroup and the work directory, whatever the tool left in it.
+        Returns what could not be removed."""
+        left: list[str] = []
+        if self.cgroup is not None:
+            left += self.cgroup.remove()
+        if self.job_dir:
+            shutil.rmtree(self.job_dir, onerror=_make_writable_and_retry)
+            if os.path.exists(self.job_dir):
+                left.append(self.job_dir)
+        return left
+
+
+def _make_writable_and_retry(func, path, _exc_info) -> None:
+    """rmtree's error handler: a tool may leave read-only directories behind."""
+    with contextlib.suppress(OSError):
+        os.chmod(os.path.dirname(path), stat.S_IRWXU)
+        if os.path.isdir(path) and not os.path.islink(path):
+            os.chmod(path, stat.S_IRWXU)
+        func(path)
+
+
+class ResultFile:
+    """A result the tool left in ``SIDECAR_RESULT_FILE``, mapped read-only: its bytes are
+    never copied into the sidecar's heap; ``view`` is parsed and decoded in place. Use as a
+    context manager; the mapping is closed on exit."""
+
+    def __init__(self, path: str, max_bytes: int, owner_uid: int | None):
+        self.path = path
+        self.size = 0
+        self._map: mmap.mmap | None = None
+        self.view: memoryview | None = None
+        try:
+            # O_NOFOLLOW: the tool could point a symlink at a file only the sidecar can read.
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            raise
+        except OSError as exc:
+            raise BadResult(f"SIDECAR_RESULT_FILE cannot be read: {exc.strerror or exc}; "
+                            "write a regular file there") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode):
+                raise BadResult("SIDECAR_RESULT_FILE is not a regular file")
+            if owner_uid is not None and info.st_uid != owner_uid:
+                raise BadResult(f"SIDECAR_RESULT_FILE belongs to uid {info.st_uid}, not to the "
+                                f"tool's uid {owner_uid}")
+            self.size = info.st_size
+            if self.size > max_bytes:
+                raise BadResult(f"SIDECAR_RESULT_FILE holds {self.size} bytes, more than "
+                                f"{max_bytes}; return less, or raise "
+                                "SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES")
+            if self.size:
+                self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
+                self.view = memoryview(self._map)
+        finally:
+            os.close(fd)
+
+    def __enter__(self) -> ResultFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self.view is not None:
+            self.view.release()
+            self.view = None
+        if self._map is not None:
+            self._map.close()
+            self._map = None

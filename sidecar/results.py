@@ -1,0 +1,73 @@
+"""What a tool returned, checked before it goes near the database.
+
+A tool's output is untrusted input: bytes that may not be UTF-8, may hold NUL bytes, may
+nest JSON 10,000 levels deep or carry numbers no float holds. ``parse_result`` accepts one
+JSON value and keeps its text exactly (PostgreSQL stores big integers and decimals as
+``numeric``); anything else raises ``BadResult`` with a one-line reason, which the
+supervisor turns into a ``bad_result`` failure. Nothing here raises anything else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+from sidecar.db import RawJson
+
+# Longest reason kept from the JSON parser: its messages quote no input, but stay short.
+_REASON_CHARS = 200
+
+
+class BadResult(Exception):
+    """The tool's output is not one JSON value PostgreSQL can store; ``message`` says why."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+def parse_result(data: bytes | bytearray | memoryview) -> tuple[Any, RawJson]:
+    """Parse the tool's output (UTF-8 JSON text, at most ``len(data)`` bytes).
+
+    Returns ``(value, text)``: the parsed value (for the next-stage check, P19) and the
+    original text as ``RawJson``, sent to PostgreSQL as is. Raises BadResult for output
+    that is not UTF-8, not JSON, nested deeper than orjson's limit (1024 levels), holds a
+    number outside a double's range, or holds ``\\u0000`` (valid JSON that jsonb refuses).
+    """
+    try:
+        value = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        reason = str(exc)[:_REASON_CHARS]
+        raise BadResult(f"exit 0 but stdout is not one JSON value ({reason}); "
+                        f"{len(data)} bytes") from None
+    try:
+        text = str(data, "utf-8")  # any buffer (an mmap'd result file too), no extra copy
+    except UnicodeDecodeError:  # orjson checks UTF-8 too; kept for a clear message anyway
+        raise BadResult(f"stdout is not UTF-8; {len(data)} bytes") from None
+    if "\\u0000" in text and _has_nul_escape(text):
+        raise BadResult("the JSON holds \\u0000, which PostgreSQL jsonb cannot store")
+    return value, RawJson(text)
+
+
+def _has_nul_escape(text: str) -> bool:
+    """True when ``\\u0000`` appears as an escape (an odd number of backslashes before
+    ``u0000``), not as the literal text of an escaped backslash."""
+    start = 0
+    while (at := text.find("\\u0000", start)) != -1:
+        slashes = 0
+        while at - slashes - 1 >= 0 and text[at - slashes - 1] == "\\":
+            slashes += 1
+        if slashes % 2 == 0:
+            return True
+        start = at + 1
+    return False
+
+
+def scrub_text(text: str | None) -> str | None:
+    """Text from a tool (stderr tail, messages) made safe for a jsonb column: NUL removed
+    (jsonb refuses ``\\u0000``), lone surrogates replaced. None stays None."""
+    if text is None:
+        return None
+    return text.replace("\x00", "\N{REPLACEMENT CHARACTER}").encode(
+        "utf-8", "replace").decode("utf-8")

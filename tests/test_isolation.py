@@ -1,0 +1,386 @@
+"""Isolation of the child and hostile input (README "Isolation and security"): each limit
+proved with a real misbehaving tool (tests/tools/hostile.py) run by a real `sidecar run`,
+in both isolation modes: per-job cgroups (the default as root where the host has them) and
+rlimits (SIDECAR_CGROUPS=off). Also the work directory, the environment allow-list, the
+inherited file descriptors, RUN_AS, the result file and bad tool output."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import sys
+import tempfile
+from pathlib import Path
+
+import orjson
+import psutil
+import pytest
+
+from conftest import TOOLS, base_env, cli, enqueue, query
+from sidecar.cgroups import detect
+from sidecar.config import load_settings
+from sidecar.errors import ConfigError
+from sidecar.isolation import check_profile
+
+HOSTILE = str(TOOLS / "hostile.py")
+MIB = 1024 * 1024
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="per-job cgroups and RUN_AS need root")
+
+
+def _row(dsn, job_id):
+    return query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0]
+
+
+def _journal(dsn, job_id, event):
+    return [r["details"] for r in query(
+        dsn, "SELECT details FROM tool_job_events WHERE job_id = $1 AND event = $2 ORDER BY id",
+        job_id, event)]
+
+
+def _env(dsn, tmp_path, **extra):
+    work = tmp_path / "work"
+    return base_env(dsn, SIDECAR_WORK_DIR=str(work), SIDECAR_STAGE_TIMEOUT_SECONDS="20",
+                    **extra), work
+
+
+def _drain(dsn, env, tool, command=(HOSTILE,), timeout=90):
+    done = cli(dsn, "run", "--tool", tool, "--drain", "--", *command, env=env, timeout=timeout)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    return done
+
+
+def _job_processes(job_id: str) -> list[int]:
+    """Live processes carrying the job's id in their environment (its tree, escapees too)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SIDECAR_JOB_ID") == job_id and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def _assert_work_dir_empty(work: Path) -> None:
+    assert work.is_dir() and list(work.iterdir()) == [], list(work.iterdir())
+
+
+@pytest.fixture
+def cgroup_host():
+    host = detect()
+    assert host.memory and host.pids, (
+        f"this host gives root no memory/pids cgroup to test with: {host.notes}")
+    return host
+
+
+# --- memory -------------------------------------------------------------------------------
+
+@needs_root
+def test_memory_hog_is_killed_in_its_cgroup_and_fails_as_memory_limit(dsn, tmp_path,
+                                                                        cgroup_host):
+    env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_HOG_MEMORY_BYTES=str(64 * MIB))
+    job = enqueue(dsn, "hog", {"mode": "memory_hog"}, "--max-attempts", "1", env=env)
+    _drain(dsn, env, "hog")
+    row = _row(dsn, job)
+    assert row["state"] == "failed" and row["error"]["kind"] == "memory_limit", row["error"]
+    assert "OOM" in row["error"]["message"]
+    [summary] = _journal(dsn, job, "job_failed")
+    assert summary["kind"] == "memory_limit" and summary["oom_kills"] >= 1
+    # Peak memory of the tree, as the cgroup measured it: near the limit, never far above.
+    assert 32 * MIB < summary["peak_memory_bytes"] <= 64 * MIB + MIB
+    assert _job_processes(job) == []
+    _assert_work_dir_empty(work)
+
+
+def test_memory_hog_under_rlimits_fails_as_memory_limit(dsn, tmp_path):
+    env, work = _env(dsn, tmp_path, SIDECAR_CGROUPS="off",
+                     SIDECAR_PROFILE_HOG_MEMORY_BYTES=str(256 * MIB))
+    job = enqueue(dsn, "hog", {"mode": "memory_hog"}, "--max-attempts", "1", env=env)
+    _drain(dsn, env, "hog")
+    row = _row(dsn, job)
+    assert row["state"] == "failed" and row["error"]["kind"] == "memory_limit", row["error"]
+    assert "RLIMIT_AS" in row["error"]["message"]
+    [summary] = _journal(dsn, job, "job_failed")
+    assert summary["peak_memory_bytes"] <= 256 * MIB  # the child's own rusage
+    _assert_work_dir_empty(work)
+
+
+# --- processes ----------------------------------------------------------------------------
+
+@needs_root
+def test_fork_bomb_is_capped_by_processes_and_fails_as_process_limit(dsn, tmp_path,
+                                                                     cgroup_host):
+    env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_BOMB_PROCESSES="16")
+    job = enqueue(dsn, "bomb", {"mode": "fork_bomb"}, "--max-attempts", "1", env=env)
+    _drain(dsn, env, "bomb")
+    row = _row(dsn, job)
+    assert row["state"] == "failed" and row["error"]["kind"] == "process_limit", row["error"]
+    [killed] = _journal(dsn, job, "child_killed")  # the bomb's remains, killed as a tree
+    assert 1 <= killed["killed"] <= 16 and killed["survivors"] == 0
+    [summary] = _journal(dsn, job, "job_failed")
+    assert summary["process_limit_hits"] >= 1
+    assert _job_processes(job) == []
+    _assert_work_dir_empty(work)
+
+
+def test_processes_without_a_cgroup_or_run_as_is_refused_at_start(dsn, tmp_path):
+    env, _ = _env(dsn, tmp_path, SIDECAR_CGROUPS="off", SIDECAR_PROFILE_BOMB_PROCESSES="8")
+    done = cli(dsn, "run", "--tool", "bomb", "--drain", "--", HOSTILE, env=env)
+    assert done.returncode == 2
+    message = done.stderr.decode()
+    assert "SIDECAR_PROFILE_BOMB_PROCESSES=8" in message and "RUN_AS" in message
+    assert "Traceback" not in message
+
+
+def _world_readable_tool() -> str:
+    """hostile.py where another user can read it (the checkout may sit under /root)."""
+    where = tempfile.mkdtemp(prefix="sidecar-tool-")
+    os.chmod(where, 0o755)
+    path = os.path.join(where, "hostile.py")
+    shutil.copy(HOSTILE, path)
+    os.chmod(path, 0o755)
+    return path
+
+
+@needs_root
+def test_fork_bomb_under_rlimits_is_capped_by_run_as_and_nproc(dsn, tmp_path):
+    tool = _world_readable_tool()
+    try:
+        env, work = _env(dsn, tmp_path, SIDECAR_CGROUPS="off",
+                         SIDECAR_PROFILE_BOMB_PROCESSES="8",
+                         SIDECAR_PROFILE_BOMB_RUN_AS="65534:65534")
+        job = enqueue(dsn, "bomb", {"mode": "fork_bomb"}, "--max-attempts", "1", env=env)
+        _drain(dsn, env, "bomb", command=("/usr/bin/python3", tool))
+        row = _row(dsn, job)
+        assert row["state"] == "failed" and row["error"]["exit_code"] == 3, row["error"]
+        [killed] = _journal(dsn, job, "child_killed")
+        assert 1 <= killed["killed"] <= 8 and killed["survivors"] == 0
+        assert _job_processes(job) == []
+        _assert_work_dir_empty(work)
+    finally:
+        shutil.rmtree(os.path.dirname(tool))
+
+
+# --- CPU ----------------------------------------------------------------------------------
+
+@needs_root
+def test_cpu_spinners_are_stopped_at_the_trees_cpu_seconds(dsn, tmp_path, cgroup_host):
+    env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_SPIN_CPU_SECONDS="1.5")
+    job = enqueue(dsn, "spin", {"mode": "cpu_spin", "procs": 2}, "--max-attempts", "1",
+                  env=env)
+    _drain(dsn, env, "spin")
+    row = _row(dsn, job)
+    assert row["state"] == "failed" and row["error"]["kind"] == "cpu_limit", row["error"]
+    assert row["error"]["cpu_seconds"] >= 1.5
+    # Two spinners: the tree's sum hit the limit, long before either reached it alone.
+    [summary] = _journal(dsn, job, "job_failed")
+    assert 1.5 <= summary["cpu_seconds"] < 6
+    assert _job_processes(job) == []
+    _assert_work_dir_empty(work)
+
+
+def test_cpu_spinner_under_rlimits_fails_as_cpu_limit(dsn, tmp_path):
+    env, work = _env(dsn, tmp_path, SIDECAR_CGROUPS="off", SIDECAR_PROFILE_SPIN_CPU_SECONDS="1")
+    job = enqueue(dsn, "spin", {"mode": "cpu_spin"}, "--max-attempts", "1", env=env)
+    _drain(dsn, env, "spin")
+    row = _row(dsn, job)
+    assert row["state"] == "failed" and row["error"]["kind"] == "cpu_limit", row["error"]
+    assert _job_processes(job) == []
+    _assert_work_dir_empty(work)
+
+
+# --- open files ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("cgroups", ["auto", "off"])
+def test_fd_leaker_is_capped_by_open_files(dsn, tmp_path, cgroups):
+    env, work = _env(dsn, tmp_path, SIDECAR_CGROUPS=cgroups,
+                     SIDECAR_PROFILE_LEAK_OPEN_FILES="32")
+    job = enqueue(dsn, "leak", {"mode": "fd_leak"}, env=env)
+    _drain(dsn, env, "leak")
+    row = _row(dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    assert row["result"]["errno"] == 24  # EMFILE
+    assert 20 <= row["result"]["opened"] <= 32 - 3  # stdin, stdout, stderr count too
+    _assert_work_dir_empty(work)
+
+
+# --- what the child sees ------------------------------------------------------------------
+
+def test_child_sees_stdio_only_an_allow_listed_environment_and_its_own_dir(dsn, tmp_path):
+    env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_LOOK_ENV_PASSTHROUGH="PATH,ALLOWED_VAR",
+                     ALLOWED_VAR="yes", SECRET_TOKEN="must-not-pass",
+                     AWS_SECRET_ACCESS_KEY="must-not-pass-either")
+    job = enqueue(dsn, "look", {"mode": "inspect"}, env=env)
+    # The interpreter itself, not a version manager's shim that adds variables of its own.
+    _drain(dsn, env, "look", command=(sys.executable, HOSTILE))
+    row = _row(dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    seen = row["result"]
+    assert seen["fds"] == [0, 1, 2]
+    names = set(seen["env"]) - {"LC_CTYPE"}  # set by Python itself in a C locale (PEP 538)
+    assert {"PATH", "ALLOWED_VAR"} <= names
+    assert "SECRET_TOKEN" not in names and "AWS_SECRET_ACCESS_KEY" not in names
+    assert "SIDECAR_DATABASE_URL" not in names
+    assert not any("must-not-pass" in value for value in seen["env"].values())
+    outside = {n for n in names if not n.startswith("SIDECAR_")}
+    assert outside == {"PATH", "ALLOWED_VAR", "TMPDIR", "TMP", "TEMP"}
+    job_dir = seen["env"]["SIDECAR_JOB_DIR"]
+    assert Path(job_dir).parent == work and seen["cwd"] == job_dir and seen["tmp"] == job_dir
+    assert seen["env"]["SIDECAR_RESULT_FILE"] == os.path.join(job_dir, "result.json")
+    assert seen["core"] == [0, 0]  # no core dumps unless the profile asks for them
+    assert not os.path.exists(job_dir)
+    [summary] = _journal(dsn, job, "job_succeeded")
+    assert summary["cpu_seconds"] >= 0 and summary["peak_memory_bytes"] > MIB
+    if ROOT:  # each attempt in a cgroup of its own
+        assert f"job-{job}-1" in seen["cgroup"]
+
+
+def test_core_dumps_can_be_allowed_per_profile(dsn, tmp_path):
+    env, _ = _env(dsn, tmp_path, SIDECAR_PROFILE_LOOK_CORE_DUMPS="true")
+    job = enqueue(dsn, "look", {"mode": "inspect"}, env=env)
+    _drain(dsn, env, "look")
+    import resource
+
+    assert _row(dsn, job)["result"]["core"] == list(resource.getrlimit(resource.RLIMIT_CORE))
+
+
+def test_work_dir_is_removed_with_whatever_the_tool_left_in_it(dsn, tmp_path):
+    env, work = _env(dsn, tmp_path)
+    job = enqueue(dsn, "litter", {"mode": "litter"}, env=env)
+    _drain(dsn, env, "litter")
+    row = _row(dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    assert row["result"]["tmp_file"].startswith(row["result"]["job_dir"] + os.sep)
+    assert not os.path.exists(row["result"]["job_dir"])
+    _assert_work_dir_empty(work)
+
+
+@needs_root
+def test_run_as_starts_the_tool_as_that_user_in_a_dir_it_owns(dsn, tmp_path):
+    tool = _world_readable_tool()
+    try:
+        env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_LOOK_RUN_AS="65534:65534")
+        job = enqueue(dsn, "look", {"mode": "inspect"}, env=env)
+        _drain(dsn, env, "look", command=("/usr/bin/python3", tool))
+        row = _row(dsn, job)
+        assert row["state"] == "succeeded", row["error"]
+        seen = row["result"]
+        assert (seen["uid"], seen["gid"], seen["groups"]) == (65534, 65534, [])
+        assert seen["fds"] == [0, 1, 2]
+        _assert_work_dir_empty(work)
+    finally:
+        shutil.rmtree(os.path.dirname(tool))
+
+
+def test_run_as_is_refused_when_the_sidecar_is_not_root():
+    settings = load_settings({"SIDECAR_PROFILE_LOOK_RUN_AS": "65534"})
+    with pytest.raises(ConfigError, match="SIDECAR_PROFILE_LOOK_RUN_AS=65534: the sidecar must"):
+        check_profile(settings.profile("look"), detect("off"), euid=1000)
+
+
+def test_config_says_which_isolation_mode_is_active(dsn):
+    shown = orjson.loads(cli(dsn, "config", env=base_env(dsn, SIDECAR_CGROUPS="off")).stdout)
+    assert shown["isolation"]["mode"] == "rlimit"
+    assert shown["isolation"]["tree_kill"] == "psutil tree scan"
+    refused = orjson.loads(cli(dsn, "config", env=base_env(
+        dsn, SIDECAR_CGROUPS="off", SIDECAR_PROFILE_BOMB_PROCESSES="8")).stdout)
+    [bomb] = refused["profiles"]
+    assert "RUN_AS" in bomb["isolation_error"]
+    if ROOT:
+        auto = orjson.loads(cli(dsn, "config", env=base_env(dsn)).stdout)["isolation"]
+        assert auto["mode"] == "cgroup" and auto["cgroup_dirs"]
+
+
+# --- results ------------------------------------------------------------------------------
+
+def test_a_large_result_file_is_the_result_and_stdout_is_ignored(dsn, tmp_path):
+    env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_BIG_MAX_RESULT_BYTES=str(4 * MIB))
+    ok = enqueue(dsn, "big", {"mode": "result_file", "size": 3 * MIB}, env=env)
+    too_big = enqueue(dsn, "big", {"mode": "result_file", "size": 5 * MIB}, env=env)
+    _drain(dsn, env, "big")
+    row = _row(dsn, ok)
+    assert row["state"] == "succeeded", row["error"]
+    assert row["result"] == {"blob": "r" * (3 * MIB)}
+    bad = _row(dsn, too_big)
+    assert bad["state"] == "failed" and bad["error"]["kind"] == "bad_result"
+    assert "MAX_RESULT_BYTES" in bad["error"]["message"]
+    _assert_work_dir_empty(work)
+
+
+def test_a_result_file_that_is_a_symlink_is_refused(dsn, tmp_path):
+    secret = tmp_path / "root-only.json"
+    secret.write_text('{"secret": "of the sidecar"}')
+    secret.chmod(stat.S_IRUSR)
+    env, _ = _env(dsn, tmp_path)
+    job = enqueue(dsn, "sneak", {"mode": "result_symlink", "target": str(secret)}, env=env)
+    _drain(dsn, env, "sneak")
+    row = _row(dsn, job)
+    assert row["state"] == "failed" and row["error"]["kind"] == "bad_result"
+    assert row["result"] is None and "of the sidecar" not in orjson.dumps(row["error"]).decode()
+
+
+def _hex(text: str) -> str:
+    """Bytes for the emit mode: each character of ``text`` as one byte (latin-1), in hex."""
+    return text.encode("latin-1").hex()
+
+
+BAD_OUTPUTS = {
+    "not_utf8": "\xff\xfe{}",
+    "raw_nul": '{"a": "x\x00y"}',
+    "nul_escape": '{"a": "x\\u0000y"}',
+    "deep": "[" * 10_000 + "]" * 10_000,
+    "huge_float": '{"n": 1e400}',
+    "huge_int": '{"n": 1' + "0" * 400 + "}",
+    "not_json": "hello",
+}
+
+
+def test_bad_tool_output_fails_as_bad_result_and_never_stops_the_sidecar(dsn, tmp_path):
+    env, work = _env(dsn, tmp_path)
+    jobs = {name: enqueue(dsn, "emit", {"mode": "emit", "stdout": _hex(text)}, env=env)
+            for name, text in BAD_OUTPUTS.items()}
+    big_int = "9" * 30
+    exact = enqueue(dsn, "emit", {"mode": "emit", "stdout": _hex('{"n": ' + big_int + "}")},
+                    env=env)
+    nul_stderr = enqueue(dsn, "emit", {"mode": "emit", "stderr": _hex("bad\x00\x1b[2J\xff tail"),
+                                       "code": 1}, "--max-attempts", "1", env=env)
+    _drain(dsn, env, "emit")
+    for name, job in jobs.items():
+        row = _row(dsn, job)
+        assert (row["state"], row["error"]["kind"]) == ("failed", "bad_result"), name
+        assert row["result"] is None
+    # A number a float holds only roughly is kept exactly: the text goes to a numeric.
+    assert query(dsn, "SELECT result->>'n' AS n FROM tool_jobs WHERE id = $1",
+                 exact)[0]["n"] == big_int
+    failed = _row(dsn, nul_stderr)
+    assert failed["state"] == "failed" and failed["error"]["kind"] == "exit_code"
+    assert "\x00" not in failed["error"]["stderr_tail"]
+    assert failed["error"]["stderr_tail"].endswith(" tail")
+    _assert_work_dir_empty(work)
+
+
+def test_terminal_escapes_from_the_tool_are_neutralised_in_text_logs(dsn, tmp_path):
+    env, _ = _env(dsn, tmp_path, SIDECAR_LOG_FORMAT="text", SIDECAR_LOG_TOOL_STDERR="true")
+    enqueue(dsn, "emit", {"mode": "emit", "stderr": _hex("\x1b]0;owned\x07\x1b[2Jplain\n")},
+            env=env)
+    done = _drain(dsn, env, "emit")
+    text = done.stderr.decode()
+    assert "plain" in text and "\x1b" not in text and "\x07" not in text
+
+
+# --- payloads -----------------------------------------------------------------------------
+
+def test_a_payload_over_max_payload_bytes_is_refused_at_enqueue(dsn):
+    env = base_env(dsn, SIDECAR_MAX_PAYLOAD_BYTES="100")
+    big = orjson.dumps({"blob": "x" * 200})
+    done = cli(dsn, "enqueue", "emit", "--payload-file", "-", input=big, env=env)
+    assert done.returncode == 2
+    assert "SIDECAR_MAX_PAYLOAD_BYTES=100" in done.stderr.decode()
+    assert "Traceback" not in done.stderr.decode()
+    assert query(dsn, "SELECT id FROM tool_jobs") == []
+    small = cli(dsn, "enqueue", "emit", "--payload", '{"ok": 1}', env=env)
+    assert small.returncode == 0, small.stderr.decode()
+
