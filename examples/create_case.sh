@@ -6,7 +6,8 @@
 # first, send the second as X-Execution-Fence: the receiver then replays a duplicate
 # instead of acting twice, and refuses a late request from an owner that lost the job.
 #
-#   RECEIVER_URL=http://127.0.0.1:8900 sidecar run --tool create-case -- examples/create_case.sh
+#   RECEIVER_URL=http://127.0.0.1:8900 SIDECAR_PROFILE_CREATE_CASE_ENV_PASSTHROUGH=PATH,RECEIVER_URL \
+#     sidecar run --tool create-case -- examples/create_case.sh
 #   sidecar enqueue create-case --payload '{"customer": "c-1048", "summary": "check invoice"}'
 set -eu
 receiver=${RECEIVER_URL:-http://127.0.0.1:8900}

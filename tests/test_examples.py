@@ -21,7 +21,9 @@ def _effects(url: str) -> list[dict]:
 
 @pytest.mark.parametrize("example", ["create_case.sh", "create_case.py"])
 def test_example_tool_sends_a_fenced_idempotent_effect(dsn, receiver, example):
-    env = base_env(dsn, RECEIVER_URL=receiver)
+    # The tool sees RECEIVER_URL only because its profile lets it through.
+    env = base_env(dsn, RECEIVER_URL=receiver,
+                   SIDECAR_PROFILE_CREATE_CASE_ENV_PASSTHROUGH="PATH,RECEIVER_URL")
     job_id = enqueue(dsn, "create-case", {"customer": "c-1048", "summary": "check invoice"},
                      env=env)
     done = cli(dsn, "run", "--tool", "create-case", "--drain", "--", str(EXAMPLES / example),
