@@ -24,6 +24,8 @@ from sidecar.linux import PR_SET_PDEATHSIG, _prctl
 from sidecar.results import BadResult
 
 RESULT_FILE_NAME = "result.json"
+_RLIMIT_NAMES = {getattr(resource, name): name for name in (
+    "RLIMIT_CORE", "RLIMIT_NOFILE", "RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NPROC")}
 # The tool's own temporary files go to its work directory too, and are removed with it.
 TMPDIR_VARIABLES = ("TMPDIR", "TMP", "TEMP")
 
@@ -115,16 +117,17 @@ def make_preexec(parent_pid: int, procs_files: list[str], limits: list[tuple[int
                 finally:
                     os.close(fd)
             for res, soft, hard in limits:
-                step = f"set rlimit {res}"
+                step = f"set {_RLIMIT_NAMES.get(res, res)} to {soft}"
                 resource.setrlimit(res, (soft, hard))
             if ids is not None:
                 step = f"switch to uid:gid {ids[0]}:{ids[1]}"
                 os.setgroups([])
                 os.setgid(ids[1])
                 os.setuid(ids[0])
-        except OSError as exc:
+        except (OSError, ValueError) as exc:  # ValueError: a limit above the hard limit
+            reason = getattr(exc, "strerror", None) or exc
             with contextlib.suppress(OSError):
-                os.write(2, f"sidecar: cannot {step}: {exc.strerror or exc}\n".encode())
+                os.write(2, f"sidecar: cannot {step}: {reason}\n".encode())
             os._exit(126)
         _prctl(PR_SET_PDEATHSIG, sigkill)
         if os.getppid() != parent_pid:
