@@ -205,19 +205,39 @@ class Sandbox:
         if self.cgroup is not None:
             left += self.cgroup.remove()
         if self.job_dir:
-            shutil.rmtree(self.job_dir, onerror=_make_writable_and_retry)
-            if os.path.exists(self.job_dir):
+            remove_tree(self.job_dir)
+            if os.path.lexists(self.job_dir):
                 left.append(self.job_dir)
         return left
 
 
-def _make_writable_and_retry(func, path, _exc_info) -> None:
-    """rmtree's error handler: a tool may leave read-only directories behind."""
-    with contextlib.suppress(OSError):
-        os.chmod(os.path.dirname(path), stat.S_IRWXU)
-        if os.path.isdir(path) and not os.path.islink(path):
-            os.chmod(path, stat.S_IRWXU)
-        func(path)
+def remove_tree(root: str) -> None:
+    """Remove ``root`` and all in it without following a symlink anywhere, also not one
+    the tool put in place of ``root`` itself (that link is removed, not its target).
+    Directories the tool made read-only inside ``root`` are made writable (never anything
+    outside it) and the removal is tried again (at most 8 passes)."""
+    try:
+        if os.path.islink(root) or not os.path.isdir(root):
+            os.unlink(root)
+            return
+    except FileNotFoundError:
+        return
+
+    def unlock(_func, path, _exc_info) -> None:
+        for candidate in (os.path.dirname(path), path):
+            if candidate != root and not candidate.startswith(root + os.sep):
+                continue
+            with contextlib.suppress(OSError):
+                fd = os.open(candidate, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                try:
+                    os.fchmod(fd, stat.S_IRWXU)
+                finally:
+                    os.close(fd)
+
+    for _ in range(8):  # each pass unlocks at least one more level of locked directories
+        shutil.rmtree(root, onerror=unlock)
+        if not os.path.lexists(root):
+            return
 
 
 class ResultFile:

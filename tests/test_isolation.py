@@ -21,7 +21,7 @@ from conftest import TOOLS, base_env, cli, enqueue, query
 from sidecar.cgroups import detect
 from sidecar.config import load_settings
 from sidecar.errors import ConfigError
-from sidecar.isolation import check_profile
+from sidecar.isolation import check_profile, remove_tree
 
 HOSTILE = str(TOOLS / "hostile.py")
 MIB = 1024 * 1024
@@ -256,6 +256,30 @@ def test_work_dir_is_removed_with_whatever_the_tool_left_in_it(dsn, tmp_path):
     assert row["result"]["tmp_file"].startswith(row["result"]["job_dir"] + os.sep)
     assert not os.path.exists(row["result"]["job_dir"])
     _assert_work_dir_empty(work)
+
+
+def test_work_dir_removal_never_follows_a_symlink_out_of_it(tmp_path):
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("not the tool's")
+    outside.chmod(0o755)
+    job_dir = tmp_path / "job"
+    (job_dir / "sub").mkdir(parents=True)
+    (job_dir / "sub" / "link").symlink_to(outside)
+    (job_dir / "file-link").symlink_to(outside / "keep.txt")
+    (job_dir / "locked" / "inner").mkdir(parents=True)
+    (job_dir / "locked" / "inner" / "f").write_text("x")
+    (job_dir / "locked").chmod(0o500)
+    remove_tree(str(job_dir))
+    assert not os.path.lexists(job_dir)
+    assert (outside / "keep.txt").read_text() == "not the tool's"
+    assert stat.S_IMODE(outside.stat().st_mode) == 0o755  # never chmod-ed through a link
+
+    # The tool replaced its work directory by a link to another directory: the link goes,
+    # the directory it points at stays as it was.
+    job_dir.symlink_to(outside)
+    remove_tree(str(job_dir))
+    assert not os.path.lexists(job_dir) and (outside / "keep.txt").exists()
 
 
 @needs_root
