@@ -243,7 +243,11 @@ def remove_tree(root: str) -> None:
 class ResultFile:
     """A result the tool left in ``SIDECAR_RESULT_FILE``, mapped read-only: its bytes are
     never copied into the sidecar's heap; ``view`` is parsed and decoded in place. Use as a
-    context manager; the mapping is closed on exit."""
+    context manager; the mapping is closed on exit.
+
+    Raises FileNotFoundError when there is no file (stdout is the result), BadResult for a
+    symlink, a hard link, anything but a regular file, a file of another user than
+    ``owner_uid`` (RUN_AS) or one larger than ``max_bytes`` bytes."""
 
     def __init__(self, path: str, max_bytes: int, owner_uid: int | None):
         self.path = path
@@ -262,6 +266,9 @@ class ResultFile:
             info = os.fstat(fd)
             if not stat.S_ISREG(info.st_mode):
                 raise BadResult("SIDECAR_RESULT_FILE is not a regular file")
+            if info.st_nlink != 1:
+                raise BadResult("SIDECAR_RESULT_FILE is a hard link to another file; write "
+                                "the result into a new file")
             if owner_uid is not None and info.st_uid != owner_uid:
                 raise BadResult(f"SIDECAR_RESULT_FILE belongs to uid {info.st_uid}, not to the "
                                 f"tool's uid {owner_uid}")
@@ -271,6 +278,13 @@ class ResultFile:
                                 f"{max_bytes}; return less, or raise "
                                 "SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES")
             if self.size:
+                # Shut out any other writer before mapping: a file truncated under a live
+                # mapping would crash the sidecar with SIGBUS. The tool's tree is dead by
+                # now; this keeps out other processes of the RUN_AS user (file mode 0400,
+                # owned by the sidecar's user).
+                with contextlib.suppress(OSError):
+                    os.fchown(fd, os.geteuid(), os.getegid())
+                    os.fchmod(fd, stat.S_IRUSR)
                 self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
                 self.view = memoryview(self._map)
         finally:

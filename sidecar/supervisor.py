@@ -434,6 +434,7 @@ class JobSupervisor:
             return await self._fail({**stage_error, "stderr_tail": stderr_tail}, retryable=False)
         if next_stage is not None:
             result = RawJson(orjson.dumps(value).decode())
+        del value  # a large result is held once, as the text sent to PostgreSQL
         details = {"result": payload_digest(stdout),
                    "duration_s": round(time.monotonic() - self.started, 3), **self.resources}
         try:

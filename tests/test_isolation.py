@@ -351,6 +351,24 @@ def _hex(text: str) -> str:
     return text.encode("latin-1").hex()
 
 
+def test_a_result_file_that_is_a_hard_link_is_refused_and_its_target_left_alone(dsn, tmp_path):
+    target = tmp_path / "someone-elses.json"
+    target.write_text('{"private": true}')
+    target.chmod(0o644)
+    before = target.stat()
+    env, work = _env(dsn, tmp_path)  # the work dir is on the same filesystem as the target
+    job = enqueue(dsn, "sneak", {"mode": "result_hardlink", "target": str(target)}, env=env)
+    _drain(dsn, env, "sneak")
+    row = _row(dsn, job)
+    assert row["state"] == "failed" and row["error"]["kind"] == "bad_result"
+    assert "hard link" in row["error"]["message"]
+    after = target.stat()
+    assert (after.st_mode, after.st_uid, after.st_gid) == (
+        before.st_mode, before.st_uid, before.st_gid)
+    assert target.read_text() == '{"private": true}'
+    _assert_work_dir_empty(work)
+
+
 BAD_OUTPUTS = {
     "not_utf8": "\xff\xfe{}",
     "raw_nul": '{"a": "x\x00y"}',

@@ -5,8 +5,8 @@ Modes: memory_hog (allocate and touch 8 MiB chunks forever), fork_bomb (every pr
 until refused; the first one exits 3 after 2 s), cpu_spin (burn CPU in "procs" processes),
 fd_leak (open /dev/null until refused, print how many), inspect (print what the tool can
 see: environment, fds, cwd, ids, rlimits, umask), result_file (write "size" bytes of JSON
-to SIDECAR_RESULT_FILE, junk to stdout), result_symlink (point SIDECAR_RESULT_FILE at a
-root-only file), litter (leave files, a read-only directory and a TMPDIR file behind),
+to SIDECAR_RESULT_FILE, junk to stdout), result_symlink / result_hardlink (make
+SIDECAR_RESULT_FILE a link to the payload's "target"), litter (leave files, a read-only directory and a TMPDIR file behind),
 emit (write the payload's "stdout" bytes, given in hex, to stdout and "stderr" to stderr,
 exit "code").
 """
@@ -78,6 +78,9 @@ elif mode == "result_file":
 
 elif mode == "result_symlink":
     os.symlink(payload["target"], os.environ["SIDECAR_RESULT_FILE"])
+
+elif mode == "result_hardlink":
+    os.link(payload["target"], os.environ["SIDECAR_RESULT_FILE"])
 
 elif mode == "litter":
     job_dir = os.environ["SIDECAR_JOB_DIR"]
