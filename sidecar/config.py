@@ -15,7 +15,6 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from sidecar.errors import ConfigError
 
@@ -26,6 +25,8 @@ PROFILE_PREFIX = "SIDECAR_PROFILE_"
 # front of PostgreSQL, so no statement may rely on the server session.
 POOLER_MODES = ("none", "transaction")
 TOOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
+# What tool_env_key makes of a valid tool name.
+_TOOL_KEY = re.compile(r"[A-Z0-9][A-Z0-9_]{0,62}")
 
 
 class _Invalid(ValueError):
@@ -34,13 +35,21 @@ class _Invalid(ValueError):
 
 def _number(text: str) -> float:
     value = float(text)
-    if not math.isfinite(value):
+    if not math.isfinite(value) or abs(value) > _MAX_INTEGER:
         raise ValueError("not a finite number")
     return value
 
 
+# Integers above this are refused: no limit needs more, and JSON (sidecar config, the
+# journal) carries at most 64 bits.
+_MAX_INTEGER = 2**62
+
+
 def _integer(text: str) -> int:
-    return int(text.strip())
+    value = int(text.strip())
+    if abs(value) > _MAX_INTEGER:
+        raise _Invalid(f"at most {_MAX_INTEGER}")
+    return value
 
 
 def _http_url(text: str) -> str:
@@ -104,7 +113,7 @@ def _run_as(text: str) -> str:
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text.strip())
+    value = _integer(text)
     if value < 0:
         raise _Invalid("must not be negative; 0 means no limit")
     return value
@@ -208,27 +217,50 @@ PASSIVE_VARIABLES = frozenset(
 
 # Query parameters whose value is a credential: password=, sslpassword=, token=,
 # access_token=, api_key=, client_secret=, signature=, X-Amz-Credential=, auth=, ...
-_SECRET_QUERY_KEY = re.compile(r"pass|secret|token|key|sig|auth|credential", re.IGNORECASE)
+_SECRET_KEY = r"[^=&#\s]*(?:pass|secret|token|key|sig|auth|credential)[^=&#\s]*"
+# A secret value runs to the next "&name=" (an "&" not starting a parameter is part of it).
+_SECRET_PARAM = re.compile(rf"([?&]{_SECRET_KEY}=)(?:[^&#]|&(?![^=&#]*=))*", re.IGNORECASE)
+_SECRET_WORD = re.compile(rf"\b({_SECRET_KEY})\s*=\s*(?:'(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
 
 
 def mask_url(dsn: str) -> str:
     """A DSN or URL with its credentials replaced by ``***``: the userinfo password, the
     user of an http(s) URL without a password (a token in the user part), and the values of
-    query parameters that name a password, token, key, secret or signature."""
-    try:
-        parts = urlsplit(dsn)
-        if parts.password:
-            host = parts.netloc.rsplit("@", 1)[-1]
-            parts = parts._replace(netloc=f"{parts.username or ''}:***@{host}")
-        elif "@" in parts.netloc and parts.scheme in ("http", "https"):
-            parts = parts._replace(netloc="***@" + parts.netloc.rsplit("@", 1)[-1])
-        if parts.query:
-            query = [(k, "***" if _SECRET_QUERY_KEY.search(k) else v)
-                     for k, v in parse_qsl(parts.query, keep_blank_values=True)]
-            parts = parts._replace(query=urlencode(query, safe="*/"))
-        return urlunsplit(parts)
-    except ValueError:
-        return "<unparseable URL>"
+    query parameters (or ``key=value`` words of a libpq DSN) that name a password, token,
+    key, secret or signature.
+
+    Secret query values are masked first, then the userinfo: everything between
+    ``scheme://`` and the *last* ``@``, so a password holding ``/``, ``?``, ``#`` or ``@``
+    unencoded (which URL parsers cut short) is masked whole. The rest is kept as written."""
+    scheme, sep, rest = dsn.partition("://")
+    if not sep:  # not a URL: perhaps a libpq "host=... password=..." string
+        return _SECRET_WORD.sub(r"\1=***", dsn)
+    rest = _SECRET_PARAM.sub(r"\1***", rest)
+    userinfo, at, host = rest.rpartition("@")
+    if not at:
+        return f"{scheme}://{rest}"
+    user, colon, _password = userinfo.partition(":")
+    if colon:
+        userinfo = f"{user}:***"
+    elif scheme.lower() in ("http", "https"):
+        userinfo = "***"
+    return f"{scheme}://{userinfo}@{host}"
+
+
+def url_secrets(dsn: str) -> list[str]:
+    """The credentials ``mask_url`` hides in ``dsn`` (the userinfo password, secret query
+    values), longest first, so messages built from the raw URL can be scrubbed too."""
+    found: list[str] = []
+    scheme, sep, rest = dsn.partition("://")
+    if sep:
+        userinfo, at, _host = rest.rpartition("@")
+        if at and ":" in userinfo:
+            found.append(userinfo.partition(":")[2])
+        found += [m.group(0)[len(m.group(1)):] for m in _SECRET_PARAM.finditer(rest)]
+    else:
+        found += [m.group(0).split("=", 1)[1].strip().strip("'") for m in
+                  _SECRET_WORD.finditer(dsn)]
+    return sorted({s for s in found if s}, key=len, reverse=True)
 
 
 def tool_env_key(tool: str) -> str:
@@ -432,6 +464,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
                     f"with FIELD one of {', '.join(PROFILE_FIELDS)}"
                 )
             tool_key = rest[: -(len(match) + 1)]
+            if not _TOOL_KEY.fullmatch(tool_key):
+                raise ConfigError(
+                    f"{var}: no tool name gives {tool_key!r} as its TOOL part, so this would "
+                    "be ignored; write the tool name upper-cased with every other character "
+                    "as _ (ocr-fast -> SIDECAR_PROFILE_OCR_FAST_<FIELD>)")
             overrides.setdefault(tool_key, {})[match] = (
                 _parse(var, raw, PROFILE_FIELDS[match]), var
             )

@@ -20,7 +20,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import asyncpg
 import orjson
 
-from sidecar.config import POOLER_MODES, Settings, default_data_dir
+from sidecar.config import POOLER_MODES, Settings, default_data_dir, url_secrets
 from sidecar.config import mask_url as mask_dsn
 from sidecar.errors import DatabaseUnavailable, UsageError
 
@@ -140,9 +140,11 @@ def resolve_dsn(settings: Settings) -> str:
             parts = urlsplit(url)
             parts.port  # noqa: B018 - raises ValueError for a port that is not a number
             parts.hostname  # noqa: B018 - raises ValueError for a broken [IPv6] host
-        except ValueError as exc:
-            raise UsageError(f"SIDECAR_DATABASE_URL {mask_dsn(url)!r} is malformed ({exc}); "
-                             "expected postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
+        except ValueError:  # its text may quote a piece of the password: not shown
+            raise UsageError(f"SIDECAR_DATABASE_URL {mask_dsn(url)!r} is malformed: the port "
+                             "must be a number, and a password holding / ? # or @ must be "
+                             "percent-encoded; expected "
+                             "postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
         return url
     return embedded_dsn(settings.data_dir or default_data_dir())
 
@@ -150,8 +152,11 @@ def resolve_dsn(settings: Settings) -> str:
 def _unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     reason = reason.replace(dsn, mask_dsn(dsn))
+    for secret in url_secrets(dsn):  # a driver may quote a piece of a malformed URL
+        reason = reason.replace(secret, "***")
+    shown = mask_dsn(dsn)
     return DatabaseUnavailable(
-        f"cannot reach PostgreSQL at {describe_host(dsn)} ({mask_dsn(dsn)}): {reason}; "
+        f"cannot reach PostgreSQL at {describe_host(shown)} ({shown}): {reason}; "
         "check SIDECAR_DATABASE_URL (host, port, user, password, database) and that the server runs"
     )
 

@@ -11,8 +11,16 @@ class SidecarError(Exception):
     exit_code = 1
 
     def __init__(self, message: str):
+        message = one_line(message)
         super().__init__(message)
         self.message = message
+
+
+def one_line(text: str) -> str:
+    """``text`` with line breaks and other control characters shown as escapes (``\\n``),
+    so a name or path from the user cannot split or forge an error line."""
+    return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape")
+                   .decode("ascii") for ch in text)
 
 
 class ConfigError(SidecarError):

@@ -147,8 +147,8 @@ class GuardServer:
         if self._runner is not None:
             raise RuntimeError("the guard server is already started")
         app = web.Application(client_max_size=CHECKPOINT_LIMIT)
-        app.router.add_post(GUARD_PATH, self._guard)
-        app.router.add_post(CHECKPOINT_PATH, self._checkpoint)
+        app.router.add_post(GUARD_PATH, self._guard, expect_handler=_expect_continue)
+        app.router.add_post(CHECKPOINT_PATH, self._checkpoint, expect_handler=_expect_continue)
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0,
                                keepalive_timeout=15.0, auto_decompress=False)
         await runner.setup()
@@ -360,3 +360,12 @@ class GuardServer:
         if log.enabled("debug"):
             log.emit("checkpoint_saved", "debug", **fields, bytes=digest["bytes"])
         return _json({"saved": True, "bytes": digest["bytes"]})
+
+
+async def _expect_continue(request: web.Request) -> None:
+    """Answer ``Expect: 100-continue`` (curl sends it before a large body) and ignore any
+    other expectation: aiohttp's default refuses those with 417 before the guard could
+    check the secret, or fails with 500 on a header that is not UTF-8."""
+    if request.version >= (1, 1) and \
+            request.headers.get("Expect", "").strip().lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

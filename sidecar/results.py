@@ -9,6 +9,7 @@ supervisor turns into a ``bad_result`` failure. Nothing here raises anything els
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import orjson
@@ -17,6 +18,12 @@ from sidecar.db import RawJson
 
 # Longest reason kept from the JSON parser: its messages quote no input, but stay short.
 _REASON_CHARS = 200
+# PostgreSQL's numeric keeps at most 16383 digits after the decimal point (its dscale):
+# 1e-20000 is valid JSON, read by orjson as 0.0, and refused by jsonb.
+NUMERIC_MAX_SCALE = 16383
+_LONG_EXPONENT_OR_FRACTION = re.compile(rf"[eE][+-]?\d{{5}}|\.\d{{{NUMERIC_MAX_SCALE + 1}}}")
+_STRING_OR_NUMBER = re.compile(
+    r'"(?:[^"\\]|\\.)*"|-?(?:0|[1-9]\d*)(?:\.(\d+))?(?:[eE]([+-]?\d+))?')
 
 
 class BadResult(Exception):
@@ -33,7 +40,8 @@ def parse_result(data: bytes | bytearray | memoryview) -> tuple[Any, RawJson]:
     Returns ``(value, text)``: the parsed value (for the next-stage check, P19) and the
     original text as ``RawJson``, sent to PostgreSQL as is. Raises BadResult for output
     that is not UTF-8, not JSON, nested deeper than orjson's limit (1024 levels), holds a
-    number outside a double's range, or holds ``\\u0000`` (valid JSON that jsonb refuses).
+    number outside a double's range or beyond numeric's 16383 decimal places (1e-20000),
+    or holds ``\\u0000`` (valid JSON that jsonb refuses).
     """
     try:
         value = orjson.loads(data)
@@ -47,7 +55,24 @@ def parse_result(data: bytes | bytearray | memoryview) -> tuple[Any, RawJson]:
         raise BadResult(f"stdout is not UTF-8; {len(data)} bytes") from None
     if "\\u0000" in text and _has_nul_escape(text):
         raise BadResult("the JSON holds \\u0000, which PostgreSQL jsonb cannot store")
+    if _LONG_EXPONENT_OR_FRACTION.search(text):
+        _check_scales(text)
     return value, RawJson(text)
+
+
+def _check_scales(text: str) -> None:
+    """Raise BadResult for a number (outside strings) that would need more than
+    NUMERIC_MAX_SCALE digits after the decimal point as a PostgreSQL numeric."""
+    for match in _STRING_OR_NUMBER.finditer(text):
+        if match.group(0).startswith('"'):
+            continue  # a string literal, skipped whole
+        try:
+            scale = len(match.group(1) or "") - int(match.group(2) or 0)
+        except ValueError:  # an exponent of thousands of digits
+            scale = NUMERIC_MAX_SCALE + 1
+        if scale > NUMERIC_MAX_SCALE:
+            raise BadResult(f"the JSON holds a number PostgreSQL's numeric cannot store "
+                            f"(more than {NUMERIC_MAX_SCALE} decimal places)")
 
 
 def _has_nul_escape(text: str) -> bool:

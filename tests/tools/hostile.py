@@ -6,7 +6,8 @@ until refused; the first one exits 3 after 2 s), cpu_spin (burn CPU in "procs" p
 fd_leak (open /dev/null until refused, print how many), inspect (print what the tool can
 see: environment, fds, cwd, ids, rlimits, umask), result_file (write "size" bytes of JSON
 to SIDECAR_RESULT_FILE, junk to stdout), result_symlink / result_hardlink (make
-SIDECAR_RESULT_FILE a link to the payload's "target"), litter (leave files, a read-only directory and a TMPDIR file behind),
+SIDECAR_RESULT_FILE a link to the payload's "target"), litter (leave files, a read-only
+directory and a TMPDIR file behind),
 emit (write the payload's "stdout" bytes, given in hex, to stdout and "stderr" to stderr,
 exit "code").
 """
@@ -56,7 +57,10 @@ elif mode == "fd_leak":
 
 elif mode == "inspect":
     fds = sorted(int(fd) for fd in os.listdir("/proc/self/fd"))
-    fds = [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]  # the listdir's own fd is gone
+    # The listdir's own descriptor is closed by now.
+    fds = [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
+    with open("/proc/self/cgroup") as f:
+        cgroup = f.read()
     print(json.dumps({
         "env": dict(os.environ),
         "fds": fds,
@@ -65,7 +69,7 @@ elif mode == "inspect":
         "core": resource.getrlimit(resource.RLIMIT_CORE),
         "nofile": resource.getrlimit(resource.RLIMIT_NOFILE),
         "tmp": tempfile.gettempdir(),
-        "cgroup": open("/proc/self/cgroup").read(),
+        "cgroup": cgroup,
     }))
 
 elif mode == "result_file":
