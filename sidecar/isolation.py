@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import mmap
 import os
 import pwd
 import resource
@@ -240,66 +239,50 @@ def remove_tree(root: str) -> None:
             return
 
 
-class ResultFile:
-    """A result the tool left in ``SIDECAR_RESULT_FILE``, mapped read-only: its bytes are
-    never copied into the sidecar's heap; ``view`` is parsed and decoded in place. Use as a
-    context manager; the mapping is closed on exit.
+def read_result_file(path: str, max_bytes: int, owner_uid: int | None) -> bytearray:
+    """The result a tool left in ``SIDECAR_RESULT_FILE``: read once into one buffer of the
+    file's exact size (never a growing buffer, never a memory mapping: a file truncated
+    under a mapping would kill the sidecar with SIGBUS).
 
     Raises FileNotFoundError when there is no file (stdout is the result), BadResult for a
     symlink, a hard link, anything but a regular file, a file of another user than
-    ``owner_uid`` (RUN_AS) or one larger than ``max_bytes`` bytes."""
-
-    def __init__(self, path: str, max_bytes: int, owner_uid: int | None):
-        self.path = path
-        self.size = 0
-        self._map: mmap.mmap | None = None
-        self.view: memoryview | None = None
-        try:
-            # O_NOFOLLOW: the tool could point a symlink at a file only the sidecar can read.
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise
-        except OSError as exc:
-            raise BadResult(f"SIDECAR_RESULT_FILE cannot be read: {exc.strerror or exc}; "
-                            "write a regular file there") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode):
-                raise BadResult("SIDECAR_RESULT_FILE is not a regular file")
-            if info.st_nlink != 1:
-                raise BadResult("SIDECAR_RESULT_FILE is a hard link to another file; write "
-                                "the result into a new file")
-            if owner_uid is not None and info.st_uid != owner_uid:
-                raise BadResult(f"SIDECAR_RESULT_FILE belongs to uid {info.st_uid}, not to the "
-                                f"tool's uid {owner_uid}")
-            self.size = info.st_size
-            if self.size > max_bytes:
-                raise BadResult(f"SIDECAR_RESULT_FILE holds {self.size} bytes, more than "
-                                f"{max_bytes}; return less, or raise "
-                                "SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES")
-            if self.size:
-                # Shut out any other writer before mapping: a file truncated under a live
-                # mapping would crash the sidecar with SIGBUS. The tool's tree is dead by
-                # now; this keeps out other processes of the RUN_AS user (file mode 0400,
-                # owned by the sidecar's user).
-                with contextlib.suppress(OSError):
-                    os.fchown(fd, os.geteuid(), os.getegid())
-                    os.fchmod(fd, stat.S_IRUSR)
-                self._map = mmap.mmap(fd, self.size, access=mmap.ACCESS_READ)
-                self.view = memoryview(self._map)
-        finally:
-            os.close(fd)
-
-    def __enter__(self) -> ResultFile:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def close(self) -> None:
-        if self.view is not None:
-            self.view.release()
-            self.view = None
-        if self._map is not None:
-            self._map.close()
-            self._map = None
+    ``owner_uid`` (RUN_AS), one larger than ``max_bytes`` bytes, or one that changed size
+    while it was read."""
+    try:
+        # O_NOFOLLOW: the tool could point a symlink at a file only the sidecar can read;
+        # O_NONBLOCK: a FIFO in its place must not block the open.
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        raise BadResult(f"SIDECAR_RESULT_FILE cannot be read: {exc.strerror or exc}; "
+                        "write a regular file there") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise BadResult("SIDECAR_RESULT_FILE is not a regular file")
+        if info.st_nlink != 1:
+            raise BadResult("SIDECAR_RESULT_FILE is a hard link to another file; write "
+                            "the result into a new file")
+        if owner_uid is not None and info.st_uid != owner_uid:
+            raise BadResult(f"SIDECAR_RESULT_FILE belongs to uid {info.st_uid}, not to the "
+                            f"tool's uid {owner_uid}")
+        if info.st_size > max_bytes:
+            raise BadResult(f"SIDECAR_RESULT_FILE holds {info.st_size} bytes, more than "
+                            f"{max_bytes}; return less, or raise "
+                            "SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES")
+        os.set_blocking(fd, True)
+        data = bytearray(info.st_size)
+        view, got = memoryview(data), 0
+        with view:
+            while got < info.st_size:
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    break
+                got += n
+        if got != info.st_size or os.read(fd, 1):
+            raise BadResult("SIDECAR_RESULT_FILE changed while it was read: a process of "
+                            "the tool's user still writes to it")
+        return data
+    finally:
+        os.close(fd)

@@ -50,7 +50,7 @@ def parse_result(data: bytes | bytearray | memoryview) -> tuple[Any, RawJson]:
         raise BadResult(f"exit 0 but stdout is not one JSON value ({reason}); "
                         f"{len(data)} bytes") from None
     try:
-        text = str(data, "utf-8")  # any buffer (an mmap'd result file too), no extra copy
+        text = str(data, "utf-8")  # any buffer (bytearray, memoryview), no extra copy
     except UnicodeDecodeError:  # orjson checks UTF-8 too; kept for a clear message anyway
         raise BadResult(f"stdout is not UTF-8; {len(data)} bytes") from None
     if "\\u0000" in text and _has_nul_escape(text):

@@ -25,7 +25,7 @@ from sidecar.cgroups import CgroupHost, Usage
 from sidecar.child import Child, SpawnFailed
 from sidecar.config import LeaseProfile, Settings
 from sidecar.db import RawJson
-from sidecar.isolation import TMPDIR_VARIABLES, ResultFile, Sandbox, child_environment
+from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment, read_result_file
 from sidecar.lease import Lease, LeaseKeeper
 from sidecar.log import log, payload_digest
 from sidecar.results import BadResult, parse_result, scrub_text
@@ -296,7 +296,7 @@ class JobSupervisor:
         if self.lease.lost.is_set():
             # P13: the lease is gone, whatever the tool answered. Keep evidence only.
             if child.returncode == 0 and not child.stdout_overflow:
-                await self._reject(bytes(child.stdout), "lease lost before commit")
+                await self._reject(payload_digest(child.stdout), "lease lost before commit")
             log.emit("lease_lost", "warning", **self._fields(), reason=self.lease.reason,
                      duration_s=duration)
             return self.lease.reason or lease_mod.LEASE_LOST
@@ -344,15 +344,15 @@ class JobSupervisor:
                                 f"SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES"}
             return await self._fail(error, retryable=False)
         try:
-            result = ResultFile(sandbox.result_file, profile.max_result_bytes,
-                                sandbox.ids[0] if sandbox.ids else None)
+            # The result file, when there is one, is the result; stdout is ignored.
+            output = read_result_file(sandbox.result_file, profile.max_result_bytes,
+                                      sandbox.ids[0] if sandbox.ids else None)
         except FileNotFoundError:
-            return await self._succeed(bytes(child.stdout), stderr_tail)
+            output, child.stdout = child.stdout, bytearray()  # handed over, not copied
         except BadResult as exc:
             return await self._fail({"kind": "bad_result", "message": exc.message,
                                      "stderr_tail": stderr_tail}, retryable=False)
-        with result:  # the file is the result; stdout is ignored
-            return await self._succeed(result.view or b"", stderr_tail)
+        return await self._succeed([output], stderr_tail)
 
     def _limit_error(self, reason: str, child: Child, usage: Usage, sandbox: Sandbox,
                      stderr_tail: str | None) -> dict[str, Any] | None:
@@ -421,34 +421,39 @@ class JobSupervisor:
         return value["result"], NextStage(nxt["tool"], nxt.get("payload", {}),
                                           next_profile.max_attempts), None
 
-    async def _succeed(self, stdout: bytes | memoryview, stderr_tail: str | None) -> str:
-        """Commit ``stdout`` (the tool's JSON text: its stdout, or its result file mapped
-        in memory) if the lease is still ours; a bad result fails the job."""
+    async def _succeed(self, holder: list[bytes | bytearray], stderr_tail: str | None) -> str:
+        """Commit the tool's JSON text (its stdout, or its result file) if the lease is still
+        ours; a bad result fails the job. ``holder`` is a one-item list this method empties:
+        once parsed, the bytes are dropped and only the text sent to PostgreSQL is held."""
+        output = holder.pop()
+        digest = payload_digest(output)
         try:
-            value, result = parse_result(stdout)
+            value, result = parse_result(output)
         except BadResult as exc:
             error = {"kind": "bad_result", "stderr_tail": stderr_tail, "message": exc.message}
             return await self._fail(error, retryable=False)
+        finally:
+            del output
         value, next_stage, stage_error = self._next_stage(value)
         if stage_error is not None:
             return await self._fail({**stage_error, "stderr_tail": stderr_tail}, retryable=False)
         if next_stage is not None:
             result = RawJson(orjson.dumps(value).decode())
         del value  # a large result is held once, as the text sent to PostgreSQL
-        details = {"result": payload_digest(stdout),
+        details = {"result": digest,
                    "duration_s": round(time.monotonic() - self.started, 3), **self.resources}
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
                 self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded", details,
                 self.ctx.profile.result_url or None, next_stage))
         except OwnershipUnknown:
-            return await self._abandon(stdout)
+            return await self._abandon(digest)
         except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:  # jsonb refused it
             error = {"kind": "bad_result", "stderr_tail": stderr_tail,
                      "message": f"PostgreSQL refused the result as jsonb: {exc}"}
             return await self._fail(error, retryable=False)
         if not accepted:
-            await self._reject(stdout, "not the owner at commit")
+            await self._reject(digest, "not the owner at commit")
             return "rejected"
         log.emit("job_succeeded", **self._fields(), duration_s=details["duration_s"],
                  next_tool=next_stage.tool if next_stage else None)
@@ -493,12 +498,12 @@ class JobSupervisor:
                  duration_s=duration, exit_code=error.get("exit_code"))
         return "failed"
 
-    async def _abandon(self, output: bytes | None) -> str:
+    async def _abandon(self, digest: dict[str, Any] | None) -> str:
         """The outcome could not be written before the local deadline: give the job up."""
         self.lease.lose(lease_mod.LOCAL_DEADLINE)
         log.emit("lease_abandoned", "error", **self._fields(),
                  reason="outcome not written before the local deadline; ownership unknown")
-        await self._reject(output, "ownership unknown at commit")
+        await self._reject(digest, "ownership unknown at commit")
         return "abandoned"
 
     async def _release(self) -> bool:
@@ -513,13 +518,14 @@ class JobSupervisor:
                  "info" if released else "warning", **self._fields(), reason="shutdown")
         return released
 
-    async def _reject(self, output: bytes | None, why: str) -> None:
-        """P6: an outcome we may not commit goes to the journal as hash and size only.
+    async def _reject(self, digest: dict[str, Any] | None, why: str) -> None:
+        """P6: an outcome we may not commit goes to the journal as hash and size only
+        (``digest``: payload_digest of the output, None when there was none).
         When ownership is unknown the database may be unreachable: the lease keeper
         journals it once the database answers again."""
         details: dict[str, Any] = {"why": why, "owner_id": self.ctx.owner_id}
-        if output is not None:
-            details["result"] = payload_digest(output)
+        if digest is not None:
+            details["result"] = digest
         log.emit("result_rejected", "warning", **self._fields(), reason=why)
         metrics.COMPLETIONS_REJECTED.labels(self.job.tool, self.ctx.profile.provider).inc()
         if self.lease.abandoned:
