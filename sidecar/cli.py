@@ -174,7 +174,7 @@ def cmd_run(args, settings: Settings) -> int:
                                 "jobs will fail with spawn_failed")
     host = cgroups.detect(settings.cgroups)
     isolation.check_profile(profile, host)
-    isolation.check_work_dir(settings)
+    isolation.check_work_dir(settings, profile)
     dsn = db.resolve_dsn(settings)
     # Become the adopter of orphaned descendants, and drain if our own parent dies
     # (an entrypoint shell that took the SIGTERM meant for us, case F8).

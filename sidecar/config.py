@@ -107,8 +107,15 @@ def _env_names(text: str) -> frozenset[str]:
 
 def _run_as(text: str) -> str:
     text = text.strip()
-    if text and not re.fullmatch(r"\d{1,10}(:\d{1,10})?", text):
+    if not text:
+        return text
+    if not re.fullmatch(r"\d{1,10}(:\d{1,10})?", text):
         raise _Invalid("use a numeric uid or uid:gid, e.g. 65534:65534")
+    ids = [int(part) for part in text.split(":")]
+    if any(value >= 2**32 - 1 for value in ids):  # (uid_t)-1 means "unchanged" to the kernel
+        raise _Invalid("a uid or gid is below 4294967295")
+    if ids[0] == 0:
+        raise _Invalid("0 is root: the tool would not be isolated; pick an unprivileged uid")
     return text
 
 
@@ -117,6 +124,11 @@ def _non_negative_int(text: str) -> int:
     if value < 0:
         raise _Invalid("must not be negative; 0 means no limit")
     return value
+
+
+def _absolute_path(text: str) -> str:
+    """A path made absolute (against the current directory): the tool runs in another one."""
+    return os.path.abspath(text) if text.strip() else ""
 
 
 def _exit_codes(text: str) -> frozenset[int]:
@@ -161,7 +173,8 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "OPEN_FILES": _Field(_non_negative_int, "0", "count",
                          "RLIMIT_NOFILE of every tool process; 0 = inherit"),
     "PROCESSES": _Field(_non_negative_int, "0", "count",
-                        "processes of the tool's tree (cgroup pids.max), else RLIMIT_NPROC"),
+                        "processes and threads of the tool's tree (cgroup pids.max), else "
+                        "RLIMIT_NPROC"),
     "CORE_DUMPS": _Field(_flag, "false", "bool", "let the tool write core dumps"),
     "RUN_AS": _Field(_run_as, "", "uid[:gid]",
                      "run the tool as this user (the sidecar must be root)"),
@@ -187,7 +200,7 @@ GLOBAL_FIELDS: dict[str, _Field] = {
                         "metrics, /livez and /readyz of `sidecar run`; off = none"),
     "LOG_TOOL_STDERR": _Field(_flag, "false", "bool",
                               "log the tool's stderr lines (content) as tool_stderr events"),
-    "WORK_DIR": _Field(str, "", "path",
+    "WORK_DIR": _Field(_absolute_path, "", "path",
                        "root of each attempt's private work directory; default the temp dir"),
     "MAX_PAYLOAD_BYTES": _Field(_non_negative_int, str(8 * 1024 * 1024), "bytes",
                                 "largest payload `enqueue` accepts (and a next stage's)"),

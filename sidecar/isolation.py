@@ -54,6 +54,12 @@ def check_profile(profile: LeaseProfile, host: CgroupHost, euid: int | None = No
         raise ConfigError(f"{profile.sources.get('RUN_AS', var + '_RUN_AS')}={profile.run_as}: "
                           "the sidecar must run as root to start a tool as another user; "
                           "unset it, or run the sidecar as root")
+    nr_open = _nr_open()
+    if profile.open_files and nr_open and profile.open_files > nr_open:
+        raise ConfigError(
+            f"{profile.sources.get('OPEN_FILES', var + '_OPEN_FILES')}={profile.open_files}: "
+            f"above this kernel's fs.nr_open ({nr_open}), so no process could get it; "
+            "lower it")
     if profile.processes and host.pids is None and not profile.run_as:
         raise ConfigError(
             f"{profile.sources.get('PROCESSES', var + '_PROCESSES')}={profile.processes} "
@@ -63,9 +69,10 @@ def check_profile(profile: LeaseProfile, host: CgroupHost, euid: int | None = No
             "SIDECAR_PROFILE_<TOOL>_RUN_AS=uid[:gid], or give the sidecar a writable cgroup")
 
 
-def check_work_dir(settings: Settings) -> str:
+def check_work_dir(settings: Settings, profile: LeaseProfile | None = None) -> str:
     """Make sure attempts can get work directories under ``SIDECAR_WORK_DIR`` (default the
-    system temp directory); return the root. Raises ConfigError naming the variable."""
+    system temp directory), and that the profile's RUN_AS user can reach them; return the
+    root. Raises ConfigError naming the variable."""
     root = settings.work_dir or tempfile.gettempdir()
     try:
         os.makedirs(root, exist_ok=True)
@@ -73,7 +80,48 @@ def check_work_dir(settings: Settings) -> str:
     except OSError as exc:
         raise ConfigError(f"SIDECAR_WORK_DIR={root}: cannot make work directories there "
                           f"({exc.strerror or exc}); point it at a writable directory") from None
+    ids = run_as_ids(profile.run_as) if profile is not None else None
+    if ids is not None:
+        blocked = _unsearchable_ancestor(root, *ids)
+        if blocked:
+            raise ConfigError(
+                f"SIDECAR_WORK_DIR={root}: the tool's user {ids[0]}:{ids[1]} (RUN_AS) cannot "
+                f"enter {blocked}; point SIDECAR_WORK_DIR at a directory every user can "
+                "reach (mode 0711 or wider on the way), e.g. /tmp/sidecar")
     return root
+
+
+def _unsearchable_ancestor(path: str, uid: int, gid: int) -> str | None:
+    """The first directory from ``/`` down to ``path`` that ``uid:gid`` (no supplementary
+    groups) may not search, or None."""
+    current = os.path.abspath(path)
+    chain = []
+    while True:
+        chain.append(current)
+        parent = os.path.dirname(current)
+        if parent == current:
+            break
+        current = parent
+    for directory in reversed(chain):
+        info = os.stat(directory)
+        if info.st_uid == uid:
+            bit = stat.S_IXUSR
+        elif info.st_gid == gid:
+            bit = stat.S_IXGRP
+        else:
+            bit = stat.S_IXOTH
+        if not info.st_mode & bit:
+            return directory
+    return None
+
+
+def _nr_open() -> int | None:
+    """The kernel's cap on open files per process (fs.nr_open), or None if unknown."""
+    try:
+        with open("/proc/sys/fs/nr_open", encoding="ascii") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def rlimits(profile: LeaseProfile, cgroup: JobCgroup | None) -> list[tuple[int, int, int]]:
@@ -123,7 +171,7 @@ def make_preexec(parent_pid: int, procs_files: list[str], limits: list[tuple[int
                 os.setgroups([])
                 os.setgid(ids[1])
                 os.setuid(ids[0])
-        except (OSError, ValueError) as exc:  # ValueError: a limit above the hard limit
+        except (OSError, ValueError, OverflowError) as exc:  # a limit above the hard one
             reason = getattr(exc, "strerror", None) or exc
             with contextlib.suppress(OSError):
                 os.write(2, f"sidecar: cannot {step}: {reason}\n".encode())

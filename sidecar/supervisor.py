@@ -43,9 +43,10 @@ TOO_LARGE = "result_too_large"
 SHUTDOWN = "shutdown"
 CPU_LIMIT = "cpu_limit"
 
-# What a process killed by RLIMIT_AS, or a tool refused memory, typically writes last.
-_OUT_OF_MEMORY_MARKERS = ("MemoryError", "Cannot allocate memory", "out of memory",
-                          "Out of memory", "bad_alloc", "failed to allocate")
+# What a process refused memory under RLIMIT_AS typically writes last (lower case): the
+# Python and C++ runtimes, libc's strerror(ENOMEM), and the dynamic loader.
+_OUT_OF_MEMORY_MARKERS = ("memoryerror", "cannot allocate memory", "out of memory",
+                          "bad_alloc", "failed to allocate", "failed to map segment")
 
 CHECKPOINT_FILE_NAME = "checkpoint.json"
 
@@ -182,7 +183,7 @@ class JobSupervisor:
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, sandbox.open)
-        except OSError as exc:
+        except Exception as exc:  # noqa: BLE001 - any failure here fails the attempt, cleanly
             await loop.run_in_executor(None, sandbox.close)
             log.emit("sandbox_failed", "error", **self._fields(), reason=str(exc))
             self.lease.settle()
@@ -373,21 +374,28 @@ class JobSupervisor:
         if reason != EXITED or code == 0:
             return None
         memory_cgroup = sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None
-        if profile.memory_bytes and (usage.oom_kills or (not memory_cgroup and any(
-                marker in (stderr_tail or "") for marker in _OUT_OF_MEMORY_MARKERS))):
+        tail = (stderr_tail or "").lower()
+        under_rlimit_as = bool(profile.memory_bytes) and not memory_cgroup
+        if profile.memory_bytes and usage.oom_kills:
+            how = "killed by the cgroup's OOM killer"
+        elif under_rlimit_as and any(marker in tail for marker in _OUT_OF_MEMORY_MARKERS):
+            how = "RLIMIT_AS: an allocation was refused"
+        elif under_rlimit_as and code == -signal.SIGSEGV:
+            how = "RLIMIT_AS: killed by SIGSEGV, most likely a refused stack or heap growth"
+        else:
+            how = ""
+        if how:
             return {"kind": "memory_limit", "stderr_tail": stderr_tail,
                     "peak_memory_bytes": usage.peak_memory_bytes,
                     "message": f"the tool ran out of its memory limit of "
-                               f"{profile.memory_bytes} bytes"
-                               + (" (killed by the cgroup's OOM killer)" if usage.oom_kills
-                                  else " (RLIMIT_AS)")
-                               + "; raise SIDECAR_PROFILE_<TOOL>_MEMORY_BYTES"}
+                               f"{profile.memory_bytes} bytes ({how}); raise "
+                               "SIDECAR_PROFILE_<TOOL>_MEMORY_BYTES"}
         if profile.processes and usage.process_limit_hits:
             return {"kind": "process_limit", "stderr_tail": stderr_tail,
                     "message": f"the tool failed after the kernel refused "
-                               f"{usage.process_limit_hits} fork(s) at its limit of "
-                               f"{profile.processes} processes; raise "
-                               "SIDECAR_PROFILE_<TOOL>_PROCESSES"}
+                               f"{usage.process_limit_hits} new process(es) or thread(s) at "
+                               f"its limit of {profile.processes} (threads count: pids.max "
+                               "limits tasks); raise SIDECAR_PROFILE_<TOOL>_PROCESSES"}
         return None
 
     def _lifetime_error(self) -> dict[str, Any]:
@@ -601,7 +609,8 @@ def measure(child: Child, sandbox: Sandbox) -> Usage:
 
 
 def tree_activity(pid: int) -> tuple[float, int]:
-    """CPU seconds and I/O bytes (read + written) of a process and its descendants."""
+    """CPU seconds and I/O bytes (read + written) of a process and its descendants, the
+    CPU time of descendants they already reaped included."""
     cpu, io = 0.0, 0
     try:
         root = psutil.Process(pid)
@@ -612,7 +621,8 @@ def tree_activity(pid: int) -> tuple[float, int]:
         try:
             with proc.oneshot():
                 times = proc.cpu_times()
-                cpu += times.user + times.system
+                # children_*: descendants this process already reaped (sequential workers)
+                cpu += times.user + times.system + times.children_user + times.children_system
                 counters = proc.io_counters()
                 io += counters.read_chars + counters.write_chars
         except (psutil.Error, AttributeError):

@@ -135,6 +135,16 @@ def test_processes_without_a_cgroup_or_run_as_is_refused_at_start(dsn, tmp_path)
     assert "Traceback" not in message
 
 
+@pytest.fixture
+def public_work():
+    """A work root every user can reach (pytest's tmp_path sits under a 0700 directory,
+    which RUN_AS users cannot enter: `sidecar run` refuses that at start)."""
+    where = Path(tempfile.mkdtemp(prefix="sidecar-work-"))
+    where.chmod(0o755)
+    yield where / "work"
+    shutil.rmtree(where)
+
+
 def _world_readable_tool() -> str:
     """hostile.py where another user can read it (the checkout may sit under /root)."""
     where = tempfile.mkdtemp(prefix="sidecar-tool-")
@@ -146,10 +156,10 @@ def _world_readable_tool() -> str:
 
 
 @needs_root
-def test_fork_bomb_under_rlimits_is_capped_by_run_as_and_nproc(dsn, tmp_path):
+def test_fork_bomb_under_rlimits_is_capped_by_run_as_and_nproc(dsn, public_work):
     tool = _world_readable_tool()
     try:
-        env, work = _env(dsn, tmp_path, SIDECAR_CGROUPS="off",
+        env, work = _env(dsn, public_work.parent, SIDECAR_CGROUPS="off",
                          SIDECAR_PROFILE_BOMB_PROCESSES="8",
                          SIDECAR_PROFILE_BOMB_RUN_AS="65534:65534")
         job = enqueue(dsn, "bomb", {"mode": "fork_bomb"}, "--max-attempts", "1", env=env)
@@ -283,10 +293,10 @@ def test_work_dir_removal_never_follows_a_symlink_out_of_it(tmp_path):
 
 
 @needs_root
-def test_run_as_starts_the_tool_as_that_user_in_a_dir_it_owns(dsn, tmp_path):
+def test_run_as_starts_the_tool_as_that_user_in_a_dir_it_owns(dsn, public_work):
     tool = _world_readable_tool()
     try:
-        env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_LOOK_RUN_AS="65534:65534")
+        env, work = _env(dsn, public_work.parent, SIDECAR_PROFILE_LOOK_RUN_AS="65534:65534")
         job = enqueue(dsn, "look", {"mode": "inspect"}, env=env)
         _drain(dsn, env, "look", command=("/usr/bin/python3", tool))
         row = _row(dsn, job)
