@@ -67,6 +67,11 @@ class CgroupHost:
     def usable(self) -> bool:
         return bool(self.v2_dir or self.v1_memory_dir or self.v1_pids_dir)
 
+    @property
+    def parents(self) -> list[str]:
+        """The directories job cgroups are made in (one per hierarchy used)."""
+        return [d for d in (self.v2_dir, self.v1_memory_dir, self.v1_pids_dir) if d]
+
     def describe(self) -> dict[str, object]:
         """The active isolation mode, for ``sidecar config`` and the startup log."""
         return {
@@ -215,20 +220,33 @@ def detect(mode: str = "auto") -> CgroupHost:
     if not host.usable and not notes:
         notes.append("no cgroup filesystem is mounted")
         host = CgroupHost(notes=tuple(notes))
-    sweep(host)
     return host
 
 
-def sweep(host: CgroupHost) -> None:
-    """Remove empty job cgroups a killed sidecar left behind (rmdir fails on busy ones)."""
-    for parent in (host.v2_dir, host.v1_memory_dir, host.v1_pids_dir):
-        if not parent:
-            continue
-        with contextlib.suppress(OSError):
-            for entry in os.scandir(parent):
-                if entry.name.startswith("job-") and entry.is_dir(follow_symlinks=False):
-                    with contextlib.suppress(OSError):
-                        os.rmdir(entry.path)
+def kill_cgroup(path: str, timeout: float = 2.0) -> bool:
+    """SIGKILL every process in the cgroup at ``path`` (``cgroup.kill`` where the file
+    exists, else each member, repeated while members remain) and remove it. True when the
+    cgroup is gone. For leftovers of a dead sidecar (sidecar.leftovers)."""
+    kill_file = os.path.join(path, "cgroup.kill")
+    procs = os.path.join(path, "cgroup.procs")
+    deadline = time.monotonic() + timeout
+    while True:
+        if os.path.exists(kill_file):
+            with contextlib.suppress(OSError):
+                _write(kill_file, "1")
+        with contextlib.suppress(OSError, ValueError):
+            for pid in (int(line) for line in _read(procs).split()):
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+        try:
+            os.rmdir(path)
+            return True
+        except FileNotFoundError:
+            return True
+        except OSError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.02)
 
 
 @dataclass

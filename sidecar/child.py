@@ -32,6 +32,11 @@ _READS_PER_WAKEUP = 4  # bounds the time one flooding pipe holds the event loop
 
 # Pids whose exit status this module collects itself; the adopted-orphan reaper skips them.
 MANAGED_PIDS: set[int] = set()
+# Children of the sidecar that are no tool's (the guardian): never part of a job's tree.
+EXEMPT_PIDS: set[int] = set()
+# Attempts whose tree is not yet dead. With one, an adopted orphan that carries no job's
+# SIDECAR_JOB_ID at all (it cleared its environment) can only be that attempt's.
+_live_attempts = 0
 
 # True once this process is a child subreaper (``sidecar run``): every descendant of a tool
 # then stays either a descendant of the tool or becomes our own (adopted) child, so a tree
@@ -77,14 +82,17 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
-def find_tree(root_pid: int, cookie: dict[str, str]) -> list[psutil.Process]:
+def find_tree(root_pid: int, cookie: dict[str, str],
+              claim_unmarked: bool = False) -> list[psutil.Process]:
     """Every live process of a job's tree: descendants of ``root_pid``, members of its
     session (the child is a session leader, so sid == root_pid), and any process whose
     environment carries all of ``cookie`` (re-parented or ``setsid`` escapees, case F7).
 
     As a child subreaper, escapees can only be our own adopted children (and their
-    descendants), so only those are checked for the cookie; otherwise every process on
-    the host is."""
+    descendants), so only those are checked for the cookie, and with ``claim_unmarked``
+    (this is the only attempt running) an adopted child with no ``SIDECAR_JOB_ID`` at all
+    is this job's too: it cleared its environment to hide. Otherwise every process on the
+    host is checked for the cookie."""
     me = os.getpid()
     found: dict[int, psutil.Process] = {}
     try:
@@ -96,13 +104,15 @@ def find_tree(root_pid: int, cookie: dict[str, str]) -> list[psutil.Process]:
     if SUBREAPER:
         try:
             adopted = [p for p in psutil.Process(me).children()
-                       if p.pid not in MANAGED_PIDS and p.pid not in found]
+                       if p.pid not in MANAGED_PIDS and p.pid not in EXEMPT_PIDS
+                       and p.pid not in found]
         except psutil.Error:
             adopted = []
         for proc in adopted:
             try:
                 env = proc.environ()
-                if all(env.get(k) == v for k, v in cookie.items()):
+                if all(env.get(k) == v for k, v in cookie.items()) or (
+                        claim_unmarked and "SIDECAR_JOB_ID" not in env):
                     for member in [proc, *proc.children(recursive=True)]:
                         found[member.pid] = member
             except (psutil.Error, OSError):
@@ -204,6 +214,9 @@ class Child:
         self.loop.add_reader(stderr_fd, self._on_readable, stderr_fd, self._take_stderr)
         self._stdin_task = asyncio.ensure_future(self._feed_stdin(stdin_fd, payload))
         self._watch_exit()
+        global _live_attempts
+        _live_attempts += 1
+        self._counted = True
 
     @classmethod
     async def spawn(cls, argv: list[str], env: dict[str, str], payload: bytes, max_stdout: int,
@@ -392,13 +405,17 @@ class Child:
                 await asyncio.wait_for(asyncio.shield(self.exited), timeout=2.0)
             except TimeoutError:
                 report.survivors.append(self.pid)
+        if self._counted:
+            global _live_attempts
+            _live_attempts -= 1
+            self._counted = False
         return report
 
     async def _scan(self) -> list[psutil.Process]:
         return await self.loop.run_in_executor(None, self._scan_blocking)
 
     def _scan_blocking(self) -> list[psutil.Process]:
-        procs = find_tree(self.pid, self.cookie)
+        procs = find_tree(self.pid, self.cookie, claim_unmarked=_live_attempts == 1)
         if self.cgroup is not None:
             known = {proc.pid for proc in procs}
             for pid in self.cgroup.members() - known:

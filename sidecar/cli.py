@@ -159,7 +159,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
 
 
 def cmd_run(args, settings: Settings) -> int:
-    from sidecar import cgroups, child, guardian, isolation, linux
+    from sidecar import cgroups, child, guardian, isolation, leftovers, linux
     from sidecar.worker import Worker, install_signal_handlers
 
     if not args.command:
@@ -174,7 +174,7 @@ def cmd_run(args, settings: Settings) -> int:
                                 "jobs will fail with spawn_failed")
     host = cgroups.detect(settings.cgroups)
     isolation.check_profile(profile, host)
-    isolation.check_work_dir(settings, profile)
+    work_root = isolation.check_work_dir(settings, profile)
     dsn = db.resolve_dsn(settings)
     # Become the adopter of orphaned descendants, and drain if our own parent dies
     # (an entrypoint shell that took the SIGTERM meant for us, case F8).
@@ -186,7 +186,15 @@ def cmd_run(args, settings: Settings) -> int:
         return 0
     worker = Worker(settings, profile, dsn, args.command, args.concurrency, args.drain,
                     adopt_orphans=adopt, serve_http=True, cgroup_host=host)
-    keeper = guardian.start(worker.owner_id)
+    # Leftovers of sidecars that died hard here are cleared; ours will be, however we die.
+    owner_lock = leftovers.OwnerLock(work_root, worker.owner_id)
+    owner_lock.acquire()
+    swept = leftovers.sweep_dead_owners(work_root, host.parents)
+    if swept:
+        log_mod.log.emit("leftovers_removed", tool=tool, count=swept,
+                         reason="job cgroups and work directories of sidecars that died")
+    keeper = guardian.start(worker.owner_id, work_root, host.parents)
+    child.EXEMPT_PIDS.add(keeper.pid)
 
     async def go():
         install_signal_handlers(worker)
@@ -196,6 +204,7 @@ def cmd_run(args, settings: Settings) -> int:
         return run_async(settings, go())
     finally:
         keeper.stdin.close()
+        owner_lock.release()
 
 
 def cmd_show(args, settings: Settings) -> int:

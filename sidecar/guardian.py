@@ -5,8 +5,11 @@ descendants that the parent-death signal cannot reach (grandchildren, double-for
 The sidecar starts it with a pipe on its stdin and never writes to it. When the sidecar
 dies, for any reason, the pipe reaches EOF; the guardian then SIGKILLs every process
 whose environment carries ``SIDECAR_OWNER_ID=<the sidecar's owner id>`` (the variable
-every tool inherits) and exits. Run as ``python -m sidecar.guardian OWNER_ID``, or
-``sidecar _guardian OWNER_ID`` from the frozen bundle.
+every tool inherits), kills and removes the sidecar's job cgroups (which also holds
+escapees that dropped their environment) and its attempts' work directories
+(sidecar.leftovers), and exits. Run as
+``python -m sidecar.guardian OWNER_ID [WORK_ROOT [CGROUP_PARENT...]]``, or
+``sidecar _guardian ...`` from the frozen bundle.
 """
 
 from __future__ import annotations
@@ -35,16 +38,19 @@ def processes_with_env(name: str, value: str, exclude: set[int]) -> list[psutil.
     return found
 
 
-def start(owner_id: str) -> subprocess.Popen:
+def start(owner_id: str, work_root: str = "", cgroup_parents: list[str] | None = None,
+          ) -> subprocess.Popen:
     """Start the guardian for this sidecar; keep the returned Popen (its stdin) open.
+    ``work_root`` and ``cgroup_parents`` say where the sidecar's leftovers would be.
 
     In a frozen bundle (PyInstaller) there is no ``python -m``: the bundle's own
     executable runs it as ``sidecar _guardian OWNER_ID`` (dispatched by cli.main).
     """
+    args = [owner_id, work_root, *(cgroup_parents or [])]
     if getattr(sys, "frozen", False):
-        argv = [sys.executable, "_guardian", owner_id]
+        argv = [sys.executable, "_guardian", *args]
     else:
-        argv = [sys.executable, "-m", "sidecar.guardian", owner_id]
+        argv = [sys.executable, "-m", "sidecar.guardian", *args]
     return subprocess.Popen(
         argv,
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -67,6 +73,11 @@ def main(argv: list[str]) -> int:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
         time.sleep(0.05)
+    work_root, cgroup_parents = (argv[1] if len(argv) > 1 else ""), argv[2:]
+    if work_root or cgroup_parents:
+        from sidecar.leftovers import clear_owner, owner_key
+
+        clear_owner(owner_key(owner_id), cgroup_parents, work_root or None)
     return 0
 
 

@@ -10,7 +10,6 @@ import math
 import os
 import pwd
 import resource
-import shutil
 import signal
 import stat
 import tempfile
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 from sidecar.cgroups import CgroupError, CgroupHost, JobCgroup
 from sidecar.config import LeaseProfile, Settings
 from sidecar.errors import ConfigError
+from sidecar.leftovers import remove_tree
 from sidecar.linux import PR_SET_PDEATHSIG, _prctl
 from sidecar.results import BadResult
 
@@ -211,7 +211,9 @@ class Sandbox:
 
     def open(self) -> None:
         """Make the work directory (mode 0700, owned by the RUN_AS user) and the job cgroup.
-        Raises OSError when the work directory cannot be made."""
+        Raises OSError when the work directory cannot be made, CgroupError when the job
+        cgroup cannot be made although PROCESSES depends on it; a cgroup that cannot be
+        made otherwise leaves the attempt to rlimits, with a note."""
         self.ids = run_as_ids(self.profile.run_as)
         root = self.settings.work_dir or tempfile.gettempdir()
         os.makedirs(root, exist_ok=True)
@@ -225,6 +227,10 @@ class Sandbox:
                 cgroup.create()
                 self.cgroup = cgroup
             except CgroupError as exc:
+                if self.profile.processes and not self.profile.run_as:
+                    # Fail closed: without the pids cgroup nothing would bind PROCESSES.
+                    raise CgroupError(f"{exc}; PROCESSES={self.profile.processes} cannot be "
+                                      "enforced without it (no RUN_AS)") from None
                 self.notes.append(str(exc))
 
     @property
@@ -256,35 +262,6 @@ class Sandbox:
             if os.path.lexists(self.job_dir):
                 left.append(self.job_dir)
         return left
-
-
-def remove_tree(root: str) -> None:
-    """Remove ``root`` and all in it without following a symlink anywhere, also not one
-    the tool put in place of ``root`` itself (that link is removed, not its target).
-    Directories the tool made read-only inside ``root`` are made writable (never anything
-    outside it) and the removal is tried again (at most 8 passes)."""
-    try:
-        if os.path.islink(root) or not os.path.isdir(root):
-            os.unlink(root)
-            return
-    except FileNotFoundError:
-        return
-
-    def unlock(_func, path, _exc_info) -> None:
-        for candidate in (os.path.dirname(path), path):
-            if candidate != root and not candidate.startswith(root + os.sep):
-                continue
-            with contextlib.suppress(OSError):
-                fd = os.open(candidate, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-                try:
-                    os.fchmod(fd, stat.S_IRWXU)
-                finally:
-                    os.close(fd)
-
-    for _ in range(8):  # each pass unlocks at least one more level of locked directories
-        shutil.rmtree(root, onerror=unlock)
-        if not os.path.lexists(root):
-            return
 
 
 def read_result_file(path: str, max_bytes: int, owner_uid: int | None) -> bytearray:

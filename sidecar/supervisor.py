@@ -27,6 +27,7 @@ from sidecar.config import LeaseProfile, Settings
 from sidecar.db import RawJson
 from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment, read_result_file
 from sidecar.lease import Lease, LeaseKeeper
+from sidecar.leftovers import job_name
 from sidecar.log import log, payload_digest
 from sidecar.results import BadResult, parse_result, scrub_text
 from sidecar.store import ClaimedJob, NextStage, Store
@@ -179,7 +180,7 @@ class JobSupervisor:
             self.lease.settle()
             return await self._fail(self._lifetime_error(), retryable=False)
         sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
-                          f"job-{job.id}-{job.fencing_token}")
+                          job_name(self.ctx.owner_id, job.id, job.fencing_token))
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, sandbox.open)
@@ -188,8 +189,9 @@ class JobSupervisor:
             log.emit("sandbox_failed", "error", **self._fields(), reason=str(exc))
             self.lease.settle()
             return await self._fail({"kind": "sandbox_failed", "message":
-                                     f"cannot make the attempt's work directory: {exc}; "
-                                     "check SIDECAR_WORK_DIR"}, retryable=True)
+                                     f"cannot set up the attempt's work directory or cgroup: "
+                                     f"{exc}; check SIDECAR_WORK_DIR and the cgroup "
+                                     "filesystem"}, retryable=True)
         for note in sandbox.notes:
             log.emit("cgroup_unavailable", "warning", **self._fields(),
                      reason=note + "; this attempt runs under rlimits only")

@@ -1,0 +1,161 @@
+"""What a sidecar that died hard leaves behind, and how it is cleared: job cgroups with
+escaped processes still in them, and attempts' work directories.
+
+Every job cgroup and work directory is named ``<owner key>.job-<id>-<token>...``, the owner
+key being a short hash of the sidecar's owner id. A live sidecar holds an exclusive
+``flock`` on ``<work root>/.owner-<key>.lock`` for its whole life; the kernel drops it when
+the process dies, however it dies. So:
+
+- the guardian (sidecar.guardian), on its sidecar's death, kills and removes that owner's
+  job cgroups and work directories at once;
+- every ``sidecar run`` start clears the leftovers of owners whose lock it can take (dead
+  ones) in its work root, and work directories no lock file claims.
+
+Nothing here touches another live sidecar's cgroups or directories. Kept free of heavy
+imports: the guardian imports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import os
+import shutil
+import stat
+
+from sidecar.cgroups import kill_cgroup
+
+LOCK_PREFIX = ".owner-"
+LOCK_SUFFIX = ".lock"
+
+
+def owner_key(owner_id: str) -> str:
+    """The 12-hex-digit key of an owner id, the prefix of its cgroups and directories."""
+    return hashlib.sha256(owner_id.encode()).hexdigest()[:12]
+
+
+def job_name(owner_id: str, job_id: object, fencing_token: int) -> str:
+    """The name of one attempt's cgroup and the prefix of its work directory."""
+    return f"{owner_key(owner_id)}.job-{job_id}-{fencing_token}"
+
+
+class OwnerLock:
+    """The exclusive flock a live sidecar holds on ``<work root>/.owner-<key>.lock``.
+    ``acquire`` raises OSError when the work root is unusable. Keep the object alive as
+    long as the sidecar runs; the descriptor is close-on-exec, so tools never inherit it."""
+
+    def __init__(self, work_root: str, owner_id: str):
+        self.key = owner_key(owner_id)
+        self.path = os.path.join(work_root, f"{LOCK_PREFIX}{self.key}{LOCK_SUFFIX}")
+        self.fd: int | None = None
+
+    def acquire(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            # A sweeper may have removed the file between our open and our lock: then the
+            # lock guards nothing anyone can see; take a fresh file.
+            try:
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+            except FileNotFoundError:
+                same = False
+            if same:
+                self.fd = fd
+                return
+            os.close(fd)
+
+    def release(self) -> None:
+        if self.fd is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self.path)
+            os.close(self.fd)
+            self.fd = None
+
+
+def clear_owner(key: str, cgroup_dirs: list[str], work_root: str | None) -> int:
+    """Kill the processes left in the owner's job cgroups, remove the cgroups and the
+    owner's work directories. Returns how many cgroups and directories were removed."""
+    prefix = f"{key}.job-"
+    removed = 0
+    for parent in cgroup_dirs:
+        for path in _entries(parent, prefix):
+            if kill_cgroup(path):
+                removed += 1
+    if work_root:
+        for path in _entries(work_root, prefix):
+            remove_tree(path)
+            removed += not os.path.lexists(path)
+    return removed
+
+
+def sweep_dead_owners(work_root: str, cgroup_dirs: list[str]) -> int:
+    """Clear the leftovers of every owner whose lock file in ``work_root`` is not held
+    (its sidecar is dead), and work directories no lock file claims. Returns how many
+    cgroups and directories were removed."""
+    removed, live = 0, set()
+    for path in _entries(work_root, LOCK_PREFIX):
+        key = os.path.basename(path)[len(LOCK_PREFIX):-len(LOCK_SUFFIX)]
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+        except OSError:
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                live.add(key)
+                continue
+            removed += clear_owner(key, cgroup_dirs, work_root)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        finally:
+            os.close(fd)
+    # A directory whose owner has no lock file here at all: its sidecar is gone (cgroups
+    # are only cleared through a lock found here: they may belong to a sidecar with
+    # another work root).
+    for path in _entries(work_root, ""):
+        name = os.path.basename(path)
+        key, dot, rest = name.partition(".")
+        if dot and rest.startswith("job-") and len(key) == 12 and key not in live \
+                and not os.path.exists(os.path.join(work_root,
+                                                    f"{LOCK_PREFIX}{key}{LOCK_SUFFIX}")):
+            remove_tree(path)
+            removed += not os.path.lexists(path)
+    return removed
+
+
+def _entries(parent: str, prefix: str) -> list[str]:
+    try:
+        return [entry.path for entry in os.scandir(parent) if entry.name.startswith(prefix)]
+    except OSError:
+        return []
+
+
+def remove_tree(root: str) -> None:
+    """Remove ``root`` and all in it without following a symlink anywhere, also not one
+    the tool put in place of ``root`` itself (that link is removed, not its target).
+    Directories the tool made read-only inside ``root`` are made writable (never anything
+    outside it) and the removal is tried again (at most 8 passes)."""
+    try:
+        if os.path.islink(root) or not os.path.isdir(root):
+            os.unlink(root)
+            return
+    except FileNotFoundError:
+        return
+
+    def unlock(_func, path, _exc_info) -> None:
+        for candidate in (os.path.dirname(path), path):
+            if candidate != root and not candidate.startswith(root + os.sep):
+                continue
+            with contextlib.suppress(OSError):
+                fd = os.open(candidate, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+                try:
+                    os.fchmod(fd, stat.S_IRWXU)
+                finally:
+                    os.close(fd)
+
+    for _ in range(8):  # each pass unlocks at least one more level of locked directories
+        shutil.rmtree(root, onerror=unlock)
+        if not os.path.lexists(root):
+            return
