@@ -186,9 +186,8 @@ def cmd_run(args, settings: Settings) -> int:
         return 0
     worker = Worker(settings, profile, dsn, args.command, args.concurrency, args.drain,
                     adopt_orphans=adopt, serve_http=True, cgroup_host=host)
-    # Leftovers of sidecars that died hard here are cleared; ours will be, however we die.
-    owner_lock = leftovers.OwnerLock(work_root, worker.owner_id)
-    owner_lock.acquire()
+    # Leftovers of sidecars that died hard here are cleared; ours will be, however we die
+    # (the worker holds its owner lock while it runs; the guardian clears after it).
     swept = leftovers.sweep_dead_owners(work_root, host.parents)
     if swept:
         log_mod.log.emit("leftovers_removed", tool=tool, count=swept,
@@ -204,7 +203,6 @@ def cmd_run(args, settings: Settings) -> int:
         return run_async(settings, go())
     finally:
         keeper.stdin.close()
-        owner_lock.release()
 
 
 def cmd_show(args, settings: Settings) -> int:

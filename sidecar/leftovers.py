@@ -51,6 +51,7 @@ class OwnerLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             fcntl.flock(fd, fcntl.LOCK_EX)

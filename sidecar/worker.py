@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import socket
+import tempfile
 import time
 import uuid
 
@@ -26,6 +27,7 @@ from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
 from sidecar.health import Readiness
 from sidecar.lease import LeaseKeeper
+from sidecar.leftovers import OwnerLock
 from sidecar.log import log
 from sidecar.queries import migrations
 from sidecar.store import Store
@@ -83,7 +85,18 @@ class Worker:
         self.wake.set()
 
     async def run(self) -> int:
-        """Run until drained or stopped; return the process exit code (0 clean, 1 failure)."""
+        """Run until drained or stopped; return the process exit code (0 clean, 1 failure).
+        Holds the owner lock in the work root meanwhile, which marks this sidecar's work
+        directories and job cgroups as alive (sidecar.leftovers); raises OSError when the
+        work root is unusable."""
+        owner_lock = OwnerLock(self.settings.work_dir or tempfile.gettempdir(), self.owner_id)
+        await asyncio.get_running_loop().run_in_executor(None, owner_lock.acquire)
+        try:
+            return await self._run()
+        finally:
+            owner_lock.release()
+
+    async def _run(self) -> int:
         timeout = self.settings.db_timeout_seconds
         pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
         store = Store(pool, timeout)
