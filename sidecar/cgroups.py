@@ -65,6 +65,7 @@ class CgroupHost:
 
     @property
     def usable(self) -> bool:
+        """True when at least one hierarchy takes job cgroups."""
         return bool(self.v2_dir or self.v1_memory_dir or self.v1_pids_dir)
 
     @property
@@ -287,9 +288,12 @@ class JobCgroup:
 
     @property
     def procs_files(self) -> list[str]:
+        """The ``cgroup.procs`` files the child writes itself into (one per hierarchy)."""
         return [os.path.join(d, "cgroup.procs") for d in self.dirs]
 
     def create(self) -> None:
+        """Make the cgroups and write the limits; on failure remove what was made and raise
+        CgroupError naming the file."""
         made: list[str] = []
         try:
             for d in self.dirs:

@@ -235,6 +235,7 @@ class Sandbox:
 
     @property
     def result_file(self) -> str:
+        """``SIDECAR_RESULT_FILE``: ``result.json`` in the work directory."""
         return os.path.join(self.job_dir, RESULT_FILE_NAME)
 
     def write_file(self, name: str, text: str) -> str:

@@ -51,6 +51,7 @@ class OwnerLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
+        """Create the lock file (and the work root) and hold an exclusive flock on it."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -67,6 +68,7 @@ class OwnerLock:
             os.close(fd)
 
     def release(self) -> None:
+        """Remove the lock file and drop the lock (a clean stop leaves nothing behind)."""
         if self.fd is not None:
             with contextlib.suppress(OSError):
                 os.unlink(self.path)
