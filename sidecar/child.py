@@ -409,6 +409,10 @@ class Child:
             global _live_attempts
             _live_attempts -= 1
             self._counted = False
+        if SUBREAPER:
+            # Reap the killed orphans now, not at the next periodic sweep: as zombies they
+            # still count against the RUN_AS user's RLIMIT_NPROC for the next attempt.
+            await self.loop.run_in_executor(None, reap_adopted)
         return report
 
     async def _scan(self) -> list[psutil.Process]:

@@ -168,10 +168,17 @@ def cmd_run(args, settings: Settings) -> int:
     profile = settings.profile(tool)
     if args.concurrency < 1:
         raise UsageError(f"--concurrency {args.concurrency}: must be 1 or more")
-    if shutil.which(args.command[0]) is None:
+    # The tool starts in its work directory with an allow-listed PATH: resolve the command
+    # here, against our own directory and PATH, as the user meant it.
+    found = shutil.which(args.command[0])
+    if found is None:
         log_mod.log.emit("command_not_found", "warning", tool=tool,
                          reason=f"{args.command[0]} is not an executable on PATH; "
                                 "jobs will fail with spawn_failed")
+        if os.sep in args.command[0]:
+            args.command[0] = os.path.abspath(args.command[0])
+    else:
+        args.command[0] = os.path.abspath(found)
     host = cgroups.detect(settings.cgroups)
     isolation.check_profile(profile, host)
     work_root = isolation.check_work_dir(settings, profile)
@@ -294,14 +301,19 @@ def cmd_config(args, settings: Settings) -> int:
         out["defaults"] = _profile_entry(settings)
         out["profiles"] = [_profile_entry(settings, env_key=key)
                            for key in settings.profile_tools()]
-    for entry in out["profiles"]:
-        try:  # what `sidecar run` would refuse on this host, said here already
-            isolation.check_profile(settings.profile(entry.get("tool")
-                                                     or entry["env_key"].lower()), host)
+    refused = 0
+    for entry in [*out["profiles"], *([out["defaults"]] if "defaults" in out else [])]:
+        # What `sidecar run` would refuse on this host, said here already (and exit 2).
+        profile = (settings.profile(entry.get("tool") or entry["env_key"].lower())
+                   if "env_key" in entry else settings.default_profile())
+        try:
+            isolation.check_profile(profile, host)
+            isolation.check_work_dir(settings, profile, create=False)
         except SidecarError as exc:
             entry["isolation_error"] = str(exc)
+            refused += 1
     _print_json(out)
-    return 0
+    return 2 if refused else 0
 
 
 def _global_settings(settings: Settings) -> dict[str, Any]:

@@ -55,13 +55,13 @@ def _integer(text: str) -> int:
 def _http_url(text: str) -> str:
     text = text.strip()
     if text and not text.startswith(("http://", "https://")):
-        raise ValueError("not an http:// or https:// URL")
+        raise _Invalid("not an http:// or https:// URL")
     return text
 
 
 def _label(text: str) -> str:
     if not re.fullmatch(r"[A-Za-z0-9._-]{0,63}", text):
-        raise ValueError("use up to 63 letters, digits, '.', '_' or '-'")
+        raise _Invalid("use up to 63 letters, digits, '.', '_' or '-'")
     return text
 
 
@@ -71,7 +71,7 @@ def _flag(text: str) -> bool:
         return True
     if value in ("0", "false", "no", "off", ""):
         return False
-    raise ValueError("use true or false")
+    raise _Invalid("use true or false")
 
 
 def _listen_addr(text: str) -> str:
@@ -79,15 +79,20 @@ def _listen_addr(text: str) -> str:
         return text
     host, sep, port = text.rpartition(":")
     if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise ValueError("use HOST:PORT, e.g. 0.0.0.0:9180, or off")
+        raise _Invalid("use HOST:PORT, e.g. 0.0.0.0:9180, or off")
     return text
 
 
+def _names(text: str) -> frozenset[str]:
+    """Comma- or space-separated names, e.g. ``PATH,HOME`` or ``PATH HOME``."""
+    return frozenset(part for part in re.split(r"[,\s]+", text) if part)
+
+
 def _tool_list(text: str) -> frozenset[str]:
-    tools = frozenset(part for part in text.replace(" ", "").split(",") if part)
+    tools = _names(text)
     for tool in tools:
         if not TOOL_NAME.fullmatch(tool):
-            raise ValueError(f"{tool!r} is not a valid tool name")
+            raise _Invalid(f"{tool!r} is not a valid tool name")
     return tools
 
 
@@ -95,7 +100,7 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _env_names(text: str) -> frozenset[str]:
-    names = frozenset(part for part in text.replace(" ", "").split(",") if part)
+    names = _names(text)
     for name in names:
         if not _ENV_NAME.fullmatch(name):
             raise _Invalid(f"{name!r} is not an environment variable name")
@@ -132,9 +137,9 @@ def _absolute_path(text: str) -> str:
 
 
 def _exit_codes(text: str) -> frozenset[int]:
-    codes = frozenset(int(part) for part in text.replace(" ", "").split(",") if part)
+    codes = frozenset(int(part) for part in _names(text))
     if any(not 1 <= code <= 255 for code in codes):
-        raise ValueError("exit codes are integers from 1 to 255")
+        raise _Invalid("exit codes are integers from 1 to 255, comma-separated")
     return codes
 
 
@@ -379,9 +384,17 @@ def _parse(var: str, raw: str, spec: _Field) -> object:
     except _Invalid as exc:
         raise ConfigError(f"{var}={raw!r} is not valid: {exc}") from None
     except ValueError:
+        example = _EXAMPLES.get(spec.unit)
         raise ConfigError(
             f"{var}={raw!r} is not valid: expected {spec.unit} ({spec.what})"
+            + (f", e.g. {example}" if example else "")
         ) from None
+
+
+# What a valid value of each unit looks like, for the error of an invalid one.
+_EXAMPLES = {"s": "30 or 2.5 (seconds, no unit suffix)",
+             "bytes": "536870912 (a plain number of bytes, no unit suffix)",
+             "count": "8", "codes": "64,65"}
 
 
 def _build_profile(

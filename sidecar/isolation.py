@@ -16,7 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from sidecar.cgroups import CgroupError, CgroupHost, JobCgroup
-from sidecar.config import LeaseProfile, Settings
+from sidecar.config import LeaseProfile, Settings, tool_env_key
 from sidecar.errors import ConfigError
 from sidecar.leftovers import remove_tree
 from sidecar.linux import PR_SET_PDEATHSIG, _prctl
@@ -49,7 +49,8 @@ def check_profile(profile: LeaseProfile, host: CgroupHost, euid: int | None = No
     RUN_AS without root, and PROCESSES with neither a pids cgroup nor RUN_AS (RLIMIT_NPROC
     does not bind root, and for any other user counts all its processes on the host)."""
     euid = os.geteuid() if euid is None else euid
-    var = f"SIDECAR_PROFILE_{profile.tool.upper()}"
+    var = "SIDECAR" if profile.tool.startswith("(") else \
+        f"SIDECAR_PROFILE_{tool_env_key(profile.tool)}"  # "(defaults)": SIDECAR_<FIELD>
     if profile.run_as and euid != 0:
         raise ConfigError(f"{profile.sources.get('RUN_AS', var + '_RUN_AS')}={profile.run_as}: "
                           "the sidecar must run as root to start a tool as another user; "
@@ -66,20 +67,24 @@ def check_profile(profile: LeaseProfile, host: CgroupHost, euid: int | None = No
             "cannot be enforced here: no pids cgroup can be made "
             f"({'; '.join(host.notes) or 'none'}) and without one only RLIMIT_NPROC is left, "
             "which needs the tool to run as its own user: set "
-            "SIDECAR_PROFILE_<TOOL>_RUN_AS=uid[:gid], or give the sidecar a writable cgroup")
+            f"{var}_RUN_AS=uid[:gid], or give the sidecar a writable cgroup")
 
 
-def check_work_dir(settings: Settings, profile: LeaseProfile | None = None) -> str:
+def check_work_dir(settings: Settings, profile: LeaseProfile | None = None,
+                   create: bool = True) -> str:
     """Make sure attempts can get work directories under ``SIDECAR_WORK_DIR`` (default the
     system temp directory), and that the profile's RUN_AS user can reach them; return the
-    root. Raises ConfigError naming the variable."""
+    root. With ``create`` false (``sidecar config``) nothing is made: only the directories
+    that exist are checked. Raises ConfigError naming the variable."""
     root = settings.work_dir or tempfile.gettempdir()
-    try:
-        os.makedirs(root, exist_ok=True)
-        os.rmdir(tempfile.mkdtemp(prefix="sidecar-probe-", dir=root))
-    except OSError as exc:
-        raise ConfigError(f"SIDECAR_WORK_DIR={root}: cannot make work directories there "
-                          f"({exc.strerror or exc}); point it at a writable directory") from None
+    if create:
+        try:
+            os.makedirs(root, exist_ok=True)
+            os.rmdir(tempfile.mkdtemp(prefix="sidecar-probe-", dir=root))
+        except OSError as exc:
+            raise ConfigError(f"SIDECAR_WORK_DIR={root}: cannot make work directories there "
+                              f"({exc.strerror or exc}); point it at a writable "
+                              "directory") from None
     ids = run_as_ids(profile.run_as) if profile is not None else None
     if ids is not None:
         blocked = _unsearchable_ancestor(root, *ids)
@@ -103,7 +108,10 @@ def _unsearchable_ancestor(path: str, uid: int, gid: int) -> str | None:
             break
         current = parent
     for directory in reversed(chain):
-        info = os.stat(directory)
+        try:
+            info = os.stat(directory)
+        except FileNotFoundError:
+            return None  # made later by the sidecar, searchable (mode 0755)
         if info.st_uid == uid:
             bit = stat.S_IXUSR
         elif info.st_gid == gid:
@@ -265,15 +273,17 @@ class Sandbox:
         return left
 
 
-def read_result_file(path: str, max_bytes: int, owner_uid: int | None) -> bytearray:
+def read_result_file(path: str, max_bytes: int, owner_uid: int | None,
+                     limit_var: str = "SIDECAR_MAX_RESULT_BYTES") -> bytearray:
     """The result a tool left in ``SIDECAR_RESULT_FILE``: read once into one buffer of the
     file's exact size (never a growing buffer, never a memory mapping: a file truncated
     under a mapping would kill the sidecar with SIGBUS).
 
     Raises FileNotFoundError when there is no file (stdout is the result), BadResult for a
     symlink, a hard link, anything but a regular file, a file of another user than
-    ``owner_uid`` (RUN_AS), one larger than ``max_bytes`` bytes, or one that changed size
-    while it was read."""
+    ``owner_uid`` (RUN_AS), or one that changed size while it was read; BadResult of kind
+    ``result_too_large`` for one larger than ``max_bytes`` bytes (``limit_var`` names the
+    setting in the message)."""
     try:
         # O_NOFOLLOW: the tool could point a symlink at a file only the sidecar can read;
         # O_NONBLOCK: a FIFO in its place must not block the open.
@@ -295,8 +305,8 @@ def read_result_file(path: str, max_bytes: int, owner_uid: int | None) -> bytear
                             f"tool's uid {owner_uid}")
         if info.st_size > max_bytes:
             raise BadResult(f"SIDECAR_RESULT_FILE holds {info.st_size} bytes, more than "
-                            f"{max_bytes}; return less, or raise "
-                            "SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES")
+                            f"{max_bytes}; return less, or raise {limit_var}",
+                            "result_too_large")
         os.set_blocking(fd, True)
         data = bytearray(info.st_size)
         view, got = memoryview(data), 0

@@ -27,15 +27,19 @@ _STRING_OR_NUMBER = re.compile(
 
 
 class BadResult(Exception):
-    """The tool's output is not one JSON value PostgreSQL can store; ``message`` says why."""
+    """The tool's output is not one JSON value PostgreSQL can store; ``message`` says why,
+    ``kind`` is the error kind of the failed job (``bad_result``, ``result_too_large``)."""
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, kind: str = "bad_result"):
         super().__init__(message)
         self.message = message
+        self.kind = kind
 
 
-def parse_result(data: bytes | bytearray | memoryview) -> tuple[Any, RawJson]:
-    """Parse the tool's output (UTF-8 JSON text, at most ``len(data)`` bytes).
+def parse_result(data: bytes | bytearray | memoryview,
+                 source: str = "stdout") -> tuple[Any, RawJson]:
+    """Parse the tool's output (UTF-8 JSON text, at most ``len(data)`` bytes); ``source``
+    names where it came from in messages (stdout, SIDECAR_RESULT_FILE).
 
     Returns ``(value, text)``: the parsed value (for the next-stage check, P19) and the
     original text as ``RawJson``, sent to PostgreSQL as is. Raises BadResult for output
@@ -47,12 +51,12 @@ def parse_result(data: bytes | bytearray | memoryview) -> tuple[Any, RawJson]:
         value = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         reason = str(exc)[:_REASON_CHARS]
-        raise BadResult(f"exit 0 but stdout is not one JSON value ({reason}); "
+        raise BadResult(f"exit 0 but {source} is not one JSON value ({reason}); "
                         f"{len(data)} bytes") from None
     try:
         text = str(data, "utf-8")  # any buffer (bytearray, memoryview), no extra copy
     except UnicodeDecodeError:  # orjson checks UTF-8 too; kept for a clear message anyway
-        raise BadResult(f"stdout is not UTF-8; {len(data)} bytes") from None
+        raise BadResult(f"{source} is not UTF-8; {len(data)} bytes") from None
     if "\\u0000" in text and _has_nul_escape(text):
         raise BadResult("the JSON holds \\u0000, which PostgreSQL jsonb cannot store")
     if _LONG_EXPONENT_OR_FRACTION.search(text):

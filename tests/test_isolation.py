@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import stat
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -338,9 +339,9 @@ def test_a_large_result_file_is_the_result_and_stdout_is_ignored(dsn, tmp_path):
     row = _row(dsn, ok)
     assert row["state"] == "succeeded", row["error"]
     assert row["result"] == {"blob": "r" * (3 * MIB)}
-    bad = _row(dsn, too_big)
-    assert bad["state"] == "failed" and bad["error"]["kind"] == "bad_result"
-    assert "MAX_RESULT_BYTES" in bad["error"]["message"]
+    bad = _row(dsn, too_big)  # the same kind as too much on stdout
+    assert bad["state"] == "failed" and bad["error"]["kind"] == "result_too_large"
+    assert "SIDECAR_PROFILE_BIG_MAX_RESULT_BYTES" in bad["error"]["message"]
     _assert_work_dir_empty(work)
 
 
@@ -436,3 +437,52 @@ def test_a_payload_over_max_payload_bytes_is_refused_at_enqueue(dsn):
     small = cli(dsn, "enqueue", "emit", "--payload", '{"ok": 1}', env=env)
     assert small.returncode == 0, small.stderr.decode()
 
+
+
+# --- found by trying README as a new user -------------------------------------------------
+
+def test_a_relative_command_is_resolved_before_the_tool_moves_to_its_work_dir(dsn, tmp_path):
+    tools = tmp_path / "tools"
+    tools.mkdir()
+    shutil.copy(HOSTILE, tools / "hostile.py")
+    env, _ = _env(dsn, tmp_path, SIDECAR_PROFILE_LOOK_ENV_PASSTHROUGH="PATH HOME")
+    job = enqueue(dsn, "look", {"mode": "inspect"}, env=env)
+    done = subprocess.run([sys.executable, "-m", "sidecar", "run", "--tool", "look", "--drain",
+                           "--", "./tools/hostile.py"], cwd=tmp_path, env=env,
+                          capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    row = _row(dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    # Space-separated names are two names, not one.
+    assert {"PATH", "HOME"} <= set(row["result"]["env"])
+
+
+def test_a_bad_result_file_is_named_in_the_error(dsn, tmp_path):
+    env, _ = _env(dsn, tmp_path)
+    job = enqueue(dsn, "big", {"mode": "result_file", "size": 10}, env=env)
+    # The file holds {"blob": "rrrrrrrrrr"}: valid. Make a tool whose file is not JSON.
+    bad = tmp_path / "bad_file.sh"
+    bad.write_text("#!/bin/sh\n"
+                   "printf '{\"fine\": true}'\n"  # valid on stdout, ignored
+                   "printf '{oops' > \"$SIDECAR_RESULT_FILE\"\n")
+    bad.chmod(0o755)
+    broken = enqueue(dsn, "bad", {}, env=env)
+    _drain(dsn, env, "big")
+    _drain(dsn, env, "bad", command=(str(bad),))
+    assert _row(dsn, job)["state"] == "succeeded"
+    error = _row(dsn, broken)["error"]
+    assert error["kind"] == "bad_result" and "SIDECAR_RESULT_FILE is not one JSON value" in \
+        error["message"], error
+
+
+def test_config_exits_2_when_run_would_refuse_a_profile(dsn, tmp_path):
+    nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
+    env = base_env(dsn, SIDECAR_PROFILE_WIDE_OPEN_FILES=str(nr_open + 1))
+    done = cli(dsn, "config", env=env)
+    assert done.returncode == 2
+    [wide] = orjson.loads(done.stdout)["profiles"]
+    assert "SIDECAR_PROFILE_WIDE_OPEN_FILES" in wide["isolation_error"]
+    # A default the host cannot enforce is checked too.
+    done = cli(dsn, "config", env=base_env(dsn, SIDECAR_CGROUPS="off", SIDECAR_PROCESSES="10"))
+    assert done.returncode == 2
+    assert "SIDECAR_PROCESSES=10" in orjson.loads(done.stdout)["defaults"]["isolation_error"]
