@@ -16,6 +16,7 @@ import os
 import resource
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -35,8 +36,12 @@ MANAGED_PIDS: set[int] = set()
 # Children of the sidecar that are no tool's (the guardian): never part of a job's tree.
 EXEMPT_PIDS: set[int] = set()
 # Attempts whose tree is not yet dead. With one, an adopted orphan that carries no job's
-# SIDECAR_JOB_ID at all (it cleared its environment) can only be that attempt's.
+# SIDECAR_JOB_ID at all (it cleared its environment) and was started after that attempt
+# can only be that attempt's.
 _live_attempts = 0
+# Held while a child is between fork and exec (not yet in MANAGED_PIDS, still carrying the
+# sidecar's own environment) and while a tree is scanned: a scan never sees such a child.
+_SPAWN_LOCK = threading.Lock()
 
 # True once this process is a child subreaper (``sidecar run``): every descendant of a tool
 # then stays either a descendant of the tool or becomes our own (adopted) child, so a tree
@@ -83,16 +88,18 @@ def _alive(proc: psutil.Process) -> bool:
 
 
 def find_tree(root_pid: int, cookie: dict[str, str],
-              claim_unmarked: bool = False) -> list[psutil.Process]:
+              claim_unmarked: float | None = None,
+              claim_uid: int | None = None) -> list[psutil.Process]:
     """Every live process of a job's tree: descendants of ``root_pid``, members of its
     session (the child is a session leader, so sid == root_pid), and any process whose
     environment carries all of ``cookie`` (re-parented or ``setsid`` escapees, case F7).
 
     As a child subreaper, escapees can only be our own adopted children (and their
-    descendants), so only those are checked for the cookie, and with ``claim_unmarked``
-    (this is the only attempt running) an adopted child with no ``SIDECAR_JOB_ID`` at all
-    is this job's too: it cleared its environment to hide. Otherwise every process on the
-    host is checked for the cookie."""
+    descendants), so only those are checked for the cookie. ``claim_unmarked`` (a
+    ``time.time()``, given only while this is the only attempt running) also claims an
+    adopted child with no ``SIDECAR_JOB_ID`` at all that was started after it (and, with
+    ``claim_uid``, runs as that uid): it cleared its environment to hide. Otherwise every
+    process on the host is checked for the cookie."""
     me = os.getpid()
     found: dict[int, psutil.Process] = {}
     try:
@@ -112,7 +119,9 @@ def find_tree(root_pid: int, cookie: dict[str, str],
             try:
                 env = proc.environ()
                 if all(env.get(k) == v for k, v in cookie.items()) or (
-                        claim_unmarked and "SIDECAR_JOB_ID" not in env):
+                        claim_unmarked is not None and "SIDECAR_JOB_ID" not in env
+                        and proc.create_time() >= claim_unmarked
+                        and (claim_uid is None or proc.uids().real == claim_uid)):
                     for member in [proc, *proc.children(recursive=True)]:
                         found[member.pid] = member
             except (psutil.Error, OSError):
@@ -160,11 +169,13 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        popen = subprocess.Popen(
-            argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True, cwd=cwd,
-            start_new_session=True,
-            preexec_fn=(make_preexec or child_preexec)(parent_pid),
-        )
+        with _SPAWN_LOCK:
+            popen = subprocess.Popen(
+                argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
+                cwd=cwd, start_new_session=True,
+                preexec_fn=(make_preexec or child_preexec)(parent_pid),
+            )
+            MANAGED_PIDS.add(popen.pid)
     except BaseException:
         for fd in (in_w, out_r, err_r):
             os.close(fd)
@@ -172,7 +183,6 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
     finally:
         for fd in (in_r, out_w, err_w):
             os.close(fd)
-    MANAGED_PIDS.add(popen.pid)
     return popen, in_w, out_r, err_r
 
 
@@ -203,6 +213,8 @@ class Child:
         self._on_stderr_line = on_stderr_line
         self.returncode: int | None = None
         self.started = time.monotonic()
+        self.started_at = time.time() - 1.0  # process start times are rounded (clock ticks)
+        self.run_as_uid: int | None = None  # set by the supervisor when RUN_AS applies
         self.exited: asyncio.Future[int] = self.loop.create_future()
         # Resolves when stdout passes max_stdout: the result is lost, so is the attempt.
         self.overflowed: asyncio.Future[None] = self.loop.create_future()
@@ -419,7 +431,13 @@ class Child:
         return await self.loop.run_in_executor(None, self._scan_blocking)
 
     def _scan_blocking(self) -> list[psutil.Process]:
-        procs = find_tree(self.pid, self.cookie, claim_unmarked=_live_attempts == 1)
+        # As PID 1 every orphan of the container is ours to adopt (a `kubectl exec` shell's
+        # leftovers, an embedded server): only marked processes are claimed then.
+        alone = _live_attempts == 1 and os.getpid() != 1
+        with _SPAWN_LOCK:
+            procs = find_tree(self.pid, self.cookie,
+                              claim_unmarked=self.started_at if alone else None,
+                              claim_uid=self.run_as_uid)
         if self.cgroup is not None:
             known = {proc.pid for proc in procs}
             for pid in self.cgroup.members() - known:

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from sidecar.cgroups import CgroupError, CgroupHost, JobCgroup
 from sidecar.config import LeaseProfile, Settings, tool_env_key
 from sidecar.errors import ConfigError
-from sidecar.leftovers import remove_tree
-from sidecar.linux import PR_SET_PDEATHSIG, _prctl
+from sidecar.leftovers import hold_directory, remove_tree
+from sidecar.linux import PR_SET_PDEATHSIG, _prctl, reset_signal_handlers
 from sidecar.results import BadResult
 
 RESULT_FILE_NAME = "result.json"
@@ -162,6 +162,7 @@ def make_preexec(parent_pid: int, procs_files: list[str], limits: list[tuple[int
     sigkill = int(signal.SIGKILL)
 
     def _in_child() -> None:
+        reset_signal_handlers()
         step = "join cgroup"
         try:
             for path in procs_files:
@@ -216,6 +217,7 @@ class Sandbox:
     cgroup: JobCgroup | None = None
     ids: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
+    dir_lock: int | None = None  # flock'ed descriptor: marks the work dir as in use
 
     def open(self) -> None:
         """Make the work directory (mode 0700, owned by the RUN_AS user) and the job cgroup.
@@ -226,6 +228,7 @@ class Sandbox:
         root = self.settings.work_dir or tempfile.gettempdir()
         os.makedirs(root, exist_ok=True)
         self.job_dir = tempfile.mkdtemp(prefix=self.name + "-", dir=root)
+        self.dir_lock = hold_directory(self.job_dir)
         if self.ids is not None:
             os.chown(self.job_dir, *self.ids)
         if self.host.usable:
@@ -270,6 +273,9 @@ class Sandbox:
             remove_tree(self.job_dir)
             if os.path.lexists(self.job_dir):
                 left.append(self.job_dir)
+        if self.dir_lock is not None:
+            os.close(self.dir_lock)
+            self.dir_lock = None
         return left
 
 

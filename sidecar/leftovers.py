@@ -8,8 +8,9 @@ the process dies, however it dies. So:
 
 - the guardian (sidecar.guardian), on its sidecar's death, kills and removes that owner's
   job cgroups and work directories at once;
-- every ``sidecar run`` start clears the leftovers of owners whose lock it can take (dead
-  ones) in its work root, and work directories no lock file claims.
+- every ``sidecar run`` start clears the job cgroups of owners whose lock it can take
+  (dead ones) in its work root, and work directories whose own lock (held by each live
+  attempt) it can take.
 
 Nothing here touches another live sidecar's cgroups or directories. Kept free of heavy
 imports: the guardian imports it.
@@ -21,8 +22,10 @@ import contextlib
 import fcntl
 import hashlib
 import os
+import re
 import shutil
 import stat
+import time
 
 from sidecar.cgroups import kill_cgroup
 
@@ -78,7 +81,9 @@ class OwnerLock:
 
 def clear_owner(key: str, cgroup_dirs: list[str], work_root: str | None) -> int:
     """Kill the processes left in the owner's job cgroups, remove the cgroups and the
-    owner's work directories. Returns how many cgroups and directories were removed."""
+    owner's work directories that no live attempt holds. For an owner known to be dead
+    (the guardian's own sidecar; an owner lock the sweep could take). Returns how many
+    cgroups and directories were removed."""
     prefix = f"{key}.job-"
     removed = 0
     for parent in cgroup_dirs:
@@ -87,45 +92,91 @@ def clear_owner(key: str, cgroup_dirs: list[str], work_root: str | None) -> int:
                 removed += 1
     if work_root:
         for path in _entries(work_root, prefix):
-            remove_tree(path)
-            removed += not os.path.lexists(path)
+            removed += remove_if_abandoned(path, min_age=0.0)
     return removed
 
 
 def sweep_dead_owners(work_root: str, cgroup_dirs: list[str]) -> int:
-    """Clear the leftovers of every owner whose lock file in ``work_root`` is not held
-    (its sidecar is dead), and work directories no lock file claims. Returns how many
-    cgroups and directories were removed."""
-    removed, live = 0, set()
+    """Clear what dead sidecars left: the job cgroups of every owner whose lock file in
+    ``work_root`` is ours to trust and not held, and every attempt's work directory there
+    that no live attempt holds (older than a minute). Returns how many cgroups and
+    directories were removed.
+
+    A lock file is trusted only if it is a regular file of this process's user, with one
+    link and writable by no one else: a tool sharing the work root can neither forge one
+    (to get a live sidecar's cgroups killed) nor replace one. An untrusted or missing lock
+    file clears nothing; work directories are judged by their own lock, never by it."""
+    removed = 0
     for path in _entries(work_root, LOCK_PREFIX):
         key = os.path.basename(path)[len(LOCK_PREFIX):-len(LOCK_SUFFIX)]
+        if not _OWNER_KEY.fullmatch(key):
+            continue
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+            fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
         except OSError:
             continue
         try:
+            if not _trusted(os.fstat(fd)):
+                continue
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                live.add(key)
-                continue
-            removed += clear_owner(key, cgroup_dirs, work_root)
+                continue  # its sidecar is alive
+            removed += clear_owner(key, cgroup_dirs, None)
             with contextlib.suppress(OSError):
                 os.unlink(path)
         finally:
             os.close(fd)
-    # A directory whose owner has no lock file here at all: its sidecar is gone (cgroups
-    # are only cleared through a lock found here: they may belong to a sidecar with
-    # another work root).
     for path in _entries(work_root, ""):
-        name = os.path.basename(path)
-        key, dot, rest = name.partition(".")
-        if dot and rest.startswith("job-") and len(key) == 12 and key not in live \
-                and not os.path.exists(os.path.join(work_root,
-                                                    f"{LOCK_PREFIX}{key}{LOCK_SUFFIX}")):
-            remove_tree(path)
-            removed += not os.path.lexists(path)
+        key, dot, rest = os.path.basename(path).partition(".")
+        if dot and rest.startswith("job-") and _OWNER_KEY.fullmatch(key):
+            removed += remove_if_abandoned(path, min_age=ABANDONED_AFTER_SECONDS)
     return removed
+
+
+# A work directory is made, then locked by its attempt a moment later: one changed more
+# recently than this (mtime) is never taken for abandoned.
+ABANDONED_AFTER_SECONDS = 60.0
+_OWNER_KEY = re.compile(r"[0-9a-f]{12}")
+
+
+def hold_directory(path: str) -> int:
+    """Lock an attempt's work directory for the attempt's life (exclusive flock on a
+    close-on-exec descriptor, returned; close it to let go). Raises OSError."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise
+    return fd
+
+
+def remove_if_abandoned(path: str, min_age: float) -> bool:
+    """Remove the work directory at ``path`` if no attempt holds it and it is at least
+    ``min_age`` seconds old; a symlink or anything but a directory is left alone. True
+    when it was removed."""
+    try:
+        info = os.lstat(path)
+        if not stat.S_ISDIR(info.st_mode) or time.time() - info.st_mtime < min_age:
+            return False
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return False  # a live attempt holds it
+        remove_tree(path)
+        return not os.path.lexists(path)
+    finally:
+        os.close(fd)
+
+
+def _trusted(info: os.stat_result) -> bool:
+    return (stat.S_ISREG(info.st_mode) and info.st_uid == os.geteuid() and info.st_nlink == 1
+            and not info.st_mode & (stat.S_IWGRP | stat.S_IWOTH))
 
 
 def _entries(parent: str, prefix: str) -> list[str]:

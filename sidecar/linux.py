@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -30,12 +31,28 @@ def set_parent_death_signal(sig: int) -> bool:
     return _prctl(PR_SET_PDEATHSIG, int(sig))
 
 
+# The sidecar's own handlers write to its event loop's wakeup fd, which a freshly forked
+# child shares: a signal reaching the child before exec would look like one to the sidecar.
+_HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+
+
+def reset_signal_handlers() -> None:
+    """In a forked child before exec: default dispositions for the signals the sidecar
+    handles, and no wakeup fd."""
+    for sig in _HANDLED_SIGNALS:
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_DFL)
+    with contextlib.suppress(OSError, ValueError):
+        signal.set_wakeup_fd(-1)
+
+
 def child_preexec(parent_pid: int):
     """A Popen ``preexec_fn``: SIGKILL the child when the sidecar dies (a SIGKILLed sidecar
     leaves no tool running); exit at once if the sidecar already died during the fork."""
     sigkill = int(signal.SIGKILL)
 
     def _in_child() -> None:
+        reset_signal_handlers()
         _prctl(PR_SET_PDEATHSIG, sigkill)
         if os.getppid() != parent_pid:
             os._exit(125)

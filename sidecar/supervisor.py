@@ -224,6 +224,7 @@ class JobSupervisor:
             child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
                                       relay, cookie, cwd=sandbox.job_dir,
                                       make_preexec=sandbox.preexec, cgroup=sandbox.cgroup)
+            child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
         except SpawnFailed as exc:
             log.emit("spawn_failed", "error", **self._fields(), reason=exc.message)
             error = {"kind": "spawn_failed", "message": exc.message, "exit_code": exc.exit_code}
@@ -303,7 +304,8 @@ class JobSupervisor:
         if self.lease.lost.is_set():
             # P13: the lease is gone, whatever the tool answered. Keep evidence only.
             if child.returncode == 0 and not child.stdout_overflow:
-                await self._reject(payload_digest(child.stdout), "lease lost before commit")
+                await self._reject(self._output_digest(child, sandbox),
+                                   "lease lost before commit")
             log.emit("lease_lost", "warning", **self._fields(), reason=self.lease.reason,
                      duration_s=duration)
             return self.lease.reason or lease_mod.LEASE_LOST
@@ -362,7 +364,21 @@ class JobSupervisor:
         except BadResult as exc:
             return await self._fail({"kind": exc.kind, "message": exc.message,
                                      "stderr_tail": stderr_tail}, retryable=False)
-        return await self._succeed([output], stderr_tail, source)
+        holder = [output]
+        del output  # _succeed drops the buffer once parsed; no reference may outlive that
+        return await self._succeed(holder, stderr_tail, source)
+
+    def _output_digest(self, child: Child, sandbox: Sandbox) -> dict[str, Any] | None:
+        """payload_digest of what the tool returned (its result file, else its stdout),
+        for the journal of a result that may not be committed (P6)."""
+        try:
+            return payload_digest(read_result_file(
+                sandbox.result_file, self.ctx.profile.max_result_bytes,
+                sandbox.ids[0] if sandbox.ids else None))
+        except FileNotFoundError:
+            return payload_digest(child.stdout)
+        except BadResult:
+            return None
 
     def _limit_error(self, reason: str, child: Child, usage: Usage, sandbox: Sandbox,
                      stderr_tail: str | None) -> dict[str, Any] | None:
