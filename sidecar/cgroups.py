@@ -157,6 +157,14 @@ def _make_parent(own: str) -> str:
     return parent
 
 
+def _would_make_parent(own: str) -> str:
+    """Where ``_make_parent`` would put job cgroups; OSError if it could not."""
+    parent = os.path.join(own, PARENT_NAME)
+    if not os.access(parent if os.path.isdir(parent) else own, os.W_OK):
+        raise PermissionError(13, "Permission denied", own)
+    return parent
+
+
 def _delegate_v2(own: str, parent: str, wanted: set[str]) -> tuple[frozenset[str], str | None]:
     """Enable ``wanted`` controllers for job cgroups under ``parent``. cgroup v2 forbids
     controllers below a cgroup that holds processes, so when ours does, move this process
@@ -188,9 +196,12 @@ def _delegate_v2(own: str, parent: str, wanted: set[str]) -> tuple[frozenset[str
     return frozenset(available), None
 
 
-def detect(mode: str = "auto") -> CgroupHost:
+def detect(mode: str = "auto", probe: bool = True) -> CgroupHost:
     """Find where job cgroups can go. ``mode`` is SIDECAR_CGROUPS: "off" uses none.
-    Never raises: what cannot be used is explained in ``notes``."""
+    ``probe`` false (``sidecar config``) changes nothing on the host: no directory is made
+    and no controller delegated; write access is judged from permissions, and v2
+    controllers are reported as they would be offered. Never raises: what cannot be used
+    is explained in ``notes``."""
     if mode == "off":
         return CgroupHost(notes=("SIDECAR_CGROUPS=off",))
     own = _own_paths()
@@ -199,18 +210,25 @@ def detect(mode: str = "auto") -> CgroupHost:
     controllers: frozenset[str] = frozenset()
     for fstype, point, root, options in _mounts():
         try:
+            make = _make_parent if probe else _would_make_parent
             if fstype == "cgroup2" and v2_dir is None and "" in own:
                 own_dir = _join(point, root, own[""])
-                v2_dir = _make_parent(own_dir)
-                controllers, note = _delegate_v2(own_dir, v2_dir, {"memory", "pids"})
+                v2_dir = make(own_dir)
+                if probe:
+                    controllers, note = _delegate_v2(own_dir, v2_dir, {"memory", "pids"})
+                else:
+                    offered = _read(os.path.join(own_dir, "cgroup.controllers")).split()
+                    controllers = frozenset(offered) & {"memory", "pids"}
+                    note = None if controllers else \
+                        "cgroup v2 offers no memory or pids controller here"
                 if note:
                     notes.append(note)
             elif fstype == "cgroup" and "memory" in options and v1_memory is None \
                     and "memory" in own:
-                v1_memory = _make_parent(_join(point, root, own["memory"]))
+                v1_memory = make(_join(point, root, own["memory"]))
             elif fstype == "cgroup" and "pids" in options and v1_pids is None \
                     and "pids" in own:
-                v1_pids = _make_parent(_join(point, root, own["pids"]))
+                v1_pids = make(_join(point, root, own["pids"]))
         except OSError as exc:
             notes.append(f"{point}: cannot make job cgroups ({exc.strerror or exc})")
     if "memory" in controllers:

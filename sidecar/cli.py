@@ -292,7 +292,7 @@ def cmd_config(args, settings: Settings) -> int:
         db.resolve_dsn(settings)  # checks the URL's scheme; connects to nothing
     from sidecar import cgroups, isolation
 
-    host = cgroups.detect(settings.cgroups)
+    host = cgroups.detect(settings.cgroups, probe=False)  # changes nothing on the host
     out: dict[str, Any] = {"settings": _global_settings(settings),
                            "isolation": host.describe()}
     if args.tool:
