@@ -300,8 +300,13 @@ class JobCgroup:
         self.memory_bytes = memory_bytes
         self.processes = processes
         self.v2 = os.path.join(host.v2_dir, name) if host.v2_dir else None
-        self.memory = os.path.join(host.v1_memory_dir, name) if host.v1_memory_dir else None
-        self.pids = os.path.join(host.v1_pids_dir, name) if host.v1_pids_dir else None
+        # A v1 hierarchy is joined only for the limit it enforces: each join costs the
+        # spawn a few milliseconds (the kernel's cgroup migration lock). Without it the
+        # attempt's peak memory comes from the child's rusage instead.
+        self.memory = os.path.join(host.v1_memory_dir, name) \
+            if host.v1_memory_dir and memory_bytes else None
+        self.pids = os.path.join(host.v1_pids_dir, name) \
+            if host.v1_pids_dir and processes else None
         self.dirs = [d for d in (self.v2, self.memory, self.pids) if d]
 
     @property

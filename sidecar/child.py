@@ -39,9 +39,13 @@ EXEMPT_PIDS: set[int] = set()
 # SIDECAR_JOB_ID at all (it cleared its environment) and was started after that attempt
 # can only be that attempt's.
 _live_attempts = 0
-# Held while a child is between fork and exec (not yet in MANAGED_PIDS, still carrying the
-# sidecar's own environment) and while a tree is scanned: a scan never sees such a child.
-_SPAWN_LOCK = threading.Lock()
+# A child between fork and exec is not yet in MANAGED_PIDS and still carries the sidecar's
+# own environment: a scan must not take it for an env-less escapee. Spawns bump the
+# generation before they fork and count themselves in flight until the pid is recorded;
+# a scan claims unmarked processes only if neither moved while it listed them.
+_spawn_generation = 0
+_spawns_in_flight = 0
+_spawn_count_lock = threading.Lock()  # the loop thread counts up, the spawn thread down
 
 # True once this process is a child subreaper (``sidecar run``): every descendant of a tool
 # then stays either a descendant of the tool or becomes our own (adopted) child, so a tree
@@ -102,6 +106,9 @@ def find_tree(root_pid: int, cookie: dict[str, str],
     process on the host is checked for the cookie."""
     me = os.getpid()
     found: dict[int, psutil.Process] = {}
+    if not cookie or not all(cookie.values()):
+        # An empty cookie would match every process on the host: never scan with one.
+        raise ValueError("find_tree needs a cookie of non-empty values")
     try:
         root = psutil.Process(root_pid)
         for proc in [root, *root.children(recursive=True)]:
@@ -169,13 +176,12 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        with _SPAWN_LOCK:
-            popen = subprocess.Popen(
-                argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
-                cwd=cwd, start_new_session=True,
-                preexec_fn=(make_preexec or child_preexec)(parent_pid),
-            )
-            MANAGED_PIDS.add(popen.pid)
+        popen = subprocess.Popen(
+            argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
+            cwd=cwd, start_new_session=True,
+            preexec_fn=(make_preexec or child_preexec)(parent_pid),
+        )
+        MANAGED_PIDS.add(popen.pid)
     except BaseException:
         for fd in (in_w, out_r, err_r):
             os.close(fd)
@@ -184,6 +190,17 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
         for fd in (in_r, out_w, err_w):
             os.close(fd)
     return popen, in_w, out_r, err_r
+
+
+def _spawn_counted(*args):
+    """_spawn_blocking, counted out of ``_spawns_in_flight`` once its pid is recorded (or
+    the spawn failed), on the spawn thread itself."""
+    global _spawns_in_flight
+    try:
+        return _spawn_blocking(*args)
+    finally:
+        with _spawn_count_lock:
+            _spawns_in_flight -= 1
 
 
 class Child:
@@ -246,9 +263,13 @@ class Child:
         Raises SpawnFailed when the program is missing or not executable.
         """
         loop = asyncio.get_running_loop()
+        global _spawn_generation, _spawns_in_flight
+        with _spawn_count_lock:
+            _spawn_generation += 1
+            _spawns_in_flight += 1  # counted down by _spawn_blocking once the pid is recorded
         try:
             popen, in_w, out_r, err_r = await loop.run_in_executor(
-                _spawner, _spawn_blocking, argv, env, os.getpid(), cwd, make_preexec
+                _spawner, _spawn_counted, argv, env, os.getpid(), cwd, make_preexec
             )
         except FileNotFoundError:
             raise SpawnFailed(f"command not found: {argv[0]}", 127) from None
@@ -434,10 +455,13 @@ class Child:
         # As PID 1 every orphan of the container is ours to adopt (a `kubectl exec` shell's
         # leftovers, an embedded server): only marked processes are claimed then.
         alone = _live_attempts == 1 and os.getpid() != 1
-        with _SPAWN_LOCK:
-            procs = find_tree(self.pid, self.cookie,
-                              claim_unmarked=self.started_at if alone else None,
-                              claim_uid=self.run_as_uid)
+        generation, quiet = _spawn_generation, _spawns_in_flight == 0
+        procs = find_tree(self.pid, self.cookie,
+                          claim_unmarked=self.started_at if alone and quiet else None,
+                          claim_uid=self.run_as_uid)
+        if alone and quiet and (_spawn_generation != generation or _spawns_in_flight):
+            # A spawn began while we listed: one of the "unmarked" may be its child.
+            procs = find_tree(self.pid, self.cookie)
         if self.cgroup is not None:
             known = {proc.pid for proc in procs}
             for pid in self.cgroup.members() - known:

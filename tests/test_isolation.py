@@ -486,3 +486,13 @@ def test_config_exits_2_when_run_would_refuse_a_profile(dsn, tmp_path):
     done = cli(dsn, "config", env=base_env(dsn, SIDECAR_CGROUPS="off", SIDECAR_PROCESSES="10"))
     assert done.returncode == 2
     assert "SIDECAR_PROCESSES=10" in orjson.loads(done.stdout)["defaults"]["isolation_error"]
+
+
+def test_a_tree_scan_refuses_an_empty_cookie():
+    """An empty cookie matches every process's environment: a scan with one would take the
+    whole host for the job's tree (and the tree kill would kill it)."""
+    from sidecar.child import find_tree
+
+    for cookie in ({}, {"SIDECAR_JOB_ID": ""}):
+        with pytest.raises(ValueError, match="cookie"):
+            find_tree(os.getpid(), cookie)

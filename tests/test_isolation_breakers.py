@@ -343,7 +343,10 @@ def test_a_sigkilled_sidecars_job_cgroups_and_work_dir_are_swept_at_the_next_sta
     keeps an emptyDir) every hard-killed attempt leaks its files for good."""
     work = public_dir()
     pidfile = tmp_path / "tool.pid"
-    env = _env(dsn, work)
+    # Limits on memory and processes: the job joins all three hierarchies (v1 ones are
+    # joined only for a limit they enforce).
+    env = _env(dsn, work, SIDECAR_PROFILE_CRASH_MEMORY_BYTES=str(2**30),
+               SIDECAR_PROFILE_CRASH_PROCESSES="512")
     job = enqueue(dsn, "crash", {"mode": "hang_first", "pidfile": str(pidfile)},
                   "--max-attempts", "2", env=env)
     first = sidecars(dsn, [BREAKER], "--tool", "crash", env=env)
@@ -424,7 +427,8 @@ def test_a_run_as_tool_cannot_move_itself_out_of_its_job_cgroup(dsn, public_dir)
     contained); as its RUN_AS user every such write is refused and the tool stays in
     its job cgroups, so cgroup.kill and the limits still hold it."""
     work = public_dir()
-    env = _env(dsn, work, SIDECAR_PROFILE_CGX_RUN_AS="65534:65534")
+    env = _env(dsn, work, SIDECAR_PROFILE_CGX_RUN_AS="65534:65534",
+               SIDECAR_PROFILE_CGX_MEMORY_BYTES=str(2**30), SIDECAR_PROFILE_CGX_PROCESSES="512")
     job = enqueue(dsn, "cgx", {"mode": "cgroup_escape"}, env=env)
     _drain(dsn, env, "cgx", command=("/usr/bin/python3", BREAKER))
     row = _row(dsn, job)

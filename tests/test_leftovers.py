@@ -135,7 +135,10 @@ def test_a_start_beside_a_live_sidecar_mid_job_clears_only_dead_owners_leftovers
     on W kills and removes all of the dead owners' leftovers, and nothing of S1's."""
     work, other = public_dir(), public_dir()
     pidfile = tmp_path / "victim.pid"
-    env = _env(dsn, work)
+    # Limits on memory and processes: the job joins all three hierarchies (v1 ones are
+    # joined only for a limit they enforce).
+    env = _env(dsn, work, SIDECAR_PROFILE_LIVE_MEMORY_BYTES=str(2**30),
+               SIDECAR_PROFILE_LIVE_PROCESSES="512")
     job = enqueue(dsn, "live", {"mode": "sleep", "seconds": 6, "pidfile": str(pidfile)},
                   "--max-attempts", "1", env=env)
     sidecars(dsn, [PROBE], "--tool", "live", env=env)
@@ -277,7 +280,12 @@ def test_the_guardian_alone_clears_a_sigkilled_sidecars_tree_work_dir_and_cgroup
     cgroups and work directory, in both cgroup modes."""
     work = public_dir()
     pidfile = tmp_path / "tree.pid"
-    env = _env(dsn, work, SIDECAR_CGROUPS=cgroups)
+    # Limits on memory and processes: the job joins all three hierarchies (v1 ones are
+    # joined only for a limit they enforce; PROCESSES under rlimits would need RUN_AS).
+    limits = {"SIDECAR_PROFILE_DOOMED_MEMORY_BYTES": str(2**30)}
+    if cgroups == "auto":
+        limits["SIDECAR_PROFILE_DOOMED_PROCESSES"] = "512"
+    env = _env(dsn, work, SIDECAR_CGROUPS=cgroups, **limits)
     enqueue(dsn, "doomed", {"mode": "sleep_tree", "seconds": 60, "pidfile": str(pidfile)},
             env=env)
     first = sidecars(dsn, [PROBE], "--tool", "doomed", env=env)
