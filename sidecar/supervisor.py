@@ -354,9 +354,10 @@ class JobSupervisor:
             return await self._fail(error, retryable=False)
         try:
             # The result file, when there is one, is the result; stdout is ignored.
-            output = read_result_file(sandbox.result_file, profile.max_result_bytes,
-                                      sandbox.ids[0] if sandbox.ids else None,
-                                      self._var("MAX_RESULT_BYTES"))
+            # Up to MAX_RESULT_BYTES from disk: off the event loop, which heartbeats.
+            output = await asyncio.get_running_loop().run_in_executor(
+                None, read_result_file, sandbox.result_file, profile.max_result_bytes,
+                sandbox.ids[0] if sandbox.ids else None, self._var("MAX_RESULT_BYTES"))
             source = "SIDECAR_RESULT_FILE"
         except FileNotFoundError:
             output, child.stdout = child.stdout, bytearray()  # handed over, not copied

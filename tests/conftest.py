@@ -4,6 +4,7 @@ per test, real `sidecar` processes, and a check that no test leaves a zombie beh
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import shutil
 import signal
@@ -306,3 +307,63 @@ def receiver(dsn, tmp_path):
     proc.send_signal(signal.SIGTERM)
     proc.wait(10)
     log.close()
+
+
+# --- helpers of the isolation tests (test_isolation, _breakers, test_leftovers) -----------
+
+def job_row(dsn: str, job_id):
+    """The tool_jobs row of one job."""
+    return query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0]
+
+
+def journal_details(dsn: str, job_id, event: str) -> list:
+    """The details of every journal row of ``event`` for the job, oldest first."""
+    return [r["details"] for r in query(
+        dsn, "SELECT details FROM tool_job_events WHERE job_id = $1 AND event = $2 ORDER BY id",
+        job_id, event)]
+
+
+def process_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def kill_pid(pid: int) -> None:
+    """SIGKILL ``pid`` if it still exists."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
+
+
+def job_cgroup_dirs(pid: int) -> list[Path]:
+    """The job cgroup directories a tool process is in (v2, v1 memory, v1 pids)."""
+    dirs = []
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "sidecar-jobs" not in path:
+            continue
+        if controllers == "":
+            dirs.append(Path("/sys/fs/cgroup/unified" + path))
+        for name in ("memory", "pids"):
+            if name in controllers.split(","):
+                dirs.append(Path(f"/sys/fs/cgroup/{name}" + path))
+    return dirs
+
+
+@pytest.fixture
+def public_dir():
+    """Factory of directories under /tmp with the given mode (a RUN_AS tool can reach them;
+    pytest's tmp_path sits under a 0700 directory); removed at the end of the test."""
+    made: list[Path] = []
+
+    def make(mode: int = 0o755) -> Path:
+        where = Path(tempfile.mkdtemp(prefix="sidecar-public-"))
+        where.chmod(mode)
+        made.append(where)
+        return where
+
+    yield make
+    for where in made:
+        shutil.rmtree(where, ignore_errors=True)

@@ -19,6 +19,8 @@ import psutil
 import pytest
 
 from conftest import TOOLS, base_env, cli, enqueue, query
+from conftest import job_row as _row
+from conftest import journal_details as _journal
 from sidecar.cgroups import detect
 from sidecar.config import load_settings
 from sidecar.errors import ConfigError
@@ -30,14 +32,8 @@ ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="per-job cgroups and RUN_AS need root")
 
 
-def _row(dsn, job_id):
-    return query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0]
 
 
-def _journal(dsn, job_id, event):
-    return [r["details"] for r in query(
-        dsn, "SELECT details FROM tool_job_events WHERE job_id = $1 AND event = $2 ORDER BY id",
-        job_id, event)]
 
 
 def _env(dsn, tmp_path, **extra):

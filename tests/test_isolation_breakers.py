@@ -4,22 +4,23 @@ a hostile tool (tests/tools/breaker.py) and a careless operator against a real
 
 from __future__ import annotations
 
-import contextlib
 import os
-import shutil
 import signal
 import stat
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import orjson
-import psutil
 import pytest
 
 from conftest import TOOLS, base_env, cli, enqueue, query, wait_until
+from conftest import job_cgroup_dirs as _cgroup_dirs
+from conftest import job_row as _row
+from conftest import journal_details as _journal
+from conftest import kill_pid as _kill
+from conftest import process_alive as _alive
 
 BREAKER = str(TOOLS / "breaker.py")
 MIB = 1024 * 1024
@@ -27,14 +28,8 @@ ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="cgroups and RUN_AS need root")
 
 
-def _row(dsn, job_id):
-    return query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0]
 
 
-def _journal(dsn, job_id, event):
-    return [r["details"] for r in query(
-        dsn, "SELECT details FROM tool_job_events WHERE job_id = $1 AND event = $2 ORDER BY id",
-        job_id, event)]
 
 
 def _env(dsn, work: Path, **extra):
@@ -53,33 +48,10 @@ def _drain(dsn, env, tool, *options, command=(BREAKER,), timeout=60):
     return done
 
 
-@pytest.fixture
-def public_dir():
-    """Factory of directories every user can enter (pytest's tmp_path sits under a 0700
-    directory, which a RUN_AS tool cannot reach); removed at the end of the test."""
-    made: list[Path] = []
-
-    def make(mode: int = 0o755) -> Path:
-        where = Path(tempfile.mkdtemp(prefix="sidecar-breakers-"))
-        where.chmod(mode)
-        made.append(where)
-        return where
-
-    yield make
-    for where in made:
-        shutil.rmtree(where, ignore_errors=True)
 
 
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
 # --- the work directory -------------------------------------------------------------------
@@ -319,19 +291,6 @@ def test_a_work_dir_the_run_as_user_cannot_enter_is_refused_at_start(dsn, public
 
 # --- a SIGKILLed sidecar ------------------------------------------------------------------
 
-def _cgroup_dirs(pid: int) -> list[Path]:
-    """The job cgroup directories a tool process is in (v2, v1 memory, v1 pids)."""
-    dirs = []
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "sidecar-jobs" not in path:
-            continue
-        if controllers == "":
-            dirs.append(Path("/sys/fs/cgroup/unified" + path))
-        for name in ("memory", "pids"):
-            if name in controllers.split(","):
-                dirs.append(Path(f"/sys/fs/cgroup/{name}" + path))
-    return dirs
 
 
 @needs_root

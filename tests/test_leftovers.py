@@ -10,11 +10,9 @@ import contextlib
 import hashlib
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
 from pathlib import Path
@@ -24,6 +22,11 @@ import psutil
 import pytest
 
 from conftest import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, wait_until
+from conftest import job_cgroup_dirs as _job_cgroups
+from conftest import job_row as _row
+from conftest import journal_details as _journal
+from conftest import kill_pid as _kill
+from conftest import process_alive as _alive
 
 PROBE = str(TOOLS / "leftover_probe.py")
 ROOT = os.geteuid() == 0
@@ -32,14 +35,8 @@ NOBODY = "65534:65534"
 KEYED = re.compile(r"^([0-9a-f]{12})\.job-")
 
 
-def _row(dsn, job_id):
-    return query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0]
 
 
-def _journal(dsn, job_id, event):
-    return [r["details"] for r in query(
-        dsn, "SELECT details FROM tool_job_events WHERE job_id = $1 AND event = $2 ORDER BY id",
-        job_id, event)]
 
 
 def _env(dsn, work: Path, **extra):
@@ -64,16 +61,8 @@ def _events(stderr: bytes, name: str) -> list[dict]:
     return out
 
 
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False
 
 
-def _kill(pid: int) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(pid, signal.SIGKILL)
 
 
 def _keyed(work: Path) -> list[Path]:
@@ -81,19 +70,6 @@ def _keyed(work: Path) -> list[Path]:
     return sorted(p for p in work.iterdir() if KEYED.match(p.name))
 
 
-def _job_cgroups(pid: int) -> list[Path]:
-    """The job cgroup directories a tool process is in (v2, v1 memory, v1 pids)."""
-    dirs = []
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "sidecar-jobs" not in path:
-            continue
-        if controllers == "":
-            dirs.append(Path("/sys/fs/cgroup/unified" + path))
-        for name in ("memory", "pids"):
-            if name in controllers.split(","):
-                dirs.append(Path(f"/sys/fs/cgroup/{name}" + path))
-    return dirs
 
 
 def _pids(path: Path, count: int) -> list[int]:
@@ -107,21 +83,6 @@ def _pids(path: Path, count: int) -> list[int]:
     return wait_until(ready, 20, what=f"{count} pids in {path}")
 
 
-@pytest.fixture
-def public_dir():
-    """Factory of directories under /tmp with the given mode (a RUN_AS tool can reach them;
-    pytest's tmp_path sits under a 0700 directory); removed at the end of the test."""
-    made: list[Path] = []
-
-    def make(mode: int = 0o755) -> Path:
-        where = Path(tempfile.mkdtemp(prefix="sidecar-leftovers-"))
-        where.chmod(mode)
-        made.append(where)
-        return where
-
-    yield make
-    for where in made:
-        shutil.rmtree(where, ignore_errors=True)
 
 
 # --- what a start sweeps ------------------------------------------------------------------
