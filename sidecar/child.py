@@ -46,6 +46,10 @@ _live_attempts = 0
 _spawn_generation = 0
 _spawns_in_flight = 0
 _spawn_count_lock = threading.Lock()  # the loop thread counts up, the spawn thread down
+# Held from before a tool's fork until its pid is in MANAGED_PIDS, and by the adopted-orphan
+# reaper while it lists and reaps: a tool that exits right after exec is otherwise a zombie
+# child that no set names yet, and the reaper would take its exit status (case F9).
+_reap_lock = threading.Lock()
 
 # True once this process is a child subreaper (``sidecar run``): every descendant of a tool
 # then stays either a descendant of the tool or becomes our own (adopted) child, so a tree
@@ -151,22 +155,25 @@ def find_tree(root_pid: int, cookie: dict[str, str],
 
 def reap_adopted() -> int:
     """Reap zombie children this process adopted as a subreaper and does not manage itself
-    (never ``waitpid(-1)``: that would steal statuses asyncio or Popen wait for).
-    Returns how many were reaped."""
+    (never ``waitpid(-1)``: that would steal statuses asyncio or Popen wait for). Blocks
+    while a tool is being spawned (``_reap_lock``), so it never takes the exit status of a
+    child the sidecar started, whatever the timing (case F9). Returns how many were reaped.
+    Call it off the event loop."""
     reaped = 0
-    try:
-        children = psutil.Process().children()
-    except psutil.Error:
-        return 0
-    for proc in children:
-        if proc.pid in MANAGED_PIDS:
-            continue
+    with _reap_lock:
         try:
-            if proc.status() == psutil.STATUS_ZOMBIE:
-                os.waitpid(proc.pid, os.WNOHANG)
-                reaped += 1
-        except (psutil.Error, ChildProcessError):
-            continue
+            children = psutil.Process().children()
+        except psutil.Error:
+            return 0
+        for proc in children:
+            if proc.pid in MANAGED_PIDS or proc.pid in EXEMPT_PIDS:
+                continue
+            try:
+                if proc.status() == psutil.STATUS_ZOMBIE:
+                    os.waitpid(proc.pid, os.WNOHANG)
+                    reaped += 1
+            except (psutil.Error, ChildProcessError):
+                continue
     return reaped
 
 
@@ -176,12 +183,13 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
-        popen = subprocess.Popen(
-            argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
-            cwd=cwd, start_new_session=True,
-            preexec_fn=(make_preexec or child_preexec)(parent_pid),
-        )
-        MANAGED_PIDS.add(popen.pid)
+        with _reap_lock:
+            popen = subprocess.Popen(
+                argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
+                cwd=cwd, start_new_session=True,
+                preexec_fn=(make_preexec or child_preexec)(parent_pid),
+            )
+            MANAGED_PIDS.add(popen.pid)
     except BaseException:
         for fd in (in_w, out_r, err_r):
             os.close(fd)
@@ -207,7 +215,9 @@ class Child:
     """One running tool process and its pipes. Create with ``await Child.spawn(...)``.
 
     ``exited`` resolves once the process itself has exited and been reaped;
-    ``returncode`` is then set (negative = killed by that signal).
+    ``returncode`` is then set (negative = killed by that signal), or stays None with
+    ``status_lost`` True when the exit status could not be collected (case F9: someone
+    else reaped it): an unknown status is never taken for exit 0.
     """
 
     def __init__(self, popen: subprocess.Popen, stdin_fd: int, stdout_fd: int, stderr_fd: int,
@@ -229,6 +239,7 @@ class Child:
         self._stderr_partial = b""
         self._on_stderr_line = on_stderr_line
         self.returncode: int | None = None
+        self.status_lost = False
         self.started = time.monotonic()
         self.started_at = time.time() - 1.0  # process start times are rounded (clock ticks)
         self.run_as_uid: int | None = None  # set by the supervisor when RUN_AS applies
@@ -306,12 +317,16 @@ class Child:
         try:
             pid, status, self.rusage = os.wait4(self.pid, os.WNOHANG)
         except ChildProcessError:
-            pid, status = self.pid, 0
+            # ECHILD: the child is gone and its status with it (SIGCHLD ignored, or reaped
+            # behind our back). Unknown, not 0 (case F9).
+            pid, status, self.status_lost = self.pid, None, True
         if pid == 0:
             self.rusage = None
             return False
-        self.returncode = os.waitstatus_to_exitcode(status)
-        self.popen.returncode = self.returncode  # so Popen never waits on a reused pid
+        if status is not None:
+            self.returncode = os.waitstatus_to_exitcode(status)
+        # Popen must never wait on the pid again: it may already belong to someone else.
+        self.popen.returncode = self.returncode if status is not None else -signal.SIGKILL
         MANAGED_PIDS.discard(self.pid)
         if not self.exited.done():
             self.exited.set_result(self.returncode)
@@ -433,7 +448,7 @@ class Child:
             self._signal(procs, signal.SIGKILL, report)
             await self._wait_gone(procs, 2.0)
         report.survivors = [proc.pid for proc in await self._scan()]
-        if self.returncode is None:
+        if not self.exited.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self.exited), timeout=2.0)
             except TimeoutError:

@@ -22,7 +22,7 @@ from typing import Any
 import asyncpg
 import orjson
 
-from sidecar import __version__, db
+from sidecar import __version__, db, jsontext, linux
 from sidecar import log as log_mod
 from sidecar.config import (
     GLOBAL_FIELDS,
@@ -41,7 +41,8 @@ STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 
 
 def _print_json(value: Any) -> None:
-    sys.stdout.buffer.write(orjson.dumps(value, option=orjson.OPT_APPEND_NEWLINE, default=str))
+    sys.stdout.buffer.write(jsontext.dumps(value, option=orjson.OPT_APPEND_NEWLINE,
+                                           other_as_str=True))
     sys.stdout.flush()
 
 
@@ -159,7 +160,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
 
 
 def cmd_run(args, settings: Settings) -> int:
-    from sidecar import cgroups, child, guardian, isolation, leftovers, linux
+    from sidecar import cgroups, child, guardian, isolation, leftovers
     from sidecar.worker import Worker, install_signal_handlers
 
     if not args.command:
@@ -356,7 +357,7 @@ def _compact(value: Any) -> str:
     if isinstance(value, str):
         return value if value and all(c.isprintable() and c not in " =\"" for c in value) \
             else orjson.dumps(value).decode()
-    return orjson.dumps(value, default=str).decode()
+    return jsontext.dumps(value, other_as_str=True).decode()
 
 
 def format_event(row) -> str:
@@ -471,6 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``sidecar`` console script; returns the exit code."""
     raw = sys.argv[1:] if argv is None else argv
+    # Before any thread exists, so every later thread and tool inherits the clean state.
+    inherited = linux.reset_inherited_signal_state()
     if raw[:1] == ["_guardian"]:  # the guardian of a frozen bundle (no `python -m` there)
         from sidecar import guardian
 
@@ -481,6 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings()
         log_mod.configure(settings.log_level, settings.log_format)
+        if inherited and args.func is cmd_run:
+            log_mod.log.emit("inherited_signal_state_reset", "warning", signals=inherited,
+                             reason="the launcher blocked or ignored signals the sidecar "
+                                    "and its tools need (case F10)")
         return args.func(args, settings)
     except SidecarError as exc:
         print(f"sidecar: error: {exc.message}", file=sys.stderr)

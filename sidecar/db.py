@@ -18,8 +18,8 @@ from pathlib import Path
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import asyncpg
-import orjson
 
+from sidecar import jsontext
 from sidecar.config import POOLER_MODES, Settings, default_data_dir, url_secrets
 from sidecar.config import mask_url as mask_dsn
 from sidecar.errors import DatabaseUnavailable, UsageError
@@ -32,7 +32,7 @@ class RawJson(str):
 def _encode_json(value) -> str:
     if isinstance(value, RawJson):
         return value
-    return orjson.dumps(value).decode()
+    return jsontext.dumps(value).decode()
 
 
 # TCP keepalive and user timeout on every TCP connection to PostgreSQL (P14b): a silently
@@ -61,12 +61,13 @@ def set_keepalive(conn: asyncpg.Connection) -> bool:
 
 
 async def init_connection(conn: asyncpg.Connection) -> None:
-    """Per-connection setup: jsonb/json parameters and results go through orjson; TCP
+    """Per-connection setup: jsonb/json parameters and results go through orjson, numbers
+    no float holds kept exact (sidecar.jsontext, case F11); TCP
     keepalive on (see set_keepalive)."""
     set_keepalive(conn)
     for name in ("jsonb", "json"):
         await conn.set_type_codec(
-            name, schema="pg_catalog", encoder=_encode_json, decoder=orjson.loads, format="text"
+            name, schema="pg_catalog", encoder=_encode_json, decoder=jsontext.loads, format="text"
         )
 
 
@@ -160,6 +161,19 @@ def _unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
         "check SIDECAR_DATABASE_URL (host, port, user, password, database) and that the server runs"
     )
 
+
+# "The database failed" (P14b), the one definition every statement on the lease path uses:
+# no answer in time, a dropped or refused connection, or a server that cannot take the
+# write just now: the read-only old primary of a failover (25006), an administrator's or a
+# crash's shutdown and a server still starting (class 57: 57P01-57P03, and 57014 when a
+# statement was cancelled), connection slots full (53300), a session ended for idling in a
+# transaction (25P03). Ownership is then unknown, not lost: the connection is dropped and
+# the fenced write retried on a new one until the lease's local deadline (case F12).
+UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+    asyncpg.OperatorInterventionError, asyncpg.ReadOnlySQLTransactionError,
+    asyncpg.TooManyConnectionsError, asyncpg.IdleInTransactionSessionTimeoutError,
+)
 
 CONNECT_ERRORS = (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
                   asyncpg.InterfaceError, socket.gaierror)

@@ -64,9 +64,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import asyncpg
-import orjson
 from aiohttp import web
 
+from sidecar import jsontext
 from sidecar.log import log
 from sidecar.queries import Q
 
@@ -104,8 +104,9 @@ class FencedRequest:
         return self.conn
 
     def json(self) -> Any:
-        """The body parsed as JSON (raises ``orjson.JSONDecodeError``)."""
-        return orjson.loads(self.body)
+        """The body parsed as JSON, every number exact (sidecar.jsontext; raises
+        ``orjson.JSONDecodeError``)."""
+        return jsontext.loads(self.body)
 
 
 @dataclass(frozen=True)
@@ -272,7 +273,7 @@ async def _decide(
                            "different operation"}), False, False
         if stored["status"] is None:  # not reachable: a claim commits with its answer
             return _in_progress(key, entity, lock_timeout), False, False
-        return FencedResponse(stored["status"], orjson.loads(stored["response_text"]),
+        return FencedResponse(stored["status"], jsontext.loads(stored["response_text"]),
                               replayed=True), False, False
     # The handler's own statements run under the caller's lock_timeout again.
     await conn.fetchval(Q["fence_set_lock_timeout"], previous)
@@ -280,7 +281,7 @@ async def _decide(
         status, answer = await handler(conn, FencedRequest(conn, key, fence, entity, body))
         if not (type(status) is int and 100 <= status <= 599):
             raise TypeError(f"the handler returned status {status!r}; expected 100-599")
-        answer_text = orjson.dumps(answer).decode()
+        answer_text = jsontext.dumps(answer).decode()
     except passthrough:
         raise
     except Exception as exc:
@@ -327,14 +328,14 @@ def fence_middleware(
             if not isinstance(body, bytes):
                 raise TypeError("a fenced handler must return a JSON web.Response")
             original.append(response)
-            return response.status, orjson.loads(body)
+            return response.status, jsontext.loads(body)
 
         result, from_handler = await _run(pool, request.headers, await request.read(), call,
                                           lock_timeout, (web.HTTPException,))
         if from_handler:
             return original[0]
         headers = {REPLAYED: "true"} if result.replayed else None
-        return web.Response(body=orjson.dumps(result.body_json), status=result.status,
+        return web.Response(body=jsontext.dumps(result.body_json), status=result.status,
                             headers=headers, content_type="application/json")
 
     return middleware

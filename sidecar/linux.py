@@ -34,16 +34,45 @@ def set_parent_death_signal(sig: int) -> bool:
 # The sidecar's own handlers write to its event loop's wakeup fd, which a freshly forked
 # child shares: a signal reaching the child before exec would look like one to the sidecar.
 _HANDLED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+# What the sidecar relies on receiving or collecting (case F10): SIGCHLD ignored makes the
+# kernel reap every child, so no exit status can be read (case F9); the termination
+# signals ignored or blocked make a pod's SIGTERM never arrive.
+_RESET_AT_START = (signal.SIGCHLD, *_HANDLED_SIGNALS)
+# Every signal a process may change: SIGKILL and SIGSTOP cannot be caught or ignored.
+_SETTABLE_SIGNALS = tuple(sig for sig in signal.valid_signals()
+                          if sig not in (signal.SIGKILL, signal.SIGSTOP))
+
+
+def reset_inherited_signal_state() -> list[str]:
+    """At start, in the main thread before any other thread exists: unblock every signal
+    and restore the default disposition of SIGCHLD and the termination signals where the
+    launcher left them ignored (Linux keeps a blocked mask and ``SIG_IGN`` across exec;
+    launchers in Perl, Node or some thread runtimes leave them so). Case F10.
+
+    SIGINT goes back to Python's own KeyboardInterrupt handler. Returns the names of the
+    signals that were reset, for the start-up log. Threads started later inherit the
+    cleared mask, and so do the tools (``child_preexec`` clears it again regardless)."""
+    fixed = [signal.Signals(sig).name
+             for sig in signal.pthread_sigmask(signal.SIG_SETMASK, [])]
+    for sig in _RESET_AT_START:
+        if signal.getsignal(sig) == signal.SIG_IGN:
+            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                          else signal.SIG_DFL)
+            fixed.append(f"{signal.Signals(sig).name}:ignored")
+    return fixed
 
 
 def reset_signal_handlers() -> None:
-    """In a forked child before exec: default dispositions for the signals the sidecar
-    handles, and no wakeup fd."""
-    for sig in _HANDLED_SIGNALS:
-        with contextlib.suppress(OSError, ValueError):
-            signal.signal(sig, signal.SIG_DFL)
+    """In a forked child before exec: an empty signal mask and the default disposition for
+    every signal (only ``SIG_IGN`` and the mask survive exec, so a tool would inherit
+    them; the sidecar's own handlers would be reset by exec anyway), and no wakeup fd.
+    A tool thus starts as if launched by a clean shell, whatever launched the sidecar."""
     with contextlib.suppress(OSError, ValueError):
         signal.set_wakeup_fd(-1)
+    for sig in _SETTABLE_SIGNALS:
+        with contextlib.suppress(OSError, ValueError):
+            signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_SETMASK, [])
 
 
 def child_preexec(parent_pid: int):

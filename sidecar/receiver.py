@@ -19,7 +19,7 @@ import asyncpg
 import orjson
 from aiohttp import web
 
-from sidecar import db
+from sidecar import db, jsontext
 from sidecar.config import Settings
 from sidecar.errors import SidecarError, UsageError
 from sidecar.fence import FencedRequest, fence_middleware, fenced
@@ -31,7 +31,7 @@ _LISTEN = re.compile(r"(?P<host>\[[^\]]+\]|[^\s\[\]]+):(?P<port>[0-9]{1,5})")
 
 
 def _json(value, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(value), status=status,
+    return web.Response(body=jsontext.dumps(value), status=status,
                         content_type="application/json")
 
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-import orjson
-
+from sidecar import jsontext
 from sidecar.db import RawJson
 
 # Longest reason kept from the JSON parser: its messages quote no input, but stay short.
@@ -41,15 +40,16 @@ def parse_result(data: bytes | bytearray | memoryview,
     """Parse the tool's output (UTF-8 JSON text, at most ``len(data)`` bytes); ``source``
     names where it came from in messages (stdout, SIDECAR_RESULT_FILE).
 
-    Returns ``(value, text)``: the parsed value (for the next-stage check, P19) and the
+    Returns ``(value, text)``: the parsed value (for the next-stage check, P19; numbers no
+    float holds as ``jsontext.ExactNumber``) and the
     original text as ``RawJson``, sent to PostgreSQL as is. Raises BadResult for output
     that is not UTF-8, not JSON, nested deeper than orjson's limit (1024 levels), holds a
     number outside a double's range or beyond numeric's 16383 decimal places (1e-20000),
     or holds ``\\u0000`` (valid JSON that jsonb refuses).
     """
     try:
-        value = orjson.loads(data)
-    except orjson.JSONDecodeError as exc:
+        value = jsontext.loads(data)
+    except ValueError as exc:  # orjson.JSONDecodeError
         reason = str(exc)[:_REASON_CHARS]
         raise BadResult(f"exit 0 but {source} is not one JSON value ({reason}); "
                         f"{len(data)} bytes") from None

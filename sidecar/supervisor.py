@@ -16,11 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
-import orjson
 import psutil
 
+from sidecar import db, jsontext, metrics
 from sidecar import lease as lease_mod
-from sidecar import metrics
 from sidecar.cgroups import CgroupHost, Usage
 from sidecar.child import Child, SpawnFailed
 from sidecar.config import LeaseProfile, Settings, tool_env_key
@@ -303,7 +302,7 @@ class JobSupervisor:
         self.lease.settle()
         if self.lease.lost.is_set():
             # P13: the lease is gone, whatever the tool answered. Keep evidence only.
-            if child.returncode == 0 and not child.stdout_overflow:
+            if (child.returncode == 0 or child.status_lost) and not child.stdout_overflow:
                 await self._reject(self._output_digest(child, sandbox),
                                    "lease lost before commit")
             log.emit("lease_lost", "warning", **self._fields(), reason=self.lease.reason,
@@ -313,6 +312,12 @@ class JobSupervisor:
             released = await self._release()
             return "released" if released else "lease_lost"
         stderr_tail = scrub_text(child.stderr_tail.decode("utf-8", "replace")) or None
+        # A limit's evidence (an OOM kill in the attempt's cgroup, say) names the failure
+        # whatever ended the attempt: a wrapper whose helper was OOM-killed and that then
+        # hung is a memory_limit, not a stage_timeout to retry (case F13).
+        limit_error = self._limit_error(reason, child, usage, sandbox, stderr_tail)
+        if limit_error is not None:
+            return await self._fail(limit_error, retryable=False)
         if reason == STAGE_TIMEOUT:
             error = {"kind": "stage_timeout", "stderr_tail": stderr_tail,
                      "message": f"no result within the stage deadline of "
@@ -332,9 +337,14 @@ class JobSupervisor:
         if reason == LIFETIME:
             return await self._fail({**self._lifetime_error(), "stderr_tail": stderr_tail},
                                     retryable=False)
-        limit_error = self._limit_error(reason, child, usage, sandbox, stderr_tail)
-        if limit_error is not None:
-            return await self._fail(limit_error, retryable=False)
+        if child.status_lost:
+            # Case F9: with no exit status there is no telling a success from a failure
+            # that printed partial output; the attempt fails and may be retried.
+            error = {"kind": "exit_status_lost", "stderr_tail": stderr_tail,
+                     "message": "the tool's exit status could not be collected (ECHILD: it "
+                                "was reaped by someone else, e.g. a launcher that left "
+                                "SIGCHLD ignored); its output is not trusted"}
+            return await self._fail(error, retryable=True)
         code = child.returncode
         if code is not None and code < 0:
             error = {"kind": "signal", "signal": -code, "stderr_tail": stderr_tail,
@@ -385,8 +395,10 @@ class JobSupervisor:
                      stderr_tail: str | None) -> dict[str, Any] | None:
         """The failure of a tool stopped by one of its profile's limits, or None.
         ``cpu_limit``: the tree's CPU time reached CPU_SECONDS (our watcher, or RLIMIT_CPU's
-        SIGXCPU/SIGKILL); ``memory_limit``: the cgroup's OOM killer fired, or without a
-        memory cgroup the tool failed saying it ran out of memory under RLIMIT_AS;
+        SIGXCPU/SIGKILL); ``memory_limit``: the cgroup's OOM killer fired in the attempt
+        (whatever ended it, exit 0 included: a process of the tree was killed), or without
+        a memory cgroup the attempt did not succeed and its stderr says it ran out of
+        memory under RLIMIT_AS (a helper's MemoryError counts, case F13);
         ``process_limit``: a fork was refused at PROCESSES and the tool failed."""
         profile, code = self.ctx.profile, child.returncode
         cpu = usage.cpu_seconds or 0.0
@@ -398,16 +410,17 @@ class JobSupervisor:
                                f"{profile.cpu_seconds:g} s (measured {cpu:.2f} s); the tree "
                                "was killed. Raise "
                                f"{self._var('CPU_SECONDS')} or give it less work"}
-        if reason != EXITED or code == 0:
-            return None
+        exited = reason == EXITED
+        succeeded = exited and code == 0
         memory_cgroup = sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None
         tail = (stderr_tail or "").lower()
         under_rlimit_as = bool(profile.memory_bytes) and not memory_cgroup
         if profile.memory_bytes and usage.oom_kills:
             how = "killed by the cgroup's OOM killer"
-        elif under_rlimit_as and any(marker in tail for marker in _OUT_OF_MEMORY_MARKERS):
+        elif under_rlimit_as and not succeeded and any(
+                marker in tail for marker in _OUT_OF_MEMORY_MARKERS):
             how = "RLIMIT_AS: an allocation was refused"
-        elif under_rlimit_as and code == -signal.SIGSEGV:
+        elif under_rlimit_as and exited and code == -signal.SIGSEGV:
             how = "RLIMIT_AS: killed by SIGSEGV, most likely a refused stack or heap growth"
         else:
             how = ""
@@ -417,7 +430,7 @@ class JobSupervisor:
                     "message": f"the tool ran out of its memory limit of "
                                f"{profile.memory_bytes} bytes ({how}); raise "
                                f"{self._var('MEMORY_BYTES')}"}
-        if profile.processes and usage.process_limit_hits:
+        if profile.processes and usage.process_limit_hits and exited and not succeeded:
             return {"kind": "process_limit", "stderr_tail": stderr_tail,
                     "message": f"the tool failed after the kernel refused "
                                f"{usage.process_limit_hits} new process(es) or thread(s) at "
@@ -448,7 +461,7 @@ class JobSupervisor:
                                 f"{self.job.tool!r} ({self._var('NEXT_TOOLS')}: "
                                 f"{allowed})"}
         limit = self.ctx.settings.max_payload_bytes
-        if limit and len(orjson.dumps(nxt.get("payload", {}))) > limit:
+        if limit and len(jsontext.dumps(nxt.get("payload", {}))) > limit:
             return None, None, {"kind": "bad_result", "message":
                                 f"the next stage's payload is larger than "
                                 f"SIDECAR_MAX_PAYLOAD_BYTES={limit}"}
@@ -474,7 +487,7 @@ class JobSupervisor:
         if stage_error is not None:
             return await self._fail({**stage_error, "stderr_tail": stderr_tail}, retryable=False)
         if next_stage is not None:
-            result = RawJson(orjson.dumps(value).decode())
+            result = RawJson(jsontext.dumps(value).decode())  # every digit kept (F11)
         del value  # a large result is held once, as the text sent to PostgreSQL
         details = {"result": digest,
                    "duration_s": round(time.monotonic() - self.started, 3), **self.resources}
@@ -570,14 +583,15 @@ class JobSupervisor:
             await self._journal("result_rejected", details)
 
     async def _fenced(self, write: Callable[[], Awaitable[T]]) -> T:
-        """Run a fenced write; when the database does not answer, retry while the local
-        deadline allows (a fenced write is safe to repeat). Past it, ownership is unknown:
+        """Run a fenced write; when the database does not answer or cannot take it now
+        (``db.UNAVAILABLE_ERRORS``: a failover's read-only primary too, case F12), retry
+        on a new connection while the local deadline allows (a fenced write is safe to
+        repeat). Past it, ownership is unknown:
         raise OwnershipUnknown and let the lease keeper settle it later."""
         while True:
             try:
                 return await write()
-            except (OSError, TimeoutError, asyncpg.InterfaceError,
-                    asyncpg.PostgresConnectionError, asyncpg.CannotConnectNowError) as exc:
+            except db.UNAVAILABLE_ERRORS as exc:
                 if time.monotonic() >= self.lease.local_deadline:
                     raise OwnershipUnknown() from exc
                 log.emit("commit_retry", "warning", **self._fields(),

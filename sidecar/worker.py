@@ -255,8 +255,10 @@ class Worker:
             await asyncio.sleep(self.settings.poll_seconds)
 
     async def _reap_orphans(self) -> None:
+        loop = asyncio.get_running_loop()
         while True:
-            reap_adopted()
+            # Off the loop: it scans /proc and waits for a spawn in progress to be recorded.
+            await loop.run_in_executor(None, reap_adopted)
             await asyncio.sleep(1.0)
 
 

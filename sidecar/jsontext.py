@@ -1,0 +1,100 @@
+"""JSON in and out without changing a number (case F11).
+
+A tool's JSON may hold integers wider than 64 bits and decimals with more digits than a
+double keeps (``123456789012345678901234567890``, ``0.10000000000000000001``).
+PostgreSQL's jsonb stores them exactly (``numeric``); a parse into Python floats and a
+second encode would not. ``loads`` reads such a number as an ``ExactNumber`` holding its
+literal text, and ``dumps`` writes it back digit for digit. Everything else is orjson's
+fast path: a document is re-read the careful way only when it contains a run of 16 or
+more digits and dots, the shortest text that can hold a number a double or a 64-bit
+integer would change.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+import orjson
+
+# 15 significant digits always survive a double; 16 or more may not, and a 64-bit integer
+# has at most 20 digits. Digits inside strings also match: harmless, just the slow path.
+_MAYBE_INEXACT = re.compile(r"[0-9][0-9.]{15}")
+_MAYBE_INEXACT_BYTES = re.compile(_MAYBE_INEXACT.pattern.encode())
+_INT64_MIN, _UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
+
+
+class ExactNumber:
+    """A JSON number kept as its literal ``text`` because no int or float holds it
+    exactly. Compares equal to another with the same value; ``dumps`` writes ``text``."""
+
+    __slots__ = ("text",)
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, ExactNumber):
+            return Decimal(self.text) == Decimal(other.text)
+        if isinstance(other, int | float) and not isinstance(other, bool):
+            return Decimal(self.text) == Decimal(other)
+        return NotImplemented
+
+    def __hash__(self) -> int:
+        return hash(Decimal(self.text))
+
+    def __repr__(self) -> str:
+        return f"ExactNumber({self.text!r})"
+
+
+def _exact_int(text: str) -> int | ExactNumber:
+    value = int(text)
+    return value if _INT64_MIN <= value <= _UINT64_MAX else ExactNumber(text)
+
+
+def _exact_float(text: str) -> float | ExactNumber:
+    value = float(text)
+    try:
+        same = Decimal(repr(value)) == Decimal(text)
+    except InvalidOperation:  # inf: outside a double's range
+        same = False
+    return value if same else ExactNumber(text)
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def loads(data: bytes | bytearray | memoryview | str) -> Any:
+    """Parse one JSON document (UTF-8 bytes or text) into Python values, numbers that an
+    int or float would change as ``ExactNumber``. Raises ``orjson.JSONDecodeError`` (a
+    ``ValueError``) for anything that is not one JSON value."""
+    value = orjson.loads(data)
+    pattern = _MAYBE_INEXACT if isinstance(data, str) else _MAYBE_INEXACT_BYTES
+    if not pattern.search(data):
+        return value
+    text = data if isinstance(data, str) else str(data, "utf-8")
+    return json.loads(text, parse_int=_exact_int, parse_float=_exact_float,
+                      parse_constant=_no_constant)
+
+
+def _default(value: Any) -> Any:
+    if isinstance(value, ExactNumber):
+        return orjson.Fragment(value.text)
+    raise TypeError(f"Type is not JSON serializable: {type(value).__name__}")
+
+
+def _default_str(value: Any) -> Any:
+    if isinstance(value, ExactNumber):
+        return orjson.Fragment(value.text)
+    return str(value)
+
+
+def dumps(value: Any, *, option: int = 0, other_as_str: bool = False) -> bytes:
+    """``orjson.dumps`` that writes every ``ExactNumber`` digit for digit. With
+    ``other_as_str`` any other type orjson cannot encode is written as its ``str()``
+    (dates, UUIDs of asyncpg rows); without it, such a value raises ``TypeError``."""
+    return orjson.dumps(value, default=_default_str if other_as_str else _default,
+                        option=option)

@@ -1,0 +1,28 @@
+#!/usr/bin/env python3
+"""Test tool (case F11): copies the JSON text of the file argv[1] to stdout byte for byte,
+never parsing it (a parse into floats is the fault under test). With argv[2] == "checkpoint"
+the first attempt instead saves that text through the guard as its checkpoint and exits 3;
+an attempt that has SIDECAR_CHECKPOINT_FILE prints the checkpoint's text."""
+import os
+import sys
+import urllib.request
+
+sys.stdin.buffer.read()
+checkpoint = os.environ.get("SIDECAR_CHECKPOINT_FILE")
+if checkpoint:
+    with open(checkpoint, "rb") as f:
+        sys.stdout.buffer.write(f.read())
+    sys.exit(0)
+with open(sys.argv[1], "rb") as f:
+    text = f.read()
+if sys.argv[2:] != ["checkpoint"]:
+    sys.stdout.buffer.write(text)
+    sys.exit(0)
+request = urllib.request.Request(
+    os.environ["SIDECAR_GUARD_URL"] + "/v1/checkpoint", method="POST", data=text,
+    headers={"Authorization": "Bearer " + os.environ["SIDECAR_GUARD_TOKEN"],
+             "Content-Type": "application/json"})
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+with opener.open(request, timeout=10) as response:
+    print(f"checkpoint saved: {response.status}", file=sys.stderr)
+sys.exit(3)
