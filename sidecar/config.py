@@ -136,6 +136,14 @@ def _absolute_path(text: str) -> str:
     return os.path.abspath(text) if text.strip() else ""
 
 
+def _home(text: str) -> str:
+    """``job``, ``inherit`` or an absolute path (see the ``HOME`` profile field)."""
+    text = text.strip()
+    if text in ("job", "inherit") or (os.path.isabs(text) and "\0" not in text):
+        return os.path.normpath(text) if os.path.isabs(text) else text
+    raise _Invalid("use job (a private HOME per attempt), inherit, or an absolute path")
+
+
 def _exit_codes(text: str) -> frozenset[int]:
     codes = frozenset(int(part) for part in _names(text))
     if any(not 1 <= code <= 255 for code in codes):
@@ -185,6 +193,10 @@ PROFILE_FIELDS: dict[str, _Field] = {
                      "run the tool as this user (the sidecar must be root)"),
     "ENV_PASSTHROUGH": _Field(_env_names, "PATH,HOME,LANG,LC_ALL,LC_CTYPE,TZ", "names",
                               "the sidecar's variables the tool may see; nothing else passes"),
+    "HOME": _Field(_home, "job", "mode",
+                   "the tool's HOME and XDG base directories: job (private to each attempt, "
+                   "in its work directory), inherit (the sidecar's, if ENV_PASSTHROUGH "
+                   "passes HOME), or an absolute path"),
 }
 
 # Sidecar-wide settings (not per tool).
@@ -328,6 +340,7 @@ class LeaseProfile:
     core_dumps: bool
     run_as: str
     env_passthrough: frozenset[str]
+    home: str
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:

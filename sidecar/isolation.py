@@ -28,6 +28,19 @@ _RLIMIT_NAMES = {getattr(resource, name): name for name in (
 # The tool's own temporary files go to its work directory too, and are removed with it.
 TMPDIR_VARIABLES = ("TMPDIR", "TMP", "TEMP")
 
+# A unix socket's path holds at most 107 bytes (sun_path is 108 with its NUL). Chromium,
+# LibreOffice, D-Bus and X put sockets under TMPDIR, HOME or XDG_RUNTIME_DIR: every
+# directory handed to a tool leaves SOCKET_NAME_BYTES of it to the tool's own names.
+SOCKET_PATH_MAX_BYTES = 107
+SOCKET_NAME_BYTES = 64
+# An attempt's work directory is <work root>/<owner key (12)>.j<8 random>; HOME and
+# XDG_RUNTIME_DIR are one letter below it, the XDG config, cache and data homes below HOME.
+WORK_DIR_NAME_BYTES = 12 + 2 + 8
+HOME_DIR_NAME = "h"
+RUNTIME_DIR_NAME = "r"
+MAX_WORK_ROOT_BYTES = (SOCKET_PATH_MAX_BYTES - SOCKET_NAME_BYTES - 1 - len(HOME_DIR_NAME) - 1
+                       - WORK_DIR_NAME_BYTES - 1)
+
 
 def run_as_ids(spec: str) -> tuple[int, int] | None:
     """``uid[:gid]`` -> (uid, gid); the gid defaults to the uid's primary group, else the
@@ -73,10 +86,19 @@ def check_profile(profile: LeaseProfile, host: CgroupHost, euid: int | None = No
 def check_work_dir(settings: Settings, profile: LeaseProfile | None = None,
                    create: bool = True) -> str:
     """Make sure attempts can get work directories under ``SIDECAR_WORK_DIR`` (default the
-    system temp directory), and that the profile's RUN_AS user can reach them; return the
+    system temp directory), short enough to leave a tool room for socket paths (at most
+    MAX_WORK_ROOT_BYTES), and that the profile's RUN_AS user can reach them; return the
     root. With ``create`` false (``sidecar config``) nothing is made: only the directories
     that exist are checked. Raises ConfigError naming the variable."""
     root = settings.work_dir or tempfile.gettempdir()
+    if len(os.fsencode(root)) > MAX_WORK_ROOT_BYTES:
+        var = "SIDECAR_WORK_DIR" if settings.work_dir else "SIDECAR_WORK_DIR (unset: TMPDIR)"
+        raise ConfigError(
+            f"{var}={root} is {len(os.fsencode(root))} bytes long; at most "
+            f"{MAX_WORK_ROOT_BYTES} leave a tool {SOCKET_NAME_BYTES} bytes for a unix socket "
+            f"path under its TMPDIR and HOME (a socket path holds {SOCKET_PATH_MAX_BYTES} "
+            "bytes, and Chromium aborts without room for its own); set a shorter "
+            "SIDECAR_WORK_DIR, e.g. /tmp/sidecar")
     if create:
         try:
             os.makedirs(root, exist_ok=True)
@@ -87,7 +109,8 @@ def check_work_dir(settings: Settings, profile: LeaseProfile | None = None,
                               "directory") from None
     ids = run_as_ids(profile.run_as) if profile is not None else None
     if ids is not None:
-        blocked = _unsearchable_ancestor(root, *ids)
+        # Through any symlink on the way: the kernel walks the real path's ancestors.
+        blocked = _unsearchable_ancestor(os.path.realpath(root), *ids)
         if blocked:
             raise ConfigError(
                 f"SIDECAR_WORK_DIR={root}: the tool's user {ids[0]}:{ids[1]} (RUN_AS) cannot "
@@ -213,6 +236,7 @@ class Sandbox:
     profile: LeaseProfile
     host: CgroupHost
     name: str
+    dir_prefix: str = ""  # of the work directory (leftovers.work_dir_prefix); default name-
     job_dir: str = ""
     cgroup: JobCgroup | None = None
     ids: tuple[int, int] | None = None
@@ -227,10 +251,16 @@ class Sandbox:
         self.ids = run_as_ids(self.profile.run_as)
         root = self.settings.work_dir or tempfile.gettempdir()
         os.makedirs(root, exist_ok=True)
-        self.job_dir = tempfile.mkdtemp(prefix=self.name + "-", dir=root)
+        self.job_dir = tempfile.mkdtemp(prefix=self.dir_prefix or self.name + "-", dir=root)
         self.dir_lock = hold_directory(self.job_dir)
+        private = [self.job_dir]
+        if self.profile.home == "job":
+            for name in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
+                private.append(os.path.join(self.job_dir, name))
+                os.mkdir(private[-1], 0o700)
         if self.ids is not None:
-            os.chown(self.job_dir, *self.ids)
+            for path in private:
+                os.chown(path, *self.ids)
         if self.host.usable:
             cgroup = JobCgroup(self.host, self.name, self.profile.memory_bytes,
                                self.profile.processes)
@@ -243,6 +273,24 @@ class Sandbox:
                     raise CgroupError(f"{exc}; PROCESSES={self.profile.processes} cannot be "
                                       "enforced without it (no RUN_AS)") from None
                 self.notes.append(str(exc))
+
+    def home_variables(self) -> dict[str, str]:
+        """The tool's ``HOME`` and XDG base directories by the profile's ``HOME``: ``job``
+        gives each attempt its own (profiles, caches and lock files of Chromium,
+        LibreOffice or fontconfig then never collide between concurrent jobs, nor need a
+        writable root filesystem), ``inherit`` adds nothing (ENV_PASSTHROUGH decides), a
+        path sets HOME to it."""
+        home = self.profile.home
+        if home == "inherit":
+            return {}
+        if home != "job":
+            return {"HOME": home}
+        home = os.path.join(self.job_dir, HOME_DIR_NAME)
+        return {"HOME": home,
+                "XDG_CONFIG_HOME": os.path.join(home, ".config"),
+                "XDG_CACHE_HOME": os.path.join(home, ".cache"),
+                "XDG_DATA_HOME": os.path.join(home, ".local", "share"),
+                "XDG_RUNTIME_DIR": os.path.join(self.job_dir, RUNTIME_DIR_NAME)}
 
     @property
     def result_file(self) -> str:

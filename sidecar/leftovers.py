@@ -1,10 +1,10 @@
 """What a sidecar that died hard leaves behind, and how it is cleared: job cgroups with
 escaped processes still in them, and attempts' work directories.
 
-Every job cgroup and work directory is named ``<owner key>.job-<id>-<token>...``, the owner
-key being a short hash of the sidecar's owner id. A live sidecar holds an exclusive
-``flock`` on ``<work root>/.owner-<key>.lock`` for its whole life; the kernel drops it when
-the process dies, however it dies. So:
+Every job cgroup is named ``<owner key>.job-<id>-<token>`` and every work directory
+``<owner key>.j<random>``, the owner key being a short hash of the sidecar's owner id. A
+live sidecar holds an exclusive ``flock`` on ``<work root>/.owner-<key>.lock`` for its
+whole life; the kernel drops it when the process dies, however it dies. So:
 
 - the guardian (sidecar.guardian), on its sidecar's death, kills and removes that owner's
   job cgroups and work directories at once;
@@ -39,8 +39,18 @@ def owner_key(owner_id: str) -> str:
 
 
 def job_name(owner_id: str, job_id: object, fencing_token: int) -> str:
-    """The name of one attempt's cgroup and the prefix of its work directory."""
+    """The name of one attempt's cgroup: ``<owner key>.job-<id>-<token>``."""
     return f"{owner_key(owner_id)}.job-{job_id}-{fencing_token}"
+
+
+def work_dir_prefix(owner_id: str) -> str:
+    """The prefix of an attempt's work directory, ``<owner key>.j`` (a random suffix
+    follows): kept short so sockets fit under it (sidecar.isolation)."""
+    return f"{owner_key(owner_id)}{_ATTEMPT_MARK}"
+
+
+# What follows the owner key in the name of every job cgroup and work directory.
+_ATTEMPT_MARK = ".j"
 
 
 class OwnerLock:
@@ -84,7 +94,7 @@ def clear_owner(key: str, cgroup_dirs: list[str], work_root: str | None) -> int:
     owner's work directories that no live attempt holds. For an owner known to be dead
     (the guardian's own sidecar; an owner lock the sweep could take). Returns how many
     cgroups and directories were removed."""
-    prefix = f"{key}.job-"
+    prefix = f"{key}{_ATTEMPT_MARK}"
     removed = 0
     for parent in cgroup_dirs:
         for path in _entries(parent, prefix):
@@ -129,7 +139,7 @@ def sweep_dead_owners(work_root: str, cgroup_dirs: list[str]) -> int:
             os.close(fd)
     for path in _entries(work_root, ""):
         key, dot, rest = os.path.basename(path).partition(".")
-        if dot and rest.startswith("job-") and _OWNER_KEY.fullmatch(key):
+        if dot and rest.startswith(_ATTEMPT_MARK[1:]) and _OWNER_KEY.fullmatch(key):
             removed += remove_if_abandoned(path, min_age=ABANDONED_AFTER_SECONDS)
     return removed
 

@@ -26,7 +26,7 @@ from sidecar.config import LeaseProfile, Settings, tool_env_key
 from sidecar.db import RawJson
 from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment, read_result_file
 from sidecar.lease import Lease, LeaseKeeper
-from sidecar.leftovers import job_name
+from sidecar.leftovers import job_name, work_dir_prefix
 from sidecar.log import log, payload_digest
 from sidecar.results import BadResult, parse_result, scrub_text
 from sidecar.store import ClaimedJob, NextStage, Store
@@ -74,8 +74,9 @@ class WorkerContext:
 
 def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
                   sandbox: Sandbox) -> dict[str, str]:
-    """The ``SIDECAR_*`` variables a child gets for one attempt (README, "The child
-    process"); its temporary directory is its work directory."""
+    """The variables a child gets for one attempt (README, "The child process"): the
+    ``SIDECAR_*`` ones, its temporary directory (its work directory) and, by the profile's
+    ``HOME``, its own HOME and XDG base directories."""
     variables = dict(
         SIDECAR_JOB_ID=str(job.id),
         SIDECAR_TOOL=job.tool,
@@ -88,6 +89,7 @@ def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
         SIDECAR_RESULT_FILE=sandbox.result_file,
     )
     variables.update(dict.fromkeys(TMPDIR_VARIABLES, sandbox.job_dir))
+    variables.update(sandbox.home_variables())
     return variables
 
 
@@ -183,7 +185,8 @@ class JobSupervisor:
             self.lease.settle()
             return await self._fail(self._lifetime_error(), retryable=False)
         sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
-                          job_name(self.ctx.owner_id, job.id, job.fencing_token))
+                          job_name(self.ctx.owner_id, job.id, job.fencing_token),
+                          work_dir_prefix(self.ctx.owner_id))
         loop = asyncio.get_running_loop()
         try:
             await loop.run_in_executor(None, sandbox.open)

@@ -356,6 +356,33 @@ def job_cgroup_dirs(pid: int) -> list[Path]:
     return dirs
 
 
+_SHORT_LINKS: list[Path] = []
+
+
+def short_root(path: Path) -> Path:
+    """``path`` (made if missing) as a work root short enough for SIDECAR_WORK_DIR (at most
+    isolation.MAX_WORK_ROOT_BYTES, so tools keep room for socket paths): itself when short
+    enough, else a symlink /tmp/scXXXXXXXX to it, removed at the end of the session."""
+    from sidecar.isolation import MAX_WORK_ROOT_BYTES
+
+    if not path.is_absolute() or len(os.fsencode(str(path))) <= MAX_WORK_ROOT_BYTES:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    holder = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))
+    holder.rmdir()
+    holder.symlink_to(path)
+    _SHORT_LINKS.append(holder)
+    return holder
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_short_links():
+    yield
+    for link in _SHORT_LINKS:
+        with contextlib.suppress(OSError):
+            link.unlink()
+
+
 @pytest.fixture
 def public_dir():
     """Factory of directories under /tmp with the given mode (a RUN_AS tool can reach them;

@@ -18,7 +18,7 @@ import orjson
 import psutil
 import pytest
 
-from conftest import TOOLS, base_env, cli, enqueue, query
+from conftest import TOOLS, base_env, cli, enqueue, query, short_root
 from conftest import job_row as _row
 from conftest import journal_details as _journal
 from sidecar.cgroups import detect
@@ -38,7 +38,8 @@ needs_root = pytest.mark.skipif(not ROOT, reason="per-job cgroups and RUN_AS nee
 
 def _env(dsn, tmp_path, **extra):
     work = tmp_path / "work"
-    return base_env(dsn, SIDECAR_WORK_DIR=str(work), SIDECAR_STAGE_TIMEOUT_SECONDS="20",
+    return base_env(dsn, SIDECAR_WORK_DIR=str(short_root(work)),
+                    SIDECAR_STAGE_TIMEOUT_SECONDS="20",
                     **extra), work
 
 
@@ -233,9 +234,16 @@ def test_child_sees_stdio_only_an_allow_listed_environment_and_its_own_dir(dsn, 
     assert "SIDECAR_DATABASE_URL" not in names
     assert not any("must-not-pass" in value for value in seen["env"].values())
     outside = {n for n in names if not n.startswith("SIDECAR_")}
-    assert outside == {"PATH", "ALLOWED_VAR", "TMPDIR", "TMP", "TEMP"}
+    assert outside == {"PATH", "ALLOWED_VAR", "TMPDIR", "TMP", "TEMP", "HOME",
+                       "XDG_CONFIG_HOME", "XDG_CACHE_HOME", "XDG_DATA_HOME", "XDG_RUNTIME_DIR"}
     job_dir = seen["env"]["SIDECAR_JOB_DIR"]
-    assert Path(job_dir).parent == work and seen["cwd"] == job_dir and seen["tmp"] == job_dir
+    assert Path(job_dir).parent.resolve() == work.resolve()
+    assert seen["cwd"] == os.path.realpath(job_dir) and seen["tmp"] == job_dir
+    # HOME and the XDG base directories are the attempt's own (profile HOME=job).
+    assert seen["env"]["HOME"] == os.path.join(job_dir, "h")
+    assert seen["env"]["XDG_RUNTIME_DIR"] == os.path.join(job_dir, "r")
+    assert all(seen["env"][f"XDG_{name}_HOME"].startswith(job_dir + "/h/")
+               for name in ("CONFIG", "CACHE", "DATA"))
     assert seen["env"]["SIDECAR_RESULT_FILE"] == os.path.join(job_dir, "result.json")
     assert seen["core"] == [0, 0]  # no core dumps unless the profile asks for them
     assert not os.path.exists(job_dir)

@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import TOOLS, base_env, cli, enqueue, query, wait_until
+from conftest import TOOLS, base_env, cli, enqueue, query, short_root, wait_until
 from conftest import job_cgroup_dirs as _cgroup_dirs
 from conftest import job_row as _row
 from conftest import journal_details as _journal
@@ -33,7 +33,8 @@ needs_root = pytest.mark.skipif(not ROOT, reason="cgroups and RUN_AS need root")
 
 
 def _env(dsn, work: Path, **extra):
-    return base_env(dsn, SIDECAR_WORK_DIR=str(work), SIDECAR_STAGE_TIMEOUT_SECONDS="20",
+    return base_env(dsn, SIDECAR_WORK_DIR=str(short_root(work)),
+                    SIDECAR_STAGE_TIMEOUT_SECONDS="20",
                     **extra)
 
 

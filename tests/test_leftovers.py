@@ -21,7 +21,7 @@ import orjson
 import psutil
 import pytest
 
-from conftest import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, wait_until
+from conftest import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, short_root, wait_until
 from conftest import job_cgroup_dirs as _job_cgroups
 from conftest import job_row as _row
 from conftest import journal_details as _journal
@@ -32,7 +32,7 @@ PROBE = str(TOOLS / "leftover_probe.py")
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="cgroups, RUN_AS and namespaces need root")
 NOBODY = "65534:65534"
-KEYED = re.compile(r"^([0-9a-f]{12})\.job-")
+KEYED = re.compile(r"^([0-9a-f]{12})\.j")
 
 
 
@@ -40,7 +40,7 @@ KEYED = re.compile(r"^([0-9a-f]{12})\.job-")
 
 
 def _env(dsn, work: Path, **extra):
-    return base_env(dsn, **{"SIDECAR_WORK_DIR": str(work),
+    return base_env(dsn, **{"SIDECAR_WORK_DIR": str(short_root(work)),
                             "SIDECAR_STAGE_TIMEOUT_SECONDS": "30",
                             "SIDECAR_DRAIN_SECONDS": "1", **extra})
 
@@ -110,7 +110,7 @@ def test_a_start_beside_a_live_sidecar_mid_job_clears_only_dead_owners_leftovers
 
     dead_key, lockless_key = "deadbeef0001", "cafecafe0002"
     (work / f".owner-{dead_key}.lock").write_text("")
-    dead_dirs = [work / f"{dead_key}.job-x-1-abc", work / f"{lockless_key}.job-y-1-def"]
+    dead_dirs = [work / f"{dead_key}.jxabc1234", work / f"{lockless_key}.jydef5678"]
     an_hour_ago = time.time() - 3600  # younger ones are never taken for abandoned
     for d in dead_dirs:
         (d / "sub").mkdir(parents=True)
@@ -336,7 +336,7 @@ def test_a_sidecar_as_pid_1_does_not_kill_its_own_embedded_postgres(tmp_path, pu
         os.chown(base / name, 65534, 65534)
     env = {"PATH": "/usr/bin:/bin", "HOME": str(base / "home"),
            "XDG_RUNTIME_DIR": str(base / "home"), "SIDECAR_DATA_DIR": str(base / "data"),
-           "SIDECAR_WORK_DIR": str(base / "work"), "SIDECAR_CGROUPS": "off",
+           "SIDECAR_WORK_DIR": str(short_root(base / "work")), "SIDECAR_CGROUPS": "off",
            **{k: v for k, v in FAST_PROFILE.items() if k != "SIDECAR_HTTP_ADDR"},
            "SIDECAR_HTTP_ADDR": "off"}
     log = tmp_path / "pid1.log"

@@ -31,7 +31,7 @@ import time
 
 payload = json.load(sys.stdin)
 mode = payload["mode"]
-KEY = re.compile(r"^([0-9a-f]{12})\.job-")
+KEY = re.compile(r"^([0-9a-f]{12})\.j")
 
 
 def own_key() -> str:

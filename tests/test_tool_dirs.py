@@ -1,0 +1,106 @@
+"""The directories handed to a tool: room for unix socket paths under TMPDIR, HOME and
+XDG_RUNTIME_DIR (Chromium's SingletonSocket aborted every job when they were too long),
+and a private HOME with XDG base directories per attempt, so concurrent jobs of
+Chromium or LibreOffice never share a profile."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import orjson
+
+from conftest import TOOLS, base_env, cli, enqueue, job_row, query
+from sidecar.isolation import MAX_WORK_ROOT_BYTES, SOCKET_NAME_BYTES, SOCKET_PATH_MAX_BYTES
+
+SOCKET_PATHS = str(TOOLS / "socket_paths.py")
+
+
+def test_a_tool_can_bind_60_character_socket_names_under_tmpdir_home_and_runtime_dir(dsn):
+    """Default settings (the work root is the system temp directory)."""
+    job = enqueue(dsn, "sock", {})
+    done = cli(dsn, "run", "--tool", "sock", "--drain", "--", SOCKET_PATHS)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    row = job_row(dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    result = row["result"]
+    for key in ("tmpdir", "home", "runtime"):
+        assert result[key] <= SOCKET_PATH_MAX_BYTES - (SOCKET_NAME_BYTES - 60), result
+    assert result["runtime_mode"] == "0o700"
+
+
+def test_the_longest_work_root_allowed_still_leaves_room_for_sockets(dsn, tmp_path):
+    """A work root of exactly MAX_WORK_ROOT_BYTES: a 64-byte socket name fits under HOME."""
+    root = Path("/tmp") / ("w" * (MAX_WORK_ROOT_BYTES - len("/tmp/")))
+    assert len(str(root)) == MAX_WORK_ROOT_BYTES
+    env = base_env(dsn, SIDECAR_WORK_DIR=str(root))
+    job = enqueue(dsn, "sock", {}, env=env)
+    try:
+        done = cli(dsn, "run", "--tool", "sock", "--drain", "--", SOCKET_PATHS, env=env)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        result = job_row(dsn, job)["result"]
+        assert result["home"] + (SOCKET_NAME_BYTES - 60) <= SOCKET_PATH_MAX_BYTES, result
+    finally:
+        for leftover in root.glob(".owner-*"):
+            leftover.unlink()
+        root.rmdir()
+
+
+def test_a_work_root_too_long_for_socket_paths_is_refused_by_config_and_run(dsn, tmp_path):
+    root = "/tmp/" + "w" * MAX_WORK_ROOT_BYTES
+    env = base_env(dsn, SIDECAR_WORK_DIR=root)
+    job = enqueue(dsn, "sock", {}, env=env)
+    message = f"SIDECAR_WORK_DIR={root} is {len(root)} bytes long"
+    shown = cli(dsn, "config", env=env)  # its JSON names the problem, and it exits 2
+    assert shown.returncode == 2
+    assert message in orjson.loads(shown.stdout)["defaults"]["isolation_error"]
+    done = cli(dsn, "run", "--tool", "sock", "--drain", "--", SOCKET_PATHS, env=env)
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    assert err.count("\n") == 1 and "Traceback" not in err and message in err, err
+    assert job_row(dsn, job)["state"] == "queued"  # nothing was claimed
+    assert not os.path.exists(root)
+
+
+def test_concurrent_jobs_get_private_homes_that_are_removed_with_the_attempt(dsn):
+    jobs = [enqueue(dsn, "sock", {"n": n}) for n in range(3)]
+    done = cli(dsn, "run", "--tool", "sock", "--concurrency", "3", "--drain", "--",
+               SOCKET_PATHS)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    homes = [job_row(dsn, job)["result"]["home_dir"] for job in jobs]
+    assert len(set(homes)) == 3, homes
+    assert not any(os.path.exists(home) for home in homes)
+
+
+def test_home_inherit_and_an_absolute_path(dsn, tmp_path):
+    own_home = tmp_path / "shared-home"
+    own_home.mkdir()
+    env = base_env(dsn, HOME=str(own_home), SIDECAR_PROFILE_INH_HOME="inherit",
+                   SIDECAR_PROFILE_ABS_HOME=str(own_home), SIDECAR_STAGE_TIMEOUT_SECONDS="20")
+    inherit = enqueue(dsn, "inh", {}, env=env)
+    absolute = enqueue(dsn, "abs", {}, env=env)
+    for tool in ("inh", "abs"):
+        done = cli(dsn, "run", "--tool", tool, "--drain", "--", str(TOOLS / "print_env.py"),
+                   env=env)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+    seen_inherit = job_row(dsn, inherit)["result"]
+    seen_absolute = job_row(dsn, absolute)["result"]
+    assert _var(seen_inherit, "HOME") == str(own_home)  # passed through ENV_PASSTHROUGH
+    assert _var(seen_inherit, "XDG_RUNTIME_DIR") is None
+    assert _var(seen_absolute, "HOME") == str(own_home)
+    [shown] = orjson.loads(cli(dsn, "config", "--tool", "abs", env=env).stdout)["profiles"]
+    assert shown["home"] == str(own_home)
+
+
+def test_a_bad_home_value_is_refused_in_one_line(dsn):
+    env = base_env(dsn, SIDECAR_PROFILE_BAD_HOME="relative/dir")
+    done = cli(dsn, "config", "--tool", "bad", env=env)
+    err = done.stderr.decode()
+    assert done.returncode == 2 and "SIDECAR_PROFILE_BAD_HOME='relative/dir'" in err, err
+    assert "job" in err and "inherit" in err and "Traceback" not in err
+    assert query(dsn, "SELECT count(*) FROM tool_jobs")[0][0] == 0
+
+
+def _var(result, name):
+    env = result.get("env", result)
+    return env.get(name)
