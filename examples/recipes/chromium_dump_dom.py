@@ -1,0 +1,32 @@
+#!/usr/bin/env python3
+"""Recipe: headless Chromium as a sidecar tool (README "Recipes").
+
+Payload: {"url": "https://... or file:///..."}; result: {"url": URL, "dom": SERIALIZED_DOM}.
+Chromium keeps its profile in the attempt's private HOME (the default HOME=job), so jobs
+running side by side never share one. A crashed or killed browser fails the job: a
+non-zero exit is passed on, and an empty DOM is an error, never a result.
+"""
+import json
+import os
+import subprocess
+import sys
+
+CHROMIUM = os.environ.get("CHROMIUM", "chromium")
+# Without the background-networking flags Chromium dials out at every start; a pod with a
+# closed network then waits on refused connections.
+FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+         "--no-first-run", "--no-default-browser-check", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--disable-extensions"]
+
+url = json.load(sys.stdin)["url"]
+profile = os.path.join(os.environ.get("HOME") or os.environ["SIDECAR_JOB_DIR"], "chromium")
+done = subprocess.run([CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "--dump-dom", url],
+                      stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+if done.returncode != 0:
+    print(f"chromium exited with {done.returncode}", file=sys.stderr)
+    sys.exit(done.returncode if done.returncode > 0 else 128 - done.returncode)
+dom = done.stdout.decode("utf-8", "replace").strip()
+if not dom:
+    print("chromium printed no DOM (crashed renderer?)", file=sys.stderr)
+    sys.exit(1)
+print(json.dumps({"url": url, "dom": dom}))
