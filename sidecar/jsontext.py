@@ -6,8 +6,8 @@ PostgreSQL's jsonb stores them exactly (``numeric``); a parse into Python floats
 second encode would not. ``loads`` reads such a number as an ``ExactNumber`` holding its
 literal text, and ``dumps`` writes it back digit for digit. Everything else is orjson's
 fast path: a document is re-read the careful way only when it contains a run of 16 or
-more digits and dots, the shortest text that can hold a number a double or a 64-bit
-integer would change.
+more digits and dots or a digit before an exponent (``1e-400`` underflows a double), the
+shortest texts that can hold a number a double or a 64-bit integer would change.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import orjson
 
 # 15 significant digits always survive a double; 16 or more may not, and a 64-bit integer
 # has at most 20 digits. Digits inside strings also match: harmless, just the slow path.
-_MAYBE_INEXACT = re.compile(r"[0-9][0-9.]{15}")
+_MAYBE_INEXACT = re.compile(r"[0-9][0-9.]{15}|[0-9][eE]")
 _MAYBE_INEXACT_BYTES = re.compile(_MAYBE_INEXACT.pattern.encode())
 _INT64_MIN, _UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
 
@@ -44,6 +44,9 @@ class ExactNumber:
 
     def __hash__(self) -> int:
         return hash(Decimal(self.text))
+
+    def __float__(self) -> float:
+        return float(self.text)
 
     def __repr__(self) -> str:
         return f"ExactNumber({self.text!r})"
@@ -70,14 +73,20 @@ def _no_constant(name: str) -> Any:
 def loads(data: bytes | bytearray | memoryview | str) -> Any:
     """Parse one JSON document (UTF-8 bytes or text) into Python values, numbers that an
     int or float would change as ``ExactNumber``. Raises ``orjson.JSONDecodeError`` (a
-    ``ValueError``) for anything that is not one JSON value."""
+    ``ValueError``) for anything that is not one JSON value.
+
+    A document nested deeper than the interpreter's recursion limit (about 1,000 levels;
+    orjson allows 1,024) is returned as orjson reads it, numbers as floats."""
     value = orjson.loads(data)
     pattern = _MAYBE_INEXACT if isinstance(data, str) else _MAYBE_INEXACT_BYTES
     if not pattern.search(data):
         return value
     text = data if isinstance(data, str) else str(data, "utf-8")
-    return json.loads(text, parse_int=_exact_int, parse_float=_exact_float,
-                      parse_constant=_no_constant)
+    try:
+        return json.loads(text, parse_int=_exact_int, parse_float=_exact_float,
+                          parse_constant=_no_constant)
+    except RecursionError:
+        return value
 
 
 def _default(value: Any) -> Any:

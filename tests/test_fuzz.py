@@ -38,6 +38,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from decimal import Decimal
 
 import asyncpg
 import orjson
@@ -46,6 +47,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from conftest import FAST_PROFILE, base_env, cli
+from sidecar import jsontext
 from sidecar.cli import main as cli_main
 from sidecar.config import (
     GLOBAL_FIELDS,
@@ -61,6 +63,7 @@ from sidecar.config import (
 from sidecar.db import RawJson, init_connection
 from sidecar.errors import ConfigError
 from sidecar.guard import CHECKPOINT_LIMIT, GUARD_BODY_LIMIT, MAX_REQUEST_ID, GuardServer
+from sidecar.jsontext import ExactNumber
 from sidecar.lease import Lease
 from sidecar.results import BadResult, parse_result, scrub_text
 from sidecar.store import Store
@@ -253,17 +256,21 @@ def sidecar_env(dsn, monkeypatch):
     return dsn
 
 
-def same_json(a, b) -> bool:
+def same_json(a, b, approximate: bool = False) -> bool:
     """JSON equality up to number representation: jsonb keeps numbers as numeric and
-    prints 6.1e+16 as 61000000000000000, which orjson then reads as an int. Iterative:
+    prints 6.1e+16 as 61000000000000000, which is then read as an int. Numbers compare by
+    exact decimal value (``jsontext.ExactNumber`` keeps what no float holds), or as
+    floats with ``approximate`` (against orjson's own, lossy, reading). Iterative:
     documents nest 1024 deep."""
+    numbers = (int, float, ExactNumber)
     pending = [(a, b)]
     while pending:
         x, y = pending.pop()
-        numbers = (int, float)
         if isinstance(x, numbers) and isinstance(y, numbers) \
                 and not isinstance(x, bool) and not isinstance(y, bool):
-            if float(x) != float(y):
+            if approximate and float(x) != float(y):
+                return False
+            if not approximate and _decimal(x) != _decimal(y):
                 return False
         elif isinstance(x, list) and isinstance(y, list):
             if len(x) != len(y):
@@ -276,6 +283,10 @@ def same_json(a, b) -> bool:
         elif type(x) is not type(y) or x != y:
             return False
     return True
+
+
+def _decimal(number) -> Decimal:
+    return Decimal(number.text if isinstance(number, ExactNumber) else repr(number))
 
 
 def job_count(pg: Pg) -> int:
@@ -327,7 +338,7 @@ def check_enqueue(pg: Pg, argv: list[str], raw: bytes, source: str, *, tool: str
                        "payload = $2::jsonb AS same FROM tool_jobs WHERE id = $1",
                        uuid.UUID(answer["id"]), RawJson(raw.decode()))[0]
         assert row["same"], (raw, row["payload"])
-        assert same_json(row["payload"], orjson.loads(raw)), (raw, row["payload"])
+        assert same_json(row["payload"], jsontext.loads(raw)), (raw, row["payload"])
         assert row["tool"] == tool
         assert row["idempotency_key"] == (key if key is not None else answer["id"])
         assert row["max_attempts"] == (max_attempts or 3)
@@ -637,7 +648,7 @@ def check_parse_result(pg: Pg, data: bytes) -> str:
         assert len(exc.message.splitlines()) == 1 and len(exc.message) < 400, exc.message
         return "bad_result"
     assert isinstance(text, RawJson) and text == data.decode("utf-8")
-    assert value == orjson.loads(data)
+    assert same_json(value, orjson.loads(data), approximate=True)
     try:
         stored = pg.jsonb(text)
     except STORABLE_ERRORS as exc:  # the supervisor's net: bad_result at commit
