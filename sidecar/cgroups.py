@@ -25,11 +25,13 @@ import signal
 import time
 from dataclasses import dataclass, field
 
+from sidecar.errors import SidecarError
+
 PARENT_NAME = "sidecar-jobs"
 _SUPERVISOR_LEAF = "sidecar-supervisor"
 
 
-class CgroupError(Exception):
+class CgroupError(SidecarError):
     """A job cgroup could not be made or configured; the message names the file."""
 
 

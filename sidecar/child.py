@@ -1,6 +1,6 @@
 """The tool as a child process: spawn, feed stdin, drain stdout/stderr, kill the tree, reap.
 
-Contract (README "The child process"): payload JSON on stdin, then EOF; result JSON on
+Contract (docs/child-process.md): payload JSON on stdin, then EOF; result JSON on
 stdout (capped at ``max_stdout`` bytes, the excess read and dropped, never held);
 stderr streamed line by line, its last 4 KiB kept. The child starts in a new session,
 gets SIGKILL as parent-death signal, and its exit is observed through a pidfd, so the
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import psutil
 
 from sidecar.cgroups import JobCgroup
+from sidecar.errors import SidecarError
 from sidecar.linux import child_preexec
 
 STDERR_TAIL_BYTES = 4096
@@ -68,7 +69,7 @@ def use_subreaper(enabled: bool) -> None:
 _spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawn")
 
 
-class SpawnFailed(Exception):
+class SpawnFailed(SidecarError):
     """The command could not be started. ``exit_code`` follows tini: 127 not found,
     126 not executable or not a valid program."""
 

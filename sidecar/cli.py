@@ -7,19 +7,17 @@ Data goes to stdout as JSON; messages and events go to stderr. Exit codes: 0 suc
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import shutil
 import signal
 import sys
 import uuid
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC
 from pathlib import Path
 from typing import Any
 
-import asyncpg
 import orjson
 
 from sidecar import __version__, db, jsontext, linux
@@ -35,6 +33,7 @@ from sidecar.config import (
     validate_tool_name,
 )
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
+from sidecar.loop import run_async
 from sidecar.store import Store
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -44,17 +43,6 @@ def _print_json(value: Any) -> None:
     sys.stdout.buffer.write(jsontext.dumps(value, option=orjson.OPT_APPEND_NEWLINE,
                                            other_as_str=True))
     sys.stdout.flush()
-
-
-def run_async(settings: Settings, coro: Coroutine) -> Any:
-    """Run ``coro`` on uvloop (default) or asyncio's loop (``SIDECAR_EVENT_LOOP``)."""
-    factory = None
-    if settings.event_loop == "uvloop":
-        import uvloop
-
-        factory = uvloop.new_event_loop
-    with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(coro)
 
 
 @asynccontextmanager
@@ -492,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
     except SidecarError as exc:
         print(f"sidecar: error: {exc.message}", file=sys.stderr)
         return exc.exit_code
-    except (TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError, OSError) as exc:
+    except db.DATABASE_ERRORS as exc:
         err = DatabaseUnavailable(f"database error: {type(exc).__name__}: "
                                   f"{str(exc).splitlines()[0] if str(exc) else ''}")
         print(f"sidecar: error: {err.message}", file=sys.stderr)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from sidecar.errors import ConfigError
+from sidecar.errors import ConfigError, SidecarError
 
 PREFIX = "SIDECAR_"
 MAX_ATTEMPTS_LIMIT = 1000
@@ -29,7 +29,7 @@ TOOL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,62}")
 _TOOL_KEY = re.compile(r"[A-Z0-9][A-Z0-9_]{0,62}")
 
 
-class _Invalid(ValueError):
+class _Invalid(SidecarError, ValueError):
     """A value refused for a reason worth showing (the parsers' own ValueErrors are not)."""
 
 
@@ -179,7 +179,7 @@ PROFILE_FIELDS: dict[str, _Field] = {
                                    "cap on a job's life from its first claim (P12); 0 = off"),
     "NEXT_TOOLS": _Field(_tool_list, "", "tools", "tools a result may name as its next stage"),
     "PROVIDER": _Field(_label, "", "label", "the external provider, a metrics label (P21)"),
-    # Isolation of the child (README "Isolation and security"); 0 = no limit.
+    # Isolation of the child (docs/isolation.md); 0 = no limit.
     "MEMORY_BYTES": _Field(_non_negative_int, "0", "bytes",
                            "memory of the tool's whole tree (cgroup), else RLIMIT_AS per process"),
     "CPU_SECONDS": _Field(_number, "0", "s", "CPU time of the tool's tree; 0 = no limit"),
@@ -514,7 +514,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         elif var[len(PREFIX):] not in PROFILE_FIELDS and var[len(PREFIX):] not in GLOBAL_FIELDS \
                 and var not in PASSIVE_VARIABLES:
             raise ConfigError(
-                f"{var}: unknown variable; see the configuration table in README.md "
+                f"{var}: unknown variable; see docs/configuration.md "
                 "(a misspelled setting would otherwise be ignored)"
             )
 

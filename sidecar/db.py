@@ -162,6 +162,10 @@ def _unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
     )
 
 
+# Any failure of a statement: no answer, a dropped connection, or an error the server sent.
+DATABASE_ERRORS: tuple[type[BaseException], ...] = (
+    OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+
 # "The database failed" (P14b), the one definition every statement on the lease path uses:
 # no answer in time, a dropped or refused connection, or a server that cannot take the
 # write just now: the read-only old primary of a failover (25006), an administrator's or a

@@ -1,4 +1,8 @@
-"""One root error; each subclass carries the one line a user sees and its exit code."""
+"""One root error; each subclass carries the one line a user sees and its exit code.
+
+Internal errors (a spawn that failed, a bad tool result, ownership unknown at commit, a
+cgroup that could not be made) derive from it too, so nothing the sidecar raises on
+purpose reaches a user as a traceback."""
 
 
 class SidecarError(Exception):
@@ -45,3 +49,12 @@ class IdempotencyConflict(SidecarError):
     """An idempotency key is reused for a different tool or payload."""
 
     exit_code = 2
+
+
+class OwnershipUnknown(SidecarError):
+    """A fenced write got no answer before the lease's local deadline (P14b): whether the
+    job is still ours cannot be known until the database answers again."""
+
+    def __init__(self, message: str = "ownership unknown: the database did not answer a "
+                                      "fenced write before the lease's local deadline"):
+        super().__init__(message)

@@ -66,7 +66,8 @@ from typing import Any, TypeVar
 import asyncpg
 from aiohttp import web
 
-from sidecar import jsontext
+from sidecar import db, jsontext
+from sidecar.errors import SidecarError
 from sidecar.log import log
 from sidecar.queries import Q
 
@@ -80,7 +81,6 @@ DEFAULT_LOCK_TIMEOUT = 5.0
 
 _FENCED_ATTR = "__sidecar_fenced__"
 _DIGITS = re.compile(r"[0-9]+")
-_DB_ERRORS = (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError)
 
 
 @dataclass(frozen=True)
@@ -124,7 +124,7 @@ Handler = Callable[[asyncpg.Connection, FencedRequest], Awaitable[tuple[int, Any
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
-class BadHeader(ValueError):
+class BadHeader(SidecarError, ValueError):
     """A fenced request's header is missing or malformed; ``header`` names it."""
 
     def __init__(self, header: str, message: str):
@@ -137,7 +137,7 @@ class BadHeader(ValueError):
                                     "message": self.message})
 
 
-class _HandlerFailed(Exception):
+class _HandlerFailed(SidecarError):
     """The handler raised or returned something unusable; the transaction rolls back."""
 
 
@@ -235,7 +235,7 @@ async def _run(
                  message=str(cause).splitlines()[0][:200] if str(cause) else None, **fields)
         return FencedResponse(500, {"error": "handler_failed", "message":
                                     "the handler failed; nothing was recorded"}), False
-    except _DB_ERRORS as exc:
+    except db.DATABASE_ERRORS as exc:
         log.emit("fence_unavailable", "error", reason=type(exc).__name__, **fields)
         return FencedResponse(503, {
             "error": "fence_unavailable",

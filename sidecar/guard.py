@@ -63,11 +63,13 @@ import asyncpg
 import orjson
 from aiohttp import web
 
+from sidecar import db
 from sidecar.config import LeaseProfile
 from sidecar.db import RawJson
-from sidecar.lease import CANCELLED, LOCAL_DEADLINE, Lease
-from sidecar.log import log, payload_digest
+from sidecar.lease import Lease
+from sidecar.log import log, log_fields, payload_digest
 from sidecar.store import Store
+from sidecar.vocabulary import GuardRefusal, StopReason
 
 GUARD_PATH = "/v1/guard"
 CHECKPOINT_PATH = "/v1/checkpoint"
@@ -78,15 +80,8 @@ MAX_TOKEN_LENGTH = 256            # characters of a bearer token we bother to ha
 DEFAULT_BODY_TIMEOUT = 10.0       # seconds to receive a whole request body
 UNAUTHORIZED_LOG_PERIOD = 10.0    # seconds between two guard_unauthorized log lines
 
-# The 409 reasons.
-R_CANCELLED = "cancelled"
-R_LEASE_LOST = "lease_lost"
-R_OWNERSHIP_UNKNOWN = "ownership_unknown"
-R_DEADLINE = "deadline"
-R_LEASE_ENDING = "lease_ending"
 
 _UNAUTHORIZED_BODY = orjson.dumps({"error": "unauthorized"})
-_DB_ERRORS = (OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
 
 
 def _json(value: object, status: int = 200) -> web.Response:
@@ -246,21 +241,21 @@ class GuardServer:
         """Why the tool may not start an irreversible step now, or None when it may."""
         lease = registration.lease
         if lease.lost.is_set():
-            if lease.reason == CANCELLED:
-                return R_CANCELLED
-            if lease.reason == LOCAL_DEADLINE:
-                return R_OWNERSHIP_UNKNOWN
-            return R_LEASE_LOST
+            if lease.reason is StopReason.CANCELLED:
+                return GuardRefusal.CANCELLED
+            if lease.reason is StopReason.LOCAL_DEADLINE:
+                return GuardRefusal.OWNERSHIP_UNKNOWN
+            return GuardRefusal.LEASE_LOST
         if registration.fenced_out:
-            return R_LEASE_LOST
+            return GuardRefusal.LEASE_LOST
         if lease.stopping:
-            return R_DEADLINE
+            return GuardRefusal.DEADLINE
         if lease.settling:
-            return R_LEASE_LOST
+            return GuardRefusal.LEASE_LOST
         if lease.unknown_since is not None:
-            return R_OWNERSHIP_UNKNOWN
+            return GuardRefusal.OWNERSHIP_UNKNOWN
         if lease.local_deadline - time.monotonic() < self.min_remaining:
-            return R_LEASE_ENDING
+            return GuardRefusal.LEASE_ENDING
         return None
 
     async def _guard(self, request: web.Request) -> web.Response:
@@ -310,8 +305,8 @@ class GuardServer:
         lease, job = registration.lease, registration.lease.job
         unknown_for = (round(time.monotonic() - lease.unknown_since, 3)
                        if lease.unknown_since is not None else None)
-        log.emit("guard_refused", "warning" if reason == R_OWNERSHIP_UNKNOWN else "info",
-                 job_id=str(job.id), tool=job.tool, fencing_token=job.fencing_token,
+        log.emit("guard_refused", "warning" if reason == GuardRefusal.OWNERSHIP_UNKNOWN else "info",
+                 **log_fields(job),
                  lease_until=lease.lease_until, reason=reason, request_id=request_id,
                  last_request_id=lease.request_id, unknown_for_s=unknown_for,
                  stopping=lease.stopping)
@@ -331,9 +326,9 @@ class GuardServer:
                           "message": f"a checkpoint must be one JSON value ({exc})"}, 400)
         lease, job = registration.lease, registration.lease.job
         if lease.lost.is_set() or lease.settling or registration.fenced_out:
-            return _json({"reason": R_LEASE_LOST}, 409)
+            return _json({"reason": GuardRefusal.LEASE_LOST}, 409)
         digest = payload_digest(body)
-        fields = {"job_id": str(job.id), "tool": job.tool, "fencing_token": job.fencing_token}
+        fields = log_fields(job)
         try:
             async with asyncio.timeout(self.store.timeout):
                 await self._db_slot.acquire()
@@ -346,7 +341,7 @@ class GuardServer:
         except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:
             return _json({"error": "bad_json", "message": "PostgreSQL refused the checkpoint "
                           f"as jsonb: {str(exc).splitlines()[0] if str(exc) else exc}"}, 400)
-        except _DB_ERRORS as exc:
+        except db.DATABASE_ERRORS as exc:
             log.emit("checkpoint_failed", "warning", **fields,
                      reason=f"{type(exc).__name__}: {exc}"[:200])
             return _json({"error": "database_unavailable"}, 503)
@@ -356,7 +351,7 @@ class GuardServer:
             registration.fenced_out = True
             log.emit("checkpoint_rejected", "warning", **fields, reason="not the owner",
                      bytes=digest["bytes"])
-            return _json({"reason": R_LEASE_LOST}, 409)
+            return _json({"reason": GuardRefusal.LEASE_LOST}, 409)
         if log.enabled("debug"):
             log.emit("checkpoint_saved", "debug", **fields, bytes=digest["bytes"])
         return _json({"saved": True, "bytes": digest["bytes"]})

@@ -1,6 +1,6 @@
 """What the tool may see and use: its environment, its work directory, its limits and its
 user. The supervisor asks this module for an attempt's ``Sandbox`` and hands the pieces to
-the child; README "Isolation and security" states what is contained and what is not.
+the child; docs/isolation.md states what is contained and what is not.
 """
 
 from __future__ import annotations
@@ -219,7 +219,7 @@ def child_environment(base_env: dict[str, str], profile: LeaseProfile,
                       job_vars: dict[str, str]) -> dict[str, str]:
     """The child's environment: only the variables named in the profile's
     ``ENV_PASSTHROUGH`` (never a ``SIDECAR_*`` one, so never the database URL), plus the
-    job's own ``SIDECAR_*`` variables (README, "The child process")."""
+    job's own ``SIDECAR_*`` variables (docs/child-process.md)."""
     env = {k: v for k, v in base_env.items()
            if k in profile.env_passthrough and not k.startswith("SIDECAR_")}
     env.update(job_vars)

@@ -31,13 +31,9 @@ import asyncpg
 
 from sidecar import db, metrics
 from sidecar.config import LeaseProfile
-from sidecar.log import log
+from sidecar.log import log, log_fields
 from sidecar.store import ClaimedJob, Store
-
-# Reasons a lease ends without our commit; the supervisor kills the tree for each.
-LEASE_LOST = "lease_lost"          # zero rows: expired and taken over, or changed by policy
-CANCELLED = "cancelled"            # zero rows because an operator cancelled the job
-LOCAL_DEADLINE = "local_deadline"  # ownership unknown until the conservative deadline passed
+from sidecar.vocabulary import HeartbeatResult, StopReason
 
 
 @dataclass
@@ -50,7 +46,7 @@ class Lease:
     local_deadline: float
     lease_until: dt.datetime
     lost: asyncio.Event = field(default_factory=asyncio.Event)
-    reason: str | None = None
+    reason: StopReason | None = None  # lease_lost, cancelled or local_deadline
     settling: bool = False
     unknown_since: float | None = None
     evidence: dict[str, Any] | None = None
@@ -58,7 +54,7 @@ class Lease:
     stopping: str | None = None          # set by the supervisor once it stops the tool
     unjournaled: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
-    def lose(self, reason: str) -> None:
+    def lose(self, reason: StopReason) -> None:
         """Mark the lease lost for ``reason`` (first reason wins)."""
         if not self.lost.is_set():
             self.reason = reason
@@ -72,7 +68,7 @@ class Lease:
     @property
     def abandoned(self) -> bool:
         """Given up locally with ownership unknown: the database must still be told."""
-        return self.reason == LOCAL_DEADLINE
+        return self.reason is StopReason.LOCAL_DEADLINE
 
 
 def safety_margin(profile: LeaseProfile) -> float:
@@ -158,7 +154,8 @@ class LeaseKeeper:
                 )
         except (Exception, TimeoutError) as exc:  # noqa: BLE001 - any failure = unknown
             self._abort_connection()
-            result = "timeout" if isinstance(exc, TimeoutError) else "error"
+            result = HeartbeatResult.TIMEOUT if isinstance(exc, TimeoutError) \
+                else HeartbeatResult.ERROR
             metrics.HEARTBEATS.labels(*self.labels, result).inc(len(held))
             self._ownership_unknown(held, exc)
             return
@@ -171,14 +168,13 @@ class LeaseKeeper:
                 db_now = renewal.lease_until.timestamp() - renewal.lease_remaining
                 metrics.LEASE_SLACK.labels(*self.labels).observe(
                     max(0.0, lease.lease_until.timestamp() - db_now))
-                metrics.HEARTBEATS.labels(*self.labels, "ok").inc()
+                metrics.HEARTBEATS.labels(*self.labels, HeartbeatResult.OK).inc()
                 metrics.LAST_HEARTBEAT.labels(*self.labels).set(time.time())
                 lease.lease_until = renewal.lease_until
                 lease.local_deadline = sent + renewal.lease_remaining - self.margin
                 self._ownership_confirmed(lease)
                 if log.enabled("debug"):
-                    log.emit("heartbeat_ok", "debug", job_id=str(lease.job.id),
-                             tool=lease.job.tool, fencing_token=lease.job.fencing_token,
+                    log.emit("heartbeat_ok", "debug", **log_fields(lease.job),
                              lease_until=renewal.lease_until)
             elif not lease.lost.is_set() and not lease.settling:
                 await self._zero_rows(lease)
@@ -205,8 +201,7 @@ class LeaseKeeper:
             lease.unknown_since = now
             metrics.OWNERSHIP_UNKNOWN.labels(*self.labels).inc()
             reason = f"{type(exc).__name__}: {exc}"[:200]
-            log.emit("ownership_unknown", "warning", job_id=str(lease.job.id),
-                     tool=lease.job.tool, fencing_token=lease.job.fencing_token,
+            log.emit("ownership_unknown", "warning", **log_fields(lease.job),
                      lease_until=lease.lease_until, reason=reason, request_id=lease.request_id,
                      local_deadline_in_s=round(lease.local_deadline - now, 3))
             # P15: its own journal row, written once the database answers again.
@@ -218,8 +213,7 @@ class LeaseKeeper:
     def _ownership_confirmed(self, lease: Lease) -> None:
         if lease.unknown_since is not None:
             duration = round(time.monotonic() - lease.unknown_since, 3)
-            log.emit("ownership_confirmed", job_id=str(lease.job.id), tool=lease.job.tool,
-                     fencing_token=lease.job.fencing_token, lease_until=lease.lease_until,
+            log.emit("ownership_confirmed", **log_fields(lease.job), lease_until=lease.lease_until,
                      duration_s=duration)
             lease.unjournaled.append(("ownership_confirmed", {
                 "lease_until": lease.lease_until.isoformat(), "unknown_for_s": duration}))
@@ -237,25 +231,24 @@ class LeaseKeeper:
         job = lease.job
         details: dict[str, object] = {"reason": "zero_rows", "owner_id": self.owner_id,
                                       "last_lease_until": lease.lease_until.isoformat()}
-        reason = LEASE_LOST
+        reason = StopReason.LEASE_LOST
         try:
             row = await self.store.ownership(job.id)
             if row is not None:
                 details.update(state=row["state"], current_token=row["fencing_token"])
                 if row["state"] == "cancelled":
-                    reason = CANCELLED
+                    reason = StopReason.CANCELLED
         except Exception as exc:  # noqa: BLE001 - the explanation is optional; the loss is not
             details["ownership_error"] = f"{type(exc).__name__}: {exc}"[:200]
         lease.lose(reason)
-        metrics.HEARTBEATS.labels(*self.labels, "lost").inc()
+        metrics.HEARTBEATS.labels(*self.labels, HeartbeatResult.LOST).inc()
         metrics.LEASES_EXPIRED.labels(*self.labels).inc()
-        log.emit("heartbeat_lost", "warning", job_id=str(job.id), tool=job.tool,
-                 fencing_token=job.fencing_token, attempt=job.attempt,
+        log.emit("heartbeat_lost", "warning", **log_fields(job),
                  lease_until=lease.lease_until, reason=reason)
         try:
             await self.store.record_event(job.id, job.fencing_token, "heartbeat_lost", details)
         except Exception:  # noqa: BLE001
-            log.emit("journal_error", "warning", job_id=str(job.id), reason="heartbeat_lost")
+            log.emit("journal_error", "warning", **log_fields(job), reason="heartbeat_lost")
 
     async def _probe_abandoned(self) -> None:
         """Tell the database about leases given up while it did not answer."""
@@ -267,8 +260,7 @@ class LeaseKeeper:
                 conn, self.owner_id, job.id, job.fencing_token, self.statement_timeout)
             base = {"owner_id": self.owner_id, "last_lease_until": lease.lease_until.isoformat()}
             if not still_ours:
-                log.emit("heartbeat_lost", "warning", job_id=str(job.id), tool=job.tool,
-                         fencing_token=job.fencing_token, attempt=job.attempt,
+                log.emit("heartbeat_lost", "warning", **log_fields(job),
                          lease_until=lease.lease_until, reason="zero_rows")
                 now_owned = await self.store.ownership(job.id)
                 explained = {"state": now_owned["state"],
@@ -289,10 +281,9 @@ class LeaseKeeper:
         now = time.monotonic()
         for lease in self.leases.values():
             if not lease.lost.is_set() and not lease.settling and now >= lease.local_deadline:
-                lease.lose(LOCAL_DEADLINE)
+                lease.lose(StopReason.LOCAL_DEADLINE)
                 metrics.LEASES_EXPIRED.labels(*self.labels).inc()
-                log.emit("lease_abandoned", "error", job_id=str(lease.job.id),
-                         tool=lease.job.tool, fencing_token=lease.job.fencing_token,
+                log.emit("lease_abandoned", "error", **log_fields(lease.job),
                          lease_until=lease.lease_until, reason="no confirmed renewal before "
                          "the local deadline; ownership unknown")
 

@@ -74,6 +74,14 @@ def _text(value: Any) -> str:
     return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
 
 
+def log_fields(job: Any) -> dict[str, Any]:
+    """The fields every event about one attempt carries (P22): ``job_id``, ``tool``,
+    ``fencing_token`` and ``attempt`` of ``job`` (a store.ClaimedJob or anything with
+    those attributes)."""
+    return {"job_id": str(job.id), "tool": job.tool, "fencing_token": job.fencing_token,
+            "attempt": job.attempt}
+
+
 def payload_digest(data: bytes) -> dict[str, Any]:
     """``{"sha256": hex, "bytes": n}`` of a payload or result: what P6/P23 let us keep."""
     return {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}

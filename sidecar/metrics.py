@@ -11,17 +11,17 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from sidecar.vocabulary import HeartbeatResult, KillSignal, Outcome, StopReason
+
 _TP = ("tool", "provider")
 _DURATIONS = (0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800, 3600)
 _FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
-OUTCOMES = ("succeeded", "failed", "requeued", "released", "lease_lost", "cancelled",
-            "local_deadline", "rejected", "abandoned")
-HEARTBEAT_RESULTS = ("ok", "lost", "error", "timeout")
-KILL_REASONS = ("stage_timeout", "idle_timeout", "max_lifetime_exceeded", "result_too_large",
-                "lease_lost",
-                "cancelled", "local_deadline", "shutdown", "orphaned_descendants")
-KILL_SIGNALS = ("SIGTERM", "SIGKILL")
+# Every label set comes from sidecar.vocabulary: a new reason gets its series at start.
+OUTCOMES = tuple(Outcome)
+HEARTBEAT_RESULTS = tuple(HeartbeatResult)
+KILL_REASONS = tuple(reason for reason in StopReason if reason is not StopReason.EXITED)
+KILL_SIGNALS = tuple(KillSignal)
 
 JOBS_CLAIMED = Counter("sidecar_jobs_claimed", "Jobs claimed (P4).", _TP)
 JOBS_RECLAIMED = Counter("sidecar_jobs_reclaimed",

@@ -13,7 +13,10 @@ import re
 from typing import Any
 
 from sidecar import jsontext
+from sidecar.config import LeaseProfile, Settings, tool_env_key
 from sidecar.db import RawJson
+from sidecar.errors import SidecarError
+from sidecar.store import NextStage
 
 # Longest reason kept from the JSON parser: its messages quote no input, but stay short.
 _REASON_CHARS = 200
@@ -25,7 +28,7 @@ _STRING_OR_NUMBER = re.compile(
     r'"(?:[^"\\]|\\.)*"|-?(?:0|[1-9]\d*)(?:\.(\d+))?(?:[eE]([+-]?\d+))?')
 
 
-class BadResult(Exception):
+class BadResult(SidecarError):
     """The tool's output is not one JSON value PostgreSQL can store; ``message`` says why,
     ``kind`` is the error kind of the failed job (``bad_result``, ``result_too_large``)."""
 
@@ -62,6 +65,35 @@ def parse_result(data: bytes | bytearray | memoryview,
     if _LONG_EXPONENT_OR_FRACTION.search(text):
         _check_scales(text)
     return value, RawJson(text)
+
+
+def split_next_stage(value: Any, text: RawJson, settings: Settings, profile: LeaseProfile,
+                     ) -> tuple[RawJson, NextStage | None]:
+    """Split a tool's output (``value`` parsed from ``text`` by parse_result) of the form
+    ``{"result": R, "next": {"tool": T, "payload": P}}`` (P19) into R's JSON text and the
+    next stage; any other output is the result itself (``text``), with no next stage.
+    Numbers keep every digit (``jsontext``, case F11). Raises BadResult (kind
+    ``bad_result`` or ``stage_not_allowed``) for a malformed next stage, a tool not in the
+    profile's NEXT_TOOLS, or a payload over SIDECAR_MAX_PAYLOAD_BYTES."""
+    if not (isinstance(value, dict) and value.keys() == {"result", "next"}):
+        return text, None
+    nxt = value["next"]
+    if not (isinstance(nxt, dict) and isinstance(nxt.get("tool"), str)
+            and set(nxt) <= {"tool", "payload"}):
+        raise BadResult('a next stage must be {"tool": NAME, "payload": JSON}')
+    if nxt["tool"] not in profile.next_tools:
+        allowed = ", ".join(sorted(profile.next_tools)) or "none"
+        raise BadResult(f"next stage tool {nxt['tool']!r} is not allowed for "
+                        f"{profile.tool!r} (SIDECAR_PROFILE_{tool_env_key(profile.tool)}"
+                        f"_NEXT_TOOLS: {allowed})", kind="stage_not_allowed")
+    payload = nxt.get("payload", {})
+    limit = settings.max_payload_bytes
+    if limit and len(jsontext.dumps(payload)) > limit:
+        raise BadResult(f"the next stage's payload is larger than "
+                        f"SIDECAR_MAX_PAYLOAD_BYTES={limit}")
+    next_profile = settings.profile(nxt["tool"])
+    return (RawJson(jsontext.dumps(value["result"]).decode()),
+            NextStage(nxt["tool"], payload, next_profile.max_attempts))
 
 
 def _check_scales(text: str) -> None:

@@ -8,50 +8,43 @@ the final state, the journal event and the log line (P8, P13).
 from __future__ import annotations
 
 import asyncio
-import random
-import signal
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
-import asyncpg
 import psutil
 
-from sidecar import db, jsontext, metrics
-from sidecar import lease as lease_mod
+from sidecar import metrics
 from sidecar.cgroups import CgroupHost, Usage
 from sidecar.child import Child, SpawnFailed
-from sidecar.config import LeaseProfile, Settings, tool_env_key
-from sidecar.db import RawJson
+from sidecar.commit import FencedCommit
+from sidecar.config import LeaseProfile, Settings
 from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment, read_result_file
 from sidecar.lease import Lease, LeaseKeeper
 from sidecar.leftovers import job_name, work_dir_prefix
-from sidecar.log import log, payload_digest
-from sidecar.results import BadResult, parse_result, scrub_text
-from sidecar.store import ClaimedJob, NextStage, Store
+from sidecar.log import log, log_fields, payload_digest
+from sidecar.results import BadResult, parse_result, scrub_text, split_next_stage
+from sidecar.store import ClaimedJob, Store
+from sidecar.verdict import (
+    Commit,
+    Failure,
+    Observed,
+    Reject,
+    Release,
+    decide,
+    failure,
+    lifetime_failure,
+    profile_var,
+)
+from sidecar.vocabulary import LEASE_ENDINGS, FailureKind, KillSignal, Outcome, StopReason
 
 if TYPE_CHECKING:
     from sidecar.guard import GuardServer
 
-# Why the child stopped; the first one observed wins.
-EXITED = "exited"
-STAGE_TIMEOUT = "stage_timeout"
-LIFETIME = "max_lifetime_exceeded"
-IDLE = "idle_timeout"
-TOO_LARGE = "result_too_large"
-SHUTDOWN = "shutdown"
-CPU_LIMIT = "cpu_limit"
-
-# What a process refused memory under RLIMIT_AS typically writes last (lower case): the
-# Python and C++ runtimes, libc's strerror(ENOMEM), and the dynamic loader.
-_OUT_OF_MEMORY_MARKERS = ("memoryerror", "cannot allocate memory", "out of memory",
-                          "bad_alloc", "failed to allocate", "failed to map segment")
-
 CHECKPOINT_FILE_NAME = "checkpoint.json"
 
 _STDERR_LINES_PER_SECOND = 200
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -74,7 +67,7 @@ class WorkerContext:
 
 def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
                   sandbox: Sandbox) -> dict[str, str]:
-    """The variables a child gets for one attempt (README, "The child process"): the
+    """The variables a child gets for one attempt (docs/child-process.md): the
     ``SIDECAR_*`` ones, its temporary directory (its work directory) and, by the profile's
     ``HOME``, its own HOME and XDG base directories."""
     variables = dict(
@@ -91,13 +84,6 @@ def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
     variables.update(dict.fromkeys(TMPDIR_VARIABLES, sandbox.job_dir))
     variables.update(sandbox.home_variables())
     return variables
-
-
-def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
-    """Exponential backoff with full jitter (P16): a uniform draw in
-    [0, min(cap, base x 2^(attempt-1))] seconds, so retries of many jobs spread out."""
-    delay = min(profile.backoff_max_seconds, profile.backoff_base_seconds * 2 ** (attempt - 1))
-    return random.uniform(0.0, delay)
 
 
 class _StderrRelay:
@@ -119,8 +105,8 @@ class _StderrRelay:
         """The end-of-attempt event: how much the tool wrote to stderr."""
         self.flush()
         if self.lines:
-            log.emit("tool_stderr", job_id=str(self.job.id), tool=self.job.tool,
-                     fencing_token=self.job.fencing_token, lines=self.lines, bytes=self.bytes)
+            log.emit("tool_stderr", **log_fields(self.job), lines=self.lines,
+                     bytes=self.bytes)
 
     def __call__(self, line: bytes) -> None:
         self.lines += 1
@@ -135,38 +121,30 @@ class _StderrRelay:
         if self.count > _STDERR_LINES_PER_SECOND:
             self.dropped += 1
             return
-        log.emit("tool_stderr", job_id=str(self.job.id), tool=self.job.tool,
-                 fencing_token=self.job.fencing_token,
+        log.emit("tool_stderr", **log_fields(self.job),
                  line=line.decode("utf-8", "replace").rstrip("\r"))
 
     def flush(self) -> None:
         if self.dropped:
-            log.emit("tool_stderr_dropped", "warning", job_id=str(self.job.id),
-                     tool=self.job.tool, lines=self.dropped)
+            log.emit("tool_stderr_dropped", "warning", **log_fields(self.job),
+                     lines=self.dropped)
             self.dropped = 0
 
 
 class JobSupervisor:
-    """Runs one claimed job to a terminal, requeued, released or abandoned end."""
+    """Runs one claimed job to a terminal, requeued, released or abandoned end: spawn,
+    race, kill and measure here; the verdict in sidecar.verdict; the fenced write in
+    sidecar.commit."""
 
     def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease):
         self.ctx = ctx
         self.job = job
         self.lease = lease
         self.started = time.monotonic()
-        # The attempt's peak memory and CPU time, journaled with its outcome.
-        self.resources: dict[str, Any] = {}
+        self.commit = FencedCommit(ctx, job, lease, self.started)
 
-    def _var(self, field: str) -> str:
-        """The variable that sets ``field`` for this job's tool, for messages."""
-        return f"SIDECAR_PROFILE_{tool_env_key(self.job.tool)}_{field}"
-
-    def _fields(self) -> dict[str, Any]:
-        return {"job_id": str(self.job.id), "tool": self.job.tool,
-                "fencing_token": self.job.fencing_token, "attempt": self.job.attempt}
-
-    async def run(self) -> str:
-        """Supervise the job; return how it ended (the stop reason or the outcome)."""
+    async def run(self) -> Outcome:
+        """Supervise the job; return how the attempt ended."""
         try:
             outcome = await self._run()
         finally:
@@ -176,14 +154,17 @@ class JobSupervisor:
         metrics.JOB_DURATION.labels(*labels).observe(time.monotonic() - self.started)
         return outcome
 
-    async def _run(self) -> str:
+    async def _fail_before_spawn(self, fault: Failure) -> Outcome:
+        self.lease.settle()
+        return await self.commit.fail(fault)
+
+    async def _run(self) -> Outcome:
         job, profile = self.job, self.ctx.profile
         payload = job.payload_text.encode()
-        log.emit("job_claimed", **self._fields(), lease_until=job.lease_until,
+        log.emit("job_claimed", **log_fields(job), lease_until=job.lease_until,
                  reclaimed=job.reclaimed or None, payload=payload_digest(payload))
         if job.lifetime_remaining is not None and job.lifetime_remaining <= 0:
-            self.lease.settle()
-            return await self._fail(self._lifetime_error(), retryable=False)
+            return await self._fail_before_spawn(lifetime_failure(profile))
         sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
                           job_name(self.ctx.owner_id, job.id, job.fencing_token),
                           work_dir_prefix(self.ctx.owner_id))
@@ -192,14 +173,12 @@ class JobSupervisor:
             await loop.run_in_executor(None, sandbox.open)
         except Exception as exc:  # noqa: BLE001 - any failure here fails the attempt, cleanly
             await loop.run_in_executor(None, sandbox.close)
-            log.emit("sandbox_failed", "error", **self._fields(), reason=str(exc))
-            self.lease.settle()
-            return await self._fail({"kind": "sandbox_failed", "message":
-                                     f"cannot set up the attempt's work directory or cgroup: "
-                                     f"{exc}; check SIDECAR_WORK_DIR and the cgroup "
-                                     "filesystem"}, retryable=True)
+            log.emit("sandbox_failed", "error", **log_fields(job), reason=str(exc))
+            return await self._fail_before_spawn(failure(
+                FailureKind.SANDBOX_FAILED, f"cannot set up the attempt's work directory or "
+                f"cgroup: {exc}; check SIDECAR_WORK_DIR and the cgroup filesystem"))
         for note in sandbox.notes:
-            log.emit("cgroup_unavailable", "warning", **self._fields(),
+            log.emit("cgroup_unavailable", "warning", **log_fields(job),
                      reason=note + "; this attempt runs under rlimits only")
         env = child_environment(self.ctx.base_env, profile,
                                 job_variables(job, profile, self.ctx.owner_id, sandbox))
@@ -216,9 +195,10 @@ class JobSupervisor:
                 self.ctx.guard.unregister(job.id)
             left = await loop.run_in_executor(None, sandbox.close)
             if left:
-                log.emit("sandbox_left", "warning", **self._fields(), paths=left)
+                log.emit("sandbox_left", "warning", **log_fields(job), paths=left)
 
-    async def _supervise(self, env: dict[str, str], payload: bytes, sandbox: Sandbox) -> str:
+    async def _supervise(self, env: dict[str, str], payload: bytes, sandbox: Sandbox
+                         ) -> Outcome:
         profile = self.ctx.profile
         cookie = {k: env[k] for k in ("SIDECAR_JOB_ID", "SIDECAR_FENCING_TOKEN")}
         relay = _StderrRelay(self.job, self.ctx.settings.log_tool_stderr)
@@ -228,61 +208,67 @@ class JobSupervisor:
                                       make_preexec=sandbox.preexec, cgroup=sandbox.cgroup)
             child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
         except SpawnFailed as exc:
-            log.emit("spawn_failed", "error", **self._fields(), reason=exc.message)
-            error = {"kind": "spawn_failed", "message": exc.message, "exit_code": exc.exit_code}
-            self.lease.settle()
-            return await self._fail(error, retryable=False)
+            log.emit("spawn_failed", "error", **log_fields(self.job), reason=exc.message)
+            return await self._fail_before_spawn(failure(
+                FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
 
-        await self._journal("tool_request_started", {"pid": child.pid, "argv0": self.ctx.argv[0],
-                                                     "payload": payload_digest(payload)})
-        log.emit("tool_request_started", **self._fields(), pid=child.pid)
+        await self.commit.journal("tool_request_started", {
+            "pid": child.pid, "argv0": self.ctx.argv[0], "payload": payload_digest(payload)})
+        log.emit("tool_request_started", **log_fields(self.job), pid=child.pid)
 
         reason = await self._race(child, sandbox)
-        if reason != EXITED:
+        if reason is not StopReason.EXITED:
             self.lease.stopping = reason  # the guard refuses from now on ("deadline")
         report = await child.kill_tree(profile.kill_grace_seconds)
         await child.close_pipes(timeout=1.0)
         relay.summary()
-        if reason != EXITED or report.signal is not None:
-            kill_reason = reason if reason != EXITED else "orphaned_descendants"
-            details = {"reason": kill_reason, "signal": report.signal and report.signal.name,
-                       "killed": len(report.killed), "survivors": len(report.survivors)}
-            log.emit("child_killed", "warning", **self._fields(), reason=kill_reason,
-                     signal=details["signal"], killed=len(report.killed),
-                     survivors=report.survivors or None)
-            labels = (self.job.tool, self.ctx.profile.provider)
-            metrics.CHILD_KILLS.labels(*labels, kill_reason, details["signal"] or "none").inc()
-            metrics.PROCESSES_LEFT.labels(*labels).inc(len(report.survivors))
-            await self._journal("child_killed", details)
+        if reason is not StopReason.EXITED or report.signal is not None:
+            await self._killed(StopReason.ORPHANED_DESCENDANTS
+                               if reason is StopReason.EXITED else reason, report)
         usage = await asyncio.get_running_loop().run_in_executor(None, measure, child, sandbox)
-        self.resources = {k: v for k, v in (
+        self.commit.resources = {k: v for k, v in (
             ("peak_memory_bytes", usage.peak_memory_bytes),
             ("cpu_seconds", None if usage.cpu_seconds is None else round(usage.cpu_seconds, 3)),
             ("oom_kills", usage.oom_kills or None),
             ("process_limit_hits", usage.process_limit_hits or None)) if v is not None}
         return await self._settle(reason, child, sandbox, usage)
 
-    async def _race(self, child: Child, sandbox: Sandbox) -> str:
+    async def _killed(self, reason: StopReason, report) -> None:
+        """Log, count and journal one tree kill."""
+        sig = KillSignal(report.signal.name) if report.signal is not None else KillSignal.NONE
+        details = {"reason": str(reason), "signal": None if sig is KillSignal.NONE else str(sig),
+                   "killed": len(report.killed), "survivors": len(report.survivors)}
+        log.emit("child_killed", "warning", **log_fields(self.job), reason=str(reason),
+                 signal=details["signal"], killed=len(report.killed),
+                 survivors=report.survivors or None)
+        labels = (self.job.tool, self.ctx.profile.provider)
+        metrics.CHILD_KILLS.labels(*labels, reason, sig).inc()
+        metrics.PROCESSES_LEFT.labels(*labels).inc(len(report.survivors))
+        await self.commit.journal("child_killed", details)
+
+    async def _race(self, child: Child, sandbox: Sandbox) -> StopReason:
         """Wait for the first of: the child exits, the lease is lost (or cancelled), the
         stage deadline or the job's lifetime cap passes, the tree goes idle, or shutdown
         demands the kill. Return which. Ownership wins every tie (P13)."""
         profile = self.ctx.profile
-        timeout, on_timeout = profile.stage_timeout_seconds, STAGE_TIMEOUT
+        timeout, on_timeout = profile.stage_timeout_seconds, StopReason.STAGE_TIMEOUT
         lifetime = self.job.lifetime_remaining
         if lifetime is not None and lifetime - (time.monotonic() - self.started) < timeout:
-            timeout, on_timeout = max(0.0, lifetime - (time.monotonic() - self.started)), LIFETIME
+            timeout = max(0.0, lifetime - (time.monotonic() - self.started))
+            on_timeout = StopReason.MAX_LIFETIME
         waiters = {
-            asyncio.ensure_future(asyncio.shield(child.exited)): EXITED,
-            asyncio.ensure_future(self.lease.lost.wait()): "lease",
-            asyncio.ensure_future(self.ctx.shutdown_kill.wait()): SHUTDOWN,
-            asyncio.ensure_future(asyncio.shield(child.overflowed)): TOO_LARGE,
+            asyncio.ensure_future(asyncio.shield(child.exited)): StopReason.EXITED,
+            asyncio.ensure_future(self.lease.lost.wait()): StopReason.LEASE_LOST,
+            asyncio.ensure_future(self.ctx.shutdown_kill.wait()): StopReason.SHUTDOWN,
+            asyncio.ensure_future(asyncio.shield(child.overflowed)):
+                StopReason.RESULT_TOO_LARGE,
         }
         if profile.idle_timeout_seconds > 0:
             waiters[asyncio.ensure_future(
-                watch_idle(child, profile.idle_timeout_seconds))] = IDLE
+                watch_idle(child, profile.idle_timeout_seconds))] = StopReason.IDLE_TIMEOUT
         if profile.cpu_seconds > 0:
             waiters[asyncio.ensure_future(
-                watch_cpu(child, sandbox, profile.cpu_seconds))] = CPU_LIMIT
+                watch_cpu(child, sandbox, profile.cpu_seconds))] = StopReason.CPU_LIMIT
         try:
             done, _ = await asyncio.wait(waiters, timeout=timeout,
                                          return_when=asyncio.FIRST_COMPLETED)
@@ -290,97 +276,73 @@ class JobSupervisor:
             for fut in waiters:
                 fut.cancel()
         if self.lease.lost.is_set():
-            return self.lease.reason or lease_mod.LEASE_LOST
+            return self._lease_ending()
         if not done:
             return on_timeout
         reasons = {waiters[fut] for fut in done}
-        for reason in (SHUTDOWN, EXITED, TOO_LARGE, IDLE, CPU_LIMIT):
+        for reason in (StopReason.SHUTDOWN, StopReason.EXITED, StopReason.RESULT_TOO_LARGE,
+                       StopReason.IDLE_TIMEOUT, StopReason.CPU_LIMIT):
             if reason in reasons:
                 return reason
-        return EXITED
+        return StopReason.EXITED
 
-    async def _settle(self, reason: str, child: Child, sandbox: Sandbox, usage: Usage) -> str:
-        profile = self.ctx.profile
-        duration = round(time.monotonic() - self.started, 3)
+    def _lease_ending(self) -> StopReason:
+        """Why the lease ended (lease_lost, cancelled or local_deadline)."""
+        reason = StopReason(self.lease.reason or StopReason.LEASE_LOST)
+        return reason if reason in LEASE_ENDINGS else StopReason.LEASE_LOST
+
+    async def _settle(self, reason: StopReason, child: Child, sandbox: Sandbox,
+                      usage: Usage) -> Outcome:
         self.lease.settle()
-        if self.lease.lost.is_set():
-            # P13: the lease is gone, whatever the tool answered. Keep evidence only.
-            if (child.returncode == 0 or child.status_lost) and not child.stdout_overflow:
-                await self._reject(self._output_digest(child, sandbox),
-                                   "lease lost before commit")
-            log.emit("lease_lost", "warning", **self._fields(), reason=self.lease.reason,
-                     duration_s=duration)
-            return self.lease.reason or lease_mod.LEASE_LOST
-        if reason == SHUTDOWN:
-            released = await self._release()
-            return "released" if released else "lease_lost"
+        if self.lease.lost.is_set():  # lost during the kill too: ownership first (P13)
+            reason = self._lease_ending()
         stderr_tail = scrub_text(child.stderr_tail.decode("utf-8", "replace")) or None
-        # A limit's evidence (an OOM kill in the attempt's cgroup, say) names the failure
-        # whatever ended the attempt: a wrapper whose helper was OOM-killed and that then
-        # hung is a memory_limit, not a stage_timeout to retry (case F13).
-        limit_error = self._limit_error(reason, child, usage, sandbox, stderr_tail)
-        if limit_error is not None:
-            return await self._fail(limit_error, retryable=False)
-        if reason == STAGE_TIMEOUT:
-            error = {"kind": "stage_timeout", "stderr_tail": stderr_tail,
-                     "message": f"no result within the stage deadline of "
-                                f"{profile.stage_timeout_seconds:g} s; the tree was killed"}
-            return await self._fail(error, retryable=True)
-        if reason == IDLE:
-            error = {"kind": "idle_timeout", "stderr_tail": stderr_tail,
-                     "message": f"no CPU time, I/O or output for "
-                                f"{profile.idle_timeout_seconds:g} s; the tree was killed"}
-            return await self._fail(error, retryable=True)
-        if reason == TOO_LARGE:
-            error = {"kind": "result_too_large", "stderr_tail": stderr_tail,
-                     "message": f"stdout passed {profile.max_result_bytes} bytes; the tree was "
-                                "killed. Return less, or raise "
-                                f"{self._var('MAX_RESULT_BYTES')}"}
-            return await self._fail(error, retryable=False)
-        if reason == LIFETIME:
-            return await self._fail({**self._lifetime_error(), "stderr_tail": stderr_tail},
-                                    retryable=False)
-        if child.status_lost:
-            # Case F9: with no exit status there is no telling a success from a failure
-            # that printed partial output; the attempt fails and may be retried.
-            error = {"kind": "exit_status_lost", "stderr_tail": stderr_tail,
-                     "message": "the tool's exit status could not be collected (ECHILD: it "
-                                "was reaped by someone else, e.g. a launcher that left "
-                                "SIGCHLD ignored); its output is not trusted"}
-            return await self._fail(error, retryable=True)
-        code = child.returncode
-        if code is not None and code < 0:
-            error = {"kind": "signal", "signal": -code, "stderr_tail": stderr_tail,
-                     "message": f"the tool was killed by signal {-code}"}
-            return await self._fail(error, retryable=True)
-        if code != 0:
-            retryable = code not in profile.non_retryable_exit_codes
-            error = {"kind": "exit_code", "exit_code": code, "stderr_tail": stderr_tail,
-                     "message": f"the tool exited with code {code}"
-                                + ("" if retryable else " (non-retryable for this profile)")}
-            return await self._fail(error, retryable=retryable)
-        if child.stdout_overflow:
-            error = {"kind": "result_too_large", "stderr_tail": stderr_tail,
-                     "message": f"stdout exceeded {profile.max_result_bytes} bytes "
-                                f"({child.stdout_bytes} bytes written); return less, or raise "
-                                f"{self._var('MAX_RESULT_BYTES')}"}
-            return await self._fail(error, retryable=False)
+        seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
+                        child.stdout_bytes, usage, stderr_tail,
+                        sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)
+        verdict = decide(seen, self.ctx.profile)
+        match verdict:
+            case Reject(reason=ending):
+                returned = (child.returncode == 0 or child.status_lost) \
+                    and not child.stdout_overflow
+                digest = self._output_digest(child, sandbox) if returned else None
+                return await self.commit.lease_ended(ending, digest)
+            case Release():
+                return await self.commit.release()
+            case Failure():
+                return await self.commit.fail(verdict)
+            case Commit():
+                return await self._commit_output(child, sandbox, stderr_tail)
+        raise AssertionError(f"no verdict handled: {verdict!r}")
+
+    async def _commit_output(self, child: Child, sandbox: Sandbox,
+                             stderr_tail: str | None) -> Outcome:
+        """Read what the tool returned (its result file, else its stdout), check it, and
+        commit it. The output is held once: parsed, then only the text for PostgreSQL."""
+        profile = self.ctx.profile
         try:
             # The result file, when there is one, is the result; stdout is ignored.
             # Up to MAX_RESULT_BYTES from disk: off the event loop, which heartbeats.
             output = await asyncio.get_running_loop().run_in_executor(
                 None, read_result_file, sandbox.result_file, profile.max_result_bytes,
-                sandbox.ids[0] if sandbox.ids else None, self._var("MAX_RESULT_BYTES"))
+                sandbox.ids[0] if sandbox.ids else None, profile_var(profile, "MAX_RESULT_BYTES"))
             source = "SIDECAR_RESULT_FILE"
         except FileNotFoundError:
             output, child.stdout = child.stdout, bytearray()  # handed over, not copied
             source = "stdout"
         except BadResult as exc:
-            return await self._fail({"kind": exc.kind, "message": exc.message,
-                                     "stderr_tail": stderr_tail}, retryable=False)
-        holder = [output]
-        del output  # _succeed drops the buffer once parsed; no reference may outlive that
-        return await self._succeed(holder, stderr_tail, source)
+            return await self.commit.fail(failure(FailureKind(exc.kind), exc.message,
+                                                  stderr_tail=stderr_tail))
+        digest = payload_digest(output)
+        try:
+            value, text = parse_result(output, source)
+            del output  # a large result is held once, as the text sent to PostgreSQL
+            result, next_stage = split_next_stage(value, text, self.ctx.settings, profile)
+            del value, text
+        except BadResult as exc:
+            return await self.commit.fail(failure(FailureKind(exc.kind), exc.message,
+                                                  stderr_tail=stderr_tail))
+        return await self.commit.succeed(result, digest, next_stage, stderr_tail)
 
     def _output_digest(self, child: Child, sandbox: Sandbox) -> dict[str, Any] | None:
         """payload_digest of what the tool returned (its result file, else its stdout),
@@ -393,219 +355,6 @@ class JobSupervisor:
             return payload_digest(child.stdout)
         except BadResult:
             return None
-
-    def _limit_error(self, reason: str, child: Child, usage: Usage, sandbox: Sandbox,
-                     stderr_tail: str | None) -> dict[str, Any] | None:
-        """The failure of a tool stopped by one of its profile's limits, or None.
-        ``cpu_limit``: the tree's CPU time reached CPU_SECONDS (our watcher, or RLIMIT_CPU's
-        SIGXCPU/SIGKILL); ``memory_limit``: the cgroup's OOM killer fired in the attempt
-        (whatever ended it, exit 0 included: a process of the tree was killed), or without
-        a memory cgroup the attempt did not succeed and its stderr says it ran out of
-        memory under RLIMIT_AS (a helper's MemoryError counts, case F13);
-        ``process_limit``: a fork was refused at PROCESSES and the tool failed."""
-        profile, code = self.ctx.profile, child.returncode
-        cpu = usage.cpu_seconds or 0.0
-        if profile.cpu_seconds and (
-                reason == CPU_LIMIT or code == -signal.SIGXCPU
-                or (code == -signal.SIGKILL and cpu >= profile.cpu_seconds)):
-            return {"kind": "cpu_limit", "stderr_tail": stderr_tail, "cpu_seconds": round(cpu, 3),
-                    "message": f"the tool's tree reached its CPU time limit of "
-                               f"{profile.cpu_seconds:g} s (measured {cpu:.2f} s); the tree "
-                               "was killed. Raise "
-                               f"{self._var('CPU_SECONDS')} or give it less work"}
-        exited = reason == EXITED
-        succeeded = exited and code == 0
-        memory_cgroup = sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None
-        tail = (stderr_tail or "").lower()
-        under_rlimit_as = bool(profile.memory_bytes) and not memory_cgroup
-        if profile.memory_bytes and usage.oom_kills:
-            how = "killed by the cgroup's OOM killer"
-        elif under_rlimit_as and not succeeded and any(
-                marker in tail for marker in _OUT_OF_MEMORY_MARKERS):
-            how = "RLIMIT_AS: an allocation was refused"
-        elif under_rlimit_as and exited and code == -signal.SIGSEGV:
-            how = "RLIMIT_AS: killed by SIGSEGV, most likely a refused stack or heap growth"
-        else:
-            how = ""
-        if how:
-            return {"kind": "memory_limit", "stderr_tail": stderr_tail,
-                    "peak_memory_bytes": usage.peak_memory_bytes,
-                    "message": f"the tool ran out of its memory limit of "
-                               f"{profile.memory_bytes} bytes ({how}); raise "
-                               f"{self._var('MEMORY_BYTES')}"}
-        if profile.processes and usage.process_limit_hits and exited and not succeeded:
-            return {"kind": "process_limit", "stderr_tail": stderr_tail,
-                    "message": f"the tool failed after the kernel refused "
-                               f"{usage.process_limit_hits} new process(es) or thread(s) at "
-                               f"its limit of {profile.processes} (threads count: pids.max "
-                               f"limits tasks); raise {self._var('PROCESSES')}"}
-        return None
-
-    def _lifetime_error(self) -> dict[str, Any]:
-        return {"kind": "max_lifetime_exceeded",
-                "message": f"the job outlived its cap of "
-                           f"{self.ctx.profile.max_lifetime_seconds:g} s from its first claim "
-                           "(P12); split it into stages"}
-
-    def _next_stage(self, value: Any) -> tuple[Any, NextStage | None, dict[str, Any] | None]:
-        """Split ``{"result": R, "next": {"tool": T, "payload": P}}`` (P19); anything else
-        is a plain result. Returns (result, next stage or None, error or None)."""
-        if not (isinstance(value, dict) and value.keys() == {"result", "next"}):
-            return value, None, None
-        nxt = value["next"]
-        if not (isinstance(nxt, dict) and isinstance(nxt.get("tool"), str)
-                and set(nxt) <= {"tool", "payload"}):
-            return None, None, {"kind": "bad_result", "message":
-                                'a next stage must be {"tool": NAME, "payload": JSON}'}
-        if nxt["tool"] not in self.ctx.profile.next_tools:
-            allowed = ", ".join(sorted(self.ctx.profile.next_tools)) or "none"
-            return None, None, {"kind": "stage_not_allowed", "message":
-                                f"next stage tool {nxt['tool']!r} is not allowed for "
-                                f"{self.job.tool!r} ({self._var('NEXT_TOOLS')}: "
-                                f"{allowed})"}
-        limit = self.ctx.settings.max_payload_bytes
-        if limit and len(jsontext.dumps(nxt.get("payload", {}))) > limit:
-            return None, None, {"kind": "bad_result", "message":
-                                f"the next stage's payload is larger than "
-                                f"SIDECAR_MAX_PAYLOAD_BYTES={limit}"}
-        next_profile = self.ctx.settings.profile(nxt["tool"])
-        return value["result"], NextStage(nxt["tool"], nxt.get("payload", {}),
-                                          next_profile.max_attempts), None
-
-    async def _succeed(self, holder: list[bytes | bytearray], stderr_tail: str | None,
-                       source: str = "stdout") -> str:
-        """Commit the tool's JSON text (its stdout, or its result file) if the lease is still
-        ours; a bad result fails the job. ``holder`` is a one-item list this method empties:
-        once parsed, the bytes are dropped and only the text sent to PostgreSQL is held."""
-        output = holder.pop()
-        digest = payload_digest(output)
-        try:
-            value, result = parse_result(output, source)
-        except BadResult as exc:
-            error = {"kind": "bad_result", "stderr_tail": stderr_tail, "message": exc.message}
-            return await self._fail(error, retryable=False)
-        finally:
-            del output
-        value, next_stage, stage_error = self._next_stage(value)
-        if stage_error is not None:
-            return await self._fail({**stage_error, "stderr_tail": stderr_tail}, retryable=False)
-        if next_stage is not None:
-            result = RawJson(jsontext.dumps(value).decode())  # every digit kept (F11)
-        del value  # a large result is held once, as the text sent to PostgreSQL
-        details = {"result": digest,
-                   "duration_s": round(time.monotonic() - self.started, 3), **self.resources}
-        try:
-            accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
-                self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded", details,
-                self.ctx.profile.result_url or None, next_stage))
-        except OwnershipUnknown:
-            return await self._abandon(digest)
-        except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:  # jsonb refused it
-            error = {"kind": "bad_result", "stderr_tail": stderr_tail,
-                     "message": f"PostgreSQL refused the result as jsonb: {exc}"}
-            return await self._fail(error, retryable=False)
-        if not accepted:
-            await self._reject(digest, "not the owner at commit")
-            return "rejected"
-        log.emit("job_succeeded", **self._fields(), duration_s=details["duration_s"],
-                 next_tool=next_stage.tool if next_stage else None)
-        if self.ctx.profile.result_url:
-            self.ctx.result_queued()
-        return "succeeded"
-
-    async def _fail(self, error: dict[str, Any], retryable: bool) -> str:
-        job, profile = self.job, self.ctx.profile
-        error = {k: v for k, v in error.items() if v is not None}
-        duration = round(time.monotonic() - self.started, 3)
-        # Every attempt's summary goes to the journal (P16), the last error to the row.
-        summary = {"attempt": job.attempt, "kind": error["kind"], "duration_s": duration,
-                   **{k: error[k] for k in ("exit_code", "signal") if k in error},
-                   **self.resources}
-        if retryable and job.attempt < job.max_attempts:
-            delay = backoff_seconds(profile, job.attempt)
-            try:
-                run_after = await self._fenced(lambda: self.ctx.store.requeue_if_owner(
-                    job, self.ctx.owner_id, error, delay,
-                    {**summary, "backoff_s": round(delay, 3)}))
-            except OwnershipUnknown:
-                return await self._abandon(None)
-            if run_after is None:
-                await self._reject(None, "not the owner at requeue")
-                return "rejected"
-            log.emit("job_retry_scheduled", "warning", **self._fields(), reason=error["kind"],
-                     duration_s=duration, run_after=run_after)
-            return "requeued"
-        if retryable:
-            error["message"] += f"; attempt {job.attempt} of {job.max_attempts}, none left"
-        try:
-            accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
-                job, self.ctx.owner_id, "failed", None, error, "job_failed",
-                summary))
-        except OwnershipUnknown:
-            return await self._abandon(None)
-        if not accepted:
-            await self._reject(None, "not the owner at commit")
-            return "rejected"
-        log.emit("job_failed", "warning", **self._fields(), reason=error["kind"],
-                 duration_s=duration, exit_code=error.get("exit_code"))
-        return "failed"
-
-    async def _abandon(self, digest: dict[str, Any] | None) -> str:
-        """The outcome could not be written before the local deadline: give the job up."""
-        self.lease.lose(lease_mod.LOCAL_DEADLINE)
-        log.emit("lease_abandoned", "error", **self._fields(),
-                 reason="outcome not written before the local deadline; ownership unknown")
-        await self._reject(digest, "ownership unknown at commit")
-        return "abandoned"
-
-    async def _release(self) -> bool:
-        try:
-            released = await self._fenced(lambda: self.ctx.store.release_if_owner(
-                self.job, self.ctx.owner_id,
-                {"reason": "shutdown", "owner_id": self.ctx.owner_id}))
-        except OwnershipUnknown:
-            await self._abandon(None)
-            return False
-        log.emit("lease_released" if released else "lease_lost",
-                 "info" if released else "warning", **self._fields(), reason="shutdown")
-        return released
-
-    async def _reject(self, digest: dict[str, Any] | None, why: str) -> None:
-        """P6: an outcome we may not commit goes to the journal as hash and size only
-        (``digest``: payload_digest of the output, None when there was none).
-        When ownership is unknown the database may be unreachable: the lease keeper
-        journals it once the database answers again."""
-        details: dict[str, Any] = {"why": why, "owner_id": self.ctx.owner_id}
-        if digest is not None:
-            details["result"] = digest
-        log.emit("result_rejected", "warning", **self._fields(), reason=why)
-        metrics.COMPLETIONS_REJECTED.labels(self.job.tool, self.ctx.profile.provider).inc()
-        if self.lease.abandoned:
-            self.lease.evidence = details
-        else:
-            await self._journal("result_rejected", details)
-
-    async def _fenced(self, write: Callable[[], Awaitable[T]]) -> T:
-        """Run a fenced write; when the database does not answer or cannot take it now
-        (``db.UNAVAILABLE_ERRORS``: a failover's read-only primary too, case F12), retry
-        on a new connection while the local deadline allows (a fenced write is safe to
-        repeat). Past it, ownership is unknown:
-        raise OwnershipUnknown and let the lease keeper settle it later."""
-        while True:
-            try:
-                return await write()
-            except db.UNAVAILABLE_ERRORS as exc:
-                if time.monotonic() >= self.lease.local_deadline:
-                    raise OwnershipUnknown() from exc
-                log.emit("commit_retry", "warning", **self._fields(),
-                         reason=f"{type(exc).__name__}: {exc}"[:200])
-                await asyncio.sleep(min(0.5, self.ctx.profile.heartbeat_seconds / 2))
-
-    async def _journal(self, event: str, details: dict[str, Any]) -> None:
-        try:
-            await self.ctx.store.record_event(self.job.id, self.job.fencing_token, event, details)
-        except Exception:  # noqa: BLE001 - the journal must not take the supervisor down
-            log.emit("journal_error", "warning", **self._fields(), reason=event)
 
 
 async def watch_idle(child: Child, idle_seconds: float) -> None:
@@ -674,8 +423,5 @@ def tree_activity(pid: int) -> tuple[float, int]:
             continue
     return round(cpu, 2), io
 
-
-class OwnershipUnknown(Exception):
-    """A fenced write got no answer before the lease's local deadline (P14b)."""
 
 

@@ -7,10 +7,10 @@ import asyncpg
 import orjson
 
 from conftest import base_env, cli, enqueue, pid_alive, query, run, wait_until
+from sidecar.commit import backoff_seconds
 from sidecar.config import load_settings
 from sidecar.db import RawJson, init_connection
 from sidecar.store import NextStage, Store
-from sidecar.supervisor import backoff_seconds
 
 TOOL = "stage_tool.py"
 

@@ -1,0 +1,193 @@
+"""The fenced end of one attempt: every write that ends an attempt goes through one
+``FencedCommit``, which retries it while the lease's local deadline allows, and logs,
+journals and counts each outcome in one place.
+
+A fenced write (``*_if_owner`` in sidecar.store) carries the job id, owner, token and
+``lease_until > now()`` (P6). "Not accepted" means another owner holds the job: the
+outcome is journaled as ``result_rejected`` (hash and size only), never published. "The
+database failed" (``db.UNAVAILABLE_ERRORS``: no answer, a dropped connection, a read-only
+failover primary) means ownership is unknown: the write is repeated on a new connection
+until the local deadline (a fenced write is safe to repeat), then the attempt is abandoned
+(P14b, case F12).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import asyncpg
+
+from sidecar import db, metrics
+from sidecar.config import LeaseProfile
+from sidecar.db import RawJson
+from sidecar.errors import OwnershipUnknown
+from sidecar.lease import Lease
+from sidecar.log import log, log_fields
+from sidecar.store import ClaimedJob, NextStage
+from sidecar.verdict import Failure, failure
+from sidecar.vocabulary import FailureKind, Outcome, StopReason
+
+if TYPE_CHECKING:
+    from sidecar.supervisor import WorkerContext
+
+T = TypeVar("T")
+
+# What the outcome of an attempt is when its lease ended before anything was committed.
+LEASE_ENDING_OUTCOMES = {StopReason.LEASE_LOST: Outcome.LEASE_LOST,
+                         StopReason.CANCELLED: Outcome.CANCELLED,
+                         StopReason.LOCAL_DEADLINE: Outcome.ABANDONED}
+
+
+def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
+    """Exponential backoff with full jitter (P16): a uniform draw in
+    [0, min(cap, base x 2^(attempt-1))] seconds, so retries of many jobs spread out."""
+    delay = min(profile.backoff_max_seconds, profile.backoff_base_seconds * 2 ** (attempt - 1))
+    return random.uniform(0.0, delay)
+
+
+class FencedCommit:
+    """Ends one attempt of ``job`` held under ``lease``: commit, fail (requeue or dead
+    letter), release, or record that the lease was lost. Each method returns the Outcome.
+    ``resources`` (peak memory, CPU time) go into every journaled summary."""
+
+    def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease, started: float):
+        self.ctx = ctx
+        self.job = job
+        self.lease = lease
+        self.started = started  # monotonic seconds at the claim
+        self.resources: dict[str, Any] = {}
+
+    def _duration(self) -> float:
+        return round(time.monotonic() - self.started, 3)
+
+    async def succeed(self, result: RawJson, digest: dict[str, Any],
+                      next_stage: NextStage | None, stderr_tail: str | None) -> Outcome:
+        """Commit ``result`` (and create ``next_stage``, P19) if the lease is still ours."""
+        details = {"result": digest, "duration_s": self._duration(), **self.resources}
+        try:
+            accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
+                self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded",
+                details, self.ctx.profile.result_url or None, next_stage))
+        except OwnershipUnknown:
+            return await self._abandon(digest)
+        except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:  # jsonb refused
+            return await self.fail(failure(
+                FailureKind.BAD_RESULT, f"PostgreSQL refused the result as jsonb: {exc}",
+                stderr_tail=stderr_tail))
+        if not accepted:
+            await self.reject(digest, "not the owner at commit")
+            return Outcome.REJECTED
+        log.emit("job_succeeded", **log_fields(self.job), duration_s=details["duration_s"],
+                 next_tool=next_stage.tool if next_stage else None)
+        if self.ctx.profile.result_url:
+            self.ctx.result_queued()
+        return Outcome.SUCCEEDED
+
+    async def fail(self, fault: Failure) -> Outcome:
+        """Record ``fault``: requeued after backoff while it is retryable and attempts
+        remain, else the job fails for good (P16). Every attempt's summary is journaled,
+        the last error goes to the row."""
+        job = self.job
+        error = fault.error()
+        duration = self._duration()
+        summary = {"attempt": job.attempt, "kind": error["kind"], "duration_s": duration,
+                   **{k: error[k] for k in ("exit_code", "signal") if k in error},
+                   **self.resources}
+        if fault.retryable and job.attempt < job.max_attempts:
+            delay = backoff_seconds(self.ctx.profile, job.attempt)
+            try:
+                run_after = await self._fenced(lambda: self.ctx.store.requeue_if_owner(
+                    job, self.ctx.owner_id, error, delay,
+                    {**summary, "backoff_s": round(delay, 3)}))
+            except OwnershipUnknown:
+                return await self._abandon(None)
+            if run_after is None:
+                await self.reject(None, "not the owner at requeue")
+                return Outcome.REJECTED
+            log.emit("job_retry_scheduled", "warning", **log_fields(job), reason=error["kind"],
+                     duration_s=duration, run_after=run_after)
+            return Outcome.REQUEUED
+        if fault.retryable:
+            error["message"] += f"; attempt {job.attempt} of {job.max_attempts}, none left"
+        try:
+            accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
+                job, self.ctx.owner_id, "failed", None, error, "job_failed", summary))
+        except OwnershipUnknown:
+            return await self._abandon(None)
+        if not accepted:
+            await self.reject(None, "not the owner at commit")
+            return Outcome.REJECTED
+        log.emit("job_failed", "warning", **log_fields(job), reason=error["kind"],
+                 duration_s=duration, exit_code=error.get("exit_code"))
+        return Outcome.FAILED
+
+    async def release(self) -> Outcome:
+        """Shutdown: give the lease back without spending the attempt."""
+        try:
+            released = await self._fenced(lambda: self.ctx.store.release_if_owner(
+                self.job, self.ctx.owner_id,
+                {"reason": "shutdown", "owner_id": self.ctx.owner_id}))
+        except OwnershipUnknown:
+            return await self._abandon(None)
+        log.emit("lease_released" if released else "lease_lost",
+                 "info" if released else "warning", **log_fields(self.job), reason="shutdown")
+        return Outcome.RELEASED if released else Outcome.LEASE_LOST
+
+    async def lease_ended(self, reason: StopReason, digest: dict[str, Any] | None) -> Outcome:
+        """The lease ended before the outcome was written (P13): nothing is committed; a
+        result the tool returned (``digest``) is only journaled."""
+        if digest is not None:
+            await self.reject(digest, "lease lost before commit")
+        log.emit("lease_lost", "warning", **log_fields(self.job), reason=str(reason),
+                 duration_s=self._duration())
+        return LEASE_ENDING_OUTCOMES[reason]
+
+    async def reject(self, digest: dict[str, Any] | None, why: str) -> None:
+        """P6: an outcome we may not commit goes to the journal as hash and size only
+        (``digest``: payload_digest of the output, None when there was none). When
+        ownership is unknown the database may be unreachable: the lease keeper journals it
+        once the database answers again."""
+        details: dict[str, Any] = {"why": why, "owner_id": self.ctx.owner_id}
+        if digest is not None:
+            details["result"] = digest
+        log.emit("result_rejected", "warning", **log_fields(self.job), reason=why)
+        metrics.COMPLETIONS_REJECTED.labels(self.job.tool, self.ctx.profile.provider).inc()
+        if self.lease.abandoned:
+            self.lease.evidence = details
+        else:
+            await self.journal("result_rejected", details)
+
+    async def _abandon(self, digest: dict[str, Any] | None) -> Outcome:
+        """The outcome could not be written before the local deadline: give the job up."""
+        self.lease.lose(StopReason.LOCAL_DEADLINE)
+        log.emit("lease_abandoned", "error", **log_fields(self.job),
+                 reason="outcome not written before the local deadline; ownership unknown")
+        await self.reject(digest, "ownership unknown at commit")
+        return Outcome.ABANDONED
+
+    async def _fenced(self, write: Callable[[], Awaitable[T]]) -> T:
+        """Run a fenced write; when the database failed (``db.UNAVAILABLE_ERRORS``, a
+        failover's read-only primary too, case F12), retry on a new connection while the
+        local deadline allows. Past it, raise OwnershipUnknown."""
+        while True:
+            try:
+                return await write()
+            except db.UNAVAILABLE_ERRORS as exc:
+                if time.monotonic() >= self.lease.local_deadline:
+                    raise OwnershipUnknown() from exc
+                log.emit("commit_retry", "warning", **log_fields(self.job),
+                         reason=f"{type(exc).__name__}: {exc}"[:200])
+                await asyncio.sleep(min(0.5, self.ctx.profile.heartbeat_seconds / 2))
+
+    async def journal(self, event: str, details: dict[str, Any]) -> None:
+        """One journal row for this attempt; a failure to write it is logged, never
+        raised (the journal must not take the supervisor down)."""
+        try:
+            await self.ctx.store.record_event(self.job.id, self.job.fencing_token, event,
+                                              details)
+        except Exception:  # noqa: BLE001
+            log.emit("journal_error", "warning", **log_fields(self.job), reason=event)

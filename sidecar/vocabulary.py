@@ -1,0 +1,120 @@
+"""The sidecar's words for how things end, in one place at the bottom of the house.
+
+Every module that names a stop reason, an outcome, a failure kind or a guard refusal
+imports it from here, and every metric label set is built from these enums, so a new
+reason cannot miss its series or be spelled two ways. Each member's value is the string
+that appears in logs, the journal, the ``error.kind`` of a job row and metric labels.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class StopReason(StrEnum):
+    """Why one attempt's tool stopped: the first one observed wins (P8, P13). All but
+    ``EXITED`` mean the sidecar killed the tree; ``ORPHANED_DESCENDANTS`` names the kill
+    of what an exited tool left running."""
+
+    EXITED = "exited"
+    STAGE_TIMEOUT = "stage_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    MAX_LIFETIME = "max_lifetime_exceeded"
+    RESULT_TOO_LARGE = "result_too_large"
+    CPU_LIMIT = "cpu_limit"
+    SHUTDOWN = "shutdown"
+    LEASE_LOST = "lease_lost"          # zero rows: expired and taken over, or changed by policy
+    CANCELLED = "cancelled"            # zero rows because an operator cancelled the job
+    LOCAL_DEADLINE = "local_deadline"  # ownership unknown until the local deadline passed
+    ORPHANED_DESCENDANTS = "orphaned_descendants"
+
+
+# The stop reasons that mean the lease is no longer ours (P13): nothing is committed.
+LEASE_ENDINGS = frozenset({StopReason.LEASE_LOST, StopReason.CANCELLED,
+                           StopReason.LOCAL_DEADLINE})
+
+
+class Outcome(StrEnum):
+    """How one attempt ended for the job row (the ``outcome`` metric label)."""
+
+    SUCCEEDED = "succeeded"    # result committed
+    FAILED = "failed"          # terminal failure committed (dead letter)
+    REQUEUED = "requeued"      # failure committed, retried after backoff
+    RELEASED = "released"      # shutdown: lease given back, attempt not spent
+    CANCELLED = "cancelled"    # an operator cancelled the job while it ran
+    LEASE_LOST = "lease_lost"  # the lease was lost before the outcome could be committed
+    REJECTED = "rejected"      # the fenced commit found another owner (P6)
+    ABANDONED = "abandoned"    # ownership unknown past the local deadline (P14b)
+
+
+class FailureKind(StrEnum):
+    """``error.kind`` of a failed attempt (docs/child-process.md)."""
+
+    EXIT_CODE = "exit_code"
+    SIGNAL = "signal"
+    EXIT_STATUS_LOST = "exit_status_lost"
+    BAD_RESULT = "bad_result"
+    RESULT_TOO_LARGE = "result_too_large"
+    STAGE_TIMEOUT = "stage_timeout"
+    IDLE_TIMEOUT = "idle_timeout"
+    MAX_LIFETIME = "max_lifetime_exceeded"
+    STAGE_NOT_ALLOWED = "stage_not_allowed"
+    SPAWN_FAILED = "spawn_failed"
+    SANDBOX_FAILED = "sandbox_failed"
+    MEMORY_LIMIT = "memory_limit"
+    CPU_LIMIT = "cpu_limit"
+    PROCESS_LIMIT = "process_limit"
+    # Written by SQL, never by a supervisor: the lease expired on the last attempt, and an
+    # operator's cancel.
+    MAX_ATTEMPTS_EXCEEDED = "max_attempts_exceeded"
+    CANCELLED = "cancelled"
+
+
+# Whether another attempt may help (P16): a transient fault is retried with backoff while
+# attempts remain; bad input or a limit the same input would hit again is not. An exit
+# code is retried unless the profile's NON_RETRYABLE_EXIT_CODES names it.
+RETRYABLE: dict[FailureKind, bool] = {
+    FailureKind.EXIT_CODE: True,
+    FailureKind.SIGNAL: True,
+    FailureKind.EXIT_STATUS_LOST: True,
+    FailureKind.BAD_RESULT: False,
+    FailureKind.RESULT_TOO_LARGE: False,
+    FailureKind.STAGE_TIMEOUT: True,
+    FailureKind.IDLE_TIMEOUT: True,
+    FailureKind.MAX_LIFETIME: False,
+    FailureKind.STAGE_NOT_ALLOWED: False,
+    FailureKind.SPAWN_FAILED: False,
+    FailureKind.SANDBOX_FAILED: True,
+    FailureKind.MEMORY_LIMIT: False,
+    FailureKind.CPU_LIMIT: False,
+    FailureKind.PROCESS_LIMIT: False,
+    FailureKind.MAX_ATTEMPTS_EXCEEDED: False,
+    FailureKind.CANCELLED: False,
+}
+
+
+class GuardRefusal(StrEnum):
+    """Why the guard answered 409 to a tool asking before an irreversible step."""
+
+    CANCELLED = "cancelled"
+    LEASE_LOST = "lease_lost"
+    OWNERSHIP_UNKNOWN = "ownership_unknown"
+    DEADLINE = "deadline"          # the supervisor is stopping the tool
+    LEASE_ENDING = "lease_ending"  # too little of the lease left for the step
+
+
+class HeartbeatResult(StrEnum):
+    """One renewal's result (the heartbeat metric's ``result`` label)."""
+
+    OK = "ok"
+    LOST = "lost"        # zero rows
+    ERROR = "error"      # the database answered with an error
+    TIMEOUT = "timeout"  # no answer in time
+
+
+class KillSignal(StrEnum):
+    """The strongest signal a tree kill sent (``none``: nothing was left to kill)."""
+
+    SIGTERM = "SIGTERM"
+    SIGKILL = "SIGKILL"
+    NONE = "none"
