@@ -16,6 +16,7 @@ from pathlib import Path
 from sidecar import db
 from sidecar import log as log_mod
 from sidecar.config import Settings, load_settings
+from sidecar.loop import run_async
 from sidecar.store import Store
 from sidecar.worker import Worker
 
@@ -88,7 +89,6 @@ async def _demo(settings: Settings) -> int:
 
 def run_demo(settings: Settings) -> int:
     """Run the demo; return 0 when every outcome is the expected one."""
-    from sidecar.cli import run_async
 
     env = dict(os.environ)
     for key, value in DEMO_PROFILE.items():

@@ -16,8 +16,6 @@ import tempfile
 import time
 import uuid
 
-import asyncpg
-
 from sidecar import db, health, metrics
 from sidecar.cgroups import CgroupHost
 from sidecar.child import reap_adopted
@@ -73,6 +71,7 @@ class Worker:
         self.failure: BaseException | None = None
         self.serve_http = serve_http and settings.http_addr != "off"
         self.labels = (profile.tool, profile.provider)
+        self._background: list[asyncio.Task] = []
         self.readiness = Readiness(expected_schema=migrations()[-1].version,
                                    db_fresh_seconds=max(10.0, 3 * settings.poll_seconds),
                                    draining=self.stopping.is_set)
@@ -86,69 +85,80 @@ class Worker:
 
     async def run(self) -> int:
         """Run until drained or stopped; return the process exit code (0 clean, 1 failure).
-        Holds the owner lock in the work root meanwhile, which marks this sidecar's work
-        directories and job cgroups as alive (sidecar.leftovers); raises OSError when the
-        work root is unusable."""
-        owner_lock = OwnerLock(self.settings.work_dir or tempfile.gettempdir(), self.owner_id)
-        await asyncio.get_running_loop().run_in_executor(None, owner_lock.acquire)
-        try:
-            return await self._run()
-        finally:
-            owner_lock.release()
 
-    async def _run(self) -> int:
+        Start-up and shutdown are pairs on one AsyncExitStack: the owner lock in the work
+        root (it marks this sidecar's work directories and job cgroups as alive,
+        sidecar.leftovers), the pool, the HTTP endpoints, the guard and the background
+        tasks. Whatever fails, at start or later, what was started is torn down in reverse
+        order. Raises OSError when the work root is unusable, ConfigError when the HTTP
+        address is taken, DatabaseUnavailable when the database cannot be reached."""
+        async with contextlib.AsyncExitStack() as stack:
+            await self._start(stack)
+            try:
+                await self._claim_loop(self._store, self._ctx)
+                await self._drain_running()
+            finally:
+                await self._stop_background()
+        log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
+                 reason=repr(self.failure) if self.failure else None)
+        return 1 if self.failure else 0
+
+    async def _start(self, stack: contextlib.AsyncExitStack) -> None:
+        loop = asyncio.get_running_loop()
         timeout = self.settings.db_timeout_seconds
+        owner_lock = OwnerLock(self.settings.work_dir or tempfile.gettempdir(), self.owner_id)
+        await loop.run_in_executor(None, owner_lock.acquire)
+        stack.callback(owner_lock.release)
         pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
+        stack.push_async_callback(lambda: asyncio.wait_for(pool.close(), timeout))
         store = Store(pool, timeout)
         await store.migrate()
         self.readiness.schema = await store.schema_version()
         self.readiness.db_ok_at = time.monotonic()
         metrics.start_at_zero(*self.labels)
-        http_runner, http_addr = None, None
+        http_addr = None
         if self.serve_http:
             try:
                 http_runner, http_addr = await health.serve(self.readiness,
                                                             self.settings.http_addr)
             except OSError as exc:
-                await pool.close()
                 raise ConfigError(f"SIDECAR_HTTP_ADDR={self.settings.http_addr}: cannot listen "
                                   f"({exc.strerror or exc}); pick a free port, or off") from None
+            stack.push_async_callback(http_runner.cleanup)
         keeper = LeaseKeeper(self.dsn, self.owner_id, self.profile, store, timeout)
         forwarder = Forwarder(store, self.settings, self.owner_id)
         guard = GuardServer(store, self.profile, self.owner_id)
         guard_url = await guard.start()
-        ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
-                            dict(os.environ), self.shutdown_kill, forwarder.wake,
-                            self.settings, guard, guard_url, self.cgroup_host)
+        stack.push_async_callback(guard.stop)
+        if self.adopt_orphans:  # the last sweep, once every tool is gone
+            stack.callback(reap_adopted)
+        self._store = store
+        self._ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
+                                  dict(os.environ), self.shutdown_kill, forwarder.wake,
+                                  self.settings, guard, guard_url, self.cgroup_host)
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict(),
                  http_addr=http_addr, guard_url=guard_url,
                  isolation=self.cgroup_host.describe())
-        background = [asyncio.create_task(keeper.run(), name="heartbeat"),
-                      asyncio.create_task(self._listen(), name="listen"),
-                      asyncio.create_task(forwarder.run(), name="forwarder"),
-                      asyncio.create_task(health.watch_loop(self.readiness), name="loop-watch")]
+        self._background = [
+            asyncio.create_task(keeper.run(), name="heartbeat"),
+            asyncio.create_task(self._listen(), name="listen"),
+            asyncio.create_task(forwarder.run(), name="forwarder"),
+            asyncio.create_task(health.watch_loop(self.readiness), name="loop-watch")]
         if self.adopt_orphans:
-            background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
-        for task in background:
+            self._background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
+        for task in self._background:
             task.add_done_callback(self._background_done)
-        try:
-            await self._claim_loop(store, ctx)
-            await self._drain_running()
-        finally:
-            for task in background:
-                task.remove_done_callback(self._background_done)
-                task.cancel()
-            await asyncio.gather(*background, return_exceptions=True)
-            if self.adopt_orphans:
-                reap_adopted()
-            await guard.stop()
-            if http_runner is not None:
-                await http_runner.cleanup()
-            await asyncio.wait_for(pool.close(), timeout)
-        log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
-                 reason=repr(self.failure) if self.failure else None)
-        return 1 if self.failure else 0
+        stack.push_async_callback(self._stop_background)
+
+    async def _stop_background(self) -> None:
+        """Cancel the background tasks (heartbeat, listener, forwarder, watchers, reaper)
+        and wait for them; a second call finds nothing left to do."""
+        tasks, self._background = self._background, []
+        for task in tasks:
+            task.remove_done_callback(self._background_done)
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _background_done(self, task: asyncio.Task) -> None:
         if task.cancelled():
@@ -193,7 +203,7 @@ class Worker:
                         and await store.due_outbox_rows(tool, self.settings.drain_seconds) == 0:
                     log.emit("drained", tool=tool, owner_id=self.owner_id)
                     return
-            except (TimeoutError, OSError, asyncpg.PostgresError, asyncpg.InterfaceError) as exc:
+            except db.DATABASE_ERRORS as exc:
                 log.emit("claim_error", "warning", tool=tool, reason=f"{type(exc).__name__}: {exc}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), poll)
