@@ -25,8 +25,12 @@ import psutil
 
 from sidecar.db import init_connection, with_database
 
+# The helpers and tools the tests use too, one copy of each (tests/kit.py).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+import kit  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
-TOOLS = Path(__file__).resolve().parent / "tools"
+TOOLS = kit.TOOLS  # the tests' tools: the benchmark runs the same programs
 T = TypeVar("T")
 
 
@@ -176,21 +180,7 @@ class Sidecar:
         self.started = time.monotonic()
 
     def events(self, name: str | None = None) -> list[dict[str, Any]]:
-        out = []
-        try:
-            data = self.log_path.read_bytes()
-        except OSError:
-            return out
-        for line in data.splitlines():
-            if name is not None and name.encode() not in line:
-                continue
-            try:
-                event = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(event, dict) and (name is None or event.get("event") == name):
-                out.append(event)
-        return out
+        return kit.read_events(self.log_path, name)
 
     def tail(self, lines: int = 5) -> str:
         try:
@@ -225,13 +215,7 @@ class Sidecar:
 
     async def stop(self, timeout: float = 15.0) -> None:
         """SIGTERM (drain) and wait; SIGKILL past ``timeout``."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                await self.exit(timeout)
-            except BenchError:
-                self.proc.kill()
-                await self.exit(5)
+        await asyncio.to_thread(kit.stop_process, self.proc, timeout)
 
     def tool_children(self) -> list[psutil.Process]:
         """The sidecar's child processes that are tools (not its guardian)."""

@@ -57,7 +57,7 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
 
     settings = load_settings()
     profile = settings.profile("flood")
-    argv = [sys.executable, str(TOOLS / "flood.py")]
+    argv = [sys.executable, str(TOOLS / "cp_flood.py")]
     # The sidecar's events go to a file, as `sidecar run 2>file` would write them.
     log_file = tempfile.NamedTemporaryFile(prefix="bench-lag-", suffix=".log", delete=False)  # noqa: SIM115
     log_mod.log.stream = log_file

@@ -20,10 +20,9 @@ import asyncpg
 import orjson
 import psutil
 import pytest
+from kit import TOOLS, job_processes, read_events, stop_process  # noqa: F401 - re-exported
 
 from sidecar.db import init_connection, with_database
-
-TOOLS = Path(__file__).parent / "tools"
 
 # Short periods so the suite runs in seconds; they keep P10 (3 > 1 x 0.5 + 1).
 FAST_PROFILE = {
@@ -180,15 +179,7 @@ class SidecarProcess:
         self.pid = self.proc.pid
 
     def events(self, name: str | None = None) -> list[dict]:
-        out = []
-        for line in self.log_path.read_bytes().splitlines():
-            try:
-                event = orjson.loads(line)
-            except orjson.JSONDecodeError:
-                continue
-            if isinstance(event, dict) and (name is None or event.get("event") == name):
-                out.append(event)
-        return out
+        return read_events(self.log_path, name)
 
     def wait_event(self, name: str, timeout: float = 15.0, **match) -> dict:
         def found():
@@ -206,13 +197,7 @@ class SidecarProcess:
         return self.proc.wait(timeout)
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 10)
         self._log.close()
 
 

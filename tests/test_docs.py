@@ -33,3 +33,16 @@ def test_every_cited_rule_and_case_is_defined_in_docs_protocol():
             if f"{kind}{number}" not in defined:
                 missing.setdefault(f"{kind}{number}", []).append(str(path.relative_to(ROOT)))
     assert not missing, f"cited but not defined in docs/protocol.md: {missing}"
+
+
+def test_readme_is_for_users_and_its_links_resolve():
+    """README.md stays a short page for users (about 15 KB at most), opens with what the
+    sidecar is and the two commands, has a table of contents, and every relative link in
+    it and in docs/ points at a file that exists."""
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.encode()) <= 15 * 1024
+    assert readme.index("pip install -q '.[embedded]'") < readme.index("## Contents")
+    assert "python -m pytest -q" in readme
+    for page in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to missing {target}"

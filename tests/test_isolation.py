@@ -1,4 +1,4 @@
-"""Isolation of the child and hostile input (README "Isolation and security"): each limit
+"""Isolation of the child and hostile input (docs/isolation.md): each limit
 proved with a real misbehaving tool (tests/tools/hostile.py) run by a real `sidecar run`,
 in both isolation modes: per-job cgroups (the default as root where the host has them) and
 rlimits (SIDECAR_CGROUPS=off). Also the work directory, the environment allow-list, the
@@ -15,8 +15,8 @@ import tempfile
 from pathlib import Path
 
 import orjson
-import psutil
 import pytest
+from kit import job_processes
 
 from conftest import TOOLS, base_env, cli, enqueue, query, short_root
 from conftest import job_row as _row
@@ -49,19 +49,6 @@ def _drain(dsn, env, tool, command=(HOSTILE,), timeout=90):
     return done
 
 
-def _job_processes(job_id: str) -> list[int]:
-    """Live processes carrying the job's id in their environment (its tree, escapees too)."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("SIDECAR_JOB_ID") == job_id and \
-                    proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
 def _assert_work_dir_empty(work: Path) -> None:
     assert work.is_dir() and list(work.iterdir()) == [], list(work.iterdir())
 
@@ -89,7 +76,7 @@ def test_memory_hog_is_killed_in_its_cgroup_and_fails_as_memory_limit(dsn, tmp_p
     assert summary["kind"] == "memory_limit" and summary["oom_kills"] >= 1
     # Peak memory of the tree, as the cgroup measured it: near the limit, never far above.
     assert 32 * MIB < summary["peak_memory_bytes"] <= 64 * MIB + MIB
-    assert _job_processes(job) == []
+    assert job_processes(job) == []
     _assert_work_dir_empty(work)
 
 
@@ -120,7 +107,7 @@ def test_fork_bomb_is_capped_by_processes_and_fails_as_process_limit(dsn, tmp_pa
     assert 1 <= killed["killed"] <= 16 and killed["survivors"] == 0
     [summary] = _journal(dsn, job, "job_failed")
     assert summary["process_limit_hits"] >= 1
-    assert _job_processes(job) == []
+    assert job_processes(job) == []
     _assert_work_dir_empty(work)
 
 
@@ -166,7 +153,7 @@ def test_fork_bomb_under_rlimits_is_capped_by_run_as_and_nproc(dsn, public_work)
         assert row["state"] == "failed" and row["error"]["exit_code"] == 3, row["error"]
         [killed] = _journal(dsn, job, "child_killed")
         assert 1 <= killed["killed"] <= 8 and killed["survivors"] == 0
-        assert _job_processes(job) == []
+        assert job_processes(job) == []
         _assert_work_dir_empty(work)
     finally:
         shutil.rmtree(os.path.dirname(tool))
@@ -186,7 +173,7 @@ def test_cpu_spinners_are_stopped_at_the_trees_cpu_seconds(dsn, tmp_path, cgroup
     # Two spinners: the tree's sum hit the limit, long before either reached it alone.
     [summary] = _journal(dsn, job, "job_failed")
     assert 1.5 <= summary["cpu_seconds"] < 6
-    assert _job_processes(job) == []
+    assert job_processes(job) == []
     _assert_work_dir_empty(work)
 
 
@@ -196,7 +183,7 @@ def test_cpu_spinner_under_rlimits_fails_as_cpu_limit(dsn, tmp_path):
     _drain(dsn, env, "spin")
     row = _row(dsn, job)
     assert row["state"] == "failed" and row["error"]["kind"] == "cpu_limit", row["error"]
-    assert _job_processes(job) == []
+    assert job_processes(job) == []
     _assert_work_dir_empty(work)
 
 

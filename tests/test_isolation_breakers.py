@@ -1,4 +1,4 @@
-"""Breaking the isolation on purpose (README "The child process", "Isolation and security"):
+"""Breaking the isolation on purpose (docs/child-process.md, docs/isolation.md):
 a hostile tool (tests/tools/breaker.py) and a careless operator against a real
 `sidecar run` and a real PostgreSQL. Tests that fail here are reproducers of bugs."""
 

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from kit import job_processes
 
 from conftest import base_env, enqueue, job_row, wait_until
 
@@ -39,20 +40,6 @@ def _recipe_env(dsn: str, name: str, **extra: str) -> dict[str, str]:
     return env
 
 
-def _job_processes(job_id: str) -> list[int]:
-    """Live processes carrying the job's id in their environment: its whole tree, the
-    re-parented and setsid'ed ones (Chromium's crash handlers) included."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("SIDECAR_JOB_ID") == job_id and \
-                    proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except (psutil.Error, OSError):
-            continue
-    return found
-
-
 def _zombie_children(pid: int) -> list[int]:
     try:
         return [c.pid for c in psutil.Process(pid).children()
@@ -70,7 +57,7 @@ def _finished(dsn: str, sc, jobs: list[str], timeout: float = 120) -> list[dict]
 
     rows = wait_until(done, timeout, interval=0.2, what=f"jobs {jobs} to finish")
     for job in jobs:
-        wait_until(lambda job=job: not _job_processes(job), 10,
+        wait_until(lambda job=job: not job_processes(job), 10,
                    what=f"no process of job {job} left")
     wait_until(lambda: not _zombie_children(sc.pid), 5, what="no zombie child of the sidecar")
     assert sc.proc.poll() is None, sc.stderr_text()[-2000:]

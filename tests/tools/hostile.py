@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Test tool: misbehaves as the payload's "mode" says (README "Isolation and security").
+"""Test tool: misbehaves as the payload's "mode" says (docs/isolation.md).
 
 Modes: memory_hog (allocate and touch 8 MiB chunks forever), fork_bomb (every process forks
 until refused; the first one exits 3 after 2 s), cpu_spin (burn CPU in "procs" processes),
