@@ -245,6 +245,27 @@ def _status(proc: psutil.Process) -> str | None:
         return None
 
 
+def one_line_error(done: subprocess.CompletedProcess) -> str:
+    """The stderr of a failed command: exactly one line, no traceback; returned as text."""
+    err = done.stderr.decode(errors="replace")
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}: {err!r}"
+    return lines[0]
+
+
+@pytest.fixture
+def proxy(dsn):
+    """A controllable TCP proxy in front of the test database (tests/netproxy.py): it can
+    blackhole the path (keep sockets open, drop bytes) and restore it."""
+    from netproxy import BlackholeProxy, upstream_of
+
+    p = BlackholeProxy(upstream_of(dsn))
+    p.start()
+    yield p
+    p.stop()
+
+
 def read_pids(path: Path, count: int, timeout: float = 15.0) -> list[int]:
     """Pids a test tool wrote to ``path``, once it has written ``count`` of them."""
 

@@ -12,7 +12,7 @@ import asyncpg
 import orjson
 import pytest
 
-from conftest import base_env, cli, enqueue, query, run, scalar
+from conftest import base_env, cli, enqueue, one_line_error, query, run, scalar
 from sidecar.db import with_database
 from sidecar.queries import migrations
 
@@ -20,15 +20,6 @@ ALL_VERSIONS = [m.version for m in migrations()]
 LATEST = ALL_VERSIONS[-1]
 
 UNREACHABLE = "postgresql://bob:s3cretpw@127.0.0.1:1/nope"
-
-
-def one_line_error(done: subprocess.CompletedProcess) -> str:
-    """The stderr of a failed command: exactly one line, no traceback; returned as text."""
-    err = done.stderr.decode(errors="replace")
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}: {err!r}"
-    return lines[0]
 
 
 def out_json(done: subprocess.CompletedProcess):

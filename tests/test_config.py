@@ -4,24 +4,15 @@ directly and the `sidecar` command refusing to start (exit 2, one line)."""
 
 from __future__ import annotations
 
-import subprocess
 import uuid
 
 import pytest
 
-from conftest import FAST_PROFILE, base_env, cli, enqueue, scalar
+from conftest import FAST_PROFILE, base_env, cli, enqueue, one_line_error, scalar
 from sidecar.config import load_settings, tool_env_key
 from sidecar.errors import ConfigError
 
 UNREACHABLE = "postgresql://bob:s3cretpw@127.0.0.1:1/nope"
-
-
-def one_line_error(done: subprocess.CompletedProcess) -> str:
-    err = done.stderr.decode(errors="replace")
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}: {err!r}"
-    return lines[0]
 
 
 def plain_env(dsn: str, **extra: str) -> dict[str, str]:

@@ -28,7 +28,7 @@ import warnings
 from pathlib import Path
 
 import pytest
-from netproxy import BlackholeProxy, through, upstream_of
+from netproxy import through
 
 from conftest import (
     FAST_PROFILE,
@@ -47,14 +47,6 @@ L = float(FAST_PROFILE["SIDECAR_LEASE_SECONDS"])
 H = float(FAST_PROFILE["SIDECAR_HEARTBEAT_SECONDS"])
 LOST_EVENTS = {"heartbeat_lost", "lease_abandoned", "lease_lost", "child_killed",
                "result_rejected", "worker_failed", "supervisor_error"}
-
-
-@pytest.fixture
-def proxy(dsn):
-    p = BlackholeProxy(upstream_of(dsn))
-    p.start()
-    yield p
-    p.stop()
 
 
 def _job(dsn, job_id):

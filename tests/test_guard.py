@@ -22,8 +22,9 @@ from conftest import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, run
 from sidecar.config import load_settings
 from sidecar.db import init_connection
 from sidecar.guard import CHECKPOINT_LIMIT, GuardServer
-from sidecar.lease import CANCELLED, LEASE_LOST, LOCAL_DEADLINE, Lease
+from sidecar.lease import Lease
 from sidecar.store import Store
+from sidecar.vocabulary import StopReason
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 TOOL = "guarded"
@@ -116,12 +117,12 @@ def test_guard_answers_the_fencing_token_while_ownership_is_confirmed(dsn):
 
 REFUSALS = [
     # (what happened, how to put the lease in that state, expected reason)
-    ("cancelled by an operator", lambda lease: lease.lose(CANCELLED), "cancelled"),
-    ("zero rows at a heartbeat", lambda lease: lease.lose(LEASE_LOST), "lease_lost"),
+    ("cancelled by an operator", lambda lease: lease.lose(StopReason.CANCELLED), "cancelled"),
+    ("zero rows at a heartbeat", lambda lease: lease.lose(StopReason.LEASE_LOST), "lease_lost"),
     ("outcome being written", lambda lease: lease.settle(), "lease_lost"),
     ("database not answering", lambda lease: setattr(lease, "unknown_since",
                                                      time.monotonic() - 2), "ownership_unknown"),
-    ("given up at the local deadline", lambda lease: lease.lose(LOCAL_DEADLINE),
+    ("given up at the local deadline", lambda lease: lease.lose(StopReason.LOCAL_DEADLINE),
      "ownership_unknown"),
     ("stage deadline", lambda lease: setattr(lease, "stopping", "stage_timeout"), "deadline"),
     ("shutdown", lambda lease: setattr(lease, "stopping", "shutdown"), "deadline"),
@@ -131,7 +132,7 @@ REFUSALS = [
         lease, "local_deadline", time.monotonic() - 1), "lease_ending"),
     # Two states at once: the lost lease says more than the stop.
     ("cancelled while stopping", lambda lease: (setattr(lease, "stopping", "stage_timeout"),
-                                                lease.lose(CANCELLED)), "cancelled"),
+                                                lease.lose(StopReason.CANCELLED)), "cancelled"),
 ]
 
 
@@ -161,7 +162,7 @@ def test_unauthorized_requests_all_get_the_same_answer(dsn):
 
             # Each secret names its own job only.
             assert (await guard_call(h, token_a))[1]["fencing_token"] == lease_a.job.fencing_token
-            lease_b.lose(CANCELLED)
+            lease_b.lose(StopReason.CANCELLED)
             assert (await guard_call(h, token_a))[0] == 200
             assert (await guard_call(h, token_b)) == (409, {"reason": "cancelled"})
 
@@ -307,7 +308,7 @@ def test_checkpoint_is_refused_after_another_owner_took_the_job(dsn):
             assert await guard_call(h, token) == (409, {"reason": "lease_lost"})
             # A lease lost locally is refused without asking the database.
             other, other_token = await h.claim()
-            other.lose(LEASE_LOST)
+            other.lose(StopReason.LEASE_LOST)
             status, answer, _ = await post(h.url, "/v1/checkpoint", other_token, body={"x": 1})
             assert (status, answer) == (409, {"reason": "lease_lost"})
             return lease, other
@@ -455,7 +456,7 @@ def test_examples_ask_the_guard(dsn, example):
             assert code == 0, err
             assert lease.request_id == request_id
 
-            lease.lose(CANCELLED)
+            lease.lose(StopReason.CANCELLED)
             code, out, err = await _run_example(h, token, example, "later")
             assert (code, out) == (1, "")
             assert err.strip() == "guard: cancelled"
@@ -504,7 +505,7 @@ def test_guard_client_retries_lease_ending_until_renewed(dsn):
             try:
                 answer = await asyncio.to_thread(guard_client.guard, "r1", 5.0)
                 assert answer["fencing_token"] == lease.job.fencing_token
-                lease.lose(LEASE_LOST)
+                lease.lose(StopReason.LEASE_LOST)
                 with pytest.raises(guard_client.GuardRefused) as refused:
                     await asyncio.to_thread(guard_client.guard, "r2", 5.0)
                 assert refused.value.reason == "lease_lost"

@@ -21,7 +21,17 @@ import orjson
 import psutil
 import pytest
 
-from conftest import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, short_root, wait_until
+from conftest import (
+    FAST_PROFILE,
+    TOOLS,
+    base_env,
+    cli,
+    enqueue,
+    query,
+    read_pids,
+    short_root,
+    wait_until,
+)
 from conftest import job_cgroup_dirs as _job_cgroups
 from conftest import job_row as _row
 from conftest import journal_details as _journal
@@ -72,17 +82,6 @@ def _keyed(work: Path) -> list[Path]:
 
 
 
-def _pids(path: Path, count: int) -> list[int]:
-    def ready():
-        try:
-            pids = [int(x) for x in path.read_text().split()]
-        except (OSError, ValueError):
-            return None
-        return pids if len(pids) >= count else None
-
-    return wait_until(ready, 20, what=f"{count} pids in {path}")
-
-
 
 
 # --- what a start sweeps ------------------------------------------------------------------
@@ -103,7 +102,7 @@ def test_a_start_beside_a_live_sidecar_mid_job_clears_only_dead_owners_leftovers
     job = enqueue(dsn, "live", {"mode": "sleep", "seconds": 6, "pidfile": str(pidfile)},
                   "--max-attempts", "1", env=env)
     sidecars(dsn, [PROBE], "--tool", "live", env=env)
-    [victim] = _pids(pidfile, 1)
+    [victim] = read_pids(pidfile, 1, 20)
     live_cgroups = _job_cgroups(victim)
     assert len(live_cgroups) == 3, live_cgroups
     [live_dir] = _keyed(work)
@@ -169,7 +168,7 @@ def test_a_run_as_tool_cannot_get_a_start_to_kill_another_live_sidecars_job(
     job = enqueue(dsn, "victim", {"mode": "sleep", "seconds": 6, "pidfile": str(pidfile)},
                   env=env)
     sidecars(dsn, [PROBE], "--tool", "victim", env=env)
-    [victim] = _pids(pidfile, 1)
+    [victim] = read_pids(pidfile, 1, 20)
     [victim_dir] = _keyed(victim_root)
     key = victim_dir.name[:12]
 
@@ -213,7 +212,7 @@ def test_a_run_as_tool_cannot_unlock_a_live_sidecar_in_a_shared_work_root(
     job = enqueue(dsn, "victim", {"mode": "sleep", "seconds": 6, "pidfile": str(pidfile)},
                   env=env)
     sidecars(dsn, [PROBE], "--tool", "victim", env=env)
-    [victim] = _pids(pidfile, 1)
+    [victim] = read_pids(pidfile, 1, 20)
     [victim_dir] = _keyed(work)
 
     hostile_env = _env(dsn, work, SIDECAR_PROFILE_SWAPPER_RUN_AS=NOBODY)
@@ -250,7 +249,7 @@ def test_the_guardian_alone_clears_a_sigkilled_sidecars_tree_work_dir_and_cgroup
     enqueue(dsn, "doomed", {"mode": "sleep_tree", "seconds": 60, "pidfile": str(pidfile)},
             env=env)
     first = sidecars(dsn, [PROBE], "--tool", "doomed", env=env)
-    tool, grandchild = _pids(pidfile, 2)
+    tool, grandchild = read_pids(pidfile, 2, 20)
     try:
         job_cgroups = _job_cgroups(tool)
         assert len(job_cgroups) == (3 if cgroups == "auto" else 0), job_cgroups
@@ -417,7 +416,7 @@ def test_a_result_file_rejected_after_a_lost_lease_is_journaled_with_its_own_dig
     job = enqueue(dsn, "late", {"mode": "linger_result", "text": text, "seconds": 30,
                                 "pidfile": str(pidfile)}, env=env)
     proc = sidecars(dsn, [PROBE], "--tool", "late", env=env)
-    [lingerer] = _pids(pidfile, 1)
+    [lingerer] = read_pids(pidfile, 1, 20)
     try:
         done = cli(dsn, "cancel", job, env=env)
         assert done.returncode == 0, done.stderr.decode()

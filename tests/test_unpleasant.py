@@ -18,8 +18,7 @@ import urllib.error
 import urllib.request
 import uuid
 
-import pytest
-from netproxy import BlackholeProxy, through, upstream_of
+from netproxy import through
 
 from conftest import base_env, enqueue, pid_alive, query, wait_until
 
@@ -40,14 +39,6 @@ def _post(url: str, body: dict, headers: dict) -> tuple[int, dict]:
             return response.status, json.load(response)
     except urllib.error.HTTPError as exc:
         return exc.code, json.load(exc)
-
-
-@pytest.fixture
-def proxy(dsn):
-    p = BlackholeProxy(upstream_of(dsn))
-    p.start()
-    yield p
-    p.stop()
 
 
 def _env(dsn: str, receiver: str, **extra: str) -> dict:
