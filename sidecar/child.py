@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import psutil
 
+from sidecar import linux
 from sidecar.cgroups import JobCgroup
 from sidecar.errors import SidecarError
 from sidecar.linux import child_preexec
@@ -96,6 +97,43 @@ def _alive(proc: psutil.Process) -> bool:
         return False
 
 
+def _children(pid: int) -> list[int]:
+    """Children of ``pid``: read from its own /proc entries (O(its children)), else by
+    psutil's scan of every process on the host."""
+    if linux.HAVE_PROC_CHILDREN:
+        return linux.child_pids(pid)
+    try:
+        return [proc.pid for proc in psutil.Process(pid).children()]
+    except psutil.Error:
+        return []
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (see _children for the cost)."""
+    if linux.HAVE_PROC_CHILDREN:
+        return linux.descendant_pids(pid)
+    try:
+        return [proc.pid for proc in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
+
+
+def _processes(pids: list[int]) -> list[psutil.Process]:
+    out = []
+    for pid in pids:
+        try:
+            out.append(psutil.Process(pid))
+        except psutil.Error:
+            continue
+    return out
+
+
+def tree_processes(root_pid: int) -> list[psutil.Process]:
+    """``root_pid`` and its descendants as psutil processes (those still there), read
+    from the root down."""
+    return _processes([root_pid, *_descendants(root_pid)])
+
+
 def find_tree(root_pid: int, cookie: dict[str, str],
               claim_unmarked: float | None = None,
               claim_uid: int | None = None) -> list[psutil.Process]:
@@ -107,26 +145,20 @@ def find_tree(root_pid: int, cookie: dict[str, str],
     descendants), so only those are checked for the cookie. ``claim_unmarked`` (a
     ``time.time()``, given only while this is the only attempt running) also claims an
     adopted child with no ``SIDECAR_JOB_ID`` at all that was started after it (and, with
-    ``claim_uid``, runs as that uid): it cleared its environment to hide. Otherwise every
-    process on the host is checked for the cookie."""
+    ``claim_uid``, runs as that uid): it cleared its environment to hide. The tree is read
+    from the root and from our own children down, so its cost follows the tree, not the
+    host. Without a subreaper every process on the host is checked for the cookie."""
     me = os.getpid()
     found: dict[int, psutil.Process] = {}
     if not cookie or not all(cookie.values()):
         # An empty cookie would match every process on the host: never scan with one.
         raise ValueError("find_tree needs a cookie of non-empty values")
-    try:
-        root = psutil.Process(root_pid)
-        for proc in [root, *root.children(recursive=True)]:
-            found[proc.pid] = proc
-    except psutil.Error:
-        pass
+    for proc in tree_processes(root_pid):
+        found[proc.pid] = proc
     if SUBREAPER:
-        try:
-            adopted = [p for p in psutil.Process(me).children()
-                       if p.pid not in MANAGED_PIDS and p.pid not in EXEMPT_PIDS
-                       and p.pid not in found]
-        except psutil.Error:
-            adopted = []
+        adopted = _processes([pid for pid in _children(me)
+                              if pid not in MANAGED_PIDS and pid not in EXEMPT_PIDS
+                              and pid not in found])
         for proc in adopted:
             try:
                 env = proc.environ()
@@ -134,7 +166,7 @@ def find_tree(root_pid: int, cookie: dict[str, str],
                         claim_unmarked is not None and "SIDECAR_JOB_ID" not in env
                         and proc.create_time() >= claim_unmarked
                         and (claim_uid is None or proc.uids().real == claim_uid)):
-                    for member in [proc, *proc.children(recursive=True)]:
+                    for member in tree_processes(proc.pid):
                         found[member.pid] = member
             except (psutil.Error, OSError):
                 continue
@@ -162,20 +194,24 @@ def reap_adopted() -> int:
     Call it off the event loop."""
     reaped = 0
     with _reap_lock:
-        try:
-            children = psutil.Process().children()
-        except psutil.Error:
-            return 0
-        for proc in children:
-            if proc.pid in MANAGED_PIDS or proc.pid in EXEMPT_PIDS:
+        for pid in _children(os.getpid()):
+            if pid in MANAGED_PIDS or pid in EXEMPT_PIDS or not _zombie(pid):
                 continue
             try:
-                if proc.status() == psutil.STATUS_ZOMBIE:
-                    os.waitpid(proc.pid, os.WNOHANG)
-                    reaped += 1
-            except (psutil.Error, ChildProcessError):
+                os.waitpid(pid, os.WNOHANG)
+                reaped += 1
+            except ChildProcessError:
                 continue
     return reaped
+
+
+def _zombie(pid: int) -> bool:
+    if linux.HAVE_PROC_CHILDREN:
+        return linux.is_zombie(pid)
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
 
 
 def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: str | None,

@@ -20,6 +20,55 @@ def _prctl(option: int, value: int) -> bool:
     return _libc.prctl(option, value, 0, 0, 0) == 0
 
 
+# /proc/<pid>/task/<tid>/children (CONFIG_PROC_CHILDREN, on in the usual kernels) lists
+# the children of one thread: reading a tree down from its root then costs the tree, not
+# a read of every /proc/<pid>/stat on the host (what psutil's children() does).
+HAVE_PROC_CHILDREN = os.path.exists(f"/proc/self/task/{os.getpid()}/children")
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids whose parent is ``pid`` (the children of every one of its threads); empty
+    when ``pid`` is gone. Needs HAVE_PROC_CHILDREN. Like any /proc walk it can miss a
+    child forked or re-parented while it reads: callers that kill re-scan."""
+    found: list[int] = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return found
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/children", "rb") as f:
+                found.extend(int(part) for part in f.read().split())
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def descendant_pids(pid: int) -> list[int]:
+    """Every descendant of ``pid`` (children, their children, ...), ``pid`` excluded,
+    read from the tree down (see child_pids)."""
+    found: list[int] = []
+    seen = {pid}
+    pending = [pid]
+    while pending:
+        for child in child_pids(pending.pop()):
+            if child not in seen:
+                seen.add(child)
+                found.append(child)
+                pending.append(child)
+    return found
+
+
+def is_zombie(pid: int) -> bool:
+    """True when ``pid`` has exited and waits to be reaped (state Z in /proc/<pid>/stat)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rfind(b")") + 2:][:1] == b"Z"
+
+
 def set_child_subreaper() -> bool:
     """Make this process adopt orphaned descendants (double-forked tool processes) instead
     of PID 1, so the tree kill can still find them. True on success (Linux only)."""

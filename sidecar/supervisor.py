@@ -17,7 +17,7 @@ import psutil
 
 from sidecar import metrics
 from sidecar.cgroups import CgroupHost, Usage
-from sidecar.child import Child, SpawnFailed
+from sidecar.child import Child, SpawnFailed, tree_processes
 from sidecar.commit import FencedCommit
 from sidecar.config import LeaseProfile, Settings
 from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment, read_result_file
@@ -406,12 +406,7 @@ def tree_activity(pid: int) -> tuple[float, int]:
     """CPU seconds and I/O bytes (read + written) of a process and its descendants, the
     CPU time of descendants they already reaped included."""
     cpu, io = 0.0, 0
-    try:
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-    except psutil.Error:
-        return cpu, io
-    for proc in procs:
+    for proc in tree_processes(pid):
         try:
             with proc.oneshot():
                 times = proc.cpu_times()

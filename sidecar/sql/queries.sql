@@ -69,17 +69,31 @@ WITH exhausted AS (
 SELECT id, fencing_token FROM exhausted;
 
 -- name: claim_job
--- P4: one statement picks a queued job (or a running one whose lease expired)
--- and takes it, bumping fencing_token and attempt.
-WITH candidate AS (
-    SELECT id, state AS previous_state
+-- P4: one statement picks a running job whose lease expired or, when there is none, the
+-- oldest due queued job, and takes it, bumping fencing_token and attempt. Each part is an
+-- ordered LIMIT over its own partial index, so the backlog is never sorted: the queued
+-- part reads tool_jobs_queued_order_idx in claim order (migration 005) and runs only when
+-- the expired part found nothing (a one-time filter).
+WITH expired AS (
+    SELECT id, 'running'::text AS previous_state
     FROM tool_jobs
-    WHERE tool = $1
-      AND ((state = 'queued' AND run_after <= now())
-           OR (state = 'running' AND lease_until < now() AND attempt < max_attempts))
+    WHERE tool = $1 AND state = 'running' AND lease_until < now()
+      AND attempt < max_attempts
     ORDER BY run_after, created_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
+), queued AS (
+    SELECT id, 'queued'::text AS previous_state
+    FROM tool_jobs
+    WHERE tool = $1 AND state = 'queued' AND run_after <= now()
+      AND NOT EXISTS (SELECT FROM expired)
+    ORDER BY run_after, created_at, id
+    LIMIT 1
+    FOR UPDATE SKIP LOCKED
+), candidate AS (
+    SELECT * FROM expired
+    UNION ALL
+    SELECT * FROM queued
 ), claimed AS (
     UPDATE tool_jobs j
     SET state = 'running',

@@ -1,0 +1,79 @@
+"""The claim (P4) never sorts the backlog: its queued part reads the claim order straight
+from a partial index and its expired-lease part only looks at running jobs, so a claim
+over 200,000 queued jobs plans like one over an empty queue. Asserted on PostgreSQL's own
+plans, not timings."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import orjson
+import pytest
+
+from conftest import query, run
+from sidecar import db
+from sidecar.queries import Q
+from sidecar.store import Store
+
+
+def _fill(dsn: str, tool: str, queued: int, running: int = 20) -> None:
+    query(dsn, "INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts) "
+               "SELECT gen_random_uuid(), $1, $1 || ':q:' || g, '{}', 3 "
+               "FROM generate_series(1, $2) g", tool, queued)
+    query(dsn, "INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, "
+               "state, owner_id, lease_until, attempt, fencing_token) "
+               "SELECT gen_random_uuid(), $1, $1 || ':r:' || g, '{}', 3, 'running', 'w', "
+               "now() + interval '1 hour', 1, 1 FROM generate_series(1, $2) g", tool, running)
+    query(dsn, "ANALYZE tool_jobs")
+
+
+def _nodes(plan: dict):
+    yield plan
+    for child in plan.get("Plans", []):
+        yield from _nodes(child)
+
+
+def _claim_plan(dsn: str, tool: str) -> dict:
+    [[text]] = query(dsn, "EXPLAIN (FORMAT JSON) " + Q["claim_job"], tool, "owner", 30.0, None)
+    return (orjson.loads(text) if isinstance(text, str) else text)[0]["Plan"]
+
+
+@pytest.mark.parametrize("backlog", [20_000, 200_000])
+def test_the_claim_reads_the_backlog_in_order_from_its_index_without_sorting_it(dsn, backlog):
+    _fill(dsn, "ocr", backlog)
+    _fill(dsn, "other-tool", 1000)
+    plan = _claim_plan(dsn, "ocr")
+    scans = [n for n in _nodes(plan) if n.get("Relation Name") == "tool_jobs"
+             and n["Node Type"] != "ModifyTable"]
+    assert {n.get("Index Name") for n in scans} >= {"tool_jobs_queued_order_idx",
+                                                    "tool_jobs_running_idx"}, scans
+    assert not [n for n in scans if n["Node Type"] in ("Seq Scan", "Bitmap Heap Scan")]
+    for sort in (n for n in _nodes(plan) if "Sort" in n["Node Type"]):
+        below = {n.get("Index Name") for n in _nodes(sort)}
+        assert "tool_jobs_queued_order_idx" not in below, sort  # only running jobs sorted
+
+
+def test_an_expired_lease_is_claimed_before_the_queue_and_the_queue_oldest_first(dsn):
+    async def go():
+        pool = await db.create_pool(dsn, 5, max_size=2)
+        store = Store(pool, 5)
+        try:
+            ids = [(await store.enqueue("ocr", {"n": n}, None, 3, {}))[0] for n in range(3)]
+            first = await store.claim("ocr", "a", 30.0)
+            # a's lease on the oldest job expires; the next claim takes it over first
+            await pool.execute("UPDATE tool_jobs SET lease_until = now() - interval '1 s' "
+                               "WHERE id = $1", first.id)
+            taken_over = await store.claim("ocr", "b", 30.0)
+            second = await store.claim("ocr", "b", 30.0)
+            third = await store.claim("ocr", "b", 30.0)
+            none = await store.claim("ocr", "b", 30.0)
+            return ids, first, taken_over, second, third, none
+        finally:
+            await pool.close()
+
+    ids, first, taken_over, second, third, none = run(go())
+    assert first.id == ids[0] and not first.reclaimed
+    assert taken_over.id == ids[0] and taken_over.reclaimed
+    assert taken_over.fencing_token == first.fencing_token + 1 and taken_over.attempt == 2
+    assert [second.id, third.id] == ids[1:] and none is None
+    assert isinstance(taken_over.lease_until, dt.datetime)
