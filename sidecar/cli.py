@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import shutil
 import signal
 import sys
@@ -39,10 +40,37 @@ from sidecar.store import Store
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 
 
-def _print_json(value: Any) -> None:
-    sys.stdout.buffer.write(jsontext.dumps(value, option=orjson.OPT_APPEND_NEWLINE,
-                                           other_as_str=True))
+class OutputClosed(SidecarError):
+    """Standard output was closed before a command's whole output was written."""
+
+
+def write_stdout(data: bytes) -> None:
+    """Write all of ``data`` to standard output or raise OutputClosed: a partial write
+    is never taken for a whole one, and a descriptor left non-blocking (an event loop may
+    set O_NONBLOCK on a pipe it shares) is waited on instead of cut at the pipe's 64 KiB.
+    Bypasses sys.stdout's buffers (flushed first), so PYTHONUNBUFFERED changes nothing."""
     sys.stdout.flush()
+    fd = sys.stdout.fileno()
+    view = memoryview(data)
+    try:
+        while view:
+            try:
+                written = os.write(fd, view)
+            except BlockingIOError:
+                select.select([], [fd], [])
+                continue
+            view = view[written:]
+    except BrokenPipeError:
+        raise OutputClosed(f"standard output was closed after {len(data) - len(view)} of "
+                           f"{len(data)} bytes; the output is incomplete") from None
+
+
+def _print_json(value: Any) -> None:
+    write_stdout(jsontext.dumps(value, option=orjson.OPT_APPEND_NEWLINE, other_as_str=True))
+
+
+def _print_lines(lines: list[str]) -> None:
+    write_stdout("".join(f"{line}\n" for line in lines).encode())
 
 
 @asynccontextmanager
@@ -161,13 +189,12 @@ def cmd_run(args, settings: Settings) -> int:
     # here, against our own directory and PATH, as the user meant it.
     found = shutil.which(args.command[0])
     if found is None:
-        log_mod.log.emit("command_not_found", "warning", tool=tool,
-                         reason=f"{args.command[0]} is not an executable on PATH; "
-                                "jobs will fail with spawn_failed")
-        if os.sep in args.command[0]:
-            args.command[0] = os.path.abspath(args.command[0])
-    else:
-        args.command[0] = os.path.abspath(found)
+        # Refused here, not at the first job: a typo would otherwise fail the whole queue
+        # of the tool as spawn_failed within a second.
+        where = "" if os.sep in args.command[0] else f" on PATH ({os.environ.get('PATH', '')})"
+        raise UsageError(f"command {args.command[0]!r} does not exist or is not an "
+                         f"executable file{where}; fix the command after '--'")
+    args.command[0] = os.path.abspath(found)
     host = cgroups.detect(settings.cgroups)
     isolation.check_profile(profile, host)
     work_root = isolation.check_work_dir(settings, profile)
@@ -230,12 +257,15 @@ def cmd_jobs(args, settings: Settings) -> int:
         async with open_store(settings) as store:
             return await store.list_jobs(args.state, args.tool, args.limit)
 
+    lines = []
     for row in run_async(settings, go()):
         when = (row["finished_at"] or row["created_at"]).isoformat(timespec="seconds")
         lease = row["lease_until"].isoformat(timespec="seconds") if row["lease_until"] else "-"
-        print(f"{row['id']}  {row['tool']:<16} {row['state']:<9} "
-              f"attempt {row['attempt']}/{row['max_attempts']}  token {row['fencing_token']}  "
-              f"lease_until {lease}  {row['error_kind'] or ''}  {when}".rstrip())
+        lines.append(f"{row['id']}  {row['tool']:<16} {row['state']:<9} "
+                     f"attempt {row['attempt']}/{row['max_attempts']}  "
+                     f"token {row['fencing_token']}  lease_until {lease}  "
+                     f"{row['error_kind'] or ''}  {when}".rstrip())
+    _print_lines(lines)
     return 0
 
 
@@ -258,6 +288,33 @@ def cmd_cancel(args, settings: Settings) -> int:
     if later:
         out["cancelled_stages"] = later
     _print_json(out)
+    return 0
+
+
+def cmd_retry(args, settings: Settings) -> int:
+    if (args.job_id is None) == (args.tool is None):
+        raise UsageError("give one JOB_ID, or --tool TOOL (with --state) for every failed or "
+                         "cancelled job of a tool")
+    if args.job_id is not None and args.state is not None:
+        raise UsageError("--state selects jobs of a --tool; a JOB_ID is one job already")
+    job_id = _job_id(args.job_id) if args.job_id is not None else None
+    if args.tool is not None:
+        validate_tool_name(args.tool)
+
+    async def go():
+        async with open_store(settings) as store:
+            rows = await store.retry(job_id, args.state, args.tool, "sidecar retry")
+            row = await store.get_job(job_id) if job_id is not None and not rows else None
+            return rows, row
+
+    rows, row = run_async(settings, go())
+    if job_id is not None and not rows:
+        if row is None:
+            raise SidecarError(f"no job {job_id}")
+        raise SidecarError(f"job {job_id} is {row['state']}; only a failed or cancelled job "
+                           "can be retried")
+    _print_json({"retried": [str(r["id"]) for r in rows], "count": len(rows),
+                 "previous_states": sorted({r["previous_state"] for r in rows})})
     return 0
 
 
@@ -372,8 +429,7 @@ def cmd_events(args, settings: Settings) -> int:
     rows = run_async(settings, go())
     if rows is None:
         raise SidecarError(f"no job {job_id}")
-    for row in rows:
-        print(format_event(row))
+    _print_lines([format_event(row) for row in rows])
     return 0
 
 
@@ -397,7 +453,17 @@ def cmd_install(args, settings: Settings) -> int:
                          "directory, e.g. a shared emptyDir mounted at /sidecar")
     try:
         shutil.copytree(source, dest, symlinks=True, dirs_exist_ok=True)
-    except (OSError, shutil.Error) as exc:
+    except shutil.Error as exc:
+        # A directory that already exists and is not ours (a Kubernetes emptyDir belongs
+        # to root) keeps its own mode and times: copytree's copystat of it fails with
+        # EPERM after every file was copied. Only a failure to copy a file counts.
+        failed = [(src, why) for src, _dst, why in exc.args[0] if not os.path.isdir(src)]
+        if failed:
+            src, why = failed[0]
+            raise SidecarError(f"cannot copy the bundle {source} to {dest}: {src}: {why}"
+                               + (f" (and {len(failed) - 1} more)" if len(failed) > 1 else "")
+                               ) from None
+    except OSError as exc:
         raise SidecarError(f"cannot copy the bundle {source} to {dest}: {exc}") from None
     _print_json({"installed": str(dest / Path(sys.executable).name), "from": str(source)})
     return 0
@@ -440,6 +506,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=int, default=50)
     p = add("cancel", cmd_cancel, "cancel a queued or running job")
     p.add_argument("job_id", metavar="JOB_ID")
+    p = add("retry", cmd_retry, "requeue a failed or cancelled job (or every one of a tool) "
+            "with fresh attempts; prints {retried, count}")
+    p.add_argument("job_id", metavar="JOB_ID", nargs="?")
+    p.add_argument("--tool", metavar="TOOL", help="every failed or cancelled job of TOOL")
+    p.add_argument("--state", choices=("failed", "cancelled"), help="only jobs in this state")
     p = add("receiver", cmd_receiver,
             "serve the reference receiver of fenced side effects (POST and GET /effects)")
     p.add_argument("--listen", default="127.0.0.1:8900", metavar="HOST:PORT",

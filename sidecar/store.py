@@ -182,6 +182,14 @@ class Store:
         rows = await self.db.fetch(Q["cancel_job"], job_id, timeout=self.timeout)
         return {row["id"]: row["previous_state"] for row in rows}
 
+    async def retry(self, job_id: uuid.UUID | None, state: str | None, tool: str | None,
+                    by: str) -> list[asyncpg.Record]:
+        """Requeue failed or cancelled jobs with fresh attempts (journaled ``job_retried``
+        with ``by``, the operator's description): the one ``job_id``, or every one of
+        ``tool`` (in ``state`` when given). Returns ``id, tool, previous_state`` of each."""
+        return await self.db.fetch(Q["retry_jobs"], job_id, state, tool, by,
+                                   timeout=self.timeout)
+
     async def children(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
         """The next-stage jobs a job created (P19)."""
         return await self.db.fetch(Q["children_of_job"], job_id, timeout=self.timeout)

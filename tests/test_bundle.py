@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import orjson
@@ -166,3 +167,31 @@ def test_install_refuses_a_destination_inside_the_bundle(bundle, tmp_path):
     assert done.returncode == 2, done.stderr
     assert "inside" in done.stderr.decode()
     assert not (bundle / "again").exists()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a directory of another user needs root")
+def test_install_into_an_existing_directory_of_another_user_succeeds(bundle, tmp_path):
+    """An init container (uid 65534) installing into an emptyDir that belongs to root
+    (mode 0777): every file is copied, the directory's own mode and times cannot be, and
+    that must not fail the install (it did, with EPERM, so the pod never started)."""
+    public = Path(tempfile.mkdtemp(prefix="sidecar-bundle-"))
+    try:
+        public.chmod(0o755)
+        copy = public / "bundle"
+        shutil.copytree(bundle, copy, symlinks=True)
+        subprocess.run(["chmod", "-R", "a+rX", str(copy)], check=True)
+        dest = public / "emptydir"
+        dest.mkdir()
+        dest.chmod(0o777)  # root's, writable by all, as Kubernetes makes an emptyDir
+        done = subprocess.run([str(copy / "sidecar"), "install", str(dest)],
+                              capture_output=True, timeout=60, user=65534, group=65534,
+                              env={"PATH": "/usr/bin:/bin"})
+        assert done.returncode == 0, done.stderr.decode(errors="replace")
+        assert orjson.loads(done.stdout)["installed"] == str(dest / "sidecar")
+        assert dest.stat().st_uid == 0 and (dest / "sidecar").stat().st_uid == 65534
+        assert os.access(dest / "sidecar", os.X_OK)
+        version = subprocess.run([str(dest / "sidecar"), "--version"], capture_output=True,
+                                 timeout=60, env={"PATH": "/nonexistent"})
+        assert version.returncode == 0 and b"sidecar" in version.stdout
+    finally:
+        shutil.rmtree(public, ignore_errors=True)

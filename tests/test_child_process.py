@@ -312,16 +312,37 @@ def test_huge_stdout_fails_result_too_large_with_bounded_memory(dsn, sidecars):
 # --- 6. a missing binary -------------------------------------------------------
 
 
-def test_missing_binary_fails_spawn_failed_once_with_one_clear_line(dsn, sidecars):
+def test_a_missing_or_non_executable_command_is_refused_at_start(dsn, sidecars, tmp_path):
+    """A typo in the tool path used to turn every queued job into a permanent
+    spawn_failed within a second; now `run` refuses at start and nothing is claimed."""
     job = enqueue(dsn, "nosuch", {}, "--max-attempts", "3")
-    sc = sidecars(dsn, ["/nonexistent/tool"], "--tool", "nosuch", "--drain")
-    assert sc.wait(30) == 0
+    not_executable = tmp_path / "tool.sh"
+    not_executable.write_text("#!/bin/sh\necho '{}'\n")
+    for command in ("/nonexistent/tool", str(not_executable), "no-such-tool-on-path"):
+        sc = sidecars(dsn, [command], "--tool", "nosuch", "--drain")
+        assert sc.wait(30) == 2
+        err = sc.stderr_text()
+        assert len(err.strip().splitlines()) == 1 and command in err, err
+        assert "Traceback" not in err
+    row = job_row(dsn, job)
+    assert (row["state"], row["attempt"], row["fencing_token"]) == ("queued", 0, 0)
+
+
+def test_a_binary_gone_after_start_fails_spawn_failed_once_with_one_clear_line(
+        dsn, sidecars, tmp_path):
+    tool = tmp_path / "vanishing-tool"
+    tool.write_text("#!/bin/sh\necho '{}'\n")
+    tool.chmod(0o755)
+    sc = sidecars(dsn, [str(tool)], "--tool", "nosuch")
+    sc.wait_event("worker_started")
+    tool.unlink()  # e.g. an image upgrade under a running sidecar
+    job = enqueue(dsn, "nosuch", {}, "--max-attempts", "3")
+    wait_until(lambda: job_state(dsn, job) == "failed", 20, what="the job to fail")
 
     row = job_row(dsn, job)
-    assert row["state"] == "failed"
     assert row["error"]["kind"] == "spawn_failed"
     assert row["error"]["exit_code"] == 127
-    assert "/nonexistent/tool" in row["error"]["message"]
+    assert str(tool) in row["error"]["message"]
     assert row["attempt"] == 1 and row["fencing_token"] == 1
     assert journal(dsn, job, "job_retry_scheduled") == []
 
@@ -329,7 +350,7 @@ def test_missing_binary_fails_spawn_failed_once_with_one_clear_line(dsn, sidecar
     assert_no_crash_text(sc)
     spawn = [e for e in sc.events("spawn_failed") if e.get("job_id") == str(job)]
     assert len(spawn) == 1
-    assert "/nonexistent/tool" in spawn[0]["reason"] and "not found" in spawn[0]["reason"]
+    assert str(tool) in spawn[0]["reason"] and "not found" in spawn[0]["reason"]
 
 
 # --- 7. a result that is not JSON -----------------------------------------------

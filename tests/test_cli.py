@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 import uuid
 
 import asyncpg
@@ -609,3 +610,86 @@ def test_a_malformed_or_empty_database_url_is_one_line_exit_2(dsn, url, fragment
     err = done.stderr.decode()
     assert len(err.strip().splitlines()) == 1 and fragment in err and "Traceback" not in err
     assert "pw@" not in err
+
+
+def test_show_writes_a_1_mib_job_whole_through_a_slow_pipe_or_fails(dsn, tmp_path):
+    """`sidecar show` used to stop at the pipe's 64 KiB and exit 0 (uvloop leaves the pipe
+    non-blocking; PYTHONUNBUFFERED makes every write a raw one). Now the output is whole,
+    and a reader that goes away early makes the command fail."""
+    payload = {"blob": "x" * (1 << 20)}
+    (tmp_path / "payload.json").write_bytes(orjson.dumps(payload))
+    done = cli(dsn, "enqueue", "big", "--payload-file", str(tmp_path / "payload.json"))
+    assert done.returncode == 0, done.stderr
+    job = orjson.loads(done.stdout)["id"]
+    env = base_env(dsn, PYTHONUNBUFFERED="1")
+    argv = [sys.executable, "-m", "sidecar", "show", job]
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    time.sleep(1.0)  # the reader is late: the pipe fills up first
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert orjson.loads(out)["payload"] == payload
+    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc.stdout.read(10)
+    proc.stdout.close()  # the reader goes away
+    err = proc.stderr.read().decode()
+    assert proc.wait(60) == 1 and "incomplete" in err and len(err.splitlines()) == 1, err
+
+
+def test_retry_requeues_a_failed_job_with_fresh_attempts_and_a_higher_token(dsn):
+    """A typo'd tool failed the job for good; after the fix, `sidecar retry JOB_ID` puts
+    it back in the queue (attempt 0, journaled) and the next claim's token is higher."""
+    job = enqueue(dsn, "typo", {}, "--max-attempts", "1")
+    done = cli(dsn, "run", "--tool", "typo", "--drain", "--", "sh", "-c", "exit 64")
+    assert done.returncode == 0, done.stderr.decode()
+    assert scalar(dsn, "SELECT state FROM tool_jobs WHERE id = $1", job) == "failed"
+
+    retried = cli(dsn, "retry", job)
+    assert retried.returncode == 0, retried.stderr.decode()
+    assert orjson.loads(retried.stdout) == {"retried": [job], "count": 1,
+                                            "previous_states": ["failed"]}
+    row = query(dsn, "SELECT state, attempt, error, fencing_token FROM tool_jobs "
+                     "WHERE id = $1", job)[0]
+    assert (row["state"], row["attempt"], row["error"], row["fencing_token"]) == \
+        ("queued", 0, None, 1)
+    [event] = query(dsn, "SELECT details FROM tool_job_events WHERE job_id = $1 "
+                         "AND event = 'job_retried'", job)
+    assert event["details"]["previous_error"] == "exit_code"
+
+    done = cli(dsn, "run", "--tool", "typo", "--drain", "--", "sh", "-c", "echo '{}'")
+    assert done.returncode == 0, done.stderr.decode()
+    row = query(dsn, "SELECT state, attempt, fencing_token FROM tool_jobs WHERE id = $1",
+                job)[0]
+    assert (row["state"], row["attempt"], row["fencing_token"]) == ("succeeded", 1, 2)
+
+
+def test_retry_of_a_tool_takes_only_its_failed_or_cancelled_jobs(dsn):
+    failed = [enqueue(dsn, "batch", {"n": n}, "--max-attempts", "1") for n in range(3)]
+    other = enqueue(dsn, "other", {}, "--max-attempts", "1")
+    for tool in ("batch", "other"):
+        done = cli(dsn, "run", "--tool", tool, "--drain", "--", "sh", "-c", "exit 64")
+        assert done.returncode == 0, done.stderr.decode()
+    succeeded = enqueue(dsn, "batch", {"n": "ok"})
+    done = cli(dsn, "run", "--tool", "batch", "--drain", "--", "sh", "-c", "echo '{}'")
+    cancelled = enqueue(dsn, "batch", {"n": "cancel"})
+    assert cli(dsn, "cancel", cancelled).returncode == 0
+
+    only_failed = orjson.loads(cli(dsn, "retry", "--tool", "batch", "--state", "failed").stdout)
+    assert sorted(only_failed["retried"]) == sorted(failed)
+    states = {r["id"]: r["state"] for r in query(dsn, "SELECT id::text, state FROM tool_jobs")}
+    assert [states[j] for j in failed] == ["queued"] * 3
+    assert (states[other], states[succeeded], states[cancelled]) == \
+        ("failed", "succeeded", "cancelled")
+    rest = orjson.loads(cli(dsn, "retry", "--tool", "batch").stdout)
+    assert rest["retried"] == [cancelled] and rest["previous_states"] == ["cancelled"]
+
+
+def test_retry_refuses_what_it_cannot_retry_in_one_line(dsn):
+    job = enqueue(dsn, "waiting", {})
+    for args, code, words in (((job,), 1, "is queued"),
+                              ((str(uuid.uuid4()),), 1, "no job"),
+                              ((), 2, "JOB_ID"),
+                              ((job, "--tool", "waiting"), 2, "JOB_ID"),
+                              ((job, "--state", "failed"), 2, "--state")):
+        done = cli(dsn, "retry", *args)
+        assert done.returncode == code, (args, done.stderr)
+        assert words in one_line_error(done), (args, done.stderr)

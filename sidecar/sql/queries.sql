@@ -235,6 +235,37 @@ WITH RECURSIVE chain AS (
 )
 SELECT id, previous_state FROM cancelled;
 
+-- name: retry_jobs
+-- An operator's re-run: failed or cancelled jobs, one ($1) or every one of a tool ($3,
+-- optionally only in state $2), back to queued with fresh attempts and lifetime. The
+-- fencing token is kept, so the next claim's token is still higher than any before (P7).
+WITH target AS (
+    SELECT id, state AS previous_state, attempt AS previous_attempts, error->>'kind' AS kind
+    FROM tool_jobs
+    WHERE state IN ('failed', 'cancelled')
+      AND ($1::uuid IS NULL OR id = $1)
+      AND ($2::text IS NULL OR state = $2)
+      AND ($3::text IS NULL OR tool = $3)
+    FOR UPDATE
+), retried AS (
+    UPDATE tool_jobs j
+    SET state = 'queued', attempt = 0, run_after = now(), owner_id = NULL,
+        lease_until = NULL, heartbeat_at = NULL, error = NULL, finished_at = NULL,
+        first_claimed_at = NULL
+    FROM target
+    WHERE j.id = target.id
+    RETURNING j.id, j.tool, j.fencing_token, target.previous_state, target.previous_attempts,
+              target.kind
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'job_retried',
+           jsonb_build_object('previous_state', previous_state,
+                              'previous_attempts', previous_attempts, 'previous_error', kind,
+                              'by', $4::text)
+    FROM retried
+)
+SELECT id, tool, previous_state, pg_notify('sidecar_jobs', tool) FROM retried;
+
 -- name: save_checkpoint_if_owner
 -- A tool's progress, kept for the next attempt; only while this owner holds the lease.
 WITH saved AS (
