@@ -199,6 +199,11 @@ def cmd_run(args, settings: Settings) -> int:
     isolation.check_profile(profile, host)
     work_root = isolation.check_work_dir(settings, profile)
     dsn = db.resolve_dsn(settings)
+    # The DSN is in memory now. A tool of our own uid must not find it: not in our
+    # environment (what later children inherit), and not through /proc/<pid>/environ or
+    # mem, which non-dumpable closes (the initial environment block stays in memory).
+    os.environ.pop("SIDECAR_DATABASE_URL", None)
+    linux.make_undumpable()
     # Become the adopter of orphaned descendants, and drain if our own parent dies
     # (an entrypoint shell that took the SIGTERM meant for us, case F8).
     adopt = linux.set_child_subreaper()

@@ -202,6 +202,9 @@ PROFILE_FIELDS: dict[str, _Field] = {
 # Sidecar-wide settings (not per tool).
 GLOBAL_FIELDS: dict[str, _Field] = {
     "DATABASE_URL": _Field(str, "", "dsn", "PostgreSQL server; unset = embedded PostgreSQL"),
+    "DATABASE_URL_FILE": _Field(_absolute_path, "", "path",
+                                "a file holding the DSN (a mounted Secret), instead of "
+                                "SIDECAR_DATABASE_URL"),
     "DATA_DIR": _Field(str, "", "path", "embedded PostgreSQL data directory"),
     "POLL_SECONDS": _Field(_number, "2", "s", "claim poll period when NOTIFY is missed"),
     "DRAIN_SECONDS": _Field(_number, "20", "s", "on SIGTERM, how long running jobs may finish"),
@@ -360,6 +363,7 @@ class Settings:
     """Validated sidecar-wide settings plus the raw per-tool overrides."""
 
     database_url: str
+    database_url_file: str
     data_dir: str
     poll_seconds: float
     drain_seconds: float
@@ -461,6 +465,25 @@ def tolerated_silence(lease: float, heartbeat: float, kill_grace: float) -> floa
     return round(lease - heartbeat - kill_grace - 0.1 * lease, 3)
 
 
+def _read_dsn_file(path: str, url_also_set: bool) -> str:
+    """The DSN in SIDECAR_DATABASE_URL_FILE (a mounted Secret): its first line, stripped.
+    ConfigError when SIDECAR_DATABASE_URL is set too, or the file is unreadable or empty."""
+    var = f"SIDECAR_DATABASE_URL_FILE={path}"
+    if url_also_set:
+        raise ConfigError(f"{var} and SIDECAR_DATABASE_URL are both set; keep one (the file "
+                          "keeps the password out of the process environment)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read(65536)
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{var}: cannot read it ({getattr(exc, 'strerror', None) or exc}); "
+                          "mount the Secret there, or unset the variable") from None
+    dsn = text.strip().splitlines()[0].strip() if text.strip() else ""
+    if not dsn:
+        raise ConfigError(f"{var}: the file is empty; put the server's URL in it")
+    return dsn
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Read and validate every ``SIDECAR_*`` variable of ``env`` (default ``os.environ``).
 
@@ -537,6 +560,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if glob["drain_seconds"] < 0:
         raise ConfigError(f"SIDECAR_DRAIN_SECONDS={glob['drain_seconds']}: must not be negative")
 
+    if glob["database_url_file"]:
+        glob["database_url"] = _read_dsn_file(glob["database_url_file"],
+                                              "SIDECAR_DATABASE_URL" in env)
     settings = Settings(defaults=defaults, overrides=overrides, **glob)
     # Every profile that is mentioned must be valid, not only the one in use.
     _build_profile("(defaults)", defaults, {})

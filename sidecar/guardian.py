@@ -23,6 +23,8 @@ import time
 
 import psutil
 
+from sidecar.linux import make_undumpable
+
 
 def processes_with_env(name: str, value: str, exclude: set[int]) -> list[psutil.Process]:
     """Running processes whose environment has ``name=value`` (unreadable ones skipped)."""
@@ -51,15 +53,26 @@ def start(owner_id: str, work_root: str = "", cgroup_parents: list[str] | None =
         argv = [sys.executable, "_guardian", *args]
     else:
         argv = [sys.executable, "-m", "sidecar.guardian", *args]
+    # Nothing secret: a tool of the same uid can read the guardian's /proc/<pid>/environ
+    # until it makes itself non-dumpable, and the guardian needs no database.
+    env = {k: v for k, v in os.environ.items() if k in _GUARDIAN_ENV}
     return subprocess.Popen(
-        argv,
+        argv, env=env,
         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         start_new_session=True, close_fds=True,
     )
 
 
+# The variables the guardian runs with: what finds and runs the interpreter, no more.
+_GUARDIAN_ENV = frozenset({"PATH", "LANG", "LC_ALL", "LC_CTYPE", "TZ", "PYTHONPATH",
+                           "PYTHONHOME", "VIRTUAL_ENV", "LD_LIBRARY_PATH", "TMPDIR"})
+
+
 def main(argv: list[str]) -> int:
+    """Wait for the sidecar to end (EOF on stdin), then kill every process still carrying
+    its SIDECAR_OWNER_ID and clear its leftovers. argv: OWNER_ID [WORK_ROOT [CGROUP_DIR...]]."""
     owner_id = argv[0]
+    make_undumpable()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
     while sys.stdin.buffer.read(4096):

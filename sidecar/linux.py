@@ -9,6 +9,7 @@ import signal
 import sys
 
 PR_SET_PDEATHSIG = 1
+PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
@@ -73,6 +74,13 @@ def set_child_subreaper() -> bool:
     """Make this process adopt orphaned descendants (double-forked tool processes) instead
     of PID 1, so the tree kill can still find them. True on success (Linux only)."""
     return _prctl(PR_SET_CHILD_SUBREAPER, 1)
+
+
+def make_undumpable() -> bool:
+    """Make this process non-dumpable: another process of the same uid (a tool) can then
+    neither read its /proc/<pid>/environ, mem, maps or fds, nor ptrace it; only
+    CAP_SYS_PTRACE can. Exec resets it, so tools are unaffected. True on success."""
+    return _prctl(PR_SET_DUMPABLE, 0)
 
 
 def set_parent_death_signal(sig: int) -> bool:

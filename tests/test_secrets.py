@@ -14,7 +14,10 @@ connects: ``secret_dsn`` checks that, so the tests cannot pass without using the
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
+import sys
 import urllib.error
 import urllib.request
 import uuid
@@ -24,7 +27,7 @@ import asyncpg
 import orjson
 import pytest
 
-from conftest import base_env, cli, free_port, query, run, wait_until
+from conftest import TOOLS, base_env, cli, enqueue, free_port, query, run, wait_until
 
 PASSWORD = "Sup3rSecretPw_xyz"
 TOOL = "print_env.py"  # tests/tools/print_env.py; the tool name is the command's basename
@@ -283,3 +286,41 @@ def test_a_password_with_url_delimiters_is_not_echoed(password):
         what = f"sidecar {args[0]} with password {password!r}"
         for piece in pieces:
             assert_no_leak(done, what, piece)
+
+
+def _peek_command() -> list[str]:
+    """tests/tools/peek_secrets.py as a tool of the sidecar's own uid with no privilege: as
+    root, capabilities dropped (an empty bounding set: exec then gives none), so only what
+    any same-uid process may read is readable; otherwise as is."""
+    peek = [sys.executable, str(TOOLS / "peek_secrets.py")]
+    if os.geteuid() != 0:
+        return peek
+    setpriv = shutil.which("setpriv")
+    assert setpriv, "setpriv (util-linux) is needed to drop root's capabilities"
+    return [setpriv, "--bounding-set=-all", "--inh-caps=-all", *peek]
+
+
+@pytest.mark.parametrize("source", ["SIDECAR_DATABASE_URL", "SIDECAR_DATABASE_URL_FILE"])
+def test_a_tool_of_the_same_uid_finds_the_password_nowhere(secret_dsn, sidecars, tmp_path,
+                                                           source):
+    """The DSN once sat in /proc/<pid>/environ of the sidecar and of its guardian, where a
+    tool of the same uid read it. Now the guardian never gets it, the sidecar drops it from
+    its environment and makes itself non-dumpable (environ and mem closed to the tool)."""
+    env = base_env(secret_dsn)
+    if source == "SIDECAR_DATABASE_URL_FILE":
+        secret = tmp_path / "dsn"
+        secret.write_text(env.pop("SIDECAR_DATABASE_URL") + "\n")
+        env[source] = str(secret)
+    job = enqueue(secret_dsn, "peek", {"needle": PASSWORD}, env=env)
+    sc = sidecars(secret_dsn, _peek_command(), "--tool", "peek", "--drain", env=env)
+    assert sc.wait(60) == 0, sc.stderr_text()[-2000:]
+    row = job_row(secret_dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    seen = row["result"]
+    assert seen["guardian_pid"], seen  # the guardian was there to be looked at
+    assert "found" not in seen.values(), seen
+    assert seen["own_environ"] == "clean", seen
+    # The guardian is non-dumpable too, and its environment holds nothing secret anyway.
+    assert seen["guardian_environ"] in ("clean", "EACCES", "EPERM"), seen
+    assert seen["sidecar_environ"] in ("EACCES", "EPERM"), seen
+    assert seen["sidecar_mem"] in ("EACCES", "EPERM"), seen
