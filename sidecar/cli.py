@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import select
 import shutil
 import signal
@@ -175,13 +176,24 @@ def cmd_enqueue(args, settings: Settings) -> int:
     return 0
 
 
+# Programs that run another program: their name says nothing about the tool.
+_INTERPRETER = re.compile(r"(python|pypy|node|nodejs|deno|bun|perl|ruby|php|java|bash|sh|dash"
+                          r"|zsh|env|exec|nice|timeout|xvfb-run|Rscript|lua)[0-9.]*")
+
+
 def cmd_run(args, settings: Settings) -> int:
     from sidecar import cgroups, child, guardian, isolation, leftovers
     from sidecar.worker import Worker, install_signal_handlers
 
     if not args.command:
         raise UsageError("give the tool command after '--', e.g. sidecar run -- /usr/bin/ocr")
-    tool = validate_tool_name(args.tool or os.path.basename(args.command[0]))
+    program = os.path.basename(args.command[0])
+    if args.tool is None and _INTERPRETER.fullmatch(program):
+        # `run -- python3 script.py` would silently serve jobs of a tool named "python3".
+        raise UsageError(f"the command starts with the interpreter {program!r}; name the "
+                         f"tool it runs with --tool, e.g. sidecar run --tool ocr -- "
+                         f"{' '.join(args.command[:2])}")
+    tool = validate_tool_name(args.tool or program)
     profile = settings.profile(tool)
     if args.concurrency < 1:
         raise UsageError(f"--concurrency {args.concurrency}: must be 1 or more")

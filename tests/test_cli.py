@@ -693,3 +693,13 @@ def test_retry_refuses_what_it_cannot_retry_in_one_line(dsn):
         done = cli(dsn, "retry", *args)
         assert done.returncode == code, (args, done.stderr)
         assert words in one_line_error(done), (args, done.stderr)
+
+
+def test_run_with_an_interpreter_and_no_tool_name_is_refused(dsn):
+    """`run -- python3 script.py` used to serve jobs of a tool named "python3"."""
+    for command in (["python3", "script.py"], ["sh", "-c", "true"], ["/usr/bin/env", "x"]):
+        done = cli(dsn, "run", "--drain", "--", *command)
+        assert done.returncode == 2, (command, done.stderr)
+        assert "--tool" in one_line_error(done), done.stderr
+    done = cli(dsn, "run", "--tool", "shell-ok", "--drain", "--", "sh", "-c", "echo '{}'")
+    assert done.returncode == 0, done.stderr
