@@ -345,6 +345,17 @@ def cmd_receiver(args, settings: Settings) -> int:
 def cmd_demo(args, settings: Settings) -> int:
     from sidecar.demo import run_demo
 
+    if settings.database_url and not args.yes:
+        # The demo queues jobs: into a configured (perhaps production) queue only if asked.
+        where = db.describe_host(mask_url(settings.database_url))
+        question = (f"sidecar demo queues demo jobs and runs them in the database at {where} "
+                    "(SIDECAR_DATABASE_URL)")
+        if not sys.stdin.isatty():
+            raise UsageError(f"{question}; pass --yes to do that, or unset "
+                             "SIDECAR_DATABASE_URL to use the embedded PostgreSQL")
+        print(f"{question}. Continue? [y/N] ", end="", file=sys.stderr, flush=True)
+        if sys.stdin.readline().strip().lower() not in ("y", "yes"):
+            raise UsageError("sidecar demo: nothing queued")
     return run_demo(settings)
 
 
@@ -532,7 +543,11 @@ def build_parser() -> argparse.ArgumentParser:
             "serve the reference receiver of fenced side effects (POST and GET /effects)")
     p.add_argument("--listen", default="127.0.0.1:8900", metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8900)")
-    add("demo", cmd_demo, "run the sidecar on real programs and a hung tool, print outcomes")
+    p = add("demo", cmd_demo,
+            "run the sidecar on real programs and a hung tool, print outcomes")
+    p.add_argument("--yes", action="store_true",
+                   help="queue the demo jobs in the database SIDECAR_DATABASE_URL names "
+                        "without asking (unset: the embedded PostgreSQL, no question)")
     p = add("config", cmd_config,
             "print the effective settings and lease profiles (secrets masked) as JSON; "
             "exit 2 when any is invalid")

@@ -22,7 +22,11 @@ def test_demo_prints_real_results_and_the_hung_tool_killed(dsn):
     # As a new user runs it: no SIDECAR_* setting but the database (not the fast profile).
     env = {k: v for k, v in base_env(dsn).items()
            if not k.startswith("SIDECAR_") or k == "SIDECAR_DATABASE_URL"}
-    done = subprocess.run([sys.executable, "-m", "sidecar", "demo"], env=env,
+    refused = subprocess.run([sys.executable, "-m", "sidecar", "demo"], env=env,
+                             capture_output=True, timeout=60, stdin=subprocess.DEVNULL)
+    assert refused.returncode == 2 and b"--yes" in refused.stderr, refused.stderr
+    assert query(dsn, "SELECT count(*) FROM tool_jobs")[0][0] == 0  # nothing written
+    done = subprocess.run([sys.executable, "-m", "sidecar", "demo", "--yes"], env=env,
                           capture_output=True, timeout=60)
     out = done.stdout.decode()
     assert done.returncode == 0, done.stderr.decode()
