@@ -12,7 +12,7 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import footprint, health, heartbeat, lag, pickup, reaction, throughput
+from bench import footprint, health, heartbeat, hostscale, lag, pickup, reaction, throughput
 from bench.common import (
     MODES,
     BenchError,
@@ -35,6 +35,7 @@ SECTIONS = {
     "5": ("event-loop lag", lag),
     "6": ("footprint", footprint),
     "7": ("queue health", health),
+    "8": ("host scale", hostscale),
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "RESULTS.md"
 

@@ -69,11 +69,13 @@ def _cpu(procs: list[Sidecar]) -> float:
 
 
 async def sidecar_run(ctx: Context, conn: asyncpg.Connection, sidecars: int,
-                      concurrency: int) -> dict:
-    """Throughput of ``sidecars`` real sidecars at ``concurrency`` each; also their CPU."""
-    tool, jobs = f"true-{sidecars}x{concurrency}", ctx.mode.jobs
+                      concurrency: int, tag: str = "") -> dict:
+    """Throughput of ``sidecars`` real sidecars at ``concurrency`` each; also their CPU.
+    ``tag`` tells apart two runs of one shape (a tool of their own)."""
+    shape = f"{sidecars}x{concurrency}" + (f"-{tag}" if tag else "")
+    tool, jobs = f"true-{shape}", ctx.mode.jobs
     await enqueue_many(conn, tool, 1, notify=False, delay_seconds=86400)  # the gate
-    procs = [Sidecar(ctx, f"throughput-{sidecars}x{concurrency}-{i}", tool, ["/bin/true"],
+    procs = [Sidecar(ctx, f"throughput-{shape}-{i}", tool, ["/bin/true"],
                      concurrency, drain=True) for i in range(sidecars)]
     try:
         await asyncio.gather(*(p.ready() for p in procs))
