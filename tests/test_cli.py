@@ -101,12 +101,10 @@ def test_same_key_with_different_tool_is_refused(dsn):
     assert scalar(dsn, "SELECT tool FROM tool_jobs") == "ocr"
 
 
-def test_twenty_concurrent_enqueues_with_one_key_make_one_job(dsn):
-    argv = [sys.executable, "-m", "sidecar", "enqueue", "ocr", "--payload", '{"page": 7}',
-            "--idempotency-key", "same-key-for-all"]
-    env = base_env(dsn)
+def run_at_once(argv: list[str], env: dict, count: int) -> list[tuple[int, bytes, bytes]]:
+    """Start ``count`` copies of ``argv`` together; their (exit code, stdout, stderr)."""
     procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for _ in range(20)]
+             for _ in range(count)]
     results = []
     try:
         for proc in procs:
@@ -117,6 +115,14 @@ def test_twenty_concurrent_enqueues_with_one_key_make_one_job(dsn):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+    return results
+
+
+def test_twenty_concurrent_enqueues_with_one_key_make_one_job(dsn):
+    argv = [sys.executable, "-m", "sidecar", "enqueue", "ocr", "--payload", '{"page": 7}',
+            "--idempotency-key", "same-key-for-all"]
+    env = base_env(dsn)
+    results = run_at_once(argv, env, 20)
     for code, _out, err in results:
         assert code == 0, err.decode(errors="replace")
     outputs = [orjson.loads(out) for _, out, _ in results]
@@ -497,18 +503,7 @@ def test_first_migrate_on_empty_database(fresh_database):
 def test_two_concurrent_migrates_on_a_fresh_database(fresh_database):
     argv = [sys.executable, "-m", "sidecar", "migrate"]
     env = base_env(fresh_database)
-    procs = [subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-             for _ in range(2)]
-    results = []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=120)
-            results.append((proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
+    results = run_at_once(argv, env, 2)
     for code, _, err in results:
         assert code == 0, err.decode(errors="replace")
     outputs = [orjson.loads(out) for _, out, _ in results]
