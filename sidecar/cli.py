@@ -51,7 +51,12 @@ def write_stdout(data: bytes) -> None:
     set O_NONBLOCK on a pipe it shares) is waited on instead of cut at the pipe's 64 KiB.
     Bypasses sys.stdout's buffers (flushed first), so PYTHONUNBUFFERED changes nothing."""
     sys.stdout.flush()
-    fd = sys.stdout.fileno()
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (stdout redirected in-process)
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+        return
     view = memoryview(data)
     try:
         while view:
