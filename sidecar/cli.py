@@ -380,7 +380,7 @@ def cmd_config(args, settings: Settings) -> int:
         out["defaults"] = _profile_entry(settings)
         out["profiles"] = [_profile_entry(settings, env_key=key)
                            for key in settings.profile_tools()]
-    refused = 0
+    refused: list[str] = []
     for entry in [*out["profiles"], *([out["defaults"]] if "defaults" in out else [])]:
         # What `sidecar run` would refuse on this host, said here already (and exit 2).
         profile = (settings.profile(entry.get("tool") or entry["env_key"].lower())
@@ -390,8 +390,10 @@ def cmd_config(args, settings: Settings) -> int:
             isolation.check_work_dir(settings, profile, create=False)
         except SidecarError as exc:
             entry["isolation_error"] = str(exc)
-            refused += 1
+            refused.append(str(exc))
     _print_json(out)
+    for message in dict.fromkeys(refused):  # also one line each on stderr, as run would say
+        print(f"sidecar: error: {message}", file=sys.stderr)
     return 2 if refused else 0
 
 

@@ -54,6 +54,8 @@ def test_a_work_root_too_long_for_socket_paths_is_refused_by_config_and_run(dsn,
     shown = cli(dsn, "config", env=env)  # its JSON names the problem, and it exits 2
     assert shown.returncode == 2
     assert message in orjson.loads(shown.stdout)["defaults"]["isolation_error"]
+    lines = shown.stderr.decode().strip().splitlines()
+    assert len(lines) == 1 and message in lines[0], lines
     done = cli(dsn, "run", "--tool", "sock", "--drain", "--", SOCKET_PATHS, env=env)
     err = done.stderr.decode()
     assert done.returncode == 2, err
