@@ -305,7 +305,10 @@ class JobSupervisor:
             case Reject(reason=ending):
                 returned = (child.returncode == 0 or child.status_lost) \
                     and not child.stdout_overflow
-                digest = self._output_digest(child, sandbox) if returned else None
+                # Up to MAX_RESULT_BYTES from disk: off the event loop, which heartbeats
+                # the other jobs' leases.
+                digest = await asyncio.get_running_loop().run_in_executor(
+                    None, self._output_digest, child, sandbox) if returned else None
                 return await self.commit.lease_ended(ending, digest)
             case Release():
                 return await self.commit.release()
