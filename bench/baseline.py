@@ -7,7 +7,13 @@ last end):
     ``finish_job_if_owner`` statements with the parameters the sidecar passes for a
     ``/bin/true`` job (which ends ``failed``/``bad_result``: empty stdout is not a JSON
     value), and no child. ``--journal`` adds the ``tool_request_started`` journal row the
-    sidecar writes after each spawn, so the job table sees exactly the sidecar's writes.
+    sidecar writes with the finish, so the job table sees exactly the sidecar's writes.
+
+``python -m bench.baseline loop DSN TOOL CONCURRENCY START_AT``
+    the bare loop: the same statements and journal rows, and between them ``/bin/true``
+    spawned with the payload on its stdin and its stdout read, awaited, in one asyncio
+    (uvloop) process: what a job costs without supervision (no lease keeper, no tree kill,
+    no work directory, no cgroup).
 
 ``python -m bench.baseline spawn COUNT CONCURRENCY START_AT``
     a bare spawn-and-reap loop of ``/bin/true`` (``posix_spawn`` + ``waitpid``) on
@@ -33,7 +39,7 @@ def _wait_until(start_at: float) -> None:
 
 
 async def claim_loop(dsn: str, tool: str, concurrency: int, start_at: float,
-                     journal: bool) -> dict:
+                     journal: bool, spawn: bool = False) -> dict:
     from sidecar.db import connect
     from sidecar.queries import Q
 
@@ -51,18 +57,31 @@ async def claim_loop(dsn: str, tool: str, concurrency: int, start_at: float,
             if row is None:
                 return
             first = t0 if first is None else min(first, t0)
-            if journal:
-                await conn.execute(Q["record_event"], row["id"], row["fencing_token"],
-                                   "tool_request_started",
-                                   {"pid": 0, "argv0": "/bin/true",
-                                    "payload": {"sha256": "0" * 64, "bytes": 2}}, timeout=10)
+            pid = 0
+            if spawn:
+                proc = await asyncio.create_subprocess_exec(
+                    "/bin/true", stdin=asyncio.subprocess.PIPE,
+                    stdout=asyncio.subprocess.PIPE, start_new_session=True)
+                pid = proc.pid
+                try:  # /bin/true exits without reading its stdin
+                    proc.stdin.write(row["payload_text"].encode())
+                    await proc.stdin.drain()
+                    proc.stdin.close()
+                except (BrokenPipeError, ConnectionResetError, RuntimeError):
+                    pass
+                await proc.stdout.read()
+                await proc.wait()
+            earlier = [{"event": "tool_request_started", "age_s": 0.001, "details": {
+                "pid": pid, "argv0": "/bin/true",
+                "payload": {"sha256": "0" * 64, "bytes": 2}}}] if journal or spawn else None
             error = {"kind": "bad_result", "message": "exit 0 but stdout is not one JSON value "
                      "(unexpected end of data: line 1 column 1 (char 0)); 0 bytes"}
             summary = {"attempt": row["attempt"], "kind": "bad_result",
                        "duration_s": round(time.monotonic() - started, 3)}
             await conn.fetchrow(Q["finish_job_if_owner"], row["id"], owner,
                                 row["fencing_token"], "failed", None, error, "job_failed",
-                                summary, None, None, None, None, None, timeout=10)
+                                summary, None, None, None, None, None, earlier,
+                                timeout=10)
             done += 1
             last = time.time()
 
@@ -112,6 +131,12 @@ def main(argv: list[str]) -> int:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             out = runner.run(claim_loop(dsn, tool, concurrency, start_at,
                                         "--journal" in argv[5:]))
+    elif kind == "loop":
+        import uvloop
+
+        dsn, tool, concurrency, start_at = argv[1], argv[2], int(argv[3]), float(argv[4])
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            out = runner.run(claim_loop(dsn, tool, concurrency, start_at, True, spawn=True))
     elif kind == "spawn":
         out = spawn_loop(int(argv[1]), int(argv[2]), float(argv[3]))
     else:

@@ -20,9 +20,11 @@ tree scan; ``CgroupHost.describe`` says which, for ``sidecar config``.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.errors import SidecarError
@@ -315,6 +317,40 @@ class JobCgroup:
     def procs_files(self) -> list[str]:
         """The ``cgroup.procs`` files the child writes itself into (one per hierarchy)."""
         return [os.path.join(d, "cgroup.procs") for d in self.dirs]
+
+    @property
+    def enforces_limits(self) -> bool:
+        """True when a memory or process limit is set here (not only kill and accounting):
+        the child must then join before exec, so nothing it forks is ever outside."""
+        return bool(self.memory_bytes or self.processes)
+
+    def join_tree(self, pid: int, descendants: Callable[[int], list[int]],
+                  rounds: int = 8) -> None:
+        """Move ``pid``, a tool started without joining itself, into every hierarchy of
+        this cgroup, then each process it forked before the move, until none is outside
+        (a fork either precedes the parent's move, and the child is listed and moved in a
+        later round, or follows it, and the child is born inside). ``descendants(pid)``
+        lists the tree. A process that exits meanwhile is skipped. Raises OSError when
+        ``pid`` itself cannot be moved. Only for a cgroup that does not
+        ``enforce_limits``: its part is the tree kill and the accounting."""
+        for path in self.procs_files:
+            try:
+                _write(path, str(pid))
+            except ProcessLookupError:
+                return  # exited already: nothing of it is left to move
+            except OSError as exc:
+                if exc.errno == errno.ESRCH:
+                    return
+                raise
+        for _ in range(rounds):
+            inside = self.members()
+            outside = [p for p in descendants(pid) if p not in inside]
+            if not outside:
+                return
+            for member in outside:
+                for path in self.procs_files:
+                    with contextlib.suppress(OSError):
+                        _write(path, str(member))
 
     def create(self) -> None:
         """Make the cgroups and write the limits; on failure remove what was made and raise

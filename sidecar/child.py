@@ -2,15 +2,25 @@
 
 Contract (docs/child-process.md): payload JSON on stdin, then EOF; result JSON on
 stdout (capped at ``max_stdout`` bytes, the excess read and dropped, never held);
-stderr streamed line by line, its last 4 KiB kept. The child starts in a new session,
-gets SIGKILL as parent-death signal, and its exit is observed through a pidfd, so the
-job ends when the child exits even if a grandchild still holds the pipes (case F6).
+stderr streamed line by line, its last 4 KiB kept. The child starts in a new session and
+its exit is observed through a pidfd, so the job ends when the child exits even if a
+grandchild still holds the pipes (case F6).
+
+Two ways to start it. Where the child needs nothing set between fork and exec (no RUN_AS,
+no rlimit the sidecar does not already have, no cgroup limit) there is no ``preexec_fn``,
+so CPython uses vfork: no copy of the sidecar's page tables and no copy-on-write faults
+after it, which cost a fork+preexec spawn several milliseconds of the sidecar's CPU. The
+job cgroup, if any, is then joined from the parent right after exec, with every process
+the tool forked before that. Otherwise the ``preexec_fn`` (sidecar.isolation) joins the
+cgroup, sets the limits and the identity and the parent-death signal in the child. In
+both cases a SIGKILLed sidecar's tools are killed by its guardian (sidecar.guardian).
 """
 
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import errno
 import os
 import resource
@@ -26,7 +36,6 @@ import psutil
 from sidecar import linux
 from sidecar.cgroups import JobCgroup
 from sidecar.errors import SidecarError
-from sidecar.linux import child_preexec
 
 STDERR_TAIL_BYTES = 4096
 STDERR_LINE_BYTES = 4096
@@ -214,17 +223,25 @@ def _zombie(pid: int) -> bool:
         return False
 
 
+class CgroupJoinFailed(OSError):
+    """The parent could not move a freshly started tool into its job cgroup."""
+
+
 def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: str | None,
-                    make_preexec: Callable[[int], Callable[[], None]] | None):
+                    make_preexec: Callable[[int], Callable[[], None]] | None,
+                    join: JobCgroup | None):
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     try:
         with _reap_lock:
+            # No preexec_fn: vfork. restore_signals puts SIGPIPE and SIGXFSZ (which Python
+            # ignores for itself) back to SIG_DFL; CPython resets every handled signal in
+            # the child and gives it the spawning thread's (empty) mask (case F10).
             popen = subprocess.Popen(
                 argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
-                cwd=cwd, start_new_session=True,
-                preexec_fn=(make_preexec or child_preexec)(parent_pid),
+                cwd=cwd, start_new_session=True, restore_signals=True,
+                preexec_fn=make_preexec(parent_pid) if make_preexec else None,
             )
             MANAGED_PIDS.add(popen.pid)
     except BaseException:
@@ -234,6 +251,21 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
     finally:
         for fd in (in_r, out_w, err_w):
             os.close(fd)
+    if join is not None:
+        try:
+            join.join_tree(popen.pid, linux.descendant_pids if linux.HAVE_PROC_CHILDREN
+                           else _descendants)
+        except OSError as exc:
+            # Not a tool run outside its cgroup: stop it (a new session: its group) and
+            # report the spawn as failed. The supervisor still kills and reaps the tree.
+            with contextlib.suppress(OSError):
+                os.killpg(popen.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                popen.wait(5)
+            MANAGED_PIDS.discard(popen.pid)
+            for fd in (in_w, out_r, err_r):
+                os.close(fd)
+            raise CgroupJoinFailed(exc.errno, exc.strerror, exc.filename) from None
     return popen, in_w, out_r, err_r
 
 
@@ -305,10 +337,13 @@ class Child:
         stdin. No file descriptor but stdin, stdout and stderr is inherited.
 
         ``max_stdout`` caps the bytes of stdout kept (bytes). ``cookie`` is a subset of
-        ``env`` that marks the job's processes for the tree kill. ``make_preexec(parent_pid)``
-        gives the ``preexec_fn`` (limits, cgroup, identity; sidecar.isolation), and
-        ``cgroup`` the job cgroup the child joins there (its members are part of the tree).
-        Raises SpawnFailed when the program is missing or not executable.
+        ``env`` that marks the job's processes for the tree kill. ``cgroup`` is the job
+        cgroup (its members are part of the tree). ``make_preexec(parent_pid)`` gives the
+        ``preexec_fn`` (limits, cgroup join, identity; sidecar.isolation), which then
+        joins ``cgroup`` in the child; without one the child is started by vfork and the
+        parent moves it (and anything it forked meanwhile) into ``cgroup``.
+        Raises SpawnFailed when the program is missing or not executable (127, 126), or
+        could not be moved into its cgroup (126).
         """
         loop = asyncio.get_running_loop()
         global _spawn_generation, _spawns_in_flight
@@ -317,8 +352,11 @@ class Child:
             _spawns_in_flight += 1  # counted down by _spawn_blocking once the pid is recorded
         try:
             popen, in_w, out_r, err_r = await loop.run_in_executor(
-                _spawner, _spawn_counted, argv, env, os.getpid(), cwd, make_preexec
-            )
+                _spawner, _spawn_counted, argv, env, os.getpid(), cwd, make_preexec,
+                cgroup if make_preexec is None else None)
+        except CgroupJoinFailed as exc:
+            raise SpawnFailed(f"cannot move {argv[0]} into its job cgroup: {exc.filename or ''}"
+                              f" {exc.strerror or exc}".rstrip(), 126) from None
         except FileNotFoundError:
             raise SpawnFailed(f"command not found: {argv[0]}", 127) from None
         except PermissionError:
@@ -471,6 +509,11 @@ class Child:
         reaped. Safe to call when everything has already exited."""
         report = KillReport()
         procs = await self._scan()
+        if not procs and self.exited.done():
+            # The usual end: the tool exited and left nothing. No second scan, and adopted
+            # zombies (if any) wait for the periodic sweep.
+            self._uncount()
+            return report
         if procs:
             report.signal = signal.SIGTERM
             self._signal(procs, signal.SIGTERM, report)
@@ -490,17 +533,25 @@ class Child:
                 await asyncio.wait_for(asyncio.shield(self.exited), timeout=2.0)
             except TimeoutError:
                 report.survivors.append(self.pid)
-        if self._counted:
-            global _live_attempts
-            _live_attempts -= 1
-            self._counted = False
+        self._uncount()
         if SUBREAPER:
             # Reap the killed orphans now, not at the next periodic sweep: as zombies they
             # still count against the RUN_AS user's RLIMIT_NPROC for the next attempt.
             await self.loop.run_in_executor(None, reap_adopted)
         return report
 
+    def _uncount(self) -> None:
+        global _live_attempts
+        if self._counted:
+            _live_attempts -= 1
+            self._counted = False
+
     async def _scan(self) -> list[psutil.Process]:
+        # As a subreaper the scan reads the tree and our own children from /proc: a few
+        # small reads, cheaper on the event loop than a hop to a thread. Without one it
+        # reads every process on the host, off the loop.
+        if SUBREAPER:
+            return self._scan_blocking()
         return await self.loop.run_in_executor(None, self._scan_blocking)
 
     def _scan_blocking(self) -> list[psutil.Process]:

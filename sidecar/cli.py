@@ -214,6 +214,7 @@ def cmd_run(args, settings: Settings) -> int:
     args.command[0] = os.path.abspath(found)
     host = cgroups.detect(settings.cgroups)
     isolation.check_profile(profile, host)
+    isolation.share_limits(profile)
     work_root = isolation.check_work_dir(settings, profile)
     dsn = db.resolve_dsn(settings)
     # The DSN is in memory now. A tool of our own uid must not find it: not in our

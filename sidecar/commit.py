@@ -42,6 +42,13 @@ LEASE_ENDING_OUTCOMES = {StopReason.LEASE_LOST: Outcome.LEASE_LOST,
                          StopReason.LOCAL_DEADLINE: Outcome.ABANDONED}
 
 
+# How long an event noted during an attempt (tool_request_started, child_killed) may wait
+# to travel with the statement that ends the attempt before it is written on its own: an
+# attempt shorter than this costs no journal round trip of its own; a longer one has the
+# row in the journal within this many seconds of the event (P22).
+JOURNAL_DEFER_SECONDS = 1.0
+
+
 def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
     """Exponential backoff with full jitter (P16): a uniform draw in
     [0, min(cap, base x 2^(attempt-1))] seconds, so retries of many jobs spread out."""
@@ -60,6 +67,49 @@ class FencedCommit:
         self.lease = lease
         self.started = started  # monotonic seconds at the claim
         self.resources: dict[str, Any] = {}
+        self._noted: list[tuple[str, dict[str, Any], float]] = []  # (event, details, when)
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._flushing: asyncio.Future | None = None
+
+    def note(self, event: str, details: dict[str, Any]) -> None:
+        """Journal ``event`` with the statement that ends the attempt, or on its own after
+        JOURNAL_DEFER_SECONDS if the attempt is still running then; it keeps its own time
+        either way."""
+        self._noted.append((event, details, time.monotonic()))
+        if self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                JOURNAL_DEFER_SECONDS, self._flush_noted)
+
+    def _flush_noted(self) -> None:
+        self._flush_timer = None
+        if self._noted:
+            self._flushing = asyncio.ensure_future(self._write(self._pop_noted(), None, {}))
+
+    async def _take_noted(self) -> list[dict[str, Any]]:
+        """The noted events not yet written, as the ``earlier`` of a Store statement;
+        waits for a flush already on its way, so the journal keeps their order."""
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        if self._flushing is not None and not self._flushing.done():
+            await asyncio.shield(self._flushing)
+        return self._pop_noted()
+
+    def _pop_noted(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        taken = [{"event": event, "age_s": round(now - when, 3), "details": details}
+                 for event, details, when in self._noted]
+        self._noted = []
+        return taken
+
+    def _give_back(self, earlier: list[dict[str, Any]]) -> None:
+        """Events a statement did not write (not the owner): the next journal row takes
+        them."""
+        now = time.monotonic()
+        self._noted[:0] = [(e["event"], e["details"], now - e["age_s"]) for e in earlier]
+        if self._noted and self._flush_timer is None:
+            self._flush_timer = asyncio.get_running_loop().call_later(
+                JOURNAL_DEFER_SECONDS, self._flush_noted)
 
     def _duration(self) -> float:
         return round(time.monotonic() - self.started, 3)
@@ -68,17 +118,21 @@ class FencedCommit:
                       next_stage: NextStage | None, stderr_tail: str | None) -> Outcome:
         """Commit ``result`` (and create ``next_stage``, P19) if the lease is still ours."""
         details = {"result": digest, "duration_s": self._duration(), **self.resources}
+        earlier = await self._take_noted()
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
                 self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded",
-                details, self.ctx.profile.result_url or None, next_stage))
+                details, self.ctx.profile.result_url or None, next_stage, earlier))
         except OwnershipUnknown:
+            self._give_back(earlier)
             return await self._abandon(digest)
         except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:  # jsonb refused
+            self._give_back(earlier)
             return await self.fail(failure(
                 FailureKind.BAD_RESULT, f"PostgreSQL refused the result as jsonb: {exc}",
                 stderr_tail=stderr_tail))
         if not accepted:
+            self._give_back(earlier)
             await self.reject(digest, "not the owner at commit")
             return Outcome.REJECTED
         log.emit("job_succeeded", **log_fields(self.job), duration_s=details["duration_s"],
@@ -99,13 +153,16 @@ class FencedCommit:
                    **self.resources}
         if fault.retryable and job.attempt < job.max_attempts:
             delay = backoff_seconds(self.ctx.profile, job.attempt)
+            earlier = await self._take_noted()
             try:
                 run_after = await self._fenced(lambda: self.ctx.store.requeue_if_owner(
                     job, self.ctx.owner_id, error, delay,
-                    {**summary, "backoff_s": round(delay, 3)}))
+                    {**summary, "backoff_s": round(delay, 3)}, earlier))
             except OwnershipUnknown:
+                self._give_back(earlier)
                 return await self._abandon(None)
             if run_after is None:
+                self._give_back(earlier)
                 await self.reject(None, "not the owner at requeue")
                 return Outcome.REJECTED
             log.emit("job_retry_scheduled", "warning", **log_fields(job), reason=error["kind"],
@@ -113,12 +170,16 @@ class FencedCommit:
             return Outcome.REQUEUED
         if fault.retryable:
             error["message"] += f"; attempt {job.attempt} of {job.max_attempts}, none left"
+        earlier = await self._take_noted()
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
-                job, self.ctx.owner_id, "failed", None, error, "job_failed", summary))
+                job, self.ctx.owner_id, "failed", None, error, "job_failed", summary,
+                earlier=earlier))
         except OwnershipUnknown:
+            self._give_back(earlier)
             return await self._abandon(None)
         if not accepted:
+            self._give_back(earlier)
             await self.reject(None, "not the owner at commit")
             return Outcome.REJECTED
         log.emit("job_failed", "warning", **log_fields(job), reason=error["kind"],
@@ -127,12 +188,17 @@ class FencedCommit:
 
     async def release(self) -> Outcome:
         """Shutdown: give the lease back without spending the attempt."""
+        earlier = await self._take_noted()
         try:
             released = await self._fenced(lambda: self.ctx.store.release_if_owner(
                 self.job, self.ctx.owner_id,
-                {"reason": "shutdown", "owner_id": self.ctx.owner_id}))
+                {"reason": "shutdown", "owner_id": self.ctx.owner_id}, earlier))
         except OwnershipUnknown:
+            self._give_back(earlier)
             return await self._abandon(None)
+        if not released:
+            self._give_back(earlier)
+            await self.journal(None, {})
         log.emit("lease_released" if released else "lease_lost",
                  "info" if released else "warning", **log_fields(self.job), reason="shutdown")
         return Outcome.RELEASED if released else Outcome.LEASE_LOST
@@ -142,6 +208,8 @@ class FencedCommit:
         result the tool returned (``digest``) is only journaled."""
         if digest is not None:
             await self.reject(digest, "lease lost before commit")
+        elif self._noted or self._flush_timer is not None:
+            await self.journal(None, {})  # what the attempt noted, on its own
         log.emit("lease_lost", "warning", **log_fields(self.job), reason=str(reason),
                  duration_s=self._duration())
         return LEASE_ENDING_OUTCOMES[reason]
@@ -183,11 +251,19 @@ class FencedCommit:
                          reason=f"{type(exc).__name__}: {exc}"[:200])
                 await asyncio.sleep(min(0.5, self.ctx.profile.heartbeat_seconds / 2))
 
-    async def journal(self, event: str, details: dict[str, Any]) -> None:
-        """One journal row for this attempt; a failure to write it is logged, never
-        raised (the journal must not take the supervisor down)."""
+    async def journal(self, event: str | None, details: dict[str, Any]) -> None:
+        """One journal row for this attempt (none for ``event`` None), after the events
+        noted and not yet written, in one statement; a failure to write them is logged,
+        never raised (the journal must not take the supervisor down)."""
+        await self._write(await self._take_noted(), event, details)
+
+    async def _write(self, earlier: list[dict[str, Any]], event: str | None,
+                     details: dict[str, Any]) -> None:
+        if not earlier and event is None:
+            return
         try:
-            await self.ctx.store.record_event(self.job.id, self.job.fencing_token, event,
-                                              details)
+            await self.ctx.store.record_events(self.job.id, self.job.fencing_token, earlier,
+                                               event, details)
         except Exception:  # noqa: BLE001
-            log.emit("journal_error", "warning", **log_fields(self.job), reason=event)
+            log.emit("journal_error", "warning", **log_fields(self.job),
+                     reason=event or ",".join(e["event"] for e in earlier))

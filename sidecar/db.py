@@ -213,11 +213,14 @@ def use_pooler(mode: str) -> None:
 
 
 class _PooledConnection(asyncpg.Connection):
-    """A connection behind a transaction pooler: nothing to reset on release.
+    """A connection with nothing to reset on release.
 
     asyncpg's reset query (``pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL``)
-    would run on whichever server connection the pooler lends at that moment, one that
-    other clients share; an open transaction is still rolled back by ``reset()``.
+    costs one more round trip after every pooled statement, and behind a transaction
+    pooler it would run on whichever server connection the pooler lends at that moment,
+    one that other clients share. The sidecar's pooled statements leave no session
+    state (LISTEN has a connection of its own; migrations take a transaction-scoped
+    lock); an open transaction is still rolled back by ``reset()``.
     """
 
     def get_reset_query(self) -> str:
@@ -227,7 +230,7 @@ class _PooledConnection(asyncpg.Connection):
 def _options(pooler: str | None) -> dict:
     if (pooler or _pooler) == "transaction":
         return {"statement_cache_size": 0, "connection_class": _PooledConnection}
-    return {}
+    return {"connection_class": _PooledConnection}
 
 
 async def connect(dsn: str, timeout: float, *, pooler: str | None = None) -> asyncpg.Connection:

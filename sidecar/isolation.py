@@ -175,6 +175,16 @@ def rlimits(profile: LeaseProfile, cgroup: JobCgroup | None) -> list[tuple[int, 
     return limits
 
 
+def share_limits(profile: LeaseProfile) -> None:
+    """Give the sidecar itself the limits its tools inherit when it costs the sidecar
+    nothing, so a default profile needs no ``preexec_fn``: no core dumps (RLIMIT_CORE 0)
+    unless CORE_DUMPS is on. The sidecar is non-dumpable (sidecar.linux.make_undumpable),
+    so it would write no core of its own anyway. Call it once, before the first spawn."""
+    if not profile.core_dumps:
+        with contextlib.suppress(OSError, ValueError):
+            resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+
+
 def make_preexec(parent_pid: int, procs_files: list[str], limits: list[tuple[int, int, int]],
                  ids: tuple[int, int] | None):
     """A Popen ``preexec_fn``, run in the child between fork and exec: join the job's
@@ -305,6 +315,17 @@ class Sandbox:
         if self.ids is not None:
             os.chown(path, *self.ids)
         return path
+
+    @property
+    def needs_preexec(self) -> bool:
+        """True when the child must set itself up between fork and exec: a RUN_AS
+        identity, a cgroup that enforces a limit, or an rlimit the sidecar does not
+        already have itself (``share_limits``). Otherwise it is started by vfork with no
+        ``preexec_fn`` and the parent moves it into its cgroup (sidecar.child)."""
+        if self.ids is not None or (self.cgroup is not None and self.cgroup.enforces_limits):
+            return True
+        return any(resource.getrlimit(res) != (soft, hard)
+                   for res, soft, hard in rlimits(self.profile, self.cgroup))
 
     def preexec(self, parent_pid: int):
         """The child's ``preexec_fn`` for this sandbox (see ``make_preexec``)."""

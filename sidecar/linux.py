@@ -98,25 +98,47 @@ _RESET_AT_START = (signal.SIGCHLD, *_HANDLED_SIGNALS)
 # Every signal a process may change: SIGKILL and SIGSTOP cannot be caught or ignored.
 _SETTABLE_SIGNALS = tuple(sig for sig in signal.valid_signals()
                           if sig not in (signal.SIGKILL, signal.SIGSTOP))
+# Ignored by Python itself at start-up; subprocess's restore_signals gives tools SIG_DFL.
+_PYTHON_IGNORES = frozenset(getattr(signal, name) for name in ("SIGPIPE", "SIGXFSZ")
+                            if hasattr(signal, name))
 
 
 def reset_inherited_signal_state() -> list[str]:
     """At start, in the main thread before any other thread exists: unblock every signal
-    and restore the default disposition of SIGCHLD and the termination signals where the
-    launcher left them ignored (Linux keeps a blocked mask and ``SIG_IGN`` across exec;
-    launchers in Perl, Node or some thread runtimes leave them so). Case F10.
+    and restore the default disposition of every signal the launcher left ignored (Linux
+    keeps a blocked mask and ``SIG_IGN`` across exec; launchers in Perl, Node or some
+    thread runtimes leave them so, nohup ignores SIGHUP). Case F10.
 
-    SIGINT goes back to Python's own KeyboardInterrupt handler. Returns the names of the
-    signals that were reset, for the start-up log. Threads started later inherit the
-    cleared mask, and so do the tools (``child_preexec`` clears it again regardless)."""
-    fixed = [signal.Signals(sig).name
+    A tool started by vfork (sidecar.child) keeps what the sidecar ignores, so nothing
+    may stay ignored here but what Python ignores for itself (SIGPIPE, SIGXFSZ; tools get
+    those back at SIG_DFL). SIGINT goes back to Python's own KeyboardInterrupt handler.
+    Returns the names of the signals that were reset, for the start-up log (the ones the
+    sidecar relies on first). Threads started later inherit the cleared mask, and so do
+    the tools."""
+    fixed = [_signal_name(sig)
              for sig in signal.pthread_sigmask(signal.SIG_SETMASK, [])]
-    for sig in _RESET_AT_START:
-        if signal.getsignal(sig) == signal.SIG_IGN:
-            signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
-                          else signal.SIG_DFL)
-            fixed.append(f"{signal.Signals(sig).name}:ignored")
+    ordered = [*_RESET_AT_START, *(sig for sig in _SETTABLE_SIGNALS
+                                   if sig not in _RESET_AT_START)]
+    for sig in ordered:
+        if sig in _PYTHON_IGNORES:
+            continue
+        try:
+            ignored = signal.getsignal(sig) == signal.SIG_IGN
+        except (OSError, ValueError):
+            continue
+        if ignored:
+            with contextlib.suppress(OSError, ValueError):
+                signal.signal(sig, signal.default_int_handler if sig == signal.SIGINT
+                              else signal.SIG_DFL)
+                fixed.append(f"{_signal_name(sig)}:ignored")
     return fixed
+
+
+def _signal_name(sig: int) -> str:
+    try:
+        return signal.Signals(sig).name
+    except ValueError:  # a real-time signal
+        return f"SIGRT{sig - signal.SIGRTMIN}" if sig >= signal.SIGRTMIN else str(sig)
 
 
 def reset_signal_handlers() -> None:
@@ -130,17 +152,3 @@ def reset_signal_handlers() -> None:
         with contextlib.suppress(OSError, ValueError):
             signal.signal(sig, signal.SIG_DFL)
     signal.pthread_sigmask(signal.SIG_SETMASK, [])
-
-
-def child_preexec(parent_pid: int):
-    """A Popen ``preexec_fn``: SIGKILL the child when the sidecar dies (a SIGKILLed sidecar
-    leaves no tool running); exit at once if the sidecar already died during the fork."""
-    sigkill = int(signal.SIGKILL)
-
-    def _in_child() -> None:
-        reset_signal_handlers()
-        _prctl(PR_SET_PDEATHSIG, sigkill)
-        if os.getppid() != parent_pid:
-            os._exit(125)
-
-    return _in_child

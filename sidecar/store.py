@@ -261,10 +261,14 @@ class Store:
         self, job: ClaimedJob, owner_id: str, state: str, result: RawJson | None,
         error: dict[str, Any] | None, event: str, details: dict[str, Any],
         result_url: str | None = None, next_stage: NextStage | None = None,
+        earlier: list[dict[str, Any]] | None = None,
     ) -> bool:
         """Write the terminal state (P6) and journal ``event``; False when not the owner.
         With ``result_url``, a success also queues its forwarding (outbox); with
-        ``next_stage``, it creates the next stage's job; both in the same statement."""
+        ``next_stage``, it creates the next stage's job; both in the same statement.
+        ``earlier`` events of the attempt (``{event, age_s, details}``, see
+        ``record_events``) are journaled before ``event`` by the same statement; none is
+        written when it returns False."""
         row = await self.db.fetchrow(
             Q["finish_job_if_owner"], job.id, owner_id, job.fencing_token, state, result, error,
             event, details, result_url,
@@ -272,29 +276,32 @@ class Store:
             (RawJson("null") if next_stage.payload is None else next_stage.payload)
             if next_stage else None,
             next_stage.max_attempts if next_stage else None,
-            uuid.uuid4() if next_stage else None,
+            uuid.uuid4() if next_stage else None, earlier or None,
             timeout=self.timeout,
         )
         return row is not None
 
     async def requeue_if_owner(
         self, job: ClaimedJob, owner_id: str, error: dict[str, Any], backoff_seconds: float,
-        details: dict[str, Any],
+        details: dict[str, Any], earlier: list[dict[str, Any]] | None = None,
     ) -> dt.datetime | None:
-        """Back to queued with ``run_after = now() + backoff_seconds``; None when not the owner."""
+        """Back to queued with ``run_after = now() + backoff_seconds``; None when not the
+        owner. ``earlier`` as for ``finish_if_owner``."""
         row = await self.db.fetchrow(
             Q["requeue_job_if_owner"], job.id, owner_id, job.fencing_token, error,
-            backoff_seconds, details, timeout=self.timeout,
+            backoff_seconds, details, earlier or None, timeout=self.timeout,
         )
         return row["run_after"] if row else None
 
     async def release_if_owner(
-        self, job: ClaimedJob, owner_id: str, details: dict[str, Any]
+        self, job: ClaimedJob, owner_id: str, details: dict[str, Any],
+        earlier: list[dict[str, Any]] | None = None,
     ) -> bool:
-        """Give the job back (queued, attempt not spent) for another sidecar; False if not ours."""
+        """Give the job back (queued, attempt not spent) for another sidecar; False if not
+        ours. ``earlier`` as for ``finish_if_owner``."""
         row = await self.db.fetchrow(
             Q["release_lease_if_owner"], job.id, owner_id, job.fencing_token, details,
-            timeout=self.timeout,
+            earlier or None, timeout=self.timeout,
         )
         return row is not None
 
@@ -314,6 +321,17 @@ class Store:
         await self.db.execute(
             Q["record_event"], job_id, token, event, details, timeout=self.timeout
         )
+
+    async def record_events(
+        self, job_id: uuid.UUID, token: int | None, earlier: list[dict[str, Any]],
+        event: str | None = None, details: dict[str, Any] | None = None,
+    ) -> None:
+        """Append ``earlier`` events, each ``{"event": name, "age_s": seconds ago,
+        "details": {...}}`` and journaled at ``now() - age_s``, then ``event`` (if any)
+        with ``details``, in that order, in one statement."""
+        await self.db.execute(
+            Q["record_events"], job_id, token, earlier, event, details or {},
+            timeout=self.timeout)
 
     async def ownership(self, job_id: uuid.UUID) -> asyncpg.Record | None:
         """``state``, ``owner_id`` and ``fencing_token`` of a job (to explain a lost lease)."""

@@ -8,6 +8,7 @@ the final state, the journal event and the log line (P8, P13).
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -147,6 +148,7 @@ class JobSupervisor:
         """Supervise the job; return how the attempt ended."""
         try:
             outcome = await self._run()
+            await self.commit.journal(None, {})  # whatever the attempt noted and no end wrote
         finally:
             self.ctx.keeper.drop(self.job.id)
         labels = (self.job.tool, self.ctx.profile.provider)
@@ -205,14 +207,15 @@ class JobSupervisor:
         try:
             child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
                                       relay, cookie, cwd=sandbox.job_dir,
-                                      make_preexec=sandbox.preexec, cgroup=sandbox.cgroup)
+                                      make_preexec=sandbox.preexec if sandbox.needs_preexec
+                                      else None, cgroup=sandbox.cgroup)
             child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
         except SpawnFailed as exc:
             log.emit("spawn_failed", "error", **log_fields(self.job), reason=exc.message)
             return await self._fail_before_spawn(failure(
                 FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
 
-        await self.commit.journal("tool_request_started", {
+        self.commit.note("tool_request_started", {
             "pid": child.pid, "argv0": self.ctx.argv[0], "payload": payload_digest(payload)})
         log.emit("tool_request_started", **log_fields(self.job), pid=child.pid)
 
@@ -223,9 +226,9 @@ class JobSupervisor:
         await child.close_pipes(timeout=1.0)
         relay.summary()
         if reason is not StopReason.EXITED or report.signal is not None:
-            await self._killed(StopReason.ORPHANED_DESCENDANTS
-                               if reason is StopReason.EXITED else reason, report)
-        usage = await asyncio.get_running_loop().run_in_executor(None, measure, child, sandbox)
+            self._killed(StopReason.ORPHANED_DESCENDANTS
+                         if reason is StopReason.EXITED else reason, report)
+        usage = measure(child, sandbox)  # a few small cgroup files: no hop to a thread
         self.commit.resources = {k: v for k, v in (
             ("peak_memory_bytes", usage.peak_memory_bytes),
             ("cpu_seconds", None if usage.cpu_seconds is None else round(usage.cpu_seconds, 3)),
@@ -233,7 +236,7 @@ class JobSupervisor:
             ("process_limit_hits", usage.process_limit_hits or None)) if v is not None}
         return await self._settle(reason, child, sandbox, usage)
 
-    async def _killed(self, reason: StopReason, report) -> None:
+    def _killed(self, reason: StopReason, report) -> None:
         """Log, count and journal one tree kill."""
         sig = KillSignal(report.signal.name) if report.signal is not None else KillSignal.NONE
         details = {"reason": str(reason), "signal": None if sig is KillSignal.NONE else str(sig),
@@ -244,7 +247,7 @@ class JobSupervisor:
         labels = (self.job.tool, self.ctx.profile.provider)
         metrics.CHILD_KILLS.labels(*labels, reason, sig).inc()
         metrics.PROCESSES_LEFT.labels(*labels).inc(len(report.survivors))
-        await self.commit.journal("child_killed", details)
+        self.commit.note("child_killed", details)
 
     async def _race(self, child: Child, sandbox: Sandbox) -> StopReason:
         """Wait for the first of: the child exits, the lease is lost (or cancelled), the
@@ -325,7 +328,10 @@ class JobSupervisor:
         profile = self.ctx.profile
         try:
             # The result file, when there is one, is the result; stdout is ignored.
-            # Up to MAX_RESULT_BYTES from disk: off the event loop, which heartbeats.
+            # Up to MAX_RESULT_BYTES from disk: off the event loop, which heartbeats (a
+            # tool that left none costs one lstat here, no hop to a thread).
+            if not os.path.lexists(sandbox.result_file):
+                raise FileNotFoundError(sandbox.result_file)
             output = await asyncio.get_running_loop().run_in_executor(
                 None, read_result_file, sandbox.result_file, profile.max_result_bytes,
                 sandbox.ids[0] if sandbox.ids else None, profile_var(profile, "MAX_RESULT_BYTES"))

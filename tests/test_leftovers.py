@@ -447,8 +447,8 @@ def test_concurrent_well_behaved_jobs_never_kill_each_others_tools(dsn, public_d
     _scan_blocking, so a scan never sees a child before its exec; count a spawn in flight
     (a counter raised before run_in_executor, lowered after it) in the claim_unmarked
     test. Also restore SIGTERM/SIGINT/SIGHUP to SIG_DFL at the top of every preexec_fn
-    (sidecar.linux.child_preexec, isolation.make_preexec), so a signal before exec can
-    never reach the sidecar's own handler through the inherited wakeup fd.
+    (isolation.make_preexec; on the vfork path CPython resets them), so a signal before
+    exec can never reach the sidecar's own handler through the inherited wakeup fd.
     """
     work = public_dir()
     env = _env(dsn, work)

@@ -151,7 +151,8 @@ def test_frozen_sidecar_resumes_after_takeover_loses_heartbeat_and_kills_tree(
             assert (taken.fencing_token, taken.attempt, taken.reclaimed) == (2, 2, True)
             # Frozen, the sidecar could not act: its tree is still running.
             assert all(pid_alive(p) for p in pids)
-            takeover_event_id = journal_events(dsn, job_id, "job_claimed")[-1]["id"]
+            takeover = journal_events(dsn, job_id, "job_claimed")[-1]
+            takeover_event_id = takeover["id"]
         finally:
             os.kill(sc.pid, signal.SIGCONT)
 
@@ -171,9 +172,13 @@ def test_frozen_sidecar_resumes_after_takeover_loses_heartbeat_and_kills_tree(
     assert killed["details"]["killed"] >= 1
     # After the takeover the old owner wrote only its evidence, never an outcome.
     after = [e for e in events if e["id"] > takeover_event_id]
-    # (lease_abandoned when, on waking, its local deadline had passed before a renewal)
+    # (lease_abandoned when, on waking, its local deadline had passed before a renewal;
+    # tool_request_started when the sidecar froze before that row, noted at the spawn, was
+    # written: its time is the spawn's, before the takeover)
     assert {e["event"] for e in after} <= {"heartbeat_lost", "child_killed",
-                                           "lease_abandoned"}, after
+                                           "lease_abandoned", "tool_request_started"}, after
+    assert all(e["at"] < takeover["at"] for e in after
+               if e["event"] == "tool_request_started"), after
     assert all(e["fencing_token"] == 1 for e in after)
     assert_no_outcome_events(events)
     assert not [e for e in events if e["event"] == "result_rejected"]

@@ -163,8 +163,11 @@ WITH finished AS (
     SELECT id, 0, 'job_enqueued', jsonb_build_object('parent_id', parent_id, 'stage', stage)
     FROM next_stage
 ), journal AS (
-    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, fencing_token, $7, $8 FROM finished
+    -- the attempt's earlier events ($14, migration 006) first, then its final one
+    INSERT INTO tool_job_events (job_id, fencing_token, event, at, details)
+    SELECT f.id, f.fencing_token, j.event, j.at, j.details
+    FROM finished f CROSS JOIN LATERAL tool_job_journal_rows($14::jsonb, $7, $8) j
+    ORDER BY j.n
 ), outbox AS (
     INSERT INTO tool_job_outbox (job_id, tool, url, idempotency_key, fencing_token, body)
     SELECT id, tool, $9::text, 'tool-job:' || id || ':result', fencing_token,
@@ -188,10 +191,11 @@ WITH requeued AS (
       AND state = 'running' AND lease_until > now()
     RETURNING id, fencing_token, run_after
 ), journal AS (
-    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, fencing_token, 'job_retry_scheduled',
-           $6::jsonb || jsonb_build_object('run_after', run_after)
-    FROM requeued
+    INSERT INTO tool_job_events (job_id, fencing_token, event, at, details)
+    SELECT r.id, r.fencing_token, j.event, j.at, j.details
+    FROM requeued r CROSS JOIN LATERAL tool_job_journal_rows(
+        $7::jsonb, 'job_retry_scheduled', $6::jsonb || jsonb_build_object('run_after', r.run_after)) j
+    ORDER BY j.n
 )
 SELECT id, run_after FROM requeued;
 
@@ -205,8 +209,10 @@ WITH released AS (
       AND state = 'running' AND lease_until > now()
     RETURNING id, fencing_token, tool
 ), journal AS (
-    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, fencing_token, 'lease_released', $4 FROM released
+    INSERT INTO tool_job_events (job_id, fencing_token, event, at, details)
+    SELECT r.id, r.fencing_token, j.event, j.at, j.details
+    FROM released r CROSS JOIN LATERAL tool_job_journal_rows($5::jsonb, 'lease_released', $4) j
+    ORDER BY j.n
 )
 SELECT id, pg_notify('sidecar_jobs', tool) FROM released;
 
@@ -282,6 +288,13 @@ SELECT id FROM saved;
 -- name: record_event
 INSERT INTO tool_job_events (job_id, fencing_token, event, details) VALUES ($1, $2, $3, $4);
 
+-- name: record_events
+-- An attempt's events noted earlier ($3, migration 006) and then $4 with $5, in order.
+INSERT INTO tool_job_events (job_id, fencing_token, event, at, details)
+SELECT $1, $2, j.event, j.at, j.details
+FROM tool_job_journal_rows($3::jsonb, $4, $5) j
+ORDER BY j.n;
+
 -- name: ownership_of_job
 SELECT state, owner_id, fencing_token FROM tool_jobs WHERE id = $1;
 
@@ -292,7 +305,7 @@ SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, atte
 FROM tool_jobs WHERE id = $1;
 
 -- name: job_events
-SELECT fencing_token, event, at, details FROM tool_job_events WHERE job_id = $1 ORDER BY id;
+SELECT fencing_token, event, at, details FROM tool_job_events WHERE job_id = $1 ORDER BY at, id;
 
 -- name: children_of_job
 SELECT id, tool, state, stage FROM tool_jobs WHERE parent_id = $1 ORDER BY created_at, id;

@@ -1,0 +1,109 @@
+"""The job path's spawn and journal (issue 14): a tool that needs nothing set between fork
+and exec is started by vfork and moved into its job cgroup by the sidecar, every process it
+forked before the move with it; an attempt's journal rows travel with the statement that
+ends it, or are written on their own while it still runs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from conftest import base_env, enqueue, query, short_root, wait_until
+from sidecar import linux
+from sidecar.cgroups import JobCgroup, detect
+
+ROOT = os.geteuid() == 0
+
+
+def _env(dsn, tmp_path, **extra):
+    return base_env(dsn, SIDECAR_WORK_DIR=str(short_root(tmp_path / "work")), **extra)
+
+
+def _events(dsn, job):
+    return query(dsn, "SELECT event, at, xmin::text::bigint AS xid FROM tool_job_events "
+                      "WHERE job_id = $1 ORDER BY id", job)
+
+
+def test_a_short_attempts_journal_rows_are_written_by_its_final_statement(dsn, sidecars,
+                                                                          tmp_path):
+    job = enqueue(dsn, "quick", {})
+    sc = sidecars(dsn, [sys.executable, "-c", "print('{\"ok\": true}')"], "--tool", "quick",
+                  "--drain", env=_env(dsn, tmp_path))
+    assert sc.wait(60) == 0, sc.stderr_text()[-2000:]
+    rows = _events(dsn, job)
+    assert [r["event"] for r in rows] == [
+        "job_enqueued", "job_claimed", "tool_request_started", "job_succeeded"], rows
+    started, succeeded = rows[2], rows[3]
+    assert started["xid"] == succeeded["xid"]  # one transaction: the finish statement
+    assert rows[1]["at"] <= started["at"] <= succeeded["at"]
+
+
+def test_a_long_attempts_start_is_journaled_while_it_runs(dsn, sidecars, tmp_path):
+    job = enqueue(dsn, "slow", {})
+    sc = sidecars(dsn, [sys.executable, "-c",
+                        "import time; time.sleep(4); print('{\"ok\": true}')"],
+                  "--tool", "slow", "--drain", env=_env(dsn, tmp_path))
+    sc.wait_event("tool_request_started", job_id=job)
+    seen = wait_until(lambda: [r for r in _events(dsn, job)
+                               if r["event"] == "tool_request_started"], timeout=3.0,
+                      what="tool_request_started in the journal")
+    assert query(dsn, "SELECT state FROM tool_jobs WHERE id = $1", job)[0]["state"] == "running"
+    assert sc.wait(60) == 0, sc.stderr_text()[-2000:]
+    rows = _events(dsn, job)
+    assert [r["event"] for r in rows] == [
+        "job_enqueued", "job_claimed", "tool_request_started", "job_succeeded"], rows
+    assert rows[2]["xid"] == seen[0]["xid"] != rows[3]["xid"]  # written once, on its own
+
+
+def _cgroup_v2_host():
+    host = detect("auto") if ROOT else None
+    if host is None or not host.v2_dir:
+        return None
+    return host
+
+
+@pytest.mark.skipif(not ROOT, reason="making a job cgroup needs root")
+def test_join_tree_moves_the_tool_and_everything_it_forked_before_the_move():
+    host = _cgroup_v2_host()
+    assert host is not None, "root on this host has no cgroup v2 directory for job cgroups"
+    cgroup = JobCgroup(host, f"join-test-{os.getpid()}", 0, 0)
+    cgroup.create()
+    # A tree that already has a child, a grandchild and a double-forked one: what a tool
+    # may fork in the moment between its exec and the sidecar's move.
+    tree = subprocess.Popen(["sh", "-c", "sleep 30 & (sleep 30 &) ; sh -c 'sleep 30' & wait"],
+                            start_new_session=True)
+    try:
+        wait_until(lambda: len(linux.descendant_pids(tree.pid)) >= 3, timeout=5,
+                   what="the tree's descendants")
+        before = {tree.pid, *linux.descendant_pids(tree.pid)}
+        assert not before & cgroup.members()
+        cgroup.join_tree(tree.pid, linux.descendant_pids)
+        members = cgroup.members()
+        assert {tree.pid, *linux.descendant_pids(tree.pid)} <= members, (before, members)
+    finally:
+        cgroup.kill()
+        tree.wait(10)
+        time.sleep(0.1)
+        assert cgroup.remove() == []
+
+
+@pytest.mark.skipif(not ROOT, reason="per-job cgroups need root")
+def test_a_default_profile_tool_runs_in_its_job_cgroup_with_what_it_forks(dsn, sidecars,
+                                                                         tmp_path):
+    assert _cgroup_v2_host() is not None, "root on this host has no cgroup v2 directory"
+    script = ("sleep 5 & a=$!; sleep 5 & b=$!; sleep 0.3; "
+              "printf '{\"self\": \"%s\", \"a\": \"%s\", \"b\": \"%s\"}\\n' "
+              "\"$(grep '^0::' /proc/$$/cgroup)\" \"$(grep '^0::' /proc/$a/cgroup)\" "
+              "\"$(grep '^0::' /proc/$b/cgroup)\"; kill $a $b")
+    job = enqueue(dsn, "forker", {})
+    sc = sidecars(dsn, ["/bin/sh", "-c", script], "--tool", "forker", "--drain",
+                  env=_env(dsn, tmp_path))
+    assert sc.wait(60) == 0, sc.stderr_text()[-2000:]
+    [row] = query(dsn, "SELECT state, result FROM tool_jobs WHERE id = $1", job)
+    assert row["state"] == "succeeded", row
+    seen = set(row["result"].values())
+    assert len(seen) == 1 and f"job-{job}-1" in seen.pop(), row["result"]
