@@ -18,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-
-import aiohttp
+from typing import TYPE_CHECKING
 
 from sidecar.config import Settings
 from sidecar.log import log
 from sidecar.store import Store
+
+if TYPE_CHECKING:
+    import aiohttp
 
 FORWARD_LEASE_SECONDS = 60.0
 REQUEST_TIMEOUT_SECONDS = 20.0  # well inside the forwarding lease
@@ -49,14 +51,18 @@ class Forwarder:
         self._wake.set()
 
     async def run(self) -> None:
-        """Deliver until cancelled; database errors are logged and retried next period."""
-        timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        """Deliver until cancelled; database errors are logged and retried next period.
+        The HTTP client (aiohttp, about 12 MiB once imported) is made at the first row to
+        deliver, so a sidecar whose results are never forwarded does not carry it."""
+        session = None
+        try:
             while True:
                 self._wake.clear()
                 try:
                     rows = await self.store.claim_outbox(self.owner_id, FORWARD_LEASE_SECONDS,
                                                          BATCH)
+                    if rows and session is None:
+                        session = _client_session()
                     await asyncio.gather(*(self._deliver(session, row) for row in rows))
                 except (OSError, TimeoutError, ConnectionError) as exc:
                     log.emit("forward_error", "warning", reason=f"{type(exc).__name__}: {exc}")
@@ -68,8 +74,13 @@ class Forwarder:
                     continue
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), self.settings.poll_seconds)
+        finally:
+            if session is not None:
+                await session.close()
 
     async def _deliver(self, session: aiohttp.ClientSession, row) -> None:
+        import aiohttp
+
         fields = {"job_id": str(row["job_id"]), "tool": row["tool"],
                   "fencing_token": row["fencing_token"]}
         headers = {"Content-Type": "application/json",
@@ -98,6 +109,12 @@ class Forwarder:
             await self.store.outbox_retry_later(row["id"], self.owner_id, delay, status, text)
             log.emit("forward_retry", "warning", **fields, status=status,
                      reason=text[:200], retry_in_s=round(delay, 3))
+
+
+def _client_session() -> aiohttp.ClientSession:
+    import aiohttp
+
+    return aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_SECONDS))
 
 
 def _reason(body: str) -> str | None:

@@ -1,9 +1,9 @@
 """The guard: a tool asks, just before an irreversible step, whether it may still act (P14,
 P15), and saves its progress with the job (checkpoints).
 
-One small aiohttp server per sidecar, on the loopback interface only (``127.0.0.1``, port
-chosen by the OS). Every running job gets its own secret; the child finds the server in
-``SIDECAR_GUARD_URL`` (``http://127.0.0.1:PORT``) and the secret in
+One small HTTP server per sidecar (sidecar.httpserver), on the loopback interface only
+(``127.0.0.1``, port chosen by the OS). Every running job gets its own secret; the child
+finds the server in ``SIDECAR_GUARD_URL`` (``http://127.0.0.1:PORT``) and the secret in
 ``SIDECAR_GUARD_TOKEN``, and sends ``Authorization: Bearer <secret>``. The secret names the
 job: there is no job id in the URL.
 
@@ -61,11 +61,11 @@ from dataclasses import dataclass
 
 import asyncpg
 import orjson
-from aiohttp import web
 
 from sidecar import db
 from sidecar.config import LeaseProfile
 from sidecar.db import RawJson
+from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
 from sidecar.lease import Lease
 from sidecar.log import log, log_fields, payload_digest
 from sidecar.store import Store
@@ -84,14 +84,12 @@ UNAUTHORIZED_LOG_PERIOD = 10.0    # seconds between two guard_unauthorized log l
 _UNAUTHORIZED_BODY = orjson.dumps({"error": "unauthorized"})
 
 
-def _json(value: object, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(value), status=status,
-                        content_type="application/json")
+def _json(value: object, status: int = 200) -> Response:
+    return Response(status, orjson.dumps(value))
 
 
-def _unauthorized() -> web.Response:
-    return web.Response(body=_UNAUTHORIZED_BODY, status=401, content_type="application/json",
-                        headers={"WWW-Authenticate": "Bearer"})
+def _unauthorized() -> Response:
+    return Response(401, _UNAUTHORIZED_BODY, headers=(("WWW-Authenticate", "Bearer"),))
 
 
 def _digest(token: str) -> bytes:
@@ -128,7 +126,7 @@ class GuardServer:
         self.url: str | None = None
         self._by_digest: dict[bytes, _Registration] = {}
         self._by_job: dict[uuid.UUID, list[_Registration]] = {}
-        self._runner: web.AppRunner | None = None
+        self._http: HttpServer | None = None
         self._db_slot = asyncio.Semaphore(1)
         self._unauthorized = 0
         self._unauthorized_logged = float("-inf")
@@ -139,21 +137,13 @@ class GuardServer:
         """Listen on 127.0.0.1 on a port chosen by the OS; return the base URL
         (``http://127.0.0.1:PORT``, no trailing slash). Raises RuntimeError when already
         started, OSError when the socket cannot be bound."""
-        if self._runner is not None:
+        if self._http is not None:
             raise RuntimeError("the guard server is already started")
-        app = web.Application(client_max_size=CHECKPOINT_LIMIT)
-        app.router.add_post(GUARD_PATH, self._guard, expect_handler=_expect_continue)
-        app.router.add_post(CHECKPOINT_PATH, self._checkpoint, expect_handler=_expect_continue)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0,
-                               keepalive_timeout=15.0, auto_decompress=False)
-        await runner.setup()
-        try:
-            await web.TCPSite(runner, "127.0.0.1", 0).start()
-        except BaseException:
-            await runner.cleanup()
-            raise
-        self._runner = runner
-        port = runner.addresses[0][1]
+        http = HttpServer({("POST", GUARD_PATH): self._guard,
+                           ("POST", CHECKPOINT_PATH): self._checkpoint},
+                          keepalive_timeout=15.0, header_timeout=self.body_timeout)
+        _, port = await http.start("127.0.0.1", 0)
+        self._http = http
         self.url = f"http://127.0.0.1:{port}"
         log.emit("guard_started", url=self.url, tool=self.profile.tool)
         return self.url
@@ -161,11 +151,11 @@ class GuardServer:
     async def stop(self) -> None:
         """Close the listener and every connection (in-flight requests get up to 2 s) and
         forget every secret. Safe to call twice, or without start()."""
-        runner, self._runner = self._runner, None
+        http, self._http = self._http, None
         self._by_digest.clear()
         self._by_job.clear()
-        if runner is not None:
-            await runner.cleanup()
+        if http is not None:
+            await http.stop(grace=2.0)
 
     # --- jobs ---------------------------------------------------------------
 
@@ -198,9 +188,9 @@ class GuardServer:
 
     # --- requests -----------------------------------------------------------
 
-    def _authenticate(self, request: web.Request) -> _Registration | None:
+    def _authenticate(self, request: Request) -> _Registration | None:
         """The registration the bearer secret names, or None (and a rate-limited log line)."""
-        values = request.headers.getall("Authorization", [])
+        values = request.header_values("authorization")
         registration = None
         if len(values) == 1:
             scheme, _, token = values[0].partition(" ")
@@ -220,15 +210,15 @@ class GuardServer:
                 self._unauthorized_logged, self._unauthorized = now, 0
         return registration
 
-    async def _read_body(self, request: web.Request, limit: int,
-                         too_large: dict[str, object]) -> bytes | web.Response:
+    async def _read_body(self, request: Request, limit: int,
+                         too_large: dict[str, object]) -> bytes | Response:
         """The whole body (at most ``limit`` bytes) or the error answer to send instead."""
         if request.content_length is not None and request.content_length > limit:
             return _json(too_large, 413)
         try:
             async with asyncio.timeout(self.body_timeout):
-                body = await request.read()
-        except web.HTTPRequestEntityTooLarge:
+                body = await request.read(limit)
+        except BodyTooLarge:
             return _json(too_large, 413)
         except TimeoutError:
             return _json({"error": "body_timeout", "message": f"the body did not arrive "
@@ -258,13 +248,13 @@ class GuardServer:
             return GuardRefusal.LEASE_ENDING
         return None
 
-    async def _guard(self, request: web.Request) -> web.Response:
+    async def _guard(self, request: Request) -> Response:
         registration = self._authenticate(request)
         if registration is None:
             return _unauthorized()
         body = await self._read_body(request, GUARD_BODY_LIMIT,
                                      {"error": "body_too_large", "limit": GUARD_BODY_LIMIT})
-        if isinstance(body, web.Response):
+        if isinstance(body, Response):
             return body
         request_id = None
         if body.strip():
@@ -311,13 +301,13 @@ class GuardServer:
                  last_request_id=lease.request_id, unknown_for_s=unknown_for,
                  stopping=lease.stopping)
 
-    async def _checkpoint(self, request: web.Request) -> web.Response:
+    async def _checkpoint(self, request: Request) -> Response:
         registration = self._authenticate(request)
         if registration is None:
             return _unauthorized()
         body = await self._read_body(request, CHECKPOINT_LIMIT,
                                      {"error": "checkpoint_too_large", "limit": CHECKPOINT_LIMIT})
-        if isinstance(body, web.Response):
+        if isinstance(body, Response):
             return body
         try:
             orjson.loads(body)
@@ -355,12 +345,3 @@ class GuardServer:
         if log.enabled("debug"):
             log.emit("checkpoint_saved", "debug", **fields, bytes=digest["bytes"])
         return _json({"saved": True, "bytes": digest["bytes"]})
-
-
-async def _expect_continue(request: web.Request) -> None:
-    """Answer ``Expect: 100-continue`` (curl sends it before a large body) and ignore any
-    other expectation: aiohttp's default refuses those with 417 before the guard could
-    check the secret, or fails with 500 on a header that is not UTF-8."""
-    if request.version >= (1, 1) and \
-            request.headers.get("Expect", "").strip().lower() == "100-continue":
-        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -1,5 +1,6 @@
 """The sidecar's own HTTP endpoints on ``SIDECAR_HTTP_ADDR`` (all interfaces by default):
-``/metrics`` (prometheus-client's aiohttp handler), ``/livez`` and ``/readyz``.
+``/metrics`` (prometheus-client's exposition, in the format the scraper's ``Accept`` asks
+for), ``/livez`` and ``/readyz``, served by sidecar.httpserver.
 
 ``/livez`` says only that the event loop is not wedged (a loop-lag watchdog ticks every
 quarter second); it never looks at the database, because a failing liveness probe restarts
@@ -15,10 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from aiohttp import web
-from prometheus_client.aiohttp import make_aiohttp_handler
+import orjson
+from prometheus_client import REGISTRY
+from prometheus_client.exposition import choose_encoder
 
 from sidecar import metrics
+from sidecar.httpserver import Handler, HttpServer, Request, Response
 
 LOOP_TICK_SECONDS = 0.25
 WEDGED_AFTER_SECONDS = 5.0
@@ -57,36 +60,33 @@ async def watch_loop(readiness: Readiness) -> None:
         readiness.last_tick = now
 
 
-def make_app(readiness: Readiness) -> web.Application:
-    """The aiohttp application serving /metrics, /livez and /readyz."""
+def make_routes(readiness: Readiness) -> dict[tuple[str, str], Handler]:
+    """The routes of /metrics, /livez and /readyz (GET, and HEAD)."""
 
-    async def livez(_request: web.Request) -> web.Response:
+    async def metrics_page(request: Request) -> Response:
+        encoder, content_type = choose_encoder(request.header("accept"))
+        return Response(200, encoder(REGISTRY), content_type)
+
+    async def livez(_request: Request) -> Response:
         since = time.monotonic() - readiness.last_tick
         if since > WEDGED_AFTER_SECONDS:
-            return web.json_response({"live": False, "loop_stalled_s": round(since, 3)},
-                                     status=503)
-        return web.json_response({"live": True})
+            return Response(503, orjson.dumps({"live": False,
+                                               "loop_stalled_s": round(since, 3)}))
+        return Response(200, orjson.dumps({"live": True}))
 
-    async def readyz(_request: web.Request) -> web.Response:
+    async def readyz(_request: Request) -> Response:
         problems = readiness.problems()
-        return web.json_response({"ready": not problems, "problems": problems},
-                                 status=503 if problems else 200)
+        return Response(503 if problems else 200,
+                        orjson.dumps({"ready": not problems, "problems": problems}))
 
-    app = web.Application()
-    app.router.add_get("/metrics", make_aiohttp_handler())
-    app.router.add_get("/livez", livez)
-    app.router.add_get("/readyz", readyz)
-    return app
+    return {("GET", "/metrics"): metrics_page, ("GET", "/livez"): livez,
+            ("GET", "/readyz"): readyz}
 
 
-async def serve(readiness: Readiness, addr: str) -> tuple[web.AppRunner, str]:
-    """Listen on ``addr`` (HOST:PORT; port 0 = any); return the runner and the bound address.
-
-    Raises OSError when the address cannot be bound."""
+async def serve(readiness: Readiness, addr: str) -> tuple[HttpServer, str]:
+    """Listen on ``addr`` (HOST:PORT; port 0 = any); return the server (``stop()`` it) and
+    the bound address. Raises OSError when the address cannot be bound."""
     host, _, port = addr.rpartition(":")
-    runner = web.AppRunner(make_app(readiness), access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, host.strip("[]"), int(port))
-    await site.start()
-    bound = site._server.sockets[0].getsockname()  # noqa: SLF001 - the port the OS chose
-    return runner, f"{bound[0]}:{bound[1]}"
+    server = HttpServer(make_routes(readiness))
+    bound_host, bound_port = await server.start(host.strip("[]") or None, int(port))
+    return server, f"{bound_host}:{bound_port}"

@@ -124,7 +124,7 @@ class Worker:
             except OSError as exc:
                 raise ConfigError(f"SIDECAR_HTTP_ADDR={self.settings.http_addr}: cannot listen "
                                   f"({exc.strerror or exc}); pick a free port, or off") from None
-            stack.push_async_callback(http_runner.cleanup)
+            stack.push_async_callback(http_runner.stop)
         keeper = LeaseKeeper(self.dsn, self.owner_id, self.profile, store, timeout)
         forwarder = Forwarder(store, self.settings, self.owner_id)
         guard = GuardServer(store, self.profile, self.owner_id)
