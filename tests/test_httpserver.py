@@ -91,7 +91,12 @@ def test_expect_100_continue_is_answered_when_the_handler_reads_the_body():
                          b"Expect: 100-continue\r\n\r\n")
             assert sock.recv(1024).startswith(b"HTTP/1.1 100 Continue")
             sock.sendall(b"{}")
-            final = sock.recv(1024)
+            final = b""
+            while not final.endswith(b"}"):
+                chunk = sock.recv(1024)
+                if not chunk:
+                    break
+                final += chunk
         assert final.startswith(b"HTTP/1.1 200") and final.endswith(b'{"got": 2}'), final
     run(test)
 
