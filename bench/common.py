@@ -168,14 +168,15 @@ class Sidecar:
     """A real ``sidecar run`` process; its stderr (JSON lines) goes to a file."""
 
     def __init__(self, ctx: Context, name: str, tool: str, command: list[str],
-                 concurrency: int = 1, drain: bool = False, **env: str):
+                 concurrency: int = 1, drain: bool = False, dsn: str | None = None,
+                 **env: str):
         self.name = name
         self.tool = tool
         self.log_path = ctx.tmp / f"{name}.log"
         argv = [sys.executable, "-m", "sidecar", "run", "--tool", tool,
                 "--concurrency", str(concurrency), *(["--drain"] if drain else []),
                 "--", *command]
-        self.proc = ctx.popen(argv, env=sidecar_env(ctx.dsn, **env), log=self.log_path)
+        self.proc = ctx.popen(argv, env=sidecar_env(dsn or ctx.dsn, **env), log=self.log_path)
         self.pid = self.proc.pid
         self.started = time.monotonic()
 
@@ -321,8 +322,8 @@ async def enqueue_many(conn: asyncpg.Connection, tool: str, count: int, payload:
     async with conn.transaction():
         await conn.execute(ENQUEUE_MANY, tool, f"bench:{uuid.uuid4().hex}", payload, count,
                            max_attempts, delay_seconds)
-        if notify:
-            await conn.execute("SELECT pg_notify('sidecar_jobs', $1)", tool)
+        if notify:  # as the enqueue statement does: wake idle sidecars of the tool
+            await conn.execute("SELECT tool_job_wake($1, $2)", tool, count)
 
 
 async def measure_clock_offset(conn: asyncpg.Connection) -> float:

@@ -21,6 +21,7 @@ from bench.common import SHORT_PROFILE, Context, Sidecar, connect, ms, percentil
 from bench.report import Row
 from sidecar.db import RawJson
 from sidecar.queries import Q
+from sidecar.worker import wake_channel
 
 DATE = ["/bin/date", "+%s%N"]
 
@@ -67,11 +68,12 @@ async def bare(ctx: Context, conn: asyncpg.Connection, count: int) -> list[float
     tool, owner = "pickup-bare", f"bench-bare:{uuid.uuid4().hex[:12]}"
     listener, work = await connect(ctx.dsn), await connect(ctx.dsn)
     wake = asyncio.Event()
-    await listener.add_listener("sidecar_jobs",
-                                lambda _c, _p, _ch, payload: payload == tool and wake.set())
+    channel = wake_channel(owner)  # woken as a sidecar is: on the idle list, own channel
+    await listener.add_listener(channel, lambda *_: wake.set())
 
     async def serve() -> None:
         while True:
+            await work.execute(Q["register_idle_sidecar"], owner, tool, channel)
             await wake.wait()
             wake.clear()
             while (row := await work.fetchrow(Q["claim_job"], tool, owner, 3.0, None)):

@@ -96,7 +96,7 @@ async def sidecar_run(ctx: Context, conn: asyncpg.Connection, sidecars: int,
         async with conn.transaction():  # the gate goes; the NOTIFY makes them drain now
             await conn.execute("UPDATE tool_jobs SET state = 'cancelled', finished_at = now() "
                                "WHERE tool = $1 AND state = 'queued'", tool)
-            await conn.execute("SELECT pg_notify('sidecar_jobs', $1)", tool)
+            await conn.execute("SELECT tool_job_wake($1, $2)", tool, sidecars)
         await asyncio.gather(*(p.exit(30) for p in procs))
     finally:
         for p in procs:

@@ -341,6 +341,36 @@ def cmd_retry(args, settings: Settings) -> int:
     return 0
 
 
+def cmd_prune(args, settings: Settings) -> int:
+    from sidecar import retention
+    from sidecar.config import parse_duration
+
+    ages = retention.retention_by_state(settings)
+    if args.older_than is not None:
+        age = parse_duration(args.older_than, "--older-than")
+        if age <= 0:
+            raise UsageError("--older-than must be more than 0 (0 would remove every "
+                             "finished job)")
+        ages = dict.fromkeys(ages, age)
+    if args.state is not None:
+        ages = {args.state: ages[args.state]}
+    kept = sorted(state for state, age in ages.items() if age <= 0)
+
+    async def go():
+        async with open_store(settings) as store:
+            return await retention.prune(store, ages, dry_run=args.dry_run)
+
+    done = run_async(settings, go())
+    done["older_than_s"] = {state: age for state, age in ages.items() if age > 0}
+    if kept:
+        done["kept"] = {state: "retention 0 keeps every job" for state in kept}
+    _print_json(done)
+    if done["busy"]:
+        print("sidecar: another pruner (a running sidecar) holds the retention lock; what it "
+              "has not removed yet is left to it", file=sys.stderr)
+    return 0
+
+
 def cmd_receiver(args, settings: Settings) -> int:
     from sidecar import receiver
 
@@ -547,6 +577,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id", metavar="JOB_ID", nargs="?")
     p.add_argument("--tool", metavar="TOOL", help="every failed or cancelled job of TOOL")
     p.add_argument("--state", choices=("failed", "cancelled"), help="only jobs in this state")
+    p = add("prune", cmd_prune, "delete finished jobs, with their journal and outbox rows, "
+            "older than their state's retention; prints what it removed as JSON")
+    p.add_argument("--older-than", metavar="DURATION",
+                   help="instead of SIDECAR_RETENTION_SECONDS and "
+                        "SIDECAR_RETENTION_FAILED_SECONDS: seconds, or e.g. 12h, 7d")
+    p.add_argument("--state", choices=("succeeded", "failed", "cancelled"),
+                   help="only jobs in this state")
+    p.add_argument("--dry-run", action="store_true",
+                   help="count what would be removed; remove nothing")
     p = add("receiver", cmd_receiver,
             "serve the reference receiver of fenced side effects (POST and GET /effects)")
     p.add_argument("--listen", default="127.0.0.1:8900", metavar="HOST:PORT",

@@ -124,6 +124,27 @@ def _run_as(text: str) -> str:
     return text
 
 
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """Seconds: a number, or one with a unit s, m, h or d (``90``, ``30m``, ``7d``)."""
+    match = _DURATION.fullmatch(text.strip().lower())
+    if not match:
+        raise _Invalid("use seconds, or a number with s, m, h or d (e.g. 3600, 12h, 7d)")
+    return _number(match.group(1)) * _DURATION_UNITS[match.group(2)]
+
+
+def parse_duration(text: str, what: str) -> float:
+    """``_duration`` for a command-line value; ConfigError names ``what`` and the form."""
+    try:
+        return _duration(text)
+    except ValueError:
+        raise ConfigError(f"{what} {text!r}: use seconds, or a number with s, m, h or d "
+                          "(e.g. 3600, 12h, 7d)") from None
+
+
 def _non_negative_int(text: str) -> int:
     value = _integer(text)
     if value < 0:
@@ -226,6 +247,11 @@ GLOBAL_FIELDS: dict[str, _Field] = {
                                 "largest payload `enqueue` accepts (and a next stage's)"),
     "CGROUPS": _Field(str, "auto", "mode",
                       "auto: a cgroup per job where this host lets the sidecar make one; off"),
+    "RETENTION_SECONDS": _Field(_duration, "604800", "s",
+                                "succeeded and cancelled jobs, with their journal, are deleted "
+                                "this long after they finished; 0 keeps them"),
+    "RETENTION_FAILED_SECONDS": _Field(_duration, "2592000", "s",
+                                       "the same for failed jobs (dead letters); 0 keeps them"),
 }
 
 # Variables the sidecar sets for its child, and the test suite's own; allowed in
@@ -378,6 +404,8 @@ class Settings:
     work_dir: str
     max_payload_bytes: int
     cgroups: str
+    retention_seconds: float
+    retention_failed_seconds: float
     defaults: Mapping[str, tuple[object, str]]
     overrides: Mapping[str, Mapping[str, tuple[object, str]]]
 

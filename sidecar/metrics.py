@@ -22,8 +22,13 @@ OUTCOMES = tuple(Outcome)
 HEARTBEAT_RESULTS = tuple(HeartbeatResult)
 KILL_REASONS = tuple(reason for reason in StopReason if reason is not StopReason.EXITED)
 KILL_SIGNALS = tuple(KillSignal)
+PRUNED_TABLES = ("tool_jobs", "tool_job_events", "tool_job_outbox")
+CLAIM_OUTCOMES = ("claimed", "empty")
 
 JOBS_CLAIMED = Counter("sidecar_jobs_claimed", "Jobs claimed (P4).", _TP)
+CLAIM_ATTEMPTS = Counter("sidecar_claim_attempts",
+                         "Claim statements by outcome: claimed (a job) or empty (none).",
+                         (*_TP, "outcome"))
 JOBS_RECLAIMED = Counter("sidecar_jobs_reclaimed",
                          "Jobs claimed from an owner whose lease had expired.", _TP)
 JOBS_FINISHED = Counter("sidecar_jobs_finished", "Attempts ended, by outcome.", (*_TP, "outcome"))
@@ -52,6 +57,9 @@ COMPLETIONS_REJECTED = Counter("sidecar_completions_rejected",
                                "Outcomes not committed because the lease was not ours (P6).",
                                _TP)
 QUEUE_DEPTH = Gauge("sidecar_queue_depth", "Jobs of the tool claimable now (sampled).", _TP)
+PRUNED_ROWS = Counter("sidecar_pruned_rows",
+                      "Rows retention deleted: finished jobs, their journal events and outbox "
+                      "rows.", ("table",))
 LOOP_LAG = Histogram("sidecar_event_loop_lag_seconds", "Event-loop lag of the sidecar.",
                      buckets=_FAST)
 
@@ -62,6 +70,10 @@ def start_at_zero(tool: str, provider: str) -> None:
                    LAST_HEARTBEAT, LEASES_HELD, LEASES_EXPIRED, OWNERSHIP_UNKNOWN,
                    PROCESSES_LEFT, COMPLETIONS_REJECTED, QUEUE_DEPTH):
         metric.labels(tool, provider)
+    for outcome in CLAIM_OUTCOMES:
+        CLAIM_ATTEMPTS.labels(tool, provider, outcome)
+    for table in PRUNED_TABLES:
+        PRUNED_ROWS.labels(table)
     for outcome in OUTCOMES:
         JOBS_FINISHED.labels(tool, provider, outcome)
     for result in HEARTBEAT_RESULTS:

@@ -345,6 +345,40 @@ class Store:
         """Jobs of ``tool`` still queued or running."""
         return await self.db.fetchval(Q["unfinished_jobs_of_tool"], tool, timeout=self.timeout)
 
+    # --- wake-ups -------------------------------------------------------------
+
+    async def register_idle(self, owner_id: str, tool: str, channel: str) -> None:
+        """Record that this sidecar has room for a job of ``tool`` and found none: the
+        next job queued for the tool wakes it (one NOTIFY on ``channel``), or another idle
+        one, not every sidecar (migration 008, ``tool_job_wake``)."""
+        await self.db.execute(Q["register_idle_sidecar"], owner_id, tool, channel,
+                              timeout=self.timeout)
+
+    async def unregister_idle(self, owner_id: str) -> None:
+        """Take this sidecar off the idle list (it stops, or stops listening)."""
+        await self.db.execute(Q["unregister_idle_sidecar"], owner_id, timeout=self.timeout)
+
+    async def forget_dead_idle(self) -> None:
+        """Delete idle registrations their sidecars stopped refreshing long ago."""
+        await self.db.execute(Q["forget_dead_idle_sidecars"], timeout=self.timeout)
+
+    # --- retention ----------------------------------------------------------
+
+    async def prune_finished(self, state: str, older_than_seconds: float, batch: int,
+                             lock_key: int) -> asyncpg.Record:
+        """Delete one batch (at most ``batch`` jobs) of ``state`` finished more than
+        ``older_than_seconds`` ago, with their journal and outbox rows, unless another
+        pruner holds ``lock_key``. Returns ``locked`` (False: another pruner ran, nothing
+        was deleted) and the ``jobs``, ``events`` and ``outbox`` rows deleted."""
+        return await self.db.fetchrow(Q["prune_finished_jobs"], state, older_than_seconds,
+                                      batch, lock_key, timeout=self.timeout)
+
+    async def count_prunable(self, state: str, older_than_seconds: float) -> asyncpg.Record:
+        """What ``prune_finished`` would delete in all its batches (``jobs``, ``events``,
+        ``outbox``), deleting nothing."""
+        return await self.db.fetchrow(Q["count_prunable_jobs"], state, older_than_seconds,
+                                      timeout=self.timeout)
+
     # --- result outbox ------------------------------------------------------
 
     async def claim_outbox(self, owner_id: str, lease_seconds: float,

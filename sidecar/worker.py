@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ import tempfile
 import time
 import uuid
 
-from sidecar import db, health, metrics
+from sidecar import db, health, metrics, retention
 from sidecar.cgroups import CgroupHost
 from sidecar.child import reap_adopted
 from sidecar.config import LeaseProfile, Settings
@@ -31,7 +32,15 @@ from sidecar.queries import migrations
 from sidecar.store import Store
 from sidecar.supervisor import JobSupervisor, WorkerContext
 
-NOTIFY_CHANNEL = "sidecar_jobs"
+# An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
+# function skips places older than two minutes (migration 008).
+IDLE_REFRESH_SECONDS = 30.0
+
+
+def wake_channel(owner_id: str) -> str:
+    """The NOTIFY channel only this sidecar listens on: ``sidecar_wake_`` and 40 hex
+    digits of the owner id's sha1 (an identifier of 53 characters, under PostgreSQL's 63)."""
+    return "sidecar_wake_" + hashlib.sha1(owner_id.encode()).hexdigest()
 
 
 def worker_identity(worker_name: str) -> str:
@@ -67,11 +76,15 @@ class Worker:
         self.stopping = asyncio.Event()
         self.shutdown_kill = asyncio.Event()
         self.wake = asyncio.Event()
+        self.channel = wake_channel(self.owner_id)
+        self._listening = False  # LISTEN on self.channel is up
+        self._idle_since: float | None = None  # monotonic time of our idle registration
         self.running: dict[uuid.UUID, asyncio.Task] = {}
         self.failure: BaseException | None = None
         self.serve_http = serve_http and settings.http_addr != "off"
         self.labels = (profile.tool, profile.provider)
         self._background: list[asyncio.Task] = []
+        self._store: Store | None = None
         self.readiness = Readiness(expected_schema=migrations()[-1].version,
                                    db_fresh_seconds=max(10.0, 3 * settings.poll_seconds),
                                    draining=self.stopping.is_set)
@@ -112,6 +125,8 @@ class Worker:
         pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
         stack.push_async_callback(lambda: asyncio.wait_for(pool.close(), timeout))
         store = Store(pool, timeout)
+        self._store = store
+        stack.push_async_callback(self._leave_idle_list)
         await store.migrate()
         self.readiness.schema = await store.schema_version()
         self.readiness.db_ok_at = time.monotonic()
@@ -132,7 +147,6 @@ class Worker:
         stack.push_async_callback(guard.stop)
         if self.adopt_orphans:  # the last sweep, once every tool is gone
             stack.callback(reap_adopted)
-        self._store = store
         self._ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
                                   dict(os.environ), self.shutdown_kill, forwarder.wake,
                                   self.settings, guard, guard_url, self.cgroup_host)
@@ -144,7 +158,9 @@ class Worker:
             asyncio.create_task(keeper.run(), name="heartbeat"),
             asyncio.create_task(self._listen(), name="listen"),
             asyncio.create_task(forwarder.run(), name="forwarder"),
-            asyncio.create_task(health.watch_loop(self.readiness), name="loop-watch")]
+            asyncio.create_task(health.watch_loop(self.readiness), name="loop-watch"),
+            asyncio.create_task(retention.run_pruner(store, self.settings, self.profile.tool),
+                                name="pruner")]
         if self.adopt_orphans:
             self._background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
         for task in self._background:
@@ -190,7 +206,10 @@ class Worker:
                     job = await store.claim(tool, self.owner_id, self.profile.lease_seconds,
                                             self.profile.max_lifetime_seconds or None)
                     self.readiness.db_ok_at = time.monotonic()
+                    metrics.CLAIM_ATTEMPTS.labels(*self.labels,
+                                                  "empty" if job is None else "claimed").inc()
                     if job is None:
+                        await self._stay_idle(store)
                         break
                     metrics.JOBS_CLAIMED.labels(*self.labels).inc()
                     if job.reclaimed:
@@ -207,6 +226,25 @@ class Worker:
                 log.emit("claim_error", "warning", tool=tool, reason=f"{type(exc).__name__}: {exc}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), poll)
+
+    async def _stay_idle(self, store: Store) -> None:
+        """Room for a job and none to claim: be on the idle list, so the next job queued
+        for the tool wakes this sidecar (or another idle one) and no other. Only while our
+        own channel is listened to; refreshed every IDLE_REFRESH_SECONDS."""
+        if not self._listening or self.stopping.is_set():
+            return
+        now = time.monotonic()
+        if self._idle_since is not None and now - self._idle_since < IDLE_REFRESH_SECONDS:
+            return
+        await store.register_idle(self.owner_id, self.profile.tool, self.channel)
+        self._idle_since = now
+
+    async def _leave_idle_list(self) -> None:
+        """At stop: off the idle list, so no wake-up is sent to a sidecar that is gone."""
+        if self._store is None:
+            return
+        with contextlib.suppress(Exception):
+            await self._store.unregister_idle(self.owner_id)
 
     def _job_done(self, job_id: uuid.UUID, task: asyncio.Task) -> None:
         self.running.pop(job_id, None)
@@ -229,7 +267,8 @@ class Worker:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _listen(self) -> None:
-        """Wake the claim loop on NOTIFY for our tool; reconnect quietly, polling covers gaps.
+        """Wake the claim loop on a NOTIFY on this sidecar's own channel (sent to one idle
+        sidecar per job queued, see ``_stay_idle``); reconnect quietly, polling covers gaps.
 
         Behind a transaction pooler (``SIDECAR_DATABASE_POOLER=transaction``) LISTEN has no
         session to live in: no listener at all, the claim loop polls every
@@ -243,15 +282,18 @@ class Worker:
                             f"{self.settings.poll_seconds:g} s instead of LISTEN")
             await asyncio.Event().wait()
 
-        def on_notify(_conn, _pid, _channel, payload: str) -> None:
-            if payload == tool:
-                self.wake.set()
+        def on_notify(_conn, _pid, _channel, _payload: str) -> None:
+            self._idle_since = None  # the waker took us off the idle list
+            self.wake.set()
 
         while True:
             conn = None
             try:
                 conn = await db.connect(self.dsn, self.settings.db_timeout_seconds)
-                await conn.add_listener(NOTIFY_CHANNEL, on_notify)
+                await conn.add_listener(self.channel, on_notify)
+                self._listening = True
+                self._idle_since = None  # (re-)register at the next empty claim
+                self.wake.set()
                 while not conn.is_closed():
                     await asyncio.sleep(self.settings.poll_seconds)
                     await conn.execute("SELECT 1", timeout=self.settings.db_timeout_seconds)
@@ -260,6 +302,7 @@ class Worker:
             except Exception as exc:  # noqa: BLE001 - polling keeps working meanwhile
                 log.emit("listen_error", "debug", tool=tool, reason=type(exc).__name__)
             finally:
+                self._listening = False
                 if conn is not None:
                     conn.terminate()
             await asyncio.sleep(self.settings.poll_seconds)

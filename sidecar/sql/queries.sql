@@ -23,7 +23,7 @@ INSERT INTO sidecar_schema_migrations (version, name) VALUES ($1, $2);
 SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
 
 -- name: enqueue_job
--- Inserts unless the idempotency key exists; wakes idle sidecars of the tool.
+-- Inserts unless the idempotency key exists; wakes one idle sidecar of the tool.
 -- The journal keeps the payload's sha256 and size as the tool will receive it (P23).
 WITH inserted AS (
     INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts)
@@ -37,7 +37,7 @@ WITH inserted AS (
                'bytes', octet_length(payload_text)))
     FROM inserted
 )
-SELECT id, pg_notify('sidecar_jobs', tool) FROM inserted;
+SELECT id, tool_job_wake(tool, 1) FROM inserted;
 
 -- name: find_job_by_idempotency_key
 -- jsonb equality: the same payload whatever its key order or spacing.
@@ -177,7 +177,7 @@ WITH finished AS (
     WHERE $9::text IS NOT NULL AND $4 = 'succeeded'
 )
 SELECT f.id,
-       (SELECT n.id FROM next_stage n CROSS JOIN LATERAL pg_notify('sidecar_jobs', n.tool)
+       (SELECT n.id FROM next_stage n CROSS JOIN LATERAL tool_job_wake(n.tool, 1)
         LIMIT 1) AS next_id
 FROM finished f;
 
@@ -214,7 +214,7 @@ WITH released AS (
     FROM released r CROSS JOIN LATERAL tool_job_journal_rows($5::jsonb, 'lease_released', $4) j
     ORDER BY j.n
 )
-SELECT id, pg_notify('sidecar_jobs', tool) FROM released;
+SELECT id, tool_job_wake(tool, 1) FROM released;
 
 -- name: cancel_job
 -- Cancels the job and every later stage of it still queued or running.
@@ -270,7 +270,8 @@ WITH target AS (
                               'by', $4::text)
     FROM retried
 )
-SELECT id, tool, previous_state, pg_notify('sidecar_jobs', tool) FROM retried;
+SELECT r.id, r.tool, r.previous_state FROM retried r,
+    LATERAL (SELECT tool_job_wake(r.tool, 1)) AS woken;
 
 -- name: save_checkpoint_if_owner
 -- A tool's progress, kept for the next attempt; only while this owner holds the lease.
@@ -336,3 +337,54 @@ SELECT count(*) FROM tool_jobs
 WHERE tool = $1
   AND ((state = 'queued' AND run_after <= now())
        OR (state = 'running' AND lease_until < now()));
+
+-- name: prune_finished_jobs
+-- Retention: delete up to $3 jobs in state $1 that finished more than $2 seconds ago,
+-- oldest first, with their journal and outbox rows. Kept: a job with a later stage still
+-- queued or running, or with a result still to be forwarded (a pending outbox row). One
+-- pruner at a time: the transaction-scoped advisory lock $4 (also behind a transaction
+-- pooler); a second one deletes nothing and says so (locked = false). SKIP LOCKED: a row
+-- an operator is retrying right now is left for the next batch.
+WITH lock AS (
+    SELECT pg_try_advisory_xact_lock($4::bigint) AS held
+), doomed AS (
+    SELECT j.id FROM tool_jobs j
+    WHERE (SELECT held FROM lock)
+      AND j.state = $1 AND j.finished_at < now() - $2::float8 * interval '1 second'
+      AND NOT tool_job_still_needed(j.id)
+    ORDER BY j.finished_at
+    LIMIT $3
+    FOR UPDATE OF j SKIP LOCKED
+), jobs AS (
+    DELETE FROM tool_jobs j USING doomed d WHERE j.id = d.id RETURNING j.id
+), events AS (
+    DELETE FROM tool_job_events e USING doomed d WHERE e.job_id = d.id RETURNING e.id
+), outbox AS (
+    DELETE FROM tool_job_outbox o USING doomed d WHERE o.job_id = d.id RETURNING o.id
+)
+SELECT (SELECT held FROM lock) AS locked, (SELECT count(*) FROM jobs) AS jobs,
+       (SELECT count(*) FROM events) AS events, (SELECT count(*) FROM outbox) AS outbox;
+
+-- name: count_prunable_jobs
+-- What prune_finished_jobs would delete for state $1 and age $2 seconds, all batches.
+WITH doomed AS (
+    SELECT j.id FROM tool_jobs j
+    WHERE j.state = $1 AND j.finished_at < now() - $2::float8 * interval '1 second'
+      AND NOT tool_job_still_needed(j.id)
+)
+SELECT true AS locked, (SELECT count(*) FROM doomed) AS jobs,
+       (SELECT count(*) FROM tool_job_events e JOIN doomed d ON e.job_id = d.id) AS events,
+       (SELECT count(*) FROM tool_job_outbox o JOIN doomed d ON o.job_id = d.id) AS outbox;
+
+-- name: register_idle_sidecar
+-- This sidecar has room for a job and found none: wake it on $3 when one is queued.
+INSERT INTO tool_idle_sidecars (owner_id, tool, channel) VALUES ($1, $2, $3)
+ON CONFLICT (owner_id) DO UPDATE SET tool = excluded.tool, channel = excluded.channel,
+                                     seen_at = now();
+
+-- name: unregister_idle_sidecar
+DELETE FROM tool_idle_sidecars WHERE owner_id = $1;
+
+-- name: forget_dead_idle_sidecars
+-- Registrations not refreshed for ten minutes: their sidecars died without unregistering.
+DELETE FROM tool_idle_sidecars WHERE seen_at < now() - interval '10 minutes';
