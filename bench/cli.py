@@ -12,7 +12,18 @@ import time
 import traceback
 from pathlib import Path
 
-from bench import footprint, health, heartbeat, hostscale, lag, pickup, reaction, throughput
+from bench import (
+    fleet,
+    footprint,
+    health,
+    heartbeat,
+    hostscale,
+    lag,
+    pickup,
+    reaction,
+    soak,
+    throughput,
+)
 from bench.common import (
     MODES,
     BenchError,
@@ -36,6 +47,8 @@ SECTIONS = {
     "6": ("footprint", footprint),
     "7": ("queue health", health),
     "8": ("host scale", hostscale),
+    "9": ("fleet", fleet),
+    "10": ("soak", soak),
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -89,7 +102,8 @@ async def amain(args: argparse.Namespace) -> int:
     only = [s.strip() for s in args.only.split(",") if s.strip()] or list(SECTIONS)
     unknown = [s for s in only if s not in SECTIONS]
     if unknown:
-        print(f"--only: unknown section(s) {', '.join(unknown)}; use 1-7", file=sys.stderr)
+        print(f"--only: unknown section(s) {', '.join(unknown)}; use 1-{len(SECTIONS)}",
+              file=sys.stderr)
         return 2
     started, load_start = time.monotonic(), os.getloadavg()
     try:
@@ -143,7 +157,7 @@ async def amain(args: argparse.Namespace) -> int:
             except Exception as exc:  # noqa: BLE001
                 progress(f"could not drop {dsn}: {exc}")
             shutil.rmtree(tmp, ignore_errors=True)
-    rows.sort(key=lambda r: r.section)  # stable: each section keeps its own order
+    rows.sort(key=lambda r: int(r.section))  # stable: each section keeps its own order
     if mode_name != "full":
         full = MODES["full"]
         rates = [float(r.value.split()[0].replace(",", "")) for r in rows

@@ -12,22 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import pwd
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
-import time
 import urllib.error
 import urllib.request
-from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlsplit
 
 import orjson
 import pytest
+from kit import BouncerError, PgBouncer
 
 from conftest import base_env, cli, free_port, query, wait_until
 from sidecar import db
@@ -51,97 +44,12 @@ PREPARED_ERRORS = ("prepared statement", "__asyncpg_stmt", "DuplicatePreparedSta
                    "InvalidSQLStatementName")
 
 
-class PgBouncer:
-    """A pgbouncer process of this test, pool_mode = transaction, default_pool_size 2."""
-
-    def __init__(self, server_dsn: str):
-        binary = shutil.which("pgbouncer") or next(
-            (p for p in ("/usr/sbin/pgbouncer", "/usr/bin/pgbouncer") if os.path.exists(p)),
-            None)
-        if binary is None:
-            pytest.fail("pgbouncer is not installed: the PgBouncer test (case F4) needs it; "
-                        "install it with 'apt-get install -y pgbouncer' (.ci/run does)")
-        parts = urlsplit(server_dsn)
-        query_args = parse_qs(parts.query)
-        host = parts.hostname or (query_args.get("host") or ["127.0.0.1"])[0]
-        port = parts.port or int((query_args.get("port") or ["5432"])[0])
-        self.user = unquote(parts.username or "postgres")
-        password = unquote(parts.password or "")
-        self.port = free_port()
-        self.dir = Path(tempfile.mkdtemp(prefix="sidecar-pgbouncer-"))
-        run_as = None
-        if os.geteuid() == 0:
-            # The embedded server's socket directory is readable by its owner only.
-            owner = os.stat(host).st_uid if host.startswith("/") else 0
-            run_as = pwd.getpwuid(owner).pw_name if owner != 0 else "nobody"
-        server = f"host={host} port={port} user={self.user}"
-        if password:
-            server += f" password={password}"
-        (self.dir / "userlist.txt").write_text(f'"{self.user}" ""\n')
-        (self.dir / "pgbouncer.ini").write_text(
-            "[databases]\n"
-            f"* = {server}\n"
-            "[pgbouncer]\n"
-            "listen_addr = 127.0.0.1\n"
-            f"listen_port = {self.port}\n"
-            "unix_socket_dir =\n"
-            "auth_type = trust\n"
-            f"auth_file = {self.dir / 'userlist.txt'}\n"
-            "pool_mode = transaction\n"
-            "default_pool_size = 2\n"
-            "min_pool_size = 0\n"
-            "reserve_pool_size = 0\n"
-            "max_client_conn = 500\n"
-            "max_db_connections = 2\n"
-            f"logfile = {self.dir / 'pgbouncer.log'}\n"
-        )
-        if run_as is not None:
-            pw = pwd.getpwnam(run_as)
-            for path in (self.dir, *self.dir.iterdir()):
-                os.chown(path, pw.pw_uid, pw.pw_gid)
-        argv = [binary, *(["-u", run_as] if run_as else []), str(self.dir / "pgbouncer.ini")]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 15
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"pgbouncer exited with {self.proc.returncode}: "
-                            f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}"
-                            f"{self.log()[-2000:]}")
-            try:
-                socket.create_connection(("127.0.0.1", self.port), 0.5).close()
-                break
-            except OSError:
-                if time.monotonic() > deadline:
-                    self.stop()
-                    pytest.fail(f"pgbouncer did not listen on {self.port}: {self.log()[-2000:]}")
-                time.sleep(0.05)
-
-    def dsn_for(self, database_dsn: str) -> str:
-        """The DSN of ``database_dsn``'s database through this pgbouncer."""
-        name = urlsplit(database_dsn).path.lstrip("/")
-        return f"postgresql://{self.user}@127.0.0.1:{self.port}/{name}"
-
-    def log(self) -> str:
-        try:
-            return (self.dir / "pgbouncer.log").read_text(errors="replace")
-        except OSError:
-            return ""
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self.proc.stderr.close()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 @pytest.fixture
 def bouncer(server_dsn):
-    proc = PgBouncer(server_dsn)
+    try:
+        proc = PgBouncer(server_dsn)
+    except BouncerError as exc:
+        pytest.fail(f"{exc} (the PgBouncer test, case F4, needs it)")
     yield proc
     proc.stop()
 

@@ -1,0 +1,243 @@
+"""9. A fleet on one PostgreSQL: 1, 8, 32 and 64 sidecar processes of one tool (and four
+idle sidecars of a second tool beside them), connected directly and through PgBouncer in
+transaction mode (Debian's package, its own process, pool size POOL_SIZE).
+
+Per fleet: claim statements per job (every sidecar's ``sidecar_claim_attempts_total``,
+both outcomes, over the pickups and a burst of no-op jobs), the bystanders' claims, the
+database's CPU per job (the server's backends and what its postmaster reaped, where the
+server runs on this machine), heartbeat statements per second, the most server
+connections the scratch database had, pickup p50/p99 of an idle fleet, and jobs/s.
+Direct fleets that would need more connections than the server allows are not run: each
+sidecar holds up to four (pool, lease keeper, listener).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import urllib.request
+
+import asyncpg
+import psutil
+
+from bench import pickup
+from bench.common import (
+    SHORT_PROFILE,
+    BenchError,
+    Context,
+    Sidecar,
+    database_name,
+    enqueue_many,
+    ms,
+    percentile,
+    progress,
+    until,
+)
+from bench.report import Row
+
+SIZES = (1, 8, 32, 64)
+BYSTANDERS = 4
+POOL_SIZE = 4
+CONNECTIONS_PER_SIDECAR = 4
+DATE = pickup.DATE
+
+
+def _counters(addr: str) -> dict[str, float]:
+    """Sum of the sidecar's claim attempts and heartbeats so far, from its /metrics."""
+    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as response:
+        page = response.read().decode()
+    out = {"claims": 0.0, "heartbeats": 0.0}
+    for line in page.splitlines():
+        if line.startswith("sidecar_claim_attempts_total{"):
+            out["claims"] += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("sidecar_heartbeats_total{"):
+            out["heartbeats"] += float(line.rsplit(" ", 1)[1])
+    return out
+
+
+async def _sum(addrs: list[str]) -> dict[str, float]:
+    parts = await asyncio.gather(*(asyncio.to_thread(_counters, a) for a in addrs))
+    return {k: sum(p[k] for p in parts) for k in ("claims", "heartbeats")}
+
+
+class _ServerCpu:
+    """CPU seconds of the PostgreSQL server: its postmaster's live children plus what the
+    postmaster reaped, when the server runs on this machine (else None)."""
+
+    def __init__(self, backend_pid: int):
+        try:
+            self.postmaster = psutil.Process(backend_pid).parent()
+        except psutil.Error:
+            self.postmaster = None
+
+    def seconds(self) -> float | None:
+        if self.postmaster is None:
+            return None
+        try:
+            own = self.postmaster.cpu_times()
+            total = own.children_user + own.children_system
+            for child in self.postmaster.children():
+                with contextlib.suppress(psutil.Error):
+                    times = child.cpu_times()
+                    total += times.user + times.system
+            return total
+        except psutil.Error:
+            return None
+
+
+class _ConnectionPeak:
+    """Samples the server connections of the scratch database (ours excepted)."""
+
+    def __init__(self, conn: asyncpg.Connection, database: str):
+        self.conn, self.database, self.peak = conn, database, 0
+        self._task: asyncio.Task | None = None
+
+    async def _sample(self) -> None:
+        while True:
+            n = await self.conn.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = $1 AND "
+                "backend_type = 'client backend' AND pid <> pg_backend_pid() AND "
+                "coalesce(application_name, '') <> 'bench'", self.database)
+            self.peak = max(self.peak, n)
+            await asyncio.sleep(0.2)
+
+    def __enter__(self):
+        self._task = asyncio.create_task(self._sample())
+        return self
+
+    def __exit__(self, *exc):
+        self._task.cancel()
+
+
+async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connection,
+                 mode: str, size: int, dsn: str, jobs: int, samples: int) -> dict:
+    tool, other = f"fleet-{mode}-{size}", f"fleet-{mode}-{size}-bystander"
+    env = dict(SHORT_PROFILE, SIDECAR_POLL_SECONDS="2")
+    if mode == "pgbouncer":
+        env["SIDECAR_DATABASE_POOLER"] = "transaction"
+    procs = [Sidecar(ctx, f"{tool}-{i}", tool, DATE, 1, dsn=dsn, **env) for i in range(size)]
+    procs += [Sidecar(ctx, f"{other}-{i}", other, DATE, 1, dsn=dsn, **env)
+              for i in range(BYSTANDERS)]
+    cpu = _ServerCpu(await conn.fetchval("SELECT pg_backend_pid()"))
+    try:
+        addrs = [(await p.wait_event("worker_started", 120))["http_addr"] for p in procs]
+        if mode == "direct":  # every sidecar on the idle list, so wake-ups can reach it
+            await until(lambda: _registered(conn, (tool, other), size + BYSTANDERS), 60,
+                        interval=0.2,
+                        what=f"{size + BYSTANDERS} idle sidecars registered")
+        else:
+            await asyncio.sleep(2.5)
+        mine, theirs = addrs[:size], addrs[size:]
+        before, bystanders_before = await _sum(mine), await _sum(theirs)
+        cpu_before, started = cpu.seconds(), time.monotonic()
+        with _ConnectionPeak(monitor, database_name(ctx.dsn)) as peak:
+            waits = await pickup._samples(conn, tool, samples, True, (0.02, 0.1))
+            burst_started = time.monotonic()
+            await enqueue_many(conn, tool, jobs)
+
+            async def done():
+                return await conn.fetchval(
+                    "SELECT count(*) FROM tool_jobs WHERE tool = $1 AND finished_at IS NOT "
+                    "NULL", tool) >= jobs + samples
+
+            await until(done, timeout=120 + jobs / 5, interval=0.1,
+                        what=f"{jobs} jobs of a fleet of {size}")
+            burst = time.monotonic() - burst_started
+        window = time.monotonic() - started
+        cpu_after = cpu.seconds()
+        after, bystanders_after = await _sum(mine), await _sum(theirs)
+    finally:
+        await asyncio.gather(*(p.stop() for p in procs))
+    total = jobs + samples
+    ctx.count(f"fleet ({mode})", total)
+    return {
+        "claims_per_job": (after["claims"] - before["claims"]) / total,
+        "bystander_claims": bystanders_after["claims"] - bystanders_before["claims"],
+        "heartbeats_per_s": (after["heartbeats"] - before["heartbeats"]) / window,
+        "db_cpu_ms_per_job": None if cpu_before is None or cpu_after is None
+        else 1000 * (cpu_after - cpu_before) / total,
+        "connections": peak.peak, "p50": percentile(waits, 50), "p99": percentile(waits, 99),
+        "rate": jobs / burst, "window": window}
+
+
+async def _registered(conn: asyncpg.Connection, tools: tuple[str, ...], count: int) -> bool:
+    return await conn.fetchval("SELECT count(*) FROM tool_idle_sidecars WHERE tool = ANY($1)",
+                               list(tools)) >= count
+
+
+async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
+    from kit import BouncerError, PgBouncer
+
+    quick = ctx.mode.name == "quick"
+    sizes = (1, 4) if quick else SIZES
+    jobs, samples = (40, 6) if quick else (600, 30)
+    allowed = await conn.fetchval("SELECT current_setting('max_connections')::int - "
+                                  "current_setting('superuser_reserved_connections')::int")
+    monitor = await asyncpg.connect(ctx.admin_dsn, server_settings={"application_name":
+                                                                    "bench"})
+    rows: list[Row] = []
+    results: dict[tuple[str, int], dict] = {}
+    try:
+        bouncer = None
+        try:
+            bouncer = PgBouncer(ctx.admin_dsn, pool_size=POOL_SIZE)
+        except BouncerError as exc:
+            progress(f"fleet: no PgBouncer ({exc}); the direct fleets only")
+            ctx.notes.append(f"9: PgBouncer fleets not measured: {exc}")
+        for mode in ("direct", "pgbouncer"):
+            if mode == "pgbouncer" and bouncer is None:
+                continue
+            dsn = ctx.dsn if mode == "direct" else bouncer.dsn_for(ctx.dsn)
+            for size in sizes:
+                need = (size + BYSTANDERS) * CONNECTIONS_PER_SIDECAR + 5
+                if mode == "direct" and need > allowed:
+                    ctx.notes.append(
+                        f"9: the direct fleet of {size} sidecars was not run: it may hold "
+                        f"{need} connections and the server allows {allowed} "
+                        "(max_connections less the superuser's); through PgBouncer it ran")
+                    continue
+                progress(f"fleet: {size} sidecars ({mode}), {samples} pickups, {jobs} jobs")
+                try:
+                    results[(mode, size)] = await _fleet(ctx, conn, monitor, mode, size, dsn,
+                                                         jobs, samples)
+                except BenchError as exc:
+                    progress(f"fleet {mode} {size} failed: {exc}")
+                    rows.append(Row("9", f"fleet of {size} ({mode}): not measured",
+                                    f"error: {exc}"[:300]))
+        if bouncer is not None:
+            bouncer.stop()
+    finally:
+        await monitor.close()
+    for (mode, size), r in results.items():
+        first = results.get((mode, sizes[0]))
+        label = f"fleet of {size} sidecar{'s' if size > 1 else ''}, {mode}"
+        cpu = "n/a (server not on this machine)" if r["db_cpu_ms_per_job"] is None \
+            else f"{r['db_cpu_ms_per_job']:.2f} ms"
+        rows.append(Row("9", f"{label}: claim statements per job",
+                        f"{r['claims_per_job']:.2f}",
+                        f"bystanders' claims meanwhile {r['bystander_claims']:.0f} "
+                        f"(polls, {BYSTANDERS} sidecars, {r['window']:.0f} s)", "-",
+                        "≤ 2", r["claims_per_job"] <= 2))
+        rows.append(Row("9", f"{label}: jobs/s, database CPU per job, heartbeats/s",
+                        f"{r['rate']:.0f} jobs/s", f"database CPU {cpu}; "
+                        f"{r['heartbeats_per_s']:.1f} heartbeat statements/s"))
+        conn_target = f"≤ pool size {POOL_SIZE}" if mode == "pgbouncer" else "-"
+        rows.append(Row("9", f"{label}: server connections (peak)", str(r["connections"]),
+                        f"{size + BYSTANDERS} sidecars", "-", conn_target,
+                        r["connections"] <= POOL_SIZE if mode == "pgbouncer" else None))
+        ratio = r["p99"] / first["p99"] if first else None
+        last = size == sizes[-1] and first is not None and size != sizes[0]
+        rows.append(Row("9", f"{label}: pickup p50 / p99 (idle fleet)",
+                        f"{ms(r['p50'])} / {ms(r['p99'])}",
+                        f"fleet of {sizes[0]}: p99 {ms(first['p99'])}" if first else "",
+                        f"{ratio:.2f} × p99 of {sizes[0]}" if ratio else "-",
+                        f"p99 ≤ 2 × that of {sizes[0]}" if last else "-",
+                        ratio <= 2 if last else None))
+    ctx.settings.append(
+        f"9: fleets of {', '.join(map(str, sizes))} sidecars (concurrency 1, L = 3 s, H = "
+        f"0.5 s, poll 2 s, tool `/bin/date +%s%N`) plus {BYSTANDERS} idle sidecars of another "
+        f"tool; per fleet {samples} NOTIFY pickups 20-100 ms apart then {jobs} jobs at once; "
+        f"PgBouncer pool_mode = transaction, default_pool_size = {POOL_SIZE} (sidecars with "
+        "SIDECAR_DATABASE_POOLER=transaction poll instead of LISTEN)")
+    return rows
