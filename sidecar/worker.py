@@ -218,6 +218,11 @@ class Worker:
                     task = asyncio.create_task(JobSupervisor(ctx, job, lease).run())
                     self.running[job.id] = task
                     task.add_done_callback(lambda t, job_id=job.id: self._job_done(job_id, t))
+                    if len(self.running) >= self.concurrency and self._idle_since is not None:
+                        # Full now, and not by a wake-up (a waker takes us off the list
+                        # itself): a wake-up sent to us would wait for a free slot.
+                        self._idle_since = None
+                        await store.unregister_idle(self.owner_id)
                 if self.drain and not self.running and await store.unfinished_jobs(tool) == 0 \
                         and await store.due_outbox_rows(tool, self.settings.drain_seconds) == 0:
                     log.emit("drained", tool=tool, owner_id=self.owner_id)

@@ -67,3 +67,28 @@ def test_a_wake_up_sent_to_a_dead_sidecar_leaves_the_job_to_polling(dsn, sidecar
     wait_until(lambda: query(dsn, "SELECT state FROM tool_jobs WHERE id = $1",
                              job)[0]["state"] == "succeeded", 10,
                what="the job claimed at the live sidecar's next poll")
+
+
+SLEEPER = [sys.executable, "-c", "import json, sys, time; time.sleep(json.load(sys.stdin)"
+           ".get('sleep', 0)); print('{\"ok\": true}')"]
+
+
+def test_a_sidecar_that_fills_up_without_a_wake_up_leaves_the_idle_list(dsn, sidecars):
+    """X (registered first, polling every second) takes a job queued without a wake-up and
+    is then full; the next job's wake-up must go to Y, which is idle, not to X."""
+    env = base_env(dsn, SIDECAR_HTTP_ADDR="127.0.0.1:0")
+    sidecars(dsn, SLEEPER, "--tool", "wake-d", env={**env, "SIDECAR_POLL_SECONDS": "1"})
+    wait_until(lambda: _idle(dsn, "wake-d") == 1, 20, what="X on the idle list")
+    sidecars(dsn, SLEEPER, "--tool", "wake-d", env={**env, "SIDECAR_POLL_SECONDS": "60"})
+    wait_until(lambda: _idle(dsn, "wake-d") == 2, 20, what="Y on the idle list")
+    [quiet] = query(dsn, "INSERT INTO tool_jobs (id, tool, idempotency_key, payload, "
+                         "max_attempts) VALUES (gen_random_uuid(), 'wake-d', 'quiet', "
+                         "'{\"sleep\": 20}', 1) RETURNING id::text AS id")
+    wait_until(lambda: query(dsn, "SELECT state FROM tool_jobs WHERE id = $1::uuid",
+                             quiet["id"])[0]["state"] == "running", 10,
+               what="X polled the quiet job")
+    wait_until(lambda: _idle(dsn, "wake-d") == 1, 5, what="X off the idle list, full")
+    job = enqueue(dsn, "wake-d", {})
+    wait_until(lambda: query(dsn, "SELECT state FROM tool_jobs WHERE id = $1",
+                             job)[0]["state"] == "succeeded", 10,
+               what="the second job, woken at Y (X is busy for 20 s, Y polls every 60 s)")
