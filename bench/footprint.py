@@ -23,14 +23,14 @@ from bench.common import (
 from bench.report import Row
 
 MIB = 1048576
-IMPORTS = ("import asyncio, asyncpg, aiohttp, orjson, psutil, uvloop, sidecar.cli, "
+IMPORTS = ("import asyncio, asyncpg, h11, orjson, psutil, uvloop, sidecar.cli, "
            "sidecar.worker, sidecar.guardian, sys, time; print('ready', flush=True); "
            "time.sleep(600)")
 
 
 IMPORT_COST = ("import psutil, importlib, sys; p = psutil.Process(); r0 = p.memory_info().rss; "
                "importlib.import_module(sys.argv[1]); print(p.memory_info().rss - r0, r0)")
-HEAVY = ("asyncio", "asyncpg", "uvloop", "aiohttp", "prometheus_client")
+HEAVY = ("asyncio", "asyncpg", "uvloop", "prometheus_client", "h11", "aiohttp")
 
 
 def _import_costs() -> tuple[int, dict[str, int]]:
@@ -98,10 +98,9 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
             f"own data adds {mib(rss_idle - rss_bare)}. Measured here, a bare interpreter is "
             f"{mib(base)} and each import alone adds: "
             + ", ".join(f"{m} +{mib(c)}" for m, c in costs.items())
-            + " (overlapping: asyncio is part of the others). aiohttp, there for the guard "
-            "API (and the HTTP endpoints), is the largest; serving those few routes with "
-            "asyncio's own streams, or importing aiohttp and prometheus_client only when "
-            "they are enabled, would bring the sidecar near the target.")
+            + " (overlapping: asyncio is part of the others). The guard and the HTTP "
+            "endpoints run on h11 and asyncio streams; aiohttp is imported only by the "
+            "forwarder, at its first result to deliver.")
     return [
         Row("6", "sidecar RSS, idle", mib(rss_idle),
             f"interpreter with the same imports {mib(rss_bare)}; guardian {mib(rss_guardian)}",
