@@ -40,7 +40,12 @@ SIZES = (1, 8, 32, 64)
 BYSTANDERS = 4
 POOL_SIZE = 4
 CONNECTIONS_PER_SIDECAR = 4
-DATE = pickup.DATE
+WAVE = 8  # sidecars started at once
+LONG_JOB = 3.0  # seconds a "slow" job holds its lease (H = 0.5 s: about 5 renewals)
+# Its own start time for the pickups (as section 2's tool), or a job that holds its lease
+# for LONG_JOB seconds when the payload says "slow".
+DATE = ["/bin/sh", "-c", f"read -r p; case $p in *slow*) sleep {LONG_JOB:g};; esac; "
+        "exec /bin/date +%s%N"]
 
 
 def _counters(addr: str) -> dict[str, float]:
@@ -113,15 +118,22 @@ class _ConnectionPeak:
 async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connection,
                  mode: str, size: int, dsn: str, jobs: int, samples: int) -> dict:
     tool, other = f"fleet-{mode}-{size}", f"fleet-{mode}-{size}-bystander"
-    env = dict(SHORT_PROFILE, SIDECAR_POLL_SECONDS="2")
+    env = dict(SHORT_PROFILE, SIDECAR_POLL_SECONDS="2", SIDECAR_DB_TIMEOUT_SECONDS="20")
     if mode == "pgbouncer":
         env["SIDECAR_DATABASE_POOLER"] = "transaction"
-    procs = [Sidecar(ctx, f"{tool}-{i}", tool, DATE, 1, dsn=dsn, **env) for i in range(size)]
-    procs += [Sidecar(ctx, f"{other}-{i}", other, DATE, 1, dsn=dsn, **env)
-              for i in range(BYSTANDERS)]
+    names = [(f"{tool}-{i}", tool) for i in range(size)]
+    names += [(f"{other}-{i}", other) for i in range(BYSTANDERS)]
+    procs: list[Sidecar] = []
+    addrs: list[str] = []
     cpu = _ServerCpu(await conn.fetchval("SELECT pg_backend_pid()"))
     try:
-        addrs = [(await p.wait_event("worker_started", 120))["http_addr"] for p in procs]
+        # Started in waves, as a rollout would: 68 interpreters starting at once on two
+        # cores starve each other past their start-up statements' timeout.
+        for start in range(0, len(names), WAVE):
+            wave = [Sidecar(ctx, name, t, DATE, 1, dsn=dsn, **env)
+                    for name, t in names[start:start + WAVE]]
+            procs += wave
+            addrs += [(await p.wait_event("worker_started", 120))["http_addr"] for p in wave]
         if mode == "direct":  # every sidecar on the idle list, so wake-ups can reach it
             await until(lambda: _registered(conn, (tool, other), size + BYSTANDERS), 60,
                         interval=0.2,
@@ -147,6 +159,14 @@ async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connec
         window = time.monotonic() - started
         cpu_after = cpu.seconds()
         after, bystanders_after = await _sum(mine), await _sum(theirs)
+        # Heartbeats: one job per sidecar that holds its lease for LONG_JOB seconds.
+        await enqueue_many(conn, tool, size, payload='{"slow": true}')
+        await until(lambda: _running(conn, tool, size), 60, interval=0.05,
+                    what="a long job at every sidecar")
+        beats_before, beats_started = await _sum(mine), time.monotonic()
+        await asyncio.sleep(LONG_JOB - 0.5)
+        beats = (await _sum(mine))["heartbeats"] - beats_before["heartbeats"]
+        beats_per_s = beats / (time.monotonic() - beats_started)
     finally:
         await asyncio.gather(*(p.stop() for p in procs))
     total = jobs + samples
@@ -154,11 +174,16 @@ async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connec
     return {
         "claims_per_job": (after["claims"] - before["claims"]) / total,
         "bystander_claims": bystanders_after["claims"] - bystanders_before["claims"],
-        "heartbeats_per_s": (after["heartbeats"] - before["heartbeats"]) / window,
+        "heartbeats_per_s": beats_per_s,
         "db_cpu_ms_per_job": None if cpu_before is None or cpu_after is None
         else 1000 * (cpu_after - cpu_before) / total,
         "connections": peak.peak, "p50": percentile(waits, 50), "p99": percentile(waits, 99),
         "rate": jobs / burst, "window": window}
+
+
+async def _running(conn: asyncpg.Connection, tool: str, count: int) -> bool:
+    return await conn.fetchval("SELECT count(*) FROM tool_jobs WHERE tool = $1 AND state = "
+                               "'running'", tool) >= count
 
 
 async def _registered(conn: asyncpg.Connection, tools: tuple[str, ...], count: int) -> bool:
@@ -221,7 +246,8 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
                         "≤ 2", r["claims_per_job"] <= 2))
         rows.append(Row("9", f"{label}: jobs/s, database CPU per job, heartbeats/s",
                         f"{r['rate']:.0f} jobs/s", f"database CPU {cpu}; "
-                        f"{r['heartbeats_per_s']:.1f} heartbeat statements/s"))
+                        f"{r['heartbeats_per_s']:.1f} heartbeat statements/s with a "
+                        f"{LONG_JOB:g} s job at every sidecar (H = 0.5 s)"))
         conn_target = f"≤ pool size {POOL_SIZE}" if mode == "pgbouncer" else "-"
         rows.append(Row("9", f"{label}: server connections (peak)", str(r["connections"]),
                         f"{size + BYSTANDERS} sidecars", "-", conn_target,
@@ -236,8 +262,10 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
                         ratio <= 2 if last else None))
     ctx.settings.append(
         f"9: fleets of {', '.join(map(str, sizes))} sidecars (concurrency 1, L = 3 s, H = "
-        f"0.5 s, poll 2 s, tool `/bin/date +%s%N`) plus {BYSTANDERS} idle sidecars of another "
-        f"tool; per fleet {samples} NOTIFY pickups 20-100 ms apart then {jobs} jobs at once; "
+        f"0.5 s, poll 2 s, statement timeout 20 s, started {WAVE} at a time, tool `sh` "
+        f"then `/bin/date +%s%N`) plus {BYSTANDERS} idle sidecars of another "
+        f"tool; per fleet {samples} NOTIFY pickups 20-100 ms apart, {jobs} jobs at once, then "
+        f"one {LONG_JOB:g} s job per sidecar for the heartbeat rate; "
         f"PgBouncer pool_mode = transaction, default_pool_size = {POOL_SIZE} (sidecars with "
         "SIDECAR_DATABASE_POOLER=transaction poll instead of LISTEN)")
     return rows

@@ -31,6 +31,7 @@ from bench.common import (
 from bench.report import Row
 
 PEERS = ("pgqueuer", "procrastinate")
+PEER_TARGET_SHAPES = ((1, 1), (1, 8), (4, 8))
 PEER_LABEL = {"pgqueuer": "PgQueuer", "procrastinate": "Procrastinate"}
 
 WINDOW_SQL = """
@@ -191,10 +192,13 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
             or "peers not installed (pip install -e '.[bench]')"
         ratio = ", ".join(f"{value / v:.2f} × {PEER_LABEL[k]}" for k, v in ok.items()) \
             if value else "n/a"
-        met = value >= max(ok.values()) if value and len(ok) == len(PEERS) else None
+        # The shapes issue 14 sets the target for; 2×8 is measured for the trend.
+        targeted = (sidecars, concurrency) in PEER_TARGET_SHAPES
+        met = value >= max(ok.values()) if value and len(ok) == len(PEERS) and targeted \
+            else None
         rows.append(Row("1", f"no-op throughput, {shape} vs the peers", rate(value) if value
-                        else _fmt(sc), baseline, ratio or "n/a", "≥ 1.0 × the better peer",
-                        met))
+                        else _fmt(sc), baseline, ratio or "n/a",
+                        "≥ 1.0 × the better peer" if targeted else "-", met))
         if isinstance(sc, dict):
             cpu = sc["cpu_ms_per_job"]
             target = (sidecars, concurrency) == (1, 8)

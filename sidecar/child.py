@@ -256,8 +256,9 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
             join.join_tree(popen.pid, linux.descendant_pids if linux.HAVE_PROC_CHILDREN
                            else _descendants)
         except OSError as exc:
-            # Not a tool run outside its cgroup: stop it (a new session: its group) and
-            # report the spawn as failed. The supervisor still kills and reaps the tree.
+            # No tool runs outside its cgroup: kill its process group (the new session,
+            # everything it forked in these microseconds but a setsid escapee), reap it,
+            # and report the spawn as failed.
             with contextlib.suppress(OSError):
                 os.killpg(popen.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -509,9 +510,10 @@ class Child:
         reaped. Safe to call when everything has already exited."""
         report = KillReport()
         procs = await self._scan()
-        if not procs and self.exited.done():
+        if not procs and self.exited.done() and self.run_as_uid is None:
             # The usual end: the tool exited and left nothing. No second scan, and adopted
-            # zombies (if any) wait for the periodic sweep.
+            # zombies (if any) wait for the periodic sweep (under RUN_AS they are reaped
+            # below at once: they count against the user's RLIMIT_NPROC).
             self._uncount()
             return report
         if procs:
