@@ -233,7 +233,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
 
     quick = ctx.mode.name == "quick"
     sizes = (1, 4) if quick else SIZES
-    jobs, samples = (40, 6) if quick else (600, 30)
+    jobs, samples = (20, 6) if quick else (600, 30)
     allowed = await conn.fetchval("SELECT current_setting('max_connections')::int - "
                                   "current_setting('superuser_reserved_connections')::int")
     monitor = await asyncpg.connect(ctx.admin_dsn, server_settings={"application_name":

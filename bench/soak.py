@@ -38,7 +38,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     from sidecar.retention import prune
     from sidecar.store import Store
 
-    total = 20_000 if ctx.mode.name == "quick" else 1_000_000
+    total = 10_000 if ctx.mode.name == "quick" else 1_000_000
     tool, owner = "soak", f"bench-soak:{uuid.uuid4().hex[:12]}"
     progress(f"soak: {total:,} jobs, {CONSUMERS} bare claim/complete loops, retention "
              f"{RETENTION_SECONDS:g} s")
