@@ -118,7 +118,10 @@ class _ConnectionPeak:
 async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connection,
                  mode: str, size: int, dsn: str, jobs: int, samples: int) -> dict:
     tool, other = f"fleet-{mode}-{size}", f"fleet-{mode}-{size}-bystander"
-    env = dict(SHORT_PROFILE, SIDECAR_POLL_SECONDS="2", SIDECAR_DB_TIMEOUT_SECONDS="20")
+    # Port 0: the OS picks each sidecar's HTTP port (worker_started says which); a port
+    # the bench picked itself could be taken by the time a sidecar of a later wave binds.
+    env = dict(SHORT_PROFILE, SIDECAR_POLL_SECONDS="2", SIDECAR_DB_TIMEOUT_SECONDS="20",
+               SIDECAR_HTTP_ADDR="127.0.0.1:0")
     if mode == "pgbouncer":
         env["SIDECAR_DATABASE_POOLER"] = "transaction"
     names = [(f"{tool}-{i}", tool) for i in range(size)]
