@@ -121,6 +121,8 @@ class PgBouncer:
             "min_pool_size = 0\n"
             "reserve_pool_size = 0\n"
             "max_client_conn = 2000\n"
+            # SHOW POOLS / SHOW CLIENTS on the admin console, for post-mortems.
+            f"admin_users = {self.user}\n"
             f"max_db_connections = {pool_size}\n"
             f"logfile = {self.dir / 'pgbouncer.log'}\n"
         )
@@ -129,12 +131,17 @@ class PgBouncer:
             for path in (self.dir, *self.dir.iterdir()):
                 os.chown(path, pw.pw_uid, pw.pw_gid)
         argv = [binary, *(["-u", run_as] if run_as else []), str(self.dir / "pgbouncer.ini")]
-        self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # Its stderr goes to a file, never a pipe: PgBouncer logs every connection there as
+        # well, and once an unread pipe's 64 KiB fill up its single thread blocks in
+        # write(2) and every client waits (seen as fleets of ~56 sidecars timing out).
+        self._stderr_path = self.dir / "stderr.log"
+        with open(self._stderr_path, "wb") as stderr:
+            self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr)
         deadline = time.monotonic() + 15
         while True:
             if self.proc.poll() is not None:
                 raise BouncerError(f"pgbouncer exited with {self.proc.returncode}: "
-                            f"{self.proc.stderr.read().decode(errors='replace')[-2000:]}"
+                            f"{self._stderr_path.read_text(errors='replace')[-2000:]}"
                             f"{self.log()[-2000:]}")
             try:
                 socket.create_connection(("127.0.0.1", self.port), 0.5).close()
@@ -165,5 +172,4 @@ class PgBouncer:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(5)
-        self.proc.stderr.close()
         shutil.rmtree(self.dir, ignore_errors=True)
