@@ -408,6 +408,9 @@ class Settings:
     retention_failed_seconds: float
     defaults: Mapping[str, tuple[object, str]]
     overrides: Mapping[str, Mapping[str, tuple[object, str]]]
+    # True when SIDECAR_HTTP_ADDR is unset: a taken default port moves to the next free
+    # one of DEFAULT_HTTP_PORTS (two tools in one pod); a port that was set must be free.
+    http_addr_is_default: bool = True
 
     def profile(self, tool: str) -> LeaseProfile:
         """The validated lease profile of ``tool``; ConfigError names the variable and rule."""
@@ -591,7 +594,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if glob["database_url_file"]:
         glob["database_url"] = _read_dsn_file(glob["database_url_file"],
                                               "SIDECAR_DATABASE_URL" in env)
-    settings = Settings(defaults=defaults, overrides=overrides, **glob)
+    settings = Settings(defaults=defaults, overrides=overrides,
+                        http_addr_is_default=not env.get("SIDECAR_HTTP_ADDR"), **glob)
     # Every profile that is mentioned must be valid, not only the one in use.
     _build_profile("(defaults)", defaults, {})
     for tool_key in overrides:

@@ -12,6 +12,7 @@ draining. The guard API for tools is separate and loopback-only (sidecar/guard.p
 from __future__ import annotations
 
 import asyncio
+import errno
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,10 +84,26 @@ def make_routes(readiness: Readiness) -> dict[tuple[str, str], Handler]:
             ("GET", "/readyz"): readyz}
 
 
-async def serve(readiness: Readiness, addr: str) -> tuple[HttpServer, str]:
+DEFAULT_PORT_TRIES = 10  # with SIDECAR_HTTP_ADDR unset: 9180, else 9181 ... 9189
+
+
+async def serve(readiness: Readiness, addr: str, *,
+                next_free: bool = False) -> tuple[HttpServer, str]:
     """Listen on ``addr`` (HOST:PORT; port 0 = any); return the server (``stop()`` it) and
-    the bound address. Raises OSError when the address cannot be bound."""
-    host, _, port = addr.rpartition(":")
-    server = HttpServer(make_routes(readiness))
-    bound_host, bound_port = await server.start(host.strip("[]") or None, int(port))
-    return server, f"{bound_host}:{bound_port}"
+    the bound address. With ``next_free`` (the default address, not one the user set), a
+    port in use moves to the next of DEFAULT_PORT_TRIES ports, so two sidecars in one pod
+    (one network namespace) both start. Raises OSError when no address can be bound."""
+    host, _, port_text = addr.rpartition(":")
+    port = int(port_text)
+    tries = DEFAULT_PORT_TRIES if next_free and port else 1
+    for offset in range(tries):
+        server = HttpServer(make_routes(readiness))
+        try:
+            bound_host, bound_port = await server.start(host.strip("[]") or None,
+                                                        port + offset)
+        except OSError as exc:
+            if exc.errno != errno.EADDRINUSE or offset == tries - 1:
+                raise
+            continue
+        return server, f"{bound_host}:{bound_port}"
+    raise AssertionError("unreachable")

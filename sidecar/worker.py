@@ -134,12 +134,23 @@ class Worker:
         http_addr = None
         if self.serve_http:
             try:
-                http_runner, http_addr = await health.serve(self.readiness,
-                                                            self.settings.http_addr)
+                http_runner, http_addr = await health.serve(
+                    self.readiness, self.settings.http_addr,
+                    next_free=self.settings.http_addr_is_default)
             except OSError as exc:
-                raise ConfigError(f"SIDECAR_HTTP_ADDR={self.settings.http_addr}: cannot listen "
-                                  f"({exc.strerror or exc}); pick a free port, or off") from None
+                tried = (f" (and the next {health.DEFAULT_PORT_TRIES - 1} ports)"
+                         if self.settings.http_addr_is_default else "")
+                raise ConfigError(f"SIDECAR_HTTP_ADDR={self.settings.http_addr}{tried}: cannot "
+                                  f"listen ({exc.strerror or exc}); give each sidecar in a pod "
+                                  "its own port, or off") from None
             stack.push_async_callback(http_runner.stop)
+            wanted = self.settings.http_addr.rpartition(":")[2]
+            if http_addr.rpartition(":")[2] != wanted and wanted != "0":
+                log.emit("http_port_moved", level="warning", tool=self.profile.tool,
+                         wanted=self.settings.http_addr, http_addr=http_addr,
+                         reason="the default port is taken (another sidecar in this pod?); "
+                                "set SIDECAR_HTTP_ADDR per container so probes and scrapes "
+                                "reach the sidecar they mean")
         keeper = LeaseKeeper(self.dsn, self.owner_id, self.profile, store, timeout)
         forwarder = Forwarder(store, self.settings, self.owner_id)
         guard = GuardServer(store, self.profile, self.owner_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import signal
+import socket
 import urllib.error
 import urllib.request
 
@@ -156,3 +157,49 @@ def test_http_addr_in_use_is_one_clear_line(dsn, sidecars):
     err = done.stderr.decode().strip().splitlines()
     assert err[-1].startswith("sidecar: error: SIDECAR_HTTP_ADDR=") and "Traceback" not in \
         done.stderr.decode()
+
+
+def _without_http_addr(dsn: str) -> dict[str, str]:
+    env = base_env(dsn)
+    env.pop("SIDECAR_HTTP_ADDR", None)  # the default: 0.0.0.0:9180
+    return env
+
+
+def test_two_sidecars_in_one_network_namespace_both_serve_on_the_default(dsn, sidecars):
+    """#16: two tools in one pod, SIDECAR_HTTP_ADDR unset in both: the second finds 9180
+    taken, moves to the next free port and says so; each answers /livez on its own port."""
+    first = sidecars(dsn, ["cat"], "--tool", "pod-a", env=_without_http_addr(dsn))
+    addr_a = first.wait_event("worker_started")["http_addr"]
+    second = sidecars(dsn, ["cat"], "--tool", "pod-b", env=_without_http_addr(dsn))
+    addr_b = second.wait_event("worker_started")["http_addr"]
+    port_a, port_b = int(addr_a.rpartition(":")[2]), int(addr_b.rpartition(":")[2])
+    assert 9180 <= port_a < port_b < 9190
+    moved = second.wait_event("http_port_moved")
+    assert moved["wanted"] == "0.0.0.0:9180" and moved["http_addr"] == addr_b
+    for port in (port_a, port_b):
+        assert _get(f"http://127.0.0.1:{port}/livez")[0] == 200
+    assert first.proc.poll() is None and second.proc.poll() is None
+
+
+def test_a_default_port_never_moves_past_its_range(dsn, tmp_path):
+    """Every port of 9180-9189 taken: one line naming SIDECAR_HTTP_ADDR, exit 2."""
+    held = []
+    try:
+        for port in range(9180, 9190):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+            try:
+                sock.bind(("0.0.0.0", port))
+                sock.listen()
+            except OSError:  # taken already (another sidecar of this machine): as good
+                sock.close()
+                continue
+            held.append(sock)
+        done = cli(dsn, "run", "--drain", "--", "cat", env=_without_http_addr(dsn))
+    finally:
+        for sock in held:
+            sock.close()
+    assert done.returncode == 2
+    err = done.stderr.decode().strip().splitlines()
+    assert err[-1].startswith("sidecar: error: SIDECAR_HTTP_ADDR=0.0.0.0:9180 (and the next 9")
+    assert "Traceback" not in done.stderr.decode()
