@@ -270,7 +270,7 @@ def test_the_guardian_alone_clears_a_sigkilled_sidecars_tree_work_dir_and_cgroup
 def _in_new_pid_namespace(argv: list[str], env: dict[str, str], log: Path,
                           as_nobody: bool = False) -> tuple[subprocess.Popen, int]:
     """Run ``argv`` as PID 1 of a new PID namespace (what a container without tini gives
-    the sidecar, e.g. k8s/browser-deployment.yaml). Returns the unshare process and the
+    the sidecar, e.g. k8s/overlays/browser). Returns the unshare process and the
     host pid of ``argv``'s process."""
     wrap = ["unshare", "--pid", "--fork", "--mount-proc"]
     if as_nobody:
@@ -317,7 +317,7 @@ def _end_namespace(outer: subprocess.Popen, init_pid: int) -> None:
 def test_a_sidecar_as_pid_1_does_not_kill_its_own_embedded_postgres(tmp_path, public_dir):
     """No SIDECAR_DATABASE_URL: `sidecar run` starts the embedded PostgreSQL (pg_ctl, which
     exits) before it becomes a subreaper, so on a plain host the postmaster is never its
-    child. As PID 1 of a container (no tini: k8s/browser-deployment.yaml runs the bundle
+    child. As PID 1 of a container (no tini: k8s/overlays/browser runs the bundle
     as the container's command) every orphan is re-parented to the sidecar anyway: the
     postmaster becomes its child, without SIDECAR_JOB_ID. The first job that runs alone
     -- a well-behaved one -- ends with a tree kill whose claim_unmarked scan claims the
