@@ -121,12 +121,13 @@ async def _bare(conn: asyncpg.Connection, leases: int, rounds: int = 15) -> tupl
         "$1 || ':' || g, '{}'::jsonb, 1, 'running', $2, now() + interval '1 hour', 1, 1 "
         "FROM generate_series(1, $3) g RETURNING id", tool, owner, leases)
     ids = [r["id"] for r in rows]
+    held = [{"id": str(job_id), "token": 1} for job_id in ids]
     one, each = [], []
-    await conn.fetch(Q["extend_leases_if_owner"], owner, ids, [1] * leases, 3.0)  # prepared
+    await conn.fetch(Q["extend_leases_if_owner"], owner, held, 3.0)  # prepared
     await conn.fetchrow(PER_LEASE, owner, ids[0], 1, 3.0)
     for _ in range(rounds):
         t0 = time.perf_counter()
-        got = await conn.fetch(Q["extend_leases_if_owner"], owner, ids, [1] * leases, 3.0)
+        got = await conn.fetch(Q["extend_leases_if_owner"], owner, held, 3.0)
         one.append(time.perf_counter() - t0)
         assert len(got) == leases
         t0 = time.perf_counter()

@@ -232,10 +232,9 @@ class Store:
         Runs on the caller's dedicated connection. A job missing from the result
         is no longer ours: expired, taken over, cancelled or changed by policy.
         """
-        ids, tokens = zip(*held, strict=True) if held else ((), ())
+        leases = [{"id": str(job_id), "token": token} for job_id, token in held]
         rows = await conn.fetch(
-            Q["extend_leases_if_owner"], owner_id, list(ids), list(tokens), lease_seconds,
-            timeout=timeout,
+            Q["extend_leases_if_owner"], owner_id, leases, lease_seconds, timeout=timeout,
         )
         return {row["id"]: Renewal(row["lease_until"], row["lease_remaining"]) for row in rows}
 

@@ -159,3 +159,44 @@ def test_reference_receiver_behind_pgbouncer(dsn, bouncer, tmp_path):
     text = log_path.read_text(errors="replace") + bouncer.log()
     for marker in PREPARED_ERRORS:
         assert marker not in text, text[-3000:]
+
+
+class _CountingIntrospection(db._PooledConnection):
+    """The sidecar's connection class, counting asyncpg's type-introspection queries."""
+
+    introspected: list = []
+
+    async def _introspect_types(self, typeoids, timeout):
+        type(self).introspected.append(list(typeoids))
+        return await super()._introspect_types(typeoids, timeout)
+
+
+def test_no_statement_needs_asyncpgs_type_introspection(dsn):
+    """Behind a transaction pooler asyncpg's "jit off" guard around its introspection
+    query runs on another server connection, so PostgreSQL JIT-compiles the query: 1-2 s
+    of CPU per new connection (seen as heartbeat timeouts in a 64-sidecar fleet behind
+    PgBouncer). Every statement of the sidecar's SQL prepares on a fresh connection
+    without one."""
+    import asyncpg
+
+    from sidecar.queries import Q
+
+    async def check() -> list[str]:
+        conn = await asyncpg.connect(dsn, connection_class=_CountingIntrospection)
+        try:
+            await db.init_connection(conn)
+            needing = []
+            for name, sql in Q.items():
+                before = len(_CountingIntrospection.introspected)
+                await conn.prepare(sql)
+                if len(_CountingIntrospection.introspected) > before:
+                    needing.append(name)
+            # The check can fail: a uuid[] parameter is looked up.
+            await conn.prepare("SELECT $1::uuid[]")
+            assert len(_CountingIntrospection.introspected) >= 1
+            return needing
+        finally:
+            await conn.close()
+
+    _CountingIntrospection.introspected = []
+    assert asyncio.run(check()) == []

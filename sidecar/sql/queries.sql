@@ -125,11 +125,15 @@ SELECT * FROM claimed;
 
 -- name: extend_leases_if_owner
 -- P5: one statement renews every lease this sidecar holds. A job missing from
--- the result is no longer ours.
+-- the result is no longer ours. The held leases come as one jsonb array of {id, token}
+-- ($2), not as uuid[]/bigint[] parameters: asyncpg looks array types up with an
+-- introspection query on every new connection, and behind PgBouncer its "jit off" guard
+-- around that query lands on another server connection, so PostgreSQL JIT-compiles it
+-- (1-2 s of CPU on a loaded server, longer than a heartbeat's timeout).
 UPDATE tool_jobs j
-SET lease_until = now() + $4::float8 * interval '1 second',
+SET lease_until = now() + $3::float8 * interval '1 second',
     heartbeat_at = now()
-FROM unnest($2::uuid[], $3::bigint[]) AS held(id, token)
+FROM jsonb_to_recordset($2::jsonb) AS held(id uuid, token bigint)
 WHERE j.id = held.id
   AND j.fencing_token = held.token
   AND j.owner_id = $1
