@@ -11,6 +11,10 @@
 # (k8s/). The bundle needs glibc at least as new as the build stage's (Debian 12: 2.36).
 
 ARG PYTHON_IMAGE=python:3.12-slim-bookworm
+# Any Debian 12 image with python3 and its venv module works as the base, e.g. one made
+# from Debian's packages where no registry is reachable (packaging/image_check.py):
+#   docker build --build-arg PYTHON_IMAGE=localhost/sidecar-base:bookworm -t sidecar .
+# Everything is installed into virtual environments, never into the base's own Python.
 
 # --- build: wheels of the sidecar and its dependencies, and the PyInstaller bundle ---------
 FROM ${PYTHON_IMAGE} AS build
@@ -24,8 +28,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY sidecar ./sidecar
 COPY packaging ./packaging
-RUN pip wheel --no-cache-dir --wheel-dir /wheels . \
-    && python -m venv /venv \
+RUN python3 -m venv /venv \
+    && /venv/bin/pip install --no-cache-dir --upgrade pip \
+    && /venv/bin/pip wheel --no-cache-dir --wheel-dir /wheels . \
     && /venv/bin/pip install --no-cache-dir --no-index --find-links /wheels /wheels/sidecar-*.whl \
     && /venv/bin/pip install --no-cache-dir 'pyinstaller>=6.10,<7' \
     && /venv/bin/python packaging/build_bundle.py --dist /bundle --work /tmp/pyinstaller \
@@ -42,10 +47,13 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends tini \
     && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    pip install --no-cache-dir --no-index --find-links /wheels /wheels/sidecar-*.whl
+    python3 -m venv /opt/sidecar-venv \
+    && /opt/sidecar-venv/bin/pip install --no-cache-dir --no-index --find-links /wheels \
+       /wheels/sidecar-*.whl
 # The bundle, for init containers: /opt/sidecar/sidecar install /sidecar
 COPY --from=build /bundle/sidecar /opt/sidecar
-ENV PYTHONUNBUFFERED=1 \
+ENV PATH=/opt/sidecar-venv/bin:$PATH \
+    PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1
 WORKDIR /tmp
 # Numeric non-root user: Kubernetes' runAsNonRoot can verify it.
