@@ -332,6 +332,20 @@ class Sandbox:
         files = self.cgroup.procs_files if self.cgroup else []
         return make_preexec(parent_pid, files, rlimits(self.profile, self.cgroup), self.ids)
 
+    def _remove_untouched(self) -> bool:
+        """The common case in a few syscalls: the tool left the work directory as it was
+        made (HOME and the runtime directory empty, nothing else). rmdir never follows a
+        symlink and fails on anything not empty, so False (then remove_tree) whenever the
+        tool left anything, replaced a directory or changed a mode."""
+        try:
+            if self.profile.home == "job":
+                for name in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
+                    os.rmdir(os.path.join(self.job_dir, name))
+            os.rmdir(self.job_dir)
+        except OSError:
+            return False
+        return True
+
     def close(self) -> list[str]:
         """Remove the cgroup and the work directory, whatever the tool left in it.
         Returns what could not be removed."""
@@ -339,7 +353,8 @@ class Sandbox:
         if self.cgroup is not None:
             left += self.cgroup.remove()
         if self.job_dir:
-            remove_tree(self.job_dir)
+            if not self._remove_untouched():
+                remove_tree(self.job_dir)
             if os.path.lexists(self.job_dir):
                 left.append(self.job_dir)
         if self.dir_lock is not None:
