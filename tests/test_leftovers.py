@@ -11,6 +11,7 @@ import hashlib
 import os
 import re
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -267,6 +268,25 @@ def test_the_guardian_alone_clears_a_sigkilled_sidecars_tree_work_dir_and_cgroup
 
 # --- attributing env-less orphans (claim_unmarked) ----------------------------------------
 
+def _interpreter_for_nobody() -> list[str]:
+    """A command prefix for inside the new mount namespace that lets ``nobody`` run this
+    interpreter when a directory on its real path is closed to others (a 0700 /root
+    holding pyenv's Python): there, and only there, that directory is covered by a
+    world-traversable tmpfs with just the needed entry bound back. Empty when nothing
+    is in the way."""
+    parts = Path(os.path.realpath(sys.executable)).parts
+    for depth in range(1, len(parts) - 1):
+        closed = Path(*parts[:depth + 1])
+        if not closed.stat().st_mode & stat.S_IXOTH:
+            inner = parts[depth + 1]
+            script = (f'set -e; keep=$(mktemp -d); mount --bind "{closed}" "$keep"; '
+                      f'mount -t tmpfs -o mode=0755 tmpfs "{closed}"; '
+                      f'mkdir "{closed}/{inner}"; mount --bind "$keep/{inner}" '
+                      f'"{closed}/{inner}"; umount -l "$keep"; exec "$@"')
+            return ["sh", "-c", script, "sh"]
+    return []
+
+
 def _in_new_pid_namespace(argv: list[str], env: dict[str, str], log: Path,
                           as_nobody: bool = False) -> tuple[subprocess.Popen, int]:
     """Run ``argv`` as PID 1 of a new PID namespace (what a container without tini gives
@@ -274,7 +294,8 @@ def _in_new_pid_namespace(argv: list[str], env: dict[str, str], log: Path,
     host pid of ``argv``'s process."""
     wrap = ["unshare", "--pid", "--fork", "--mount-proc"]
     if as_nobody:
-        wrap += ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
+        wrap += [*_interpreter_for_nobody(),
+                 "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "--"]
     wrap += ["env", "-i", *[f"{k}={v}" for k, v in env.items()]]
     with open(log, "wb") as f:
         outer = subprocess.Popen([*wrap, *argv], stdout=subprocess.DEVNULL, stderr=f)
