@@ -32,6 +32,7 @@ from bench.common import (
     ms,
     percentile,
     progress,
+    stop_all,
     until,
 )
 from bench.report import Row
@@ -171,7 +172,7 @@ async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connec
         beats = (await _sum(mine))["heartbeats"] - beats_before["heartbeats"]
         beats_per_s = beats / (time.monotonic() - beats_started)
     finally:
-        await asyncio.gather(*(p.stop() for p in procs))
+        await stop_all(procs)
     total = jobs + samples
     ctx.count(f"fleet ({mode})", total)
     return {

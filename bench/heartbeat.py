@@ -221,9 +221,8 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
             f"heartbeat with {leases} lease(s): {r['stmts']} heartbeat statements seen in "
             f"pg_stat_activity over the window, {r['log_beats']:.1f} beats by the sidecar's "
             f"log; all of its statements {r['all_per_s']:.1f}/s, besides heartbeats: "
-            f"{r['others'] or 'none'} (asyncpg's pool sends `SELECT pg_advisory_unlock_all(); "
-            "CLOSE ALL; UNLISTEN *; RESET ALL` after each statement it runs, so a pooled "
-            "statement shows up as its reset)")
+            f"{r['others'] or 'none'} (the poll's claim and queue-depth sample, the "
+            "outbox's delivery scan, the idle-list refresh)")
         rows.append(Row(
             "3", f"heartbeat statements per period, 1 sidecar, {leases} lease(s) "
             f"(H = {period:g} s)",
