@@ -13,6 +13,7 @@ import resource
 import signal
 import stat
 import tempfile
+import threading
 from dataclasses import dataclass, field
 
 from sidecar.cgroups import CgroupError, CgroupHost, JobCgroup
@@ -236,6 +237,66 @@ def child_environment(base_env: dict[str, str], profile: LeaseProfile,
     return env
 
 
+# Work directories an attempt returned exactly as they were made (HOME and the runtime
+# directory empty, nothing else, modes unchanged) and whose tool left no process behind,
+# kept locked for the next attempt of this process: making and removing three
+# directories costs six journaled metadata operations, about 0.6 ms of kernel time a job
+# on an ext4 root mounted with `discard` (bench section 1). Keyed by (work root, whether
+# the profile's HOME is `job`); RUN_AS attempts never share one. Removed at shutdown by
+# discard_spare_dirs; a SIGKILLed sidecar's are left unlocked and swept by leftovers.
+MAX_SPARE_DIRS = 16
+_spare_dirs: dict[tuple[str, bool], list[tuple[str, int]]] = {}
+_spare_lock = threading.Lock()
+
+
+def _pristine(path: str, with_home: bool) -> bool:
+    """True when ``path`` is a directory of ours, mode 0700, holding exactly the empty
+    HOME and runtime directories (``with_home``) or nothing; never follows a symlink."""
+    try:
+        names = {HOME_DIR_NAME, RUNTIME_DIR_NAME} if with_home else set()
+        for where in (path, *(os.path.join(path, n) for n in sorted(names))):
+            info = os.lstat(where)
+            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() \
+                    or stat.S_IMODE(info.st_mode) != 0o700:
+                return False
+        if set(os.listdir(path)) != names:
+            return False
+        return not any(os.listdir(os.path.join(path, n)) for n in names)
+    except OSError:
+        return False
+
+
+def _take_spare(root: str, with_home: bool) -> tuple[str, int] | None:
+    with _spare_lock:
+        spares = _spare_dirs.get((root, with_home))
+        while spares:
+            path, fd = spares.pop()
+            if _pristine(path, with_home):
+                return path, fd
+            os.close(fd)
+            remove_tree(path)
+    return None
+
+
+def _keep_spare(root: str, with_home: bool, path: str, fd: int) -> bool:
+    with _spare_lock:
+        spares = _spare_dirs.setdefault((root, with_home), [])
+        if len(spares) >= MAX_SPARE_DIRS:
+            return False
+        spares.append((path, fd))
+        return True
+
+
+def discard_spare_dirs() -> None:
+    """Remove every kept work directory (at shutdown); safe to call twice."""
+    with _spare_lock:
+        kept = [spare for spares in _spare_dirs.values() for spare in spares]
+        _spare_dirs.clear()
+    for path, fd in kept:
+        os.close(fd)
+        remove_tree(path)
+
+
 @dataclass
 class Sandbox:
     """One attempt's private work directory and cgroup. ``open`` makes them; ``close``
@@ -252,6 +313,10 @@ class Sandbox:
     ids: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
     dir_lock: int | None = None  # flock'ed descriptor: marks the work dir as in use
+    # Set by the supervisor when the tool exited by itself and left no process: only
+    # then may close() keep an untouched work directory for the next attempt.
+    tree_clean: bool = False
+    _root: str = ""
 
     def open(self) -> None:
         """Make the work directory (mode 0700, owned by the RUN_AS user) and the job cgroup.
@@ -259,18 +324,23 @@ class Sandbox:
         cgroup cannot be made although PROCESSES depends on it; a cgroup that cannot be
         made otherwise leaves the attempt to rlimits, with a note."""
         self.ids = run_as_ids(self.profile.run_as)
-        root = self.settings.work_dir or tempfile.gettempdir()
-        os.makedirs(root, exist_ok=True)
-        self.job_dir = tempfile.mkdtemp(prefix=self.dir_prefix or self.name + "-", dir=root)
-        self.dir_lock = hold_directory(self.job_dir)
-        private = [self.job_dir]
-        if self.profile.home == "job":
-            for name in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
-                private.append(os.path.join(self.job_dir, name))
-                os.mkdir(private[-1], 0o700)
-        if self.ids is not None:
-            for path in private:
-                os.chown(path, *self.ids)
+        root = self._root = self.settings.work_dir or tempfile.gettempdir()
+        spare = _take_spare(root, self.profile.home == "job") if self._reusable else None
+        if spare is not None:
+            self.job_dir, self.dir_lock = spare
+        else:
+            os.makedirs(root, exist_ok=True)
+            self.job_dir = tempfile.mkdtemp(prefix=self.dir_prefix or self.name + "-",
+                                            dir=root)
+            self.dir_lock = hold_directory(self.job_dir)
+            private = [self.job_dir]
+            if self.profile.home == "job":
+                for name in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
+                    private.append(os.path.join(self.job_dir, name))
+                    os.mkdir(private[-1], 0o700)
+            if self.ids is not None:
+                for path in private:
+                    os.chown(path, *self.ids)
         if self.host.usable:
             cgroup = JobCgroup(self.host, self.name, self.profile.memory_bytes,
                                self.profile.processes)
@@ -332,6 +402,11 @@ class Sandbox:
         files = self.cgroup.procs_files if self.cgroup else []
         return make_preexec(parent_pid, files, rlimits(self.profile, self.cgroup), self.ids)
 
+    @property
+    def _reusable(self) -> bool:
+        # Only directories named by owner (leftovers.work_dir_prefix), never a RUN_AS one.
+        return self.ids is None and bool(self.dir_prefix)
+
     def _remove_untouched(self) -> bool:
         """The common case in a few syscalls: the tool left the work directory as it was
         made (HOME and the runtime directory empty, nothing else). rmdir never follows a
@@ -352,6 +427,13 @@ class Sandbox:
         left: list[str] = []
         if self.cgroup is not None:
             left += self.cgroup.remove()
+        if self.job_dir and self.dir_lock is not None and self.tree_clean \
+                and self._reusable and left == [] \
+                and _pristine(self.job_dir, self.profile.home == "job") \
+                and _keep_spare(self._root, self.profile.home == "job", self.job_dir,
+                                self.dir_lock):
+            self.dir_lock = None  # the spare pool holds the lock now
+            return left
         if self.job_dir:
             if not self._remove_untouched():
                 remove_tree(self.job_dir)

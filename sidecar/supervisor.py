@@ -226,6 +226,8 @@ class JobSupervisor:
         if reason is not StopReason.EXITED:
             self.lease.stopping = reason  # the guard refuses from now on ("deadline")
         report = await child.kill_tree(profile.kill_grace_seconds)
+        sandbox.tree_clean = (reason is StopReason.EXITED and report.signal is None
+                              and not report.survivors)
         await child.close_pipes(timeout=1.0)
         relay.summary()
         if reason is not StopReason.EXITED or report.signal is not None:

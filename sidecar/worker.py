@@ -25,6 +25,7 @@ from sidecar.errors import ConfigError
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
 from sidecar.health import Readiness
+from sidecar.isolation import discard_spare_dirs
 from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock
 from sidecar.log import log
@@ -122,6 +123,7 @@ class Worker:
         owner_lock = OwnerLock(self.settings.work_dir or tempfile.gettempdir(), self.owner_id)
         await loop.run_in_executor(None, owner_lock.acquire)
         stack.callback(owner_lock.release)
+        stack.callback(discard_spare_dirs)  # the work directories kept for reuse
         pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
         stack.push_async_callback(lambda: asyncio.wait_for(pool.close(), timeout))
         store = Store(pool, timeout)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from conftest import TOOLS, base_env, cli, enqueue, job_row, query
+from conftest import TOOLS, base_env, cli, enqueue, job_row, query, short_root
 from sidecar.isolation import MAX_WORK_ROOT_BYTES, SOCKET_NAME_BYTES, SOCKET_PATH_MAX_BYTES
 
 SOCKET_PATHS = str(TOOLS / "socket_paths.py")
@@ -106,3 +106,28 @@ def test_a_bad_home_value_is_refused_in_one_line(dsn):
 def _var(result, name):
     env = result.get("env", result)
     return env.get(name)
+
+
+def test_an_untouched_work_directory_is_reused_and_a_touched_one_never(dsn, tmp_path):
+    """One sidecar, one job at a time: an attempt that left its work directory as made
+    and no process behind hands it, still locked, to the next attempt (six metadata
+    operations fewer a job); one that wrote in HOME, changed a mode or left a process
+    gets it removed, and the next attempt starts in a new, empty one. At shutdown no
+    work directory is left."""
+    root = short_root(tmp_path / "w")
+    env = base_env(dsn, SIDECAR_WORK_DIR=str(root))
+    modes = ["clean", "clean", "write", "clean", "chmod", "clean", "child", "clean"]
+    jobs = [enqueue(dsn, "reuse", {"mode": mode}, env=env) for mode in modes]
+    done = cli(dsn, "run", "--tool", "reuse", "--drain", "--", str(TOOLS / "dir_reuse.sh"),
+               env=env)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    results = [job_row(dsn, job)["result"] for job in jobs]
+    dirs = [r["dir"] for r in results]
+    assert all(r["home_had"] == "" for r in results), results  # every HOME started empty
+    assert dirs[1] == dirs[0]                    # clean -> reused
+    assert dirs[2] == dirs[1]                    # (the writer got the clean one)
+    assert dirs[3] != dirs[2]                    # it wrote in HOME: removed, a new one
+    assert dirs[4] == dirs[3] and dirs[5] != dirs[4]    # chmod: removed
+    assert dirs[6] == dirs[5] and dirs[7] != dirs[6]    # a process left behind: removed
+    assert not any(os.path.exists(d) for d in dirs)
+    assert [p.name for p in root.iterdir() if ".j" in p.name] == []  # none at shutdown
