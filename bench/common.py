@@ -219,24 +219,6 @@ class Sidecar:
         await asyncio.to_thread(kit.stop_process, self.proc, timeout)
 
 
-async def stop_all(sidecars: list[Sidecar], timeout: float = 15.0) -> None:
-    """SIGTERM every sidecar at once (each drains), wait until all have exited, SIGKILL
-    what still runs after ``timeout`` seconds. One signal each: a second SIGTERM would
-    make a draining sidecar kill its tools at once. (``stop`` one by one would wait in
-    turn, a few threads at a time, behind a fleet's slowest.)"""
-    running = [s.proc for s in sidecars if s.proc.poll() is None]
-    for proc in running:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + timeout
-    while any(proc.poll() is None for proc in running) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    for proc in running:
-        if proc.poll() is None:
-            proc.kill()
-    for proc in running:
-        await asyncio.to_thread(proc.wait, 5)
-
     def tool_children(self) -> list[psutil.Process]:
         """The sidecar's child processes that are tools (not its guardian)."""
         try:
@@ -261,6 +243,25 @@ async def stop_all(sidecars: list[Sidecar], timeout: float = 15.0) -> None:
         except psutil.Error:
             pass
         return None
+
+
+async def stop_all(sidecars: list[Sidecar], timeout: float = 15.0) -> None:
+    """SIGTERM every sidecar at once (each drains), wait until all have exited, SIGKILL
+    what still runs after ``timeout`` seconds. One signal each: a second SIGTERM would
+    make a draining sidecar kill its tools at once. (``stop`` one by one would wait in
+    turn, a few threads at a time, behind a fleet's slowest.)"""
+    running = [s.proc for s in sidecars if s.proc.poll() is None]
+    for proc in running:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    while any(proc.poll() is None for proc in running) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    for proc in running:
+        if proc.poll() is None:
+            proc.kill()
+    for proc in running:
+        await asyncio.to_thread(proc.wait, 5)
 
 
 async def until(predicate: Callable[[], Awaitable[T | None]], timeout: float,

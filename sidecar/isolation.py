@@ -238,27 +238,39 @@ def child_environment(base_env: dict[str, str], profile: LeaseProfile,
 
 
 # Work directories an attempt returned exactly as they were made (HOME and the runtime
-# directory empty, nothing else, modes unchanged) and whose tool left no process behind,
-# kept locked for the next attempt of this process: making and removing three
-# directories costs six journaled metadata operations, about 0.6 ms of kernel time a job
-# on an ext4 root mounted with `discard` (bench section 1). Keyed by (work root, whether
-# the profile's HOME is `job`); RUN_AS attempts never share one. Removed at shutdown by
-# discard_spare_dirs; a SIGKILLed sidecar's are left unlocked and swept by leftovers.
+# directory empty, nothing else, modes unchanged) from a job cgroup that was removed
+# empty (so no process of the tool is left to write into them), kept locked for the next
+# attempt of the same owner: making and removing three directories costs six journaled
+# metadata operations, about 0.6 ms of kernel time a job on an ext4 root mounted with
+# `discard` (bench section 1). Keyed by (work root, owner's directory prefix, whether
+# HOME is `job`); RUN_AS attempts and attempts without a cgroup never keep one. Removed
+# at shutdown by discard_spare_dirs; a SIGKILLed sidecar's are unlocked then and swept by
+# leftovers.
 MAX_SPARE_DIRS = 16
-_spare_dirs: dict[tuple[str, bool], list[tuple[str, int]]] = {}
+_spare_dirs: dict[tuple[str, str, bool], list[tuple[str, int]]] = {}
+_closed_prefixes: set[str] = set()  # owners whose pool was discarded: keep nothing more
 _spare_lock = threading.Lock()
+_ACL_ATTRS = ("system.posix_acl_access", "system.posix_acl_default")
 
 
-def _pristine(path: str, with_home: bool) -> bool:
-    """True when ``path`` is a directory of ours, mode 0700, holding exactly the empty
-    HOME and runtime directories (``with_home``) or nothing; never follows a symlink."""
+def _pristine(path: str, with_home: bool, fd: int) -> bool:
+    """True when ``path`` is still the directory ``fd`` locks (not renamed away and
+    replaced), ours, mode 0700 with no ACL, on the work root's filesystem (no mount on
+    top), holding exactly the empty HOME and runtime directories (``with_home``) or
+    nothing; never follows a symlink."""
     try:
+        locked = os.fstat(fd)
         names = {HOME_DIR_NAME, RUNTIME_DIR_NAME} if with_home else set()
         for where in (path, *(os.path.join(path, n) for n in sorted(names))):
             info = os.lstat(where)
             if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() \
-                    or stat.S_IMODE(info.st_mode) != 0o700:
+                    or stat.S_IMODE(info.st_mode) != 0o700 or info.st_dev != locked.st_dev:
                 return False
+            if where == path and not os.path.samestat(info, locked):
+                return False
+            with contextlib.suppress(OSError):  # no xattr support: no ACL either
+                if any(a in _ACL_ATTRS for a in os.listxattr(where, follow_symlinks=False)):
+                    return False
         if set(os.listdir(path)) != names:
             return False
         return not any(os.listdir(os.path.join(path, n)) for n in names)
@@ -266,32 +278,38 @@ def _pristine(path: str, with_home: bool) -> bool:
         return False
 
 
-def _take_spare(root: str, with_home: bool) -> tuple[str, int] | None:
-    with _spare_lock:
-        spares = _spare_dirs.get((root, with_home))
-        while spares:
+def _take_spare(key: tuple[str, str, bool]) -> tuple[str, int] | None:
+    while True:
+        with _spare_lock:
+            spares = _spare_dirs.get(key)
+            if not spares:
+                return None
             path, fd = spares.pop()
-            if _pristine(path, with_home):
-                return path, fd
-            os.close(fd)
-            remove_tree(path)
-    return None
+        if _pristine(path, key[2], fd):
+            return path, fd
+        os.close(fd)
+        remove_tree(path)
 
 
-def _keep_spare(root: str, with_home: bool, path: str, fd: int) -> bool:
+def _keep_spare(key: tuple[str, str, bool], path: str, fd: int) -> bool:
     with _spare_lock:
-        spares = _spare_dirs.setdefault((root, with_home), [])
+        if key[1] in _closed_prefixes:
+            return False
+        spares = _spare_dirs.setdefault(key, [])
         if len(spares) >= MAX_SPARE_DIRS:
             return False
         spares.append((path, fd))
         return True
 
 
-def discard_spare_dirs() -> None:
-    """Remove every kept work directory (at shutdown); safe to call twice."""
+def discard_spare_dirs(prefix: str) -> None:
+    """Remove every work directory kept for the owner whose directories start with
+    ``prefix`` (leftovers.work_dir_prefix), at its shutdown, and keep none of its from
+    then on; safe to call twice."""
     with _spare_lock:
-        kept = [spare for spares in _spare_dirs.values() for spare in spares]
-        _spare_dirs.clear()
+        _closed_prefixes.add(prefix)
+        kept = [spare for key in [k for k in _spare_dirs if k[1] == prefix]
+                for spare in _spare_dirs.pop(key)]
     for path, fd in kept:
         os.close(fd)
         remove_tree(path)
@@ -325,7 +343,7 @@ class Sandbox:
         made otherwise leaves the attempt to rlimits, with a note."""
         self.ids = run_as_ids(self.profile.run_as)
         root = self._root = self.settings.work_dir or tempfile.gettempdir()
-        spare = _take_spare(root, self.profile.home == "job") if self._reusable else None
+        spare = _take_spare(self._spare_key) if self._reusable else None
         if spare is not None:
             self.job_dir, self.dir_lock = spare
         else:
@@ -407,6 +425,10 @@ class Sandbox:
         # Only directories named by owner (leftovers.work_dir_prefix), never a RUN_AS one.
         return self.ids is None and bool(self.dir_prefix)
 
+    @property
+    def _spare_key(self) -> tuple[str, str, bool]:
+        return self._root, self.dir_prefix, self.profile.home == "job"
+
     def _remove_untouched(self) -> bool:
         """The common case in a few syscalls: the tool left the work directory as it was
         made (HOME and the runtime directory empty, nothing else). rmdir never follows a
@@ -427,11 +449,12 @@ class Sandbox:
         left: list[str] = []
         if self.cgroup is not None:
             left += self.cgroup.remove()
+        # Kept only when the cgroup was removed, which the kernel allows only once it is
+        # empty: no process of this tool (however it hid) can write into the directory.
         if self.job_dir and self.dir_lock is not None and self.tree_clean \
-                and self._reusable and left == [] \
-                and _pristine(self.job_dir, self.profile.home == "job") \
-                and _keep_spare(self._root, self.profile.home == "job", self.job_dir,
-                                self.dir_lock):
+                and self._reusable and self.cgroup is not None and left == [] \
+                and _pristine(self.job_dir, self.profile.home == "job", self.dir_lock) \
+                and _keep_spare(self._spare_key, self.job_dir, self.dir_lock):
             self.dir_lock = None  # the spare pool holds the lock now
             return left
         if self.job_dir:

@@ -27,7 +27,7 @@ from sidecar.guard import GuardServer
 from sidecar.health import Readiness
 from sidecar.isolation import discard_spare_dirs
 from sidecar.lease import LeaseKeeper
-from sidecar.leftovers import OwnerLock
+from sidecar.leftovers import OwnerLock, work_dir_prefix
 from sidecar.log import log
 from sidecar.queries import migrations
 from sidecar.store import Store
@@ -123,7 +123,8 @@ class Worker:
         owner_lock = OwnerLock(self.settings.work_dir or tempfile.gettempdir(), self.owner_id)
         await loop.run_in_executor(None, owner_lock.acquire)
         stack.callback(owner_lock.release)
-        stack.callback(discard_spare_dirs)  # the work directories kept for reuse
+        # The work directories kept for reuse (sidecar.isolation); after this none more.
+        stack.callback(discard_spare_dirs, work_dir_prefix(self.owner_id))
         pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
         stack.push_async_callback(lambda: asyncio.wait_for(pool.close(), timeout))
         store = Store(pool, timeout)

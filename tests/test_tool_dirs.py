@@ -131,3 +131,35 @@ def test_an_untouched_work_directory_is_reused_and_a_touched_one_never(dsn, tmp_
     assert dirs[6] == dirs[5] and dirs[7] != dirs[6]    # a process left behind: removed
     assert not any(os.path.exists(d) for d in dirs)
     assert [p.name for p in root.iterdir() if ".j" in p.name] == []  # none at shutdown
+
+
+def test_without_a_job_cgroup_no_work_directory_is_reused(dsn, tmp_path):
+    """No cgroup, no proof that nothing of the tool is left (a descendant that hid from
+    the tree kill could still sit in the directory): every attempt gets a new one."""
+    env = base_env(dsn, SIDECAR_WORK_DIR=str(short_root(tmp_path / "w")),
+                   SIDECAR_CGROUPS="off")
+    jobs = [enqueue(dsn, "reuse-off", {"mode": "clean"}, env=env) for _ in range(3)]
+    done = cli(dsn, "run", "--tool", "reuse-off", "--drain", "--",
+               str(TOOLS / "dir_reuse.sh"), env=env)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    dirs = [job_row(dsn, job)["result"]["dir"] for job in jobs]
+    assert len(set(dirs)) == 3 and not any(os.path.exists(d) for d in dirs)
+
+
+def test_a_work_directory_renamed_away_by_its_tool_is_not_reused(dsn, tmp_path):
+    """A tool that renames its work directory away and leaves a look-alike in its place
+    (right names, modes, empty): the look-alike is not the directory the attempt locked,
+    so it is removed, not handed on."""
+    root = short_root(tmp_path / "w")
+    env = base_env(dsn, SIDECAR_WORK_DIR=str(root))
+    tool = tmp_path / "swap.sh"
+    tool.write_text('#!/bin/sh\ncat >/dev/null\nd="$SIDECAR_JOB_DIR"\ncd /\n'
+                    'mv "$d" "$d.away" && mkdir -m 0700 "$d" "$d/h" "$d/r"\n'
+                    'printf \'{"dir": "%s"}\\n\' "$d"\n')
+    tool.chmod(0o755)
+    first = enqueue(dsn, "swap", {}, env=env)
+    second = enqueue(dsn, "swap", {}, env=env)
+    done = cli(dsn, "run", "--tool", "swap", "--drain", "--", str(tool), env=env)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    dirs = [job_row(dsn, job)["result"]["dir"] for job in (first, second)]
+    assert dirs[0] != dirs[1]
