@@ -168,6 +168,9 @@ def test_probes_reach_this_containers_own_sidecar_port(rendered, overlay):
     ports = {p["name"]: p["containerPort"] for p in tool["ports"]}
     assert ports["http"] == port
     assert tool["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    startup = tool["startupProbe"]  # time for the database and migrations before liveness
+    assert startup["httpGet"]["path"] == "/livez"
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
     assert tool["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
 
 
@@ -187,6 +190,10 @@ def test_the_database_url_comes_from_a_mounted_secret_that_is_not_rendered(rende
             secret = secrets[mount["name"]]
             assert secret["secretName"] == "sidecar-db"
             assert secret["defaultMode"] & 0o007 == 0, "world-readable secret file"
+            # Owner root, group fsGroup: only the group bit lets the sidecar read it.
+            assert secret["defaultMode"] & 0o040, "the sidecar (fsGroup) cannot read it"
+            pod = spec["securityContext"]
+            assert pod["fsGroup"] == pod["runAsGroup"], where
     [auth] = _of(docs, "TriggerAuthentication")
     assert auth["spec"]["secretTargetRef"] == [
         {"parameter": "connection", "name": "sidecar-db", "key": "url"}]
@@ -238,6 +245,7 @@ def test_policy_budget_and_scaler_point_at_this_overlays_workers(rendered, overl
     [scaled] = _of(docs, "ScaledObject")
     [auth] = _of(docs, "TriggerAuthentication")
     assert scaled["spec"]["scaleTargetRef"]["name"] == deployment["metadata"]["name"]
+    assert "replicas" not in deployment["spec"], "an apply would reset KEDA's count"
     [trigger] = scaled["spec"]["triggers"]
     assert trigger["type"] == "postgresql"
     assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
