@@ -117,9 +117,18 @@ class Store:
         """Apply the migrations not yet recorded; return the versions applied now.
 
         Safe to run twice and from two processes at once: one transaction holding
-        a transaction-scoped advisory lock.
+        a transaction-scoped advisory lock. A schema already current is only read, so a
+        worker whose role may not create anything (docs/operations.md) still starts.
         """
         applied_now = []
+        wanted = {migration.version for migration in migrations()}
+        try:
+            done = {row[0] for row in await self.db.fetch(Q["applied_migrations"],
+                                                          timeout=self.timeout)}
+        except asyncpg.UndefinedTableError:
+            done = set()
+        if wanted <= done:
+            return applied_now
         async with self.pool.acquire() as conn, conn.transaction():
             await conn.execute(Q["lock_migrations"], MIGRATION_LOCK_KEY)
             await conn.execute(Q["create_migrations_table"])
