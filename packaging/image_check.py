@@ -144,7 +144,7 @@ def run_check(server_dsn: str, tmp: Path) -> None:
         step("base images from Debian's packages (debootstrap)")
         debian_image(BASE, WITH_PYTHON, tmp, env)
         debian_image(NO_PYTHON, "", tmp, env)
-        absent = sh(["podman", "run", "--rm", NO_PYTHON, "sh", "-c",
+        absent = sh(["podman", "run", "--rm", "--network", "none", NO_PYTHON, "sh", "-c",
                      "command -v python3 || echo none"], env=env)
         if absent.stdout.decode().strip() != "none":
             raise CheckFailed(f"{NO_PYTHON} has a python3: {absent.stdout.decode()}")
@@ -187,7 +187,7 @@ def run_check(server_dsn: str, tmp: Path) -> None:
         step("the bundle, installed by an init container, as PID 1 of an image "
              "without Python with a read-only root")
         sh(["podman", "volume", "create", volume], env=env)
-        sh(["podman", "run", "--rm", "-v", f"{volume}:/sidecar",
+        sh(["podman", "run", "--rm", "--network", "none", "-v", f"{volume}:/sidecar",
             "--entrypoint", "/opt/sidecar/sidecar", IMAGE, "install", "/sidecar"], env=env)
         job = host_sidecar(dsn, "enqueue", "bundle-ppid", "--payload", "{}")
         tool = 'cat >/dev/null; printf \'{"ppid": %s}\\n\' "$PPID"'
@@ -224,6 +224,8 @@ def run_check(server_dsn: str, tmp: Path) -> None:
         print("   every step passed", flush=True)
     finally:
         sh(["podman", "volume", "rm", "-f", volume], env=env, check=False)
+        # The tagged images stay for the next run; the layers a rebuild left untagged go.
+        sh(["podman", "image", "prune", "-f"], env=env, check=False)
         db(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 

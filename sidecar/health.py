@@ -103,6 +103,7 @@ async def serve(readiness: Readiness, addr: str, *,
                                                         port + offset)
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE or offset == tries - 1:
+                exc.ports_tried = offset + 1  # for the caller's message
                 raise
             continue
         return server, f"{bound_host}:{bound_port}"

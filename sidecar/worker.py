@@ -141,8 +141,8 @@ class Worker:
                     self.readiness, self.settings.http_addr,
                     next_free=self.settings.http_addr_is_default)
             except OSError as exc:
-                tried = (f" (and the next {health.DEFAULT_PORT_TRIES - 1} ports)"
-                         if self.settings.http_addr_is_default else "")
+                more = getattr(exc, "ports_tried", 1) - 1
+                tried = f" (and the next {more} port{'s' if more > 1 else ''})" if more else ""
                 raise ConfigError(f"SIDECAR_HTTP_ADDR={self.settings.http_addr}{tried}: cannot "
                                   f"listen ({exc.strerror or exc}); give each sidecar in a pod "
                                   "its own port, or off") from None

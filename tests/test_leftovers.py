@@ -282,7 +282,7 @@ def _interpreter_for_nobody() -> list[str]:
             script = (f'set -e; keep=$(mktemp -d); mount --bind "{closed}" "$keep"; '
                       f'mount -t tmpfs -o mode=0755 tmpfs "{closed}"; '
                       f'mkdir "{closed}/{inner}"; mount --bind "$keep/{inner}" '
-                      f'"{closed}/{inner}"; umount -l "$keep"; exec "$@"')
+                      f'"{closed}/{inner}"; umount -l "$keep"; rmdir "$keep"; exec "$@"')
             return ["sh", "-c", script, "sh"]
     return []
 

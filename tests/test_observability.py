@@ -181,6 +181,32 @@ def test_two_sidecars_in_one_network_namespace_both_serve_on_the_default(dsn, si
     assert first.proc.poll() is None and second.proc.poll() is None
 
 
+def _hold_ports(ports) -> list[socket.socket]:
+    held = []
+    for port in ports:
+        sock = socket.socket()
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
+        try:
+            sock.bind(("0.0.0.0", port))
+            sock.listen()
+        except OSError:  # taken already (another process of this machine): as good
+            sock.close()
+            continue
+        held.append(sock)
+    return held
+
+
+def test_the_default_port_moves_as_far_as_9189(dsn, sidecars):
+    held = _hold_ports(range(9180, 9189))
+    try:
+        sc = sidecars(dsn, ["cat"], "--tool", "far", env=_without_http_addr(dsn))
+        assert sc.wait_event("worker_started")["http_addr"] == "0.0.0.0:9189"
+        assert sc.wait_event("http_port_moved")["http_addr"] == "0.0.0.0:9189"
+    finally:
+        for sock in held:
+            sock.close()
+
+
 def test_a_default_port_never_moves_past_its_range(dsn, tmp_path):
     """Every port of 9180-9189 taken: one line naming SIDECAR_HTTP_ADDR, exit 2."""
     held = []
