@@ -128,6 +128,12 @@ async def amain(args: argparse.Namespace) -> int:
             await pool.close()
             ctx.clock_offset = await measure_clock_offset(conn)
             pg_version = await conn.fetchval("SELECT version()")
+            if await conn.fetchval("SELECT current_setting('autovacuum')") == "off":
+                warning = ("autovacuum is off on this server, so sections 7 and 10 measure "
+                           "tables no vacuum ever ran on; run them on a server with it on "
+                           "(the embedded default has it on)")
+                progress(warning)
+                ctx.notes.append(warning)
             for number, (title, module) in SECTIONS.items():
                 if number not in only:
                     continue
