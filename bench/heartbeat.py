@@ -26,6 +26,7 @@ import asyncpg
 
 from bench.common import (
     SHORT_PROFILE,
+    BenchError,
     Context,
     Sidecar,
     connect,
@@ -40,7 +41,8 @@ from bench.report import Row
 from sidecar.queries import Q
 
 LEASES = (1, 8, 64)
-HEARTBEAT_LIKE = "%unnest($2::uuid[], $3::bigint[])%"
+# How the heartbeat statement (queries.sql extend_leases_if_owner) shows in pg_stat_activity.
+HEARTBEAT_LIKE = "%jsonb_to_recordset($2::jsonb)%"
 
 TABLE_STATS = """
 SELECT n_tup_upd, n_tup_hot_upd FROM pg_stat_user_tables WHERE relname = 'tool_jobs'
@@ -176,6 +178,10 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
             others = Counter(kind for kind, _ in seen if kind != "heartbeat")
             done = [t for t in took if t is not None]
             elapsed = t1 - t0
+            if not took and beats1 > beats0:
+                raise BenchError("the sidecar logged heartbeats but no statement in "
+                                 f"pg_stat_activity matched {HEARTBEAT_LIKE!r}: the "
+                                 "heartbeat statement changed; update HEARTBEAT_LIKE")
             # pg_stat counters reach the view about once a second: the HOT share is over the
             # window widened by that lag, all of it heartbeats.
             updates = after["n_tup_upd"] - before["n_tup_upd"]
