@@ -209,18 +209,8 @@ def test_the_default_port_moves_as_far_as_9189(dsn, sidecars):
 
 def test_a_default_port_never_moves_past_its_range(dsn, tmp_path):
     """Every port of 9180-9189 taken: one line naming SIDECAR_HTTP_ADDR, exit 2."""
-    held = []
+    held = _hold_ports(range(9180, 9190))
     try:
-        for port in range(9180, 9190):
-            sock = socket.socket()
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT
-            try:
-                sock.bind(("0.0.0.0", port))
-                sock.listen()
-            except OSError:  # taken already (another sidecar of this machine): as good
-                sock.close()
-                continue
-            held.append(sock)
         done = cli(dsn, "run", "--drain", "--", "cat", env=_without_http_addr(dsn))
     finally:
         for sock in held:
