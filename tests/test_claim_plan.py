@@ -77,3 +77,20 @@ def test_an_expired_lease_is_claimed_before_the_queue_and_the_queue_oldest_first
     assert taken_over.fencing_token == first.fencing_token + 1 and taken_over.attempt == 2
     assert [second.id, third.id] == ids[1:] and none is None
     assert isinstance(taken_over.lease_until, dt.datetime)
+
+
+def test_the_journal_has_one_index_its_key_and_a_jobs_events_are_read_through_it(dsn):
+    """Migration 010: every journal row costs one index insert, and a job's events, the
+    only way the journal is read, still come from an index, not a scan of the journal."""
+    indexes = query(dsn, "SELECT indexname, indexdef FROM pg_indexes "
+                         "WHERE tablename = 'tool_job_events'")
+    assert [(r["indexname"], r["indexdef"].split(" USING ")[1]) for r in indexes] == \
+        [("tool_job_events_pkey", "btree (job_id, id)")]
+    query(dsn, "INSERT INTO tool_job_events (job_id, fencing_token, event) "
+               "SELECT gen_random_uuid(), 1, 'job_claimed' FROM generate_series(1, 20000)")
+    [[job]] = query(dsn, "SELECT job_id FROM tool_job_events LIMIT 1")
+    query(dsn, "ANALYZE tool_job_events")
+    [[text]] = query(dsn, "EXPLAIN (FORMAT JSON) " + Q["job_events"], job)
+    plan = (orjson.loads(text) if isinstance(text, str) else text)[0]["Plan"]
+    assert "tool_job_events_pkey" in {n.get("Index Name") for n in _nodes(plan)}, plan
+    assert not [n for n in _nodes(plan) if n["Node Type"] == "Seq Scan"], plan
