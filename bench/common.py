@@ -375,6 +375,8 @@ def ms(seconds: float) -> str:
     if seconds is None or math.isnan(seconds):
         return "n/a"
     value = seconds * 1000
+    if value < 1:  # a claim statement: tens of microseconds, two places would hide them
+        return f"{value:.3f} ms"
     return f"{value:.2f} ms" if value < 10 else f"{value:.0f} ms" if value >= 100 \
         else f"{value:.1f} ms"
 
