@@ -73,10 +73,7 @@ SELECT id, fencing_token FROM exhausted;
 -- oldest due queued job, and takes it, bumping fencing_token and attempt. Each part is an
 -- ordered LIMIT over its own partial index, so the backlog is never sorted: the queued
 -- part reads tool_jobs_queued_order_idx in claim order (migration 005) and runs only when
--- the expired part found nothing (a one-time filter). The row lock is FOR NO KEY UPDATE,
--- the one the UPDATE itself takes (no key column changes). It still excludes every other
--- claim, cancel, retry and pruner; FOR UPDATE, stronger than the UPDATE needs, measured
--- 3-5 % slower (EXPLAIN ANALYZE, bench section 7's method, 3 runs on a 2-core machine).
+-- the expired part found nothing (a one-time filter).
 WITH expired AS (
     SELECT id, 'running'::text AS previous_state
     FROM tool_jobs
@@ -84,7 +81,7 @@ WITH expired AS (
       AND attempt < max_attempts
     ORDER BY run_after, created_at, id
     LIMIT 1
-    FOR NO KEY UPDATE SKIP LOCKED
+    FOR UPDATE SKIP LOCKED
 ), queued AS (
     SELECT id, 'queued'::text AS previous_state
     FROM tool_jobs
@@ -92,7 +89,7 @@ WITH expired AS (
       AND NOT EXISTS (SELECT FROM expired)
     ORDER BY run_after, created_at, id
     LIMIT 1
-    FOR NO KEY UPDATE SKIP LOCKED
+    FOR UPDATE SKIP LOCKED
 ), candidate AS (
     SELECT * FROM expired
     UNION ALL
