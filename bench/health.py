@@ -4,11 +4,11 @@ autovacuum activity and the autovacuum settings on the table, and the journal's 
 The jobs the other sections ran count; the rest up to the mode's number go through the
 bare loop of ``bench.baseline claim --journal``, which writes exactly what a sidecar writes
 per no-op job (claim, ``tool_request_started``, fenced completion), without spawning, so a
-hundred thousand jobs take minutes instead of an hour; 5,000 at a time, because the claim
-costs grow with the backlog (measured below). The baseline is the same rows compacted by
+hundred thousand jobs take minutes instead of an hour; 5,000 at a time, about the backlog
+a throughput run has. The baseline is the same rows compacted by
 VACUUM FULL at the end (the fillfactor kept). Last, the claim statement itself (EXPLAIN
-ANALYZE, rolled back): with the queue empty, and with a large backlog queued, in rounds that
-alternate the two so that both see the same machine (see ``CLAIM_ROUNDS``).
+ANALYZE, rolled back): with the queue empty, one job and a large backlog queued, taking
+turns in rounds so that all see the same machine (see ``CLAIM_ROUNDS``).
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ CLAIM_SAMPLES = 15  # EXPLAIN ANALYZE runs per claim measurement (their median)
 # Rounds for the backlog rows. One claim statement is 30-150 us, and measured one state at
 # a time (the empty queue, then the backlog) one round's ratio spread from 1.9 to 5.5 on a
 # 2-core machine: the machine's drift between the two phases, not the backlog (queues of
-# 1 to 200,000 jobs measured within 10 % of each other when taking turns). So the claims
+# 1 to 200,000 jobs measured within 20 % of each other when taking turns). So the claims
 # of the three queues take turns within each round, and the rows pool the rounds.
 CLAIM_ROUNDS = 7
 
