@@ -142,6 +142,22 @@ async def claim_cost(conn: asyncpg.Connection, tool: str) -> tuple[float, str]:
     return statistics.median(times), plan
 
 
+async def _claims_beside(conn: asyncpg.Connection, tool: str,
+                         queued: int) -> dict[str, tuple[list[float], str]]:
+    """``claim_samples`` of the empty queue ("fill"), of ``tool`` with ``queued`` jobs and
+    of "single" with one, taking turns on one vacuumed table; both queues are deleted
+    afterwards."""
+    await enqueue_many(conn, tool, queued, notify=False)
+    await enqueue_many(conn, "single", 1, notify=False)
+    # Vacuumed, as the empty queue was, and as autovacuum leaves a table after an insert
+    # of this size.
+    await conn.execute("VACUUM ANALYZE tool_jobs")
+    taken = await claim_samples(conn, "fill", tool, "single")
+    await conn.execute("DELETE FROM tool_jobs WHERE tool IN ($1, 'single')", tool)
+    await conn.execute("VACUUM ANALYZE tool_jobs")
+    return taken
+
+
 async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     await top_up(ctx, conn)
     await asyncio.sleep(1.5)  # the last backends' counters flushed
@@ -168,14 +184,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     backlogs: list[float] = []
     round_ratios: list[float] = []
     for _ in range(CLAIM_ROUNDS):
-        await enqueue_many(conn, "backlog", backlog, notify=False)
-        await enqueue_many(conn, "single", 1, notify=False)
-        # Vacuumed, as the empty queue above was, and as autovacuum leaves a table after
-        # an insert of this size.
-        await conn.execute("VACUUM ANALYZE tool_jobs")
-        taken = await claim_samples(conn, "fill", "backlog", "single")
-        await conn.execute("DELETE FROM tool_jobs WHERE tool IN ('backlog', 'single')")
-        await conn.execute("VACUUM ANALYZE tool_jobs")
+        taken = await _claims_beside(conn, "backlog", backlog)
         (empty, _), (full, backlog_plan), (single, _) = (
             taken["fill"], taken["backlog"], taken["single"])
         empties += empty
@@ -188,12 +197,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     # Once more with ten times the backlog: the claim's cost should not follow it.
     large = 10 * backlog
     progress(f"queue health: the claim with {large:,} jobs queued")
-    await enqueue_many(conn, "large", large, notify=False)
-    await enqueue_many(conn, "single", 1, notify=False)
-    await conn.execute("VACUUM ANALYZE tool_jobs")
-    taken = await claim_samples(conn, "fill", "large", "single")
-    await conn.execute("DELETE FROM tool_jobs WHERE tool IN ('large', 'single')")
-    await conn.execute("VACUUM ANALYZE tool_jobs")
+    taken = await _claims_beside(conn, "large", large)
     large_empty, large_full, large_single = (
         statistics.median(taken[tool][0]) for tool in ("fill", "large", "single"))
     ctx.settings.append(
