@@ -28,6 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from sidecar.errors import SidecarError
+from sidecar.linux import read_pseudo_file
 
 PARENT_NAME = "sidecar-jobs"
 _SUPERVISOR_LEAF = "sidecar-supervisor"
@@ -96,8 +97,7 @@ class CgroupHost:
 
 
 def _read(path: str) -> str:
-    with open(path, encoding="ascii", errors="replace") as f:
-        return f.read()
+    return read_pseudo_file(path).decode("ascii", errors="replace")
 
 
 def _write(path: str, value: str) -> None:
@@ -443,7 +443,8 @@ class JobCgroup:
         return usage
 
     def remove(self, timeout: float = 2.0) -> list[str]:
-        """Remove the cgroups once empty; returns the directories that stayed (busy)."""
+        """Remove the cgroups once empty, retrying for up to ``timeout`` seconds (0: one
+        try); returns the directories that stayed (busy)."""
         deadline = time.monotonic() + timeout
         left = list(self.dirs)
         while left:

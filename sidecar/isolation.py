@@ -278,7 +278,11 @@ def _pristine(path: str, with_home: bool, fd: int) -> bool:
         return False
 
 
-def _take_spare(key: tuple[str, str, bool]) -> tuple[str, int] | None:
+def _take_spare(key: tuple[str, str, bool], stale: list[str] | None = None
+                ) -> tuple[str, int] | None:
+    """A kept directory of ``key`` that is still pristine, with its lock, or None. One
+    found touched is removed here, or, given ``stale``, appended to it for the caller to
+    remove (a tree of any size: not on the event loop)."""
     while True:
         with _spare_lock:
             spares = _spare_dirs.get(key)
@@ -288,7 +292,11 @@ def _take_spare(key: tuple[str, str, bool]) -> tuple[str, int] | None:
         if _pristine(path, key[2], fd):
             return path, fd
         os.close(fd)
-        remove_tree(path)
+        if stale is None:
+            remove_tree(path)
+        else:
+            stale.append(path)
+            return None
 
 
 def _keep_spare(key: tuple[str, str, bool], path: str, fd: int) -> bool:
@@ -335,30 +343,57 @@ class Sandbox:
     # then may close() keep an untouched work directory for the next attempt.
     tree_clean: bool = False
     _root: str = ""
+    _stale: list[str] = field(default_factory=list)
 
     def open(self) -> None:
         """Make the work directory (mode 0700, owned by the RUN_AS user) and the job cgroup.
         Raises OSError when the work directory cannot be made, CgroupError when the job
         cgroup cannot be made although PROCESSES depends on it; a cgroup that cannot be
         made otherwise leaves the attempt to rlimits, with a note."""
+        for path in self._stale:  # kept directories open_kept found touched
+            remove_tree(path)
+        self._stale.clear()
         self.ids = run_as_ids(self.profile.run_as)
         root = self._root = self.settings.work_dir or tempfile.gettempdir()
         spare = _take_spare(self._spare_key) if self._reusable else None
         if spare is not None:
             self.job_dir, self.dir_lock = spare
         else:
-            os.makedirs(root, exist_ok=True)
-            self.job_dir = tempfile.mkdtemp(prefix=self.dir_prefix or self.name + "-",
-                                            dir=root)
-            self.dir_lock = hold_directory(self.job_dir)
-            private = [self.job_dir]
-            if self.profile.home == "job":
-                for name in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
-                    private.append(os.path.join(self.job_dir, name))
-                    os.mkdir(private[-1], 0o700)
-            if self.ids is not None:
-                for path in private:
-                    os.chown(path, *self.ids)
+            self._make_dir(root)
+        self._make_cgroup()
+
+    def open_kept(self) -> bool:
+        """``open`` for the usual case, cheap enough for the event loop: a work directory a
+        previous attempt returned untouched is taken (its reuse check is a few ``lstat``
+        and ``listdir`` calls on the work root) and the job cgroup made (a ``mkdir`` on
+        cgroupfs). An executor hop costs more CPU than both (bench section 1). Returns
+        False, having done nothing, when no directory is kept (or under RUN_AS, whose
+        user lookup may block): call ``open`` in a thread then. Raises like ``open``."""
+        if self.profile.run_as or not self.dir_prefix:
+            return False
+        self.ids = None
+        self._root = self.settings.work_dir or tempfile.gettempdir()
+        spare = _take_spare(self._spare_key, self._stale)  # removed by open, off the loop
+        if spare is None:
+            return False
+        self.job_dir, self.dir_lock = spare
+        self._make_cgroup()
+        return True
+
+    def _make_dir(self, root: str) -> None:
+        os.makedirs(root, exist_ok=True)
+        self.job_dir = tempfile.mkdtemp(prefix=self.dir_prefix or self.name + "-", dir=root)
+        self.dir_lock = hold_directory(self.job_dir)
+        private = [self.job_dir]
+        if self.profile.home == "job":
+            for name in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
+                private.append(os.path.join(self.job_dir, name))
+                os.mkdir(private[-1], 0o700)
+        if self.ids is not None:
+            for path in private:
+                os.chown(path, *self.ids)
+
+    def _make_cgroup(self) -> None:
         if self.host.usable:
             cgroup = JobCgroup(self.host, self.name, self.profile.memory_bytes,
                                self.profile.processes)
@@ -441,6 +476,23 @@ class Sandbox:
             os.rmdir(self.job_dir)
         except OSError:
             return False
+        return True
+
+    def close_kept(self) -> bool:
+        """``close`` for the usual case, cheap enough for the event loop: the tree is dead
+        and left the work directory untouched, so the cgroup is removed (one ``rmdir``
+        each, no waiting) and the directory kept for the next attempt. Returns False when
+        that does not apply (a busy cgroup, a touched directory, a full pool): call
+        ``close`` in a thread then, which finishes the job (removing a cgroup twice is
+        harmless)."""
+        if not (self.job_dir and self.dir_lock is not None and self.tree_clean
+                and self._reusable and self.cgroup is not None):
+            return False
+        if self.cgroup.remove(timeout=0) \
+                or not _pristine(self.job_dir, self.profile.home == "job", self.dir_lock) \
+                or not _keep_spare(self._spare_key, self.job_dir, self.dir_lock):
+            return False
+        self.dir_lock = None  # the spare pool holds the lock now
         return True
 
     def close(self) -> list[str]:

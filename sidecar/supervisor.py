@@ -175,7 +175,8 @@ class JobSupervisor:
                           work_dir_prefix(self.ctx.owner_id))
         loop = asyncio.get_running_loop()
         try:
-            await loop.run_in_executor(None, sandbox.open)
+            if not sandbox.open_kept():
+                await loop.run_in_executor(None, sandbox.open)
         except Exception as exc:  # noqa: BLE001 - any failure here fails the attempt, cleanly
             await loop.run_in_executor(None, sandbox.close)
             log.emit("sandbox_failed", "error", **log_fields(job), reason=str(exc))
@@ -198,7 +199,8 @@ class JobSupervisor:
         finally:
             if self.ctx.guard is not None:
                 self.ctx.guard.unregister(job.id)
-            left = await loop.run_in_executor(None, sandbox.close)
+            left = [] if sandbox.close_kept() else \
+                await loop.run_in_executor(None, sandbox.close)
             if left:
                 log.emit("sandbox_left", "warning", **log_fields(job), paths=left)
 
