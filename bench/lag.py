@@ -49,7 +49,7 @@ def summary(lags: list[float], seconds: float) -> dict:
 
 
 async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
-    from sidecar import db
+    from sidecar import child, db, isolation, linux
     from sidecar import log as log_mod
     from sidecar.config import load_settings
     from sidecar.store import Store
@@ -57,6 +57,13 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
 
     settings = load_settings()
     profile = settings.profile("flood")
+    # As `sidecar run` runs it: the child subreaper, so a job's tree is read from the
+    # sidecar down on the loop, not by a scan of every process on the host in a thread;
+    # and the tools' RLIMIT_CORE taken by the sidecar itself, so they start by vfork, not
+    # by fork and a preexec_fn.
+    isolation.share_limits(profile)
+    adopt = linux.set_child_subreaper()
+    child.use_subreaper(adopt)
     argv = [sys.executable, str(TOOLS / "cp_flood.py")]
     # The sidecar's events go to a file, as `sidecar run 2>file` would write them.
     log_file = tempfile.NamedTemporaryFile(prefix="bench-lag-", suffix=".log", delete=False)  # noqa: SIM115
@@ -65,7 +72,8 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
     out = {}
     try:
         # Baseline: the same Worker, started, with nothing to do.
-        worker = Worker(settings, profile, dsn, argv, concurrency=concurrency)
+        worker = Worker(settings, profile, dsn, argv, concurrency=concurrency,
+                        adopt_orphans=adopt)
         running = asyncio.create_task(worker.run())
         await asyncio.sleep(1.0)
         stop = asyncio.Event()
@@ -81,7 +89,8 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
         for i in range(jobs):
             await store.enqueue("flood", payload(i), None, 1, {})
         await pool.close()
-        worker = Worker(settings, profile, dsn, argv, concurrency=concurrency, drain=True)
+        worker = Worker(settings, profile, dsn, argv, concurrency=concurrency, drain=True,
+                        adopt_orphans=adopt)
         stop = asyncio.Event()
         probing = asyncio.create_task(probe(stop))
         started = time.monotonic()
@@ -102,6 +111,7 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
         lost = sum(1 for line in open(log_file.name, "rb")  # noqa: SIM115
                    if b'"heartbeat_lost"' in line or b'"lease_abandoned"' in line)
         out["leases_lost"] = lost
+        out["subreaper"] = adopt
     finally:
         log_file.close()
         os.unlink(log_file.name)
@@ -128,7 +138,8 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     ctx.count("flood jobs", jobs)
     idle, flood = out["idle"], out["flood"]
     ctx.settings.append(
-        f"event-loop lag: in-process Worker on uvloop, concurrency {concurrency}, {jobs} jobs "
+        f"event-loop lag: in-process Worker on uvloop as `sidecar run` runs it (child "
+        f"subreaper: {out.get('subreaper')}), concurrency {concurrency}, {jobs} jobs "
         "each writing 2 MiB of 128-byte stderr lines and either a 512 KiB JSON result or 3 MiB "
         f"of stdout over the 1 MiB cap; probe period {PROBE * 1000:g} ms; "
         f"{flood['samples']} samples over {flood['seconds']:.1f} s, baseline "

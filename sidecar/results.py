@@ -23,7 +23,14 @@ _REASON_CHARS = 200
 # PostgreSQL's numeric keeps at most 16383 digits after the decimal point (its dscale):
 # 1e-20000 is valid JSON, read by orjson as 0.0, and refused by jsonb.
 NUMERIC_MAX_SCALE = 16383
-_LONG_EXPONENT_OR_FRACTION = re.compile(rf"[eE][+-]?\d{{5}}|\.\d{{{NUMERIC_MAX_SCALE + 1}}}")
+
+
+def _maybe_long_exponent_or_fraction(shape: bytes) -> bool:
+    """True when the text may hold an exponent of 5 or more digits or a fraction of more
+    than NUMERIC_MAX_SCALE digits (``shape`` is jsontext.number_shape of it): only then
+    is every number's scale checked."""
+    return b"e00000" in shape or b"e+00000" in shape \
+        or b"0" * (NUMERIC_MAX_SCALE + 2) in shape
 _STRING_OR_NUMBER = re.compile(
     r'"(?:[^"\\]|\\.)*"|-?(?:0|[1-9]\d*)(?:\.(\d+))?(?:[eE]([+-]?\d+))?')
 
@@ -50,8 +57,9 @@ def parse_result(data: bytes | bytearray | memoryview,
     number outside a double's range or beyond numeric's 16383 decimal places (1e-20000),
     or holds ``\\u0000`` (valid JSON that jsonb refuses).
     """
+    shape = jsontext.number_shape(data)
     try:
-        value = jsontext.loads(data)
+        value = jsontext.loads(data, shape)
     except ValueError as exc:  # orjson.JSONDecodeError
         reason = str(exc)[:_REASON_CHARS]
         raise BadResult(f"exit 0 but {source} is not one JSON value ({reason}); "
@@ -62,7 +70,7 @@ def parse_result(data: bytes | bytearray | memoryview,
         raise BadResult(f"{source} is not UTF-8; {len(data)} bytes") from None
     if "\\u0000" in text and _has_nul_escape(text):
         raise BadResult("the JSON holds \\u0000, which PostgreSQL jsonb cannot store")
-    if _LONG_EXPONENT_OR_FRACTION.search(text):
+    if _maybe_long_exponent_or_fraction(shape):
         _check_scales(text)
     return value, RawJson(text)
 
