@@ -343,8 +343,11 @@ class JobCgroup:
                     return
                 raise
         for _ in range(rounds):
+            forked = descendants(pid)
+            if not forked:  # the usual case: no cgroup.procs to read back
+                return
             inside = self.members()
-            outside = [p for p in descendants(pid) if p not in inside]
+            outside = [p for p in forked if p not in inside]
             if not outside:
                 return
             for member in outside:

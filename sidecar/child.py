@@ -145,7 +145,8 @@ def tree_processes(root_pid: int) -> list[psutil.Process]:
 
 def find_tree(root_pid: int, cookie: dict[str, str],
               claim_unmarked: float | None = None,
-              claim_uid: int | None = None) -> list[psutil.Process]:
+              claim_uid: int | None = None,
+              root_reaped: bool = False) -> list[psutil.Process]:
     """Every live process of a job's tree: descendants of ``root_pid``, members of its
     session (the child is a session leader, so sid == root_pid), and any process whose
     environment carries all of ``cookie`` (re-parented or ``setsid`` escapees, case F7).
@@ -156,14 +157,20 @@ def find_tree(root_pid: int, cookie: dict[str, str],
     adopted child with no ``SIDECAR_JOB_ID`` at all that was started after it (and, with
     ``claim_uid``, runs as that uid): it cleared its environment to hide. The tree is read
     from the root and from our own children down, so its cost follows the tree, not the
-    host. Without a subreaper every process on the host is checked for the cookie."""
+    host. Without a subreaper every process on the host is checked for the cookie.
+
+    ``root_reaped``: the root's exit status was collected, so ``root_pid`` may already
+    belong to an unrelated process; the tree is then not read from it (the root's orphans
+    are our adopted children, or, without a subreaper, found by session and cookie).
+    Raises ValueError for an empty cookie."""
     me = os.getpid()
     found: dict[int, psutil.Process] = {}
     if not cookie or not all(cookie.values()):
         # An empty cookie would match every process on the host: never scan with one.
         raise ValueError("find_tree needs a cookie of non-empty values")
-    for proc in tree_processes(root_pid):
-        found[proc.pid] = proc
+    if not root_reaped:
+        for proc in tree_processes(root_pid):
+            found[proc.pid] = proc
     if SUBREAPER:
         adopted = _processes([pid for pid in _children(me)
                               if pid not in MANAGED_PIDS and pid not in EXEMPT_PIDS
@@ -561,12 +568,13 @@ class Child:
         # leftovers, an embedded server): only marked processes are claimed then.
         alone = _live_attempts == 1 and os.getpid() != 1
         generation, quiet = _spawn_generation, _spawns_in_flight == 0
+        reaped = self.exited.done()  # our pid may be someone else's from then on
         procs = find_tree(self.pid, self.cookie,
                           claim_unmarked=self.started_at if alone and quiet else None,
-                          claim_uid=self.run_as_uid)
+                          claim_uid=self.run_as_uid, root_reaped=reaped)
         if alone and quiet and (_spawn_generation != generation or _spawns_in_flight):
             # A spawn began while we listed: one of the "unmarked" may be its child.
-            procs = find_tree(self.pid, self.cookie)
+            procs = find_tree(self.pid, self.cookie, root_reaped=reaped)
         if self.cgroup is not None:
             known = {proc.pid for proc in procs}
             for pid in self.cgroup.members() - known:

@@ -23,6 +23,8 @@ class SidecarError(Exception):
 def one_line(text: str) -> str:
     """``text`` with line breaks and other control characters shown as escapes (``\\n``),
     so a name or path from the user cannot split or forge an error line."""
+    if text.isprintable():  # the usual message: one C scan, no per-character join
+        return text
     return "".join(ch if ch.isprintable() or ch == " " else ch.encode("unicode_escape")
                    .decode("ascii") for ch in text)
 

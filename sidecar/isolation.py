@@ -250,32 +250,51 @@ MAX_SPARE_DIRS = 16
 _spare_dirs: dict[tuple[str, str, bool], list[tuple[str, int]]] = {}
 _closed_prefixes: set[str] = set()  # owners whose pool was discarded: keep nothing more
 _spare_lock = threading.Lock()
-_ACL_ATTRS = ("system.posix_acl_access", "system.posix_acl_default")
+_ACL_ATTRS = frozenset(("system.posix_acl_access", "system.posix_acl_default"))
+_KEPT_NAMES = frozenset((HOME_DIR_NAME, RUNTIME_DIR_NAME))
 
 
 def _pristine(path: str, with_home: bool, fd: int) -> bool:
     """True when ``path`` is still the directory ``fd`` locks (not renamed away and
     replaced), ours, mode 0700 with no ACL, on the work root's filesystem (no mount on
     top), holding exactly the empty HOME and runtime directories (``with_home``) or
-    nothing; never follows a symlink."""
+    nothing; never follows a symlink. Runs twice per reused directory (when it is kept
+    and when it is taken): the locked directory itself is read through ``fd``."""
     try:
         locked = os.fstat(fd)
-        names = {HOME_DIR_NAME, RUNTIME_DIR_NAME} if with_home else set()
-        for where in (path, *(os.path.join(path, n) for n in sorted(names))):
-            info = os.lstat(where)
-            if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid() \
-                    or stat.S_IMODE(info.st_mode) != 0o700 or info.st_dev != locked.st_dev:
-                return False
-            if where == path and not os.path.samestat(info, locked):
-                return False
-            with contextlib.suppress(OSError):  # no xattr support: no ACL either
-                if any(a in _ACL_ATTRS for a in os.listxattr(where, follow_symlinks=False)):
-                    return False
-        if set(os.listdir(path)) != names:
+        uid = os.geteuid()
+        info = os.lstat(path)
+        if not (os.path.samestat(info, locked) and _private_dir(info, uid, locked.st_dev)) \
+                or _has_acl(fd):
             return False
-        return not any(os.listdir(os.path.join(path, n)) for n in names)
+        names = os.listdir(fd)
+        if not with_home:
+            return not names
+        if len(names) != 2 or not _KEPT_NAMES.issuperset(names):
+            return False
+        for name in names:
+            sub = f"{path}/{name}"
+            if not _private_dir(os.lstat(sub), uid, locked.st_dev) or _has_acl(sub) \
+                    or os.listdir(sub):
+                return False
+        return True
     except OSError:
         return False
+
+
+def _private_dir(info: os.stat_result, uid: int, dev: int) -> bool:
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == uid \
+        and stat.S_IMODE(info.st_mode) == 0o700 and info.st_dev == dev
+
+
+def _has_acl(target: str | int) -> bool:
+    """True when ``target`` (a path, never followed, or a descriptor) has a POSIX ACL."""
+    try:
+        names = os.listxattr(target) if isinstance(target, int) \
+            else os.listxattr(target, follow_symlinks=False)
+    except OSError:  # no xattr support: no ACL either
+        return False
+    return not _ACL_ATTRS.isdisjoint(names)
 
 
 def _take_spare(key: tuple[str, str, bool], stale: list[str] | None = None

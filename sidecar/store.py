@@ -7,6 +7,7 @@ caller must not publish anything.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import uuid
 from collections.abc import Iterable
@@ -80,7 +81,10 @@ class BoundedPool:
 
     async def _call(self, method: str, query: str, *args: Any, timeout: float | None = None):
         timeout = self.timeout if timeout is None else timeout
-        conn = await self.pool.acquire(timeout=timeout)
+        # Bounded here, not by acquire(timeout=): asyncpg runs a timed acquire as a task
+        # of its own (wait_for), one more task per statement on the event loop.
+        async with asyncio.timeout(timeout):
+            conn = await self.pool.acquire()
         try:
             return await getattr(conn, method)(query, *args, timeout=timeout)
         except BaseException:

@@ -112,11 +112,14 @@ def test_an_untouched_work_directory_is_reused_and_a_touched_one_never(dsn, tmp_
     """One sidecar, one job at a time: an attempt that left its work directory as made
     and no process behind hands it, still locked, to the next attempt (six metadata
     operations fewer a job); one that wrote in HOME, changed a mode or left a process
-    gets it removed, and the next attempt starts in a new, empty one. At shutdown no
+    gets it removed, and the next attempt starts in a new, empty one. So does one that
+    left a file at the top or in the runtime directory, or put an exact replica in the
+    directory's place (only the locked descriptor tells them apart). At shutdown no
     work directory is left."""
     root = short_root(tmp_path / "w")
     env = base_env(dsn, SIDECAR_WORK_DIR=str(root))
-    modes = ["clean", "clean", "write", "clean", "chmod", "clean", "child", "clean"]
+    modes = ["clean", "clean", "write", "clean", "chmod", "clean", "child", "clean",
+             "top", "clean", "runtime", "clean", "swap", "clean"]
     jobs = [enqueue(dsn, "reuse", {"mode": mode}, env=env) for mode in modes]
     done = cli(dsn, "run", "--tool", "reuse", "--drain", "--", str(TOOLS / "dir_reuse.sh"),
                env=env)
@@ -129,7 +132,11 @@ def test_an_untouched_work_directory_is_reused_and_a_touched_one_never(dsn, tmp_
     assert dirs[3] != dirs[2]                    # it wrote in HOME: removed, a new one
     assert dirs[4] == dirs[3] and dirs[5] != dirs[4]    # chmod: removed
     assert dirs[6] == dirs[5] and dirs[7] != dirs[6]    # a process left behind: removed
-    assert not any(os.path.exists(d) for d in dirs)
+    for touched in (8, 10, 12):                          # top, runtime, swap: the same
+        assert dirs[touched] == dirs[touched - 1] and dirs[touched + 1] != dirs[touched], \
+            (modes[touched], dirs)
+    # The original the swap renamed away still carries the owner's prefix: swept too.
+    assert not any(os.path.exists(d) for d in [*dirs, dirs[12] + ".old"])
     assert [p.name for p in root.iterdir() if ".j" in p.name] == []  # none at shutdown
 
 
