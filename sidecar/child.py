@@ -172,7 +172,10 @@ def find_tree(root_pid: int, cookie: dict[str, str],
         for proc in tree_processes(root_pid):
             found[proc.pid] = proc
     if SUBREAPER:
-        adopted = _processes([pid for pid in _children(me)
+        # Orphans are the children of our thread group leader (linux.adopted_pids); the
+        # tools, children of the spawn thread, are each their own Child's root.
+        listed = linux.adopted_pids(me) if linux.HAVE_PROC_CHILDREN else _children(me)
+        adopted = _processes([pid for pid in listed
                               if pid not in MANAGED_PIDS and pid not in EXEMPT_PIDS
                               and pid not in found])
         for proc in adopted:

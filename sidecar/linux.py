@@ -61,6 +61,21 @@ def child_pids(pid: int) -> list[int]:
     return found
 
 
+def adopted_pids(pid: int) -> list[int]:
+    """The children of the thread group leader of ``pid`` (a child subreaper, the
+    sidecar): where the kernel puts every orphan it hands to a subreaper. Linux gives an
+    orphan to the first live thread of the subreaper's thread group (kernel/exit.c,
+    find_new_reaper -> find_alive_thread, walking the group from its leader), so while
+    the leader lives no orphan is a child of another thread; children those threads
+    forked themselves (the tools, forked by the spawn thread) are not listed. One read
+    instead of one per thread. Empty when ``pid`` is gone."""
+    try:
+        listed = read_pseudo_file(f"/proc/{pid}/task/{pid}/children")
+        return [int(part) for part in listed.split()]
+    except (OSError, ValueError):
+        return []
+
+
 def descendant_pids(pid: int) -> list[int]:
     """Every descendant of ``pid`` (children, their children, ...), ``pid`` excluded,
     read from the tree down (see child_pids)."""

@@ -5,6 +5,7 @@ ends it, or are written on their own while it still runs."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,11 +13,12 @@ import time
 
 import pytest
 
-from conftest import base_env, enqueue, query, short_root, wait_until
+from conftest import TOOLS, base_env, enqueue, query, short_root, wait_until
 from sidecar import linux
 from sidecar.cgroups import JobCgroup, detect
 
 ROOT = os.geteuid() == 0
+SRC = TOOLS.parent.parent  # the checkout: the tool imports sidecar.linux from it
 
 
 def _env(dsn, tmp_path, **extra):
@@ -64,6 +66,21 @@ def _cgroup_v2_host():
     if host is None or not host.v2_dir:
         return None
     return host
+
+
+def test_an_orphan_goes_to_the_subreapers_leader_thread_not_the_thread_that_forked():
+    """find_tree reads adopted orphans from the sidecar's leader thread only (one read,
+    not one per thread; linux.adopted_pids). That rests on the kernel's rule: an orphan
+    goes to the first live thread of its subreaper, the leader, whichever thread forked
+    its ancestor (the spawn thread forks every tool). Checked here on this kernel, in a
+    real multi-threaded subreaper process of its own."""
+    done = subprocess.run([sys.executable, str(TOOLS / "orphan_to_leader.py"), str(SRC)],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    seen = json.loads(done.stdout)
+    assert seen["grandchild"] in seen["leader"], seen
+    assert seen["grandchild"] not in seen["thread"], seen
+    assert seen["grandchild"] in seen["adopted_pids"], seen
 
 
 @pytest.mark.skipif(not ROOT, reason="making a job cgroup needs root")
