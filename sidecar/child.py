@@ -332,7 +332,10 @@ class Child:
             os.set_blocking(fd, False)
         self.loop.add_reader(stdout_fd, self._on_readable, stdout_fd, self._take_stdout)
         self.loop.add_reader(stderr_fd, self._on_readable, stderr_fd, self._take_stderr)
-        self._stdin_task = asyncio.ensure_future(self._feed_stdin(stdin_fd, payload))
+        rest = self._write_at_once(stdin_fd, payload)
+        # A payload the pipe took whole (most: it holds 64 KiB) needs no task to feed it.
+        self._stdin_task = None if rest is None \
+            else asyncio.ensure_future(self._feed_stdin(stdin_fd, rest))
         self._watch_exit()
         global _live_attempts
         _live_attempts += 1
@@ -420,7 +423,27 @@ class Child:
 
     # --- pipes --------------------------------------------------------------
 
-    async def _feed_stdin(self, fd: int, payload: bytes) -> None:
+    @staticmethod
+    def _write_at_once(fd: int, payload: bytes) -> memoryview | None:
+        """One non-blocking write of ``payload`` to the child's stdin. None when nothing is
+        left to do (all written, or the child closed stdin: EPIPE, not our error), and
+        ``fd`` is closed then; else the part still to write (all of it after an error
+        other than EPIPE, which _feed_stdin then meets and raises)."""
+        view = memoryview(payload)
+        try:
+            view = view[os.write(fd, view):] if view else view
+        except BlockingIOError:
+            return view
+        except OSError as exc:
+            if exc.errno not in (errno.EPIPE, errno.ECONNRESET):
+                return view
+            view = view[len(view):]
+        if view:
+            return view
+        os.close(fd)
+        return None
+
+    async def _feed_stdin(self, fd: int, payload: bytes | memoryview) -> None:
         view = memoryview(payload)
         try:
             while view:
@@ -508,9 +531,10 @@ class Child:
             await asyncio.wait(pending, timeout=timeout)
         for fd in list(self._open_fds):
             self._close_fd(fd)
-        if not self._stdin_task.done():
-            self._stdin_task.cancel()
-        await asyncio.gather(self._stdin_task, return_exceptions=True)
+        if self._stdin_task is not None:
+            if not self._stdin_task.done():
+                self._stdin_task.cancel()
+            await asyncio.gather(self._stdin_task, return_exceptions=True)
 
     # --- kill ---------------------------------------------------------------
 

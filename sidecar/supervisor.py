@@ -166,8 +166,9 @@ class JobSupervisor:
     async def _run(self) -> Outcome:
         job, profile = self.job, self.ctx.profile
         payload = job.payload_text.encode()
+        self.payload_digest = payload_digest(payload)  # logged here, journaled at the start
         log.emit("job_claimed", **log_fields(job), lease_until=job.lease_until,
-                 reclaimed=job.reclaimed or None, payload=payload_digest(payload))
+                 reclaimed=job.reclaimed or None, payload=self.payload_digest)
         if job.lifetime_remaining is not None and job.lifetime_remaining <= 0:
             return await self._fail_before_spawn(lifetime_failure(profile))
         sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
@@ -221,7 +222,7 @@ class JobSupervisor:
                 FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
 
         self.commit.note("tool_request_started", {
-            "pid": child.pid, "argv0": self.ctx.argv[0], "payload": payload_digest(payload)})
+            "pid": child.pid, "argv0": self.ctx.argv[0], "payload": self.payload_digest})
         log.emit("tool_request_started", **log_fields(self.job), pid=child.pid)
 
         reason = await self._race(child, sandbox)
