@@ -49,7 +49,7 @@ def summary(lags: list[float], seconds: float) -> dict:
 
 
 async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
-    from sidecar import child, db, isolation, linux
+    from sidecar import cgroups, child, db, isolation, linux
     from sidecar import log as log_mod
     from sidecar.config import load_settings
     from sidecar.store import Store
@@ -59,9 +59,10 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
     profile = settings.profile("flood")
     # As `sidecar run` runs it: the child subreaper, so a job's tree is read from the
     # sidecar down on the loop, not by a scan of every process on the host in a thread;
-    # and the tools' RLIMIT_CORE taken by the sidecar itself, so they start by vfork, not
-    # by fork and a preexec_fn.
+    # the tools' RLIMIT_CORE taken by the sidecar itself, so they start by vfork, not by
+    # fork and a preexec_fn; and job cgroups where the host has them.
     isolation.share_limits(profile)
+    host = cgroups.detect(settings.cgroups)
     adopt = linux.set_child_subreaper()
     child.use_subreaper(adopt)
     argv = [sys.executable, str(TOOLS / "cp_flood.py")]
@@ -73,7 +74,7 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
     try:
         # Baseline: the same Worker, started, with nothing to do.
         worker = Worker(settings, profile, dsn, argv, concurrency=concurrency,
-                        adopt_orphans=adopt)
+                        adopt_orphans=adopt, cgroup_host=host)
         running = asyncio.create_task(worker.run())
         await asyncio.sleep(1.0)
         stop = asyncio.Event()
@@ -90,7 +91,7 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
             await store.enqueue("flood", payload(i), None, 1, {})
         await pool.close()
         worker = Worker(settings, profile, dsn, argv, concurrency=concurrency, drain=True,
-                        adopt_orphans=adopt)
+                        adopt_orphans=adopt, cgroup_host=host)
         stop = asyncio.Event()
         probing = asyncio.create_task(probe(stop))
         started = time.monotonic()
@@ -112,6 +113,7 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
                    if b'"heartbeat_lost"' in line or b'"lease_abandoned"' in line)
         out["leases_lost"] = lost
         out["subreaper"] = adopt
+        out["cgroups"] = host.usable
     finally:
         log_file.close()
         os.unlink(log_file.name)
@@ -139,7 +141,8 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     idle, flood = out["idle"], out["flood"]
     ctx.settings.append(
         f"event-loop lag: in-process Worker on uvloop as `sidecar run` runs it (child "
-        f"subreaper: {out.get('subreaper')}), concurrency {concurrency}, {jobs} jobs "
+        f"subreaper: {out.get('subreaper')}, job cgroups: {out.get('cgroups')}), "
+        f"concurrency {concurrency}, {jobs} jobs "
         "each writing 2 MiB of 128-byte stderr lines and either a 512 KiB JSON result or 3 MiB "
         f"of stdout over the 1 MiB cap; probe period {PROBE * 1000:g} ms; "
         f"{flood['samples']} samples over {flood['seconds']:.1f} s, baseline "
