@@ -70,11 +70,12 @@ def _cpu(procs: list[Sidecar]) -> float:
 
 
 async def sidecar_run(ctx: Context, conn: asyncpg.Connection, sidecars: int,
-                      concurrency: int, tag: str = "") -> dict:
+                      concurrency: int, tag: str = "", jobs: int | None = None) -> dict:
     """Throughput of ``sidecars`` real sidecars at ``concurrency`` each; also their CPU.
-    ``tag`` tells apart two runs of one shape (a tool of their own)."""
+    ``tag`` tells apart two runs of one shape (a tool of their own); ``jobs`` defaults to
+    the mode's."""
     shape = f"{sidecars}x{concurrency}" + (f"-{tag}" if tag else "")
-    tool, jobs = f"true-{shape}", ctx.mode.jobs
+    tool, jobs = f"true-{shape}", jobs or ctx.mode.jobs
     await enqueue_many(conn, tool, 1, notify=False, delay_seconds=86400)  # the gate
     procs = [Sidecar(ctx, f"throughput-{shape}-{i}", tool, ["/bin/true"],
                      concurrency, drain=True) for i in range(sidecars)]
