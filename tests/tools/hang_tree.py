@@ -41,10 +41,16 @@ def main():
         os.waitpid(first, 0)
         pids.append(int(os.read(r, 64).decode().strip()))
         os.close(r)
+        r, w = os.pipe()
         escaped = os.fork()
         if escaped == 0:
+            os.close(r)
             os.setsid()
+            os.close(w)  # only now: the pidfile must not name it before it left
             hang()
+        os.close(w)
+        os.read(r, 1)  # EOF once the escapee is in its own session
+        os.close(r)
         pids.append(escaped)
     with open(payload["pidfile"], "w") as f:
         f.write("\n".join(str(p) for p in pids) + "\n")
