@@ -7,12 +7,14 @@ Data goes to stdout as JSON; messages and events go to stderr. Exit codes: 0 suc
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import select
 import shutil
 import signal
 import sys
+import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -39,6 +41,8 @@ from sidecar.loop import run_async
 from sidecar.store import Store
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+# How often `retry` looks again for the acknowledgement of a cancel (case F14).
+RETRY_ACK_POLL_SECONDS = 0.2
 
 
 class OutputClosed(SidecarError):
@@ -326,18 +330,32 @@ def cmd_retry(args, settings: Settings) -> int:
 
     async def go():
         async with open_store(settings) as store:
-            rows = await store.retry(job_id, args.state, args.tool, "sidecar retry")
+            # F14: a job cancelled while it ran is retried only once its owner has
+            # acknowledged the cancel (its tree is dead) or the lease it held has ended;
+            # wait for that, bounded by the database's own lease end. What is pending is
+            # read before each retry, so an acknowledgement between the two is not missed.
+            started, rows = time.monotonic(), []
+            while True:
+                pending = await store.unacknowledged_cancels(job_id, args.state, args.tool)
+                rows += await store.retry(job_id, args.state, args.tool, "sidecar retry")
+                if not pending:
+                    break
+                wait = max(row["wait_seconds"] for row in pending)
+                await asyncio.sleep(min(RETRY_ACK_POLL_SECONDS, max(wait, 0.0) + 0.01))
             row = await store.get_job(job_id) if job_id is not None and not rows else None
-            return rows, row
+            return rows, row, time.monotonic() - started
 
-    rows, row = run_async(settings, go())
+    rows, row, waited = run_async(settings, go())
     if job_id is not None and not rows:
         if row is None:
             raise SidecarError(f"no job {job_id}")
         raise SidecarError(f"job {job_id} is {row['state']}; only a failed or cancelled job "
                            "can be retried")
-    _print_json({"retried": [str(r["id"]) for r in rows], "count": len(rows),
-                 "previous_states": sorted({r["previous_state"] for r in rows})})
+    out: dict[str, Any] = {"retried": [str(r["id"]) for r in rows], "count": len(rows),
+                           "previous_states": sorted({r["previous_state"] for r in rows})}
+    if waited >= RETRY_ACK_POLL_SECONDS:
+        out["waited_for_cancel_s"] = round(waited, 3)
+    _print_json(out)
     return 0
 
 

@@ -56,7 +56,6 @@ import hashlib
 import hmac
 import secrets
 import time
-import uuid
 from dataclasses import dataclass
 
 import asyncpg
@@ -69,7 +68,7 @@ from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
 from sidecar.lease import Lease
 from sidecar.log import log, log_fields, payload_digest
 from sidecar.store import Store
-from sidecar.vocabulary import GuardRefusal, StopReason
+from sidecar.vocabulary import AttemptId, GuardRefusal, StopReason
 
 GUARD_PATH = "/v1/guard"
 CHECKPOINT_PATH = "/v1/checkpoint"
@@ -125,7 +124,7 @@ class GuardServer:
         self.min_remaining = profile.heartbeat_seconds + profile.jitter_seconds
         self.url: str | None = None
         self._by_digest: dict[bytes, _Registration] = {}
-        self._by_job: dict[uuid.UUID, list[_Registration]] = {}
+        self._by_attempt: dict[AttemptId, _Registration] = {}
         self._http: HttpServer | None = None
         self._db_slot = asyncio.Semaphore(1)
         self._unauthorized = 0
@@ -153,38 +152,31 @@ class GuardServer:
         forget every secret. Safe to call twice, or without start()."""
         http, self._http = self._http, None
         self._by_digest.clear()
-        self._by_job.clear()
+        self._by_attempt.clear()
         if http is not None:
             await http.stop(grace=2.0)
 
     # --- jobs ---------------------------------------------------------------
 
     def register(self, lease: Lease) -> str:
-        """Accept requests for ``lease``'s job from now on; return the job's new secret
+        """Accept requests for ``lease``'s attempt from now on; return its new secret
         (``secrets.token_urlsafe(32)``: 43 URL-safe characters) for ``SIDECAR_GUARD_TOKEN``.
-        Only its sha256 is kept. May be called before start()."""
+        Only its sha256 is kept. Registrations are keyed by attempt (job id, token), never
+        by job id alone (case F14): a later attempt of the same job has its own. May be
+        called before start()."""
+        self.unregister(lease.job.attempt_id)
         token = secrets.token_urlsafe(32)
         registration = _Registration(lease, _digest(token))
         self._by_digest[registration.digest] = registration
-        self._by_job.setdefault(lease.job.id, []).append(registration)
+        self._by_attempt[lease.job.attempt_id] = registration
         return token
 
-    def unregister(self, job_id: uuid.UUID) -> None:
-        """Forget the job's secret: its requests get 401 from now on. When this sidecar
-        registered the same job again meanwhile (it claimed the job anew after giving it
-        back), only the registrations whose leases are settled or lost are forgotten, so
-        the new attempt keeps its secret. Unknown ids are ignored."""
-        registrations = self._by_job.get(job_id)
-        if not registrations:
-            return
-        ended = [r for r in registrations if r.lease.settling or r.lease.lost.is_set()]
-        if len(registrations) == 1 or not ended:
-            ended = registrations[:1]
-        for registration in ended:
-            registrations.remove(registration)
+    def unregister(self, attempt: AttemptId) -> None:
+        """Forget the attempt's secret: its requests get 401 from now on. Another attempt
+        of the same job keeps its own. Unknown attempts are ignored."""
+        registration = self._by_attempt.pop(attempt, None)
+        if registration is not None:
             self._by_digest.pop(registration.digest, None)
-        if not registrations:
-            del self._by_job[job_id]
 
     # --- requests -----------------------------------------------------------
 

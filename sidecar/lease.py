@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +32,7 @@ from sidecar import db, metrics
 from sidecar.config import LeaseProfile
 from sidecar.log import log, log_fields
 from sidecar.store import ClaimedJob, Store
-from sidecar.vocabulary import HeartbeatResult, StopReason
+from sidecar.vocabulary import AttemptId, HeartbeatResult, StopReason
 
 
 @dataclass
@@ -92,23 +91,35 @@ class LeaseKeeper:
         self.store = store
         self.statement_timeout = min(db_timeout, 0.8 * profile.heartbeat_seconds)
         self.margin = safety_margin(profile)
-        self.leases: dict[uuid.UUID, Lease] = {}
-        self.abandoned: dict[uuid.UUID, Lease] = {}
+        # Keyed by attempt, never by job id alone (case F14).
+        self.leases: dict[AttemptId, Lease] = {}
+        self.abandoned: dict[AttemptId, Lease] = {}
         self._conn: asyncpg.Connection | None = None
         self.labels = (profile.tool, profile.provider)
 
     def hold(self, job: ClaimedJob, claim_sent_at: float) -> Lease:
         """Start heartbeating ``job``; ``claim_sent_at`` is when the claim was sent (monotonic)."""
         lease = Lease(job, claim_sent_at + job.lease_remaining - self.margin, job.lease_until)
-        self.leases[job.id] = lease
+        self.leases[job.attempt_id] = lease
         return lease
 
-    def drop(self, job_id: uuid.UUID) -> None:
+    def supersede(self, job: ClaimedJob) -> list[Lease]:
+        """``job`` was just claimed anew by this sidecar: every older attempt of the same job
+        still held here is no longer ours (the claim bumped the token), so each is marked
+        lost now, before the heartbeat would notice, and its supervisor kills its tree
+        (case F14). Returns the leases marked (their supervisors may still be running)."""
+        older = [lease for key, lease in self.leases.items()
+                 if key.job_id == job.id and key.fencing_token < job.fencing_token]
+        for lease in older:
+            lease.lose(StopReason.LEASE_LOST)
+        return older
+
+    def drop(self, attempt: AttemptId) -> None:
         """The supervisor is done with a lease: stop renewing it. An abandoned lease moves to
         the probe list, to be ended (never extended) once the database answers."""
-        lease = self.leases.pop(job_id, None)
+        lease = self.leases.pop(attempt, None)
         if lease is not None and lease.abandoned:
-            self.abandoned[job_id] = lease
+            self.abandoned[attempt] = lease
 
     async def run(self) -> None:
         """Renew every ``heartbeat_seconds`` until cancelled; meanwhile watch the local
@@ -162,7 +173,7 @@ class LeaseKeeper:
         if held:
             metrics.HEARTBEAT_SECONDS.labels(*self.labels).observe(time.monotonic() - sent)
         for lease in held:
-            renewal = renewed.get(lease.job.id)
+            renewal = renewed.get(lease.job.attempt_id)
             if renewal is not None:
                 # Slack: how much of the old lease was left by the database clock.
                 db_now = renewal.lease_until.timestamp() - renewal.lease_remaining
@@ -252,7 +263,7 @@ class LeaseKeeper:
 
     async def _probe_abandoned(self) -> None:
         """Tell the database about leases given up while it did not answer."""
-        for job_id, lease in list(self.abandoned.items()):
+        for attempt, lease in list(self.abandoned.items()):
             job = lease.job
             conn = await self._connection()
             await self._flush_journal(conn, lease)
@@ -275,7 +286,7 @@ class LeaseKeeper:
                 conn, job.id, job.fencing_token, "lease_abandoned",
                 {**base, "reason": "ownership_unknown", "lease_ended_by_us": still_ours},
                 self.statement_timeout)
-            del self.abandoned[job_id]
+            del self.abandoned[attempt]
 
     def _expire_local_deadlines(self) -> None:
         now = time.monotonic()

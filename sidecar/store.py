@@ -19,6 +19,7 @@ import asyncpg
 from sidecar.db import RawJson
 from sidecar.errors import IdempotencyConflict, UsageError
 from sidecar.queries import Q, migrations
+from sidecar.vocabulary import AttemptId
 
 # Key of the transaction-scoped advisory lock that serialises migrations.
 MIGRATION_LOCK_KEY = 0x5DECA4_0001
@@ -46,6 +47,11 @@ class ClaimedJob:
     checkpoint_text: str | None = None
     stage: int = 0
     lifetime_remaining: float | None = None
+
+    @property
+    def attempt_id(self) -> AttemptId:
+        """This attempt's identity: (job id, fencing token) (case F14)."""
+        return AttemptId(self.id, self.fencing_token)
 
 
 @dataclass(frozen=True)
@@ -199,9 +205,30 @@ class Store:
                     by: str) -> list[asyncpg.Record]:
         """Requeue failed or cancelled jobs with fresh attempts (journaled ``job_retried``
         with ``by``, the operator's description): the one ``job_id``, or every one of
-        ``tool`` (in ``state`` when given). Returns ``id, tool, previous_state`` of each."""
+        ``tool`` (in ``state`` when given). Returns ``id, tool, previous_state`` of each.
+
+        A job cancelled while it ran is left alone until its owner acknowledged the
+        cancel (its tree is dead) or the lease it held then has ended (by then the owner
+        gave it up by its local deadline): see ``unacknowledged_cancels`` (case F14)."""
         return await self.db.fetch(Q["retry_jobs"], job_id, state, tool, by,
                                    timeout=self.timeout)
+
+    async def unacknowledged_cancels(self, job_id: uuid.UUID | None, state: str | None,
+                                     tool: str | None) -> list[asyncpg.Record]:
+        """Cancelled jobs ``retry`` would take but must not yet (case F14): ``id``,
+        ``owner_id``, ``fencing_token`` and ``wait_seconds`` (until the cancelled lease
+        ends by the database's clock, the longest the owner may still run the tree)."""
+        return await self.db.fetch(Q["unacknowledged_cancels"], job_id, state, tool,
+                                   timeout=self.timeout)
+
+    async def acknowledge_cancel_if_owner(self, job: ClaimedJob, owner_id: str,
+                                          details: dict[str, Any]) -> bool:
+        """The owner of a cancelled attempt says its tree is dead (case F14): the job may
+        be retried at once. Journaled ``cancel_acknowledged`` with ``details``; False
+        when the row is not a cancel of this attempt (nothing to acknowledge)."""
+        row = await self.db.fetchrow(Q["acknowledge_cancel_if_owner"], job.id, owner_id,
+                                     job.fencing_token, details, timeout=self.timeout)
+        return row is not None
 
     async def children(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
         """The next-stage jobs a job created (P19)."""
@@ -239,17 +266,19 @@ class Store:
     async def extend_leases_if_owner(
         conn: asyncpg.Connection, owner_id: str, held: Iterable[tuple[uuid.UUID, int]],
         lease_seconds: float, timeout: float,
-    ) -> dict[uuid.UUID, Renewal]:
+    ) -> dict[AttemptId, Renewal]:
         """Renew every lease in ``held`` ((job id, token) pairs) in one statement (P5).
 
-        Runs on the caller's dedicated connection. A job missing from the result
-        is no longer ours: expired, taken over, cancelled or changed by policy.
+        Runs on the caller's dedicated connection. The result is keyed by attempt (job
+        id, token), never by job id alone (case F14): an attempt missing from it is no
+        longer ours: expired, taken over, cancelled or changed by policy.
         """
         leases = [{"id": str(job_id), "token": token} for job_id, token in held]
         rows = await conn.fetch(
             Q["extend_leases_if_owner"], owner_id, leases, lease_seconds, timeout=timeout,
         )
-        return {row["id"]: Renewal(row["lease_until"], row["lease_remaining"]) for row in rows}
+        return {AttemptId(row["id"], row["fencing_token"]):
+                Renewal(row["lease_until"], row["lease_remaining"]) for row in rows}
 
     @staticmethod
     async def expire_lease_if_owner(

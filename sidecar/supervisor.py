@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -47,6 +47,10 @@ if TYPE_CHECKING:
 CHECKPOINT_FILE_NAME = "checkpoint.json"
 
 _STDERR_LINES_PER_SECOND = 200
+# Attempts that ended without writing their outcome: the job may have been cancelled under
+# them, and their tree is dead now (case F14).
+ACKNOWLEDGING_OUTCOMES = frozenset({Outcome.CANCELLED, Outcome.LEASE_LOST, Outcome.REJECTED,
+                                    Outcome.ABANDONED})
 # Results up to this many bytes are parsed on the event loop (well under a millisecond).
 PARSE_ON_LOOP_BYTES = 64 * 1024
 
@@ -140,24 +144,52 @@ class JobSupervisor:
     race, kill and measure here; the verdict in sidecar.verdict; the fenced write in
     sidecar.commit."""
 
-    def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease):
+    def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease,
+                 predecessors: Collection[asyncio.Task] = ()):
+        """``predecessors``: the supervisors of older attempts of the same job this
+        sidecar still runs (their leases already marked lost, case F14); this attempt
+        spawns nothing before every one of them has ended, so at most one tree of a job
+        is alive here at any time."""
         self.ctx = ctx
         self.job = job
         self.lease = lease
+        self.predecessors = tuple(predecessors)
         self.started = time.monotonic()
         self.commit = FencedCommit(ctx, job, lease, self.started)
 
     async def run(self) -> Outcome:
         """Supervise the job; return how the attempt ended."""
         try:
-            outcome = await self._run()
+            if self.predecessors:
+                await asyncio.wait(self.predecessors)  # each kills its tree, bounded by grace
+            if self.lease.lost.is_set():  # lost (cancelled again?) while we waited
+                outcome = await self.commit.lease_ended(self._lease_ending(), None)
+            else:
+                outcome = await self._run()
             await self.commit.journal(None, {})  # whatever the attempt noted and no end wrote
+            if outcome in ACKNOWLEDGING_OUTCOMES:
+                await self._acknowledge_cancel(outcome)
         finally:
-            self.ctx.keeper.drop(self.job.id)
+            self.ctx.keeper.drop(self.job.attempt_id)
         labels = (self.job.tool, self.ctx.profile.provider)
         metrics.JOBS_FINISHED.labels(*labels, outcome).inc()
         metrics.JOB_DURATION.labels(*labels).observe(time.monotonic() - self.started)
         return outcome
+
+    async def _acknowledge_cancel(self, outcome: Outcome) -> None:
+        """The attempt ended without writing its outcome and its tree is dead: if the job
+        was cancelled under it, say so, so ``sidecar retry`` need not wait for the lease
+        to end (case F14). Best effort: without it, retry waits until the lease ends."""
+        try:
+            acknowledged = await self.ctx.store.acknowledge_cancel_if_owner(
+                self.job, self.ctx.owner_id,
+                {"owner_id": self.ctx.owner_id, "outcome": str(outcome)})
+        except Exception as exc:  # noqa: BLE001 - the lease end releases the retry anyway
+            log.emit("journal_error", "warning", **log_fields(self.job),
+                     reason=f"cancel_acknowledged: {type(exc).__name__}")
+            return
+        if acknowledged:
+            log.emit("cancel_acknowledged", **log_fields(self.job), outcome=str(outcome))
 
     async def _fail_before_spawn(self, fault: Failure) -> Outcome:
         self.lease.settle()
@@ -199,7 +231,7 @@ class JobSupervisor:
             return await self._supervise(env, payload, sandbox)
         finally:
             if self.ctx.guard is not None:
-                self.ctx.guard.unregister(job.id)
+                self.ctx.guard.unregister(job.attempt_id)
             left = [] if sandbox.close_kept() else \
                 await loop.run_in_executor(None, sandbox.close)
             if left:

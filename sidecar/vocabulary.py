@@ -8,7 +8,21 @@ that appears in logs, the journal, the ``error.kind`` of a job row and metric la
 
 from __future__ import annotations
 
+import uuid
 from enum import StrEnum
+from typing import NamedTuple
+
+
+class AttemptId(NamedTuple):
+    """One attempt of one job: the job id and the fencing token its claim took (case F14).
+
+    A sidecar may hold two attempts of one job for a moment (an operator cancels and
+    retries it within a heartbeat, and this sidecar claims it again while the old tree is
+    still being killed), so every map of leases, tasks, guard registrations, cgroups and
+    work directories is keyed by this pair, never by the job id alone."""
+
+    job_id: uuid.UUID
+    fencing_token: int
 
 
 class StopReason(StrEnum):

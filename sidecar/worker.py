@@ -30,8 +30,9 @@ from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock, work_dir_prefix
 from sidecar.log import log
 from sidecar.queries import migrations
-from sidecar.store import Store
+from sidecar.store import ClaimedJob, Store
 from sidecar.supervisor import JobSupervisor, WorkerContext
+from sidecar.vocabulary import AttemptId
 
 # An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
 # function skips places older than two minutes (migration 008).
@@ -80,11 +81,13 @@ class Worker:
         self.channel = wake_channel(self.owner_id)
         self._listening = False  # LISTEN on self.channel is up
         self._idle_since: float | None = None  # monotonic time of our idle registration
-        self.running: dict[uuid.UUID, asyncio.Task] = {}
+        # Keyed by attempt, never by job id alone (case F14).
+        self.running: dict[AttemptId, asyncio.Task] = {}
         self.failure: BaseException | None = None
         self.serve_http = serve_http and settings.http_addr != "off"
         self.labels = (profile.tool, profile.provider)
         self._background: list[asyncio.Task] = []
+        self._writes: set[asyncio.Future] = set()  # journal writes in flight
         self._store: Store | None = None
         self.readiness = Readiness(expected_schema=migrations()[-1].version,
                                    db_fresh_seconds=max(10.0, 3 * settings.poll_seconds),
@@ -111,6 +114,7 @@ class Worker:
             try:
                 await self._claim_loop(self._store, self._ctx)
                 await self._drain_running()
+                await asyncio.gather(*self._writes, return_exceptions=True)
             finally:
                 await self._stop_background()
         log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
@@ -228,10 +232,13 @@ class Worker:
                     metrics.JOBS_CLAIMED.labels(*self.labels).inc()
                     if job.reclaimed:
                         metrics.JOBS_RECLAIMED.labels(*self.labels).inc()
+                    predecessors = self._supersede(store, job)
                     lease = ctx.keeper.hold(job, sent)
-                    task = asyncio.create_task(JobSupervisor(ctx, job, lease).run())
-                    self.running[job.id] = task
-                    task.add_done_callback(lambda t, job_id=job.id: self._job_done(job_id, t))
+                    task = asyncio.create_task(
+                        JobSupervisor(ctx, job, lease, predecessors).run())
+                    self.running[job.attempt_id] = task
+                    task.add_done_callback(
+                        lambda t, attempt=job.attempt_id: self._job_done(attempt, t))
                     if len(self.running) >= self.concurrency and self._idle_since is not None:
                         # Full now, and not by a wake-up (a waker takes us off the list
                         # itself): a wake-up sent to us would wait for a free slot.
@@ -265,11 +272,43 @@ class Worker:
         with contextlib.suppress(Exception):
             await self._store.unregister_idle(self.owner_id)
 
-    def _job_done(self, job_id: uuid.UUID, task: asyncio.Task) -> None:
-        self.running.pop(job_id, None)
+    def _supersede(self, store: Store, job: ClaimedJob) -> list[asyncio.Task]:
+        """This sidecar just claimed ``job`` anew (token N) while it still supervises an
+        older attempt of it (an operator cancelled and retried it within a heartbeat, or
+        its lease ran out here): each older attempt's lease is marked lost at once, its
+        supervisor kills its tree, and the new attempt waits for those supervisors before
+        it spawns (case F14). Logged and journaled as ``attempt_superseded`` on the old
+        token. Returns the older attempts' tasks."""
+        older = [(key, task) for key, task in self.running.items() if key.job_id == job.id]
+        if not older:
+            return []
+        self._ctx.keeper.supersede(job)
+        for key, _ in older:
+            log.emit("attempt_superseded", "warning", job_id=str(job.id), tool=job.tool,
+                     fencing_token=key.fencing_token, new_fencing_token=job.fencing_token,
+                     reason="claimed anew by this sidecar; the older tree is killed first")
+            self._background_write(store.record_event(
+                job.id, key.fencing_token, "attempt_superseded",
+                {"owner_id": self.owner_id, "new_fencing_token": job.fencing_token}))
+        return [task for _, task in older]
+
+    def _background_write(self, write) -> None:
+        """Run a journal write without holding up the claim loop; a failure is logged."""
+        def done(task: asyncio.Task) -> None:
+            self._writes.discard(task)
+            if not task.cancelled() and task.exception() is not None:
+                log.emit("journal_error", "warning", tool=self.profile.tool,
+                         reason=f"{type(task.exception()).__name__}")
+        task = asyncio.ensure_future(write)
+        self._writes.add(task)
+        task.add_done_callback(done)
+
+    def _job_done(self, attempt: AttemptId, task: asyncio.Task) -> None:
+        self.running.pop(attempt, None)
         if not task.cancelled() and task.exception() is not None:
             exc = task.exception()
-            log.emit("supervisor_error", "error", job_id=str(job_id), tool=self.profile.tool,
+            log.emit("supervisor_error", "error", job_id=str(attempt.job_id),
+                     fencing_token=attempt.fencing_token, tool=self.profile.tool,
                      reason=f"{type(exc).__name__}: {exc}")
             metrics.JOBS_FINISHED.labels(*self.labels, "abandoned").inc()
         self.wake.set()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import os
 import sys
@@ -158,7 +159,7 @@ def test_unauthorized_requests_all_get_the_same_answer(dsn):
             lease_b, token_b = await h.claim()
             _, token_elsewhere = await other.claim()    # another sidecar's job
             lease_gone, token_gone = await h.claim()
-            h.guard.unregister(lease_gone.job.id)
+            h.guard.unregister(lease_gone.job.attempt_id)
 
             # Each secret names its own job only.
             assert (await guard_call(h, token_a))[1]["fencing_token"] == lease_a.job.fencing_token
@@ -395,19 +396,22 @@ def test_start_stop_and_reregistration(dsn):
             with pytest.raises(RuntimeError):
                 await h.guard.start()
             lease, token = await h.claim()
-            # The same job registered again by this sidecar (given back and claimed anew):
-            # ending the old attempt leaves the new attempt's secret working.
-            again = Lease(lease.job, local_deadline=time.monotonic() + 60,
-                          lease_until=lease.lease_until)
+            # The same job registered again by this sidecar (given back and claimed anew,
+            # token + 1): each attempt has its own registration (case F14), so ending the
+            # old attempt leaves the new attempt's secret working, whatever order the
+            # two supervisors end in.
+            again = Lease(dataclasses.replace(lease.job,
+                                              fencing_token=lease.job.fencing_token + 1),
+                          local_deadline=time.monotonic() + 60, lease_until=lease.lease_until)
             token2 = h.guard.register(again)
             assert token2 != token and len(token2) >= 43
-            lease.settle()
-            h.guard.unregister(lease.job.id)
+            assert (await guard_call(h, token))[0] == 200  # not settled: still its own
+            h.guard.unregister(lease.job.attempt_id)
             assert (await guard_call(h, token))[0] == 401
             assert (await guard_call(h, token2))[0] == 200
-            h.guard.unregister(lease.job.id)
+            h.guard.unregister(again.job.attempt_id)
             assert (await guard_call(h, token2))[0] == 401
-            h.guard.unregister(lease.job.id)  # unknown: ignored
+            h.guard.unregister(again.job.attempt_id)  # unknown: ignored
             url = h.url
             await h.guard.stop()
             await h.guard.stop()

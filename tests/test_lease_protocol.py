@@ -75,7 +75,7 @@ def test_expired_lease_is_reclaimed_with_next_token_and_old_owner_is_fenced(dsn)
     assert second.fencing_token == first.fencing_token + 1
     assert second.attempt == 2 and second.reclaimed
     assert renewed_old == {}  # zero rows: the old owner extends nothing
-    assert job_id in renewed_new
+    assert (job_id, second.fencing_token) in renewed_new  # keyed by attempt (case F14)
     assert stale is False and good is True
     row = query(dsn, "SELECT state, result, fencing_token FROM tool_jobs WHERE id = $1", job_id)[0]
     assert row["state"] == "succeeded" and row["result"] == {"from": "w2"}

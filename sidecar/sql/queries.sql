@@ -139,7 +139,7 @@ WHERE j.id = held.id
   AND j.owner_id = $1
   AND j.state = 'running'
   AND j.lease_until > now()
-RETURNING j.id, j.lease_until,
+RETURNING j.id, j.fencing_token, j.lease_until,
           extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining;
 
 -- name: finish_job_if_owner
@@ -221,7 +221,10 @@ WITH released AS (
 SELECT id, tool_job_wake(tool, 1) FROM released;
 
 -- name: cancel_job
--- Cancels the job and every later stage of it still queued or running.
+-- Cancels the job and every later stage of it still queued or running. A running job
+-- keeps its owner, token and lease end: its owner may still run the tree until it notices
+-- (acknowledge_cancel_if_owner) or, at the latest, until that lease ends, and retry_jobs
+-- waits for one of the two (case F14).
 WITH RECURSIVE chain AS (
     SELECT id FROM tool_jobs WHERE id = $1
     UNION ALL
@@ -232,7 +235,9 @@ WITH RECURSIVE chain AS (
     FOR UPDATE
 ), cancelled AS (
     UPDATE tool_jobs j
-    SET state = 'cancelled', finished_at = now(), lease_until = NULL,
+    SET state = 'cancelled', finished_at = now(),
+        lease_until = CASE WHEN target.previous_state = 'running' AND j.lease_until > now()
+                           THEN j.lease_until END,
         error = jsonb_build_object('kind', 'cancelled', 'message', 'cancelled by an operator')
     FROM target
     WHERE j.id = target.id
@@ -256,6 +261,8 @@ WITH target AS (
       AND ($1::uuid IS NULL OR id = $1)
       AND ($2::text IS NULL OR state = $2)
       AND ($3::text IS NULL OR tool = $3)
+      -- F14: not a cancel whose owner may still run the tree (see cancel_job)
+      AND (state <> 'cancelled' OR lease_until IS NULL OR lease_until <= now())
     FOR UPDATE
 ), retried AS (
     UPDATE tool_jobs j
@@ -276,6 +283,32 @@ WITH target AS (
 )
 SELECT r.id, r.tool, r.previous_state FROM retried r,
     LATERAL (SELECT tool_job_wake(r.tool, 1)) AS woken;
+
+-- name: unacknowledged_cancels
+-- Cancelled jobs retry_jobs leaves alone for now (same selection, $1-$3): the owner of the
+-- cancelled attempt has not acknowledged it and its lease has not ended (case F14).
+SELECT id, owner_id, fencing_token,
+       extract(epoch FROM lease_until - now())::float8 AS wait_seconds
+FROM tool_jobs
+WHERE state = 'cancelled' AND lease_until > now()
+  AND ($1::uuid IS NULL OR id = $1)
+  AND ($2::text IS NULL OR state = $2)
+  AND ($3::text IS NULL OR tool = $3)
+ORDER BY id;
+
+-- name: acknowledge_cancel_if_owner
+-- The owner of a cancelled attempt ($2, token $3) has killed its tree: the job may be
+-- retried at once (case F14). Journaled in the same statement.
+WITH acknowledged AS (
+    UPDATE tool_jobs SET lease_until = NULL
+    WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
+      AND state = 'cancelled' AND lease_until IS NOT NULL
+    RETURNING id, fencing_token
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'cancel_acknowledged', $4::jsonb FROM acknowledged
+)
+SELECT id FROM acknowledged;
 
 -- name: save_checkpoint_if_owner
 -- A tool's progress, kept for the next attempt; only while this owner holds the lease.
