@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import asyncpg
 
-from sidecar import db, metrics
+from sidecar import clock, db, metrics
 from sidecar.config import LeaseProfile
 from sidecar.db import RawJson
 from sidecar.errors import OwnershipUnknown
@@ -245,7 +245,7 @@ class FencedCommit:
             try:
                 return await write()
             except db.UNAVAILABLE_ERRORS as exc:
-                if time.monotonic() >= self.lease.local_deadline:
+                if clock.ownership_now() >= self.lease.local_deadline:
                     raise OwnershipUnknown() from exc
                 log.emit("commit_retry", "warning", **log_fields(self.job),
                          reason=f"{type(exc).__name__}: {exc}"[:200])

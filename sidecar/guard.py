@@ -13,8 +13,8 @@ characters: the id of the external request the tool is about to send):
 - ``200 {"fencing_token": N, "lease_remaining_seconds": S}`` only while ownership is
   confirmed and at least H + J (the profile's heartbeat period plus jitter allowance)
   remain before the conservative local deadline; S is the seconds left before that
-  deadline (monotonic clock, rounded to ms). The request id is then kept on the lease
-  (``Lease.request_id``) for the ownership-unknown event (P15).
+  deadline (CLOCK_BOOTTIME, case F20; rounded to ms). The request id is then kept on the
+  lease (``Lease.request_id``) for the ownership-unknown event (P15).
 - ``409 {"reason": R}`` otherwise, R one of (checked in this order):
   ``cancelled`` (an operator cancelled the job), ``ownership_unknown`` (given up locally at
   the local deadline), ``lease_lost`` (any other loss, or a checkpoint write that found the
@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import asyncpg
 import orjson
 
-from sidecar import db
+from sidecar import clock, db
 from sidecar.config import LeaseProfile
 from sidecar.db import RawJson
 from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
@@ -234,9 +234,12 @@ class GuardServer:
             return GuardRefusal.DEADLINE
         if lease.settling:
             return GuardRefusal.LEASE_LOST
-        if lease.unknown_since is not None:
+        if lease.unknown_since is not None or \
+                clock.jumped(lease.suspended_at_confirm, clock.suspended_seconds()):
+            # Also from the first instant after a suspend, before the lease keeper has
+            # looked (case F20): unknown until the database confirms the lease.
             return GuardRefusal.OWNERSHIP_UNKNOWN
-        if lease.local_deadline - time.monotonic() < self.min_remaining:
+        if lease.local_deadline - clock.ownership_now() < self.min_remaining:
             return GuardRefusal.LEASE_ENDING
         return None
 
@@ -270,7 +273,7 @@ class GuardServer:
         if reason is not None:
             self._log_refusal(registration, reason, request_id)
             return _json({"reason": reason}, 409)
-        remaining = lease.local_deadline - time.monotonic()
+        remaining = lease.local_deadline - clock.ownership_now()
         if request_id is not None:
             lease.request_id = request_id
         registration.refused = None
@@ -285,7 +288,7 @@ class GuardServer:
             return
         registration.refused = reason
         lease, job = registration.lease, registration.lease.job
-        unknown_for = (round(time.monotonic() - lease.unknown_since, 3)
+        unknown_for = (round(clock.ownership_now() - lease.unknown_since, 3)
                        if lease.unknown_since is not None else None)
         log.emit("guard_refused", "warning" if reason == GuardRefusal.OWNERSHIP_UNKNOWN else "info",
                  **log_fields(job),

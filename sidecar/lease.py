@@ -6,8 +6,11 @@ Three kinds of heartbeat failure (P14):
   supervisor kills the tree and commits nothing (P13);
 - the database does not answer: ownership is unknown. Logged once per episode as
   ``ownership_unknown`` (P15); renewals go on, each on a fresh connection, while the
-  conservative local deadline allows: the monotonic time the last successful renewal was
-  *sent*, plus the lease length the database returned, minus a safety margin. Past it the
+  conservative local deadline allows: the time the last successful renewal was *sent*,
+  plus the lease length the database returned, minus a safety margin, on CLOCK_BOOTTIME
+  (sidecar.clock: it counts time the host spent suspended, case F20). After a suspend
+  (a jump between CLOCK_BOOTTIME and CLOCK_MONOTONIC) every lease is unknown until a
+  renewal sent after the jump confirms it. Past it the
   job is given up locally (``lease_abandoned``): the tree is killed before the database
   could hand the job to someone else;
 - the tool not answering is bounded by the stage deadline, not here (P8).
@@ -28,7 +31,7 @@ from typing import Any
 
 import asyncpg
 
-from sidecar import db, metrics
+from sidecar import clock, db, metrics
 from sidecar.config import LeaseProfile
 from sidecar.log import log, log_fields
 from sidecar.store import ClaimedJob, Store
@@ -38,7 +41,10 @@ from sidecar.vocabulary import AttemptId, HeartbeatResult, StopReason
 @dataclass
 class Lease:
     """One lease this sidecar holds. ``lost`` is set once it is no longer ours; ``reason``
-    then says why. ``local_deadline`` is monotonic seconds. ``evidence`` holds what the
+    then says why. ``local_deadline`` and ``unknown_since`` are CLOCK_BOOTTIME seconds
+    (sidecar.clock.ownership_now, case F20); ``suspended_at_confirm`` is
+    sidecar.clock.suspended_seconds() when ownership was last confirmed (a later jump makes
+    ownership unknown until the next confirmation). ``evidence`` holds what the
     owner could not commit (hash and size only), journaled once the database answers."""
 
     job: ClaimedJob
@@ -48,6 +54,7 @@ class Lease:
     reason: StopReason | None = None  # lease_lost, cancelled or local_deadline
     settling: bool = False
     unknown_since: float | None = None
+    suspended_at_confirm: float = field(default_factory=lambda: clock.suspended_seconds())
     evidence: dict[str, Any] | None = None
     request_id: str | None = None        # the external request the tool last registered (P15)
     stopping: str | None = None          # set by the supervisor once it stops the tool
@@ -98,7 +105,8 @@ class LeaseKeeper:
         self.labels = (profile.tool, profile.provider)
 
     def hold(self, job: ClaimedJob, claim_sent_at: float) -> Lease:
-        """Start heartbeating ``job``; ``claim_sent_at`` is when the claim was sent (monotonic)."""
+        """Start heartbeating ``job``; ``claim_sent_at`` is when the claim was sent
+        (sidecar.clock.ownership_now seconds)."""
         lease = Lease(job, claim_sent_at + job.lease_remaining - self.margin, job.lease_until)
         self.leases[job.attempt_id] = lease
         return lease
@@ -143,7 +151,11 @@ class LeaseKeeper:
         while True:
             live = [lease.local_deadline for lease in self.leases.values()
                     if not lease.lost.is_set() and not lease.settling]
-            wait = min(live) - time.monotonic() if live else self.profile.heartbeat_seconds
+            # Sleeping runs on the monotonic clock, which stops in a suspend: at most H
+            # at a time, so a deadline that passed while suspended is seen within H of
+            # the resume (and the guard refuses from the first instant, sidecar.guard).
+            wait = min(live) - clock.ownership_now() if live \
+                else self.profile.heartbeat_seconds
             # A renewal only moves a deadline later and a new lease's deadline lies a lease
             # ahead, so sleeping to the earliest one (at most H) misses nothing.
             await asyncio.sleep(min(max(wait, 0.0) + 0.001, self.profile.heartbeat_seconds))
@@ -154,7 +166,8 @@ class LeaseKeeper:
         held = [lease for lease in self.leases.values()
                 if not lease.lost.is_set() and not lease.settling]
         metrics.LEASES_HELD.labels(*self.labels).set(len(held))
-        sent = time.monotonic()
+        sent, suspended = clock.ownership_now(), clock.suspended_seconds()
+        started = time.monotonic()
         try:
             conn = await self._connection()
             renewed = {}
@@ -171,7 +184,13 @@ class LeaseKeeper:
             self._ownership_unknown(held, exc)
             return
         if held:
-            metrics.HEARTBEAT_SECONDS.labels(*self.labels).observe(time.monotonic() - sent)
+            metrics.HEARTBEAT_SECONDS.labels(*self.labels).observe(time.monotonic() - started)
+        if clock.jumped(suspended, clock.suspended_seconds()):
+            # Suspended while the renewal was on its way: its answer may describe a
+            # lease that ended since; it confirms nothing (case F20).
+            self._clock_jumped(held)
+            renewed = {}
+            held = [lease for lease in held if lease.job.attempt_id in renewed]
         for lease in held:
             renewal = renewed.get(lease.job.attempt_id)
             if renewal is not None:
@@ -183,6 +202,7 @@ class LeaseKeeper:
                 metrics.LAST_HEARTBEAT.labels(*self.labels).set(time.time())
                 lease.lease_until = renewal.lease_until
                 lease.local_deadline = sent + renewal.lease_remaining - self.margin
+                lease.suspended_at_confirm = suspended
                 self._ownership_confirmed(lease)
                 if log.enabled("debug"):
                     log.emit("heartbeat_ok", "debug", **log_fields(lease.job),
@@ -205,7 +225,7 @@ class LeaseKeeper:
         return self._conn
 
     def _ownership_unknown(self, held: list[Lease], exc: BaseException) -> None:
-        now = time.monotonic()
+        now = clock.ownership_now()
         for lease in held:
             if lease.unknown_since is not None:
                 continue
@@ -223,7 +243,7 @@ class LeaseKeeper:
 
     def _ownership_confirmed(self, lease: Lease) -> None:
         if lease.unknown_since is not None:
-            duration = round(time.monotonic() - lease.unknown_since, 3)
+            duration = round(clock.ownership_now() - lease.unknown_since, 3)
             log.emit("ownership_confirmed", **log_fields(lease.job), lease_until=lease.lease_until,
                      duration_s=duration)
             lease.unjournaled.append(("ownership_confirmed", {
@@ -288,8 +308,33 @@ class LeaseKeeper:
                 self.statement_timeout)
             del self.abandoned[attempt]
 
+    def _clock_jumped(self, leases: list[Lease]) -> None:
+        """The host was suspended (case F20): each lease not yet lost is unknown until a
+        renewal sent after the jump confirms it; logged once per lease and episode."""
+        now, suspended = clock.ownership_now(), clock.suspended_seconds()
+        for lease in leases:
+            if lease.lost.is_set() or lease.settling:
+                continue
+            jump = round(suspended - lease.suspended_at_confirm, 3)
+            lease.suspended_at_confirm = suspended  # one episode, one log line
+            if lease.unknown_since is None:
+                lease.unknown_since = now
+                log.emit("clock_jump", "warning", **log_fields(lease.job),
+                         suspended_s=jump, lease_until=lease.lease_until,
+                         local_deadline_in_s=round(lease.local_deadline - now, 3),
+                         reason="the host was suspended; ownership unknown until the "
+                                "database confirms the lease")
+                lease.unjournaled.append(("ownership_unknown", {
+                    "last_confirmed_lease_until": lease.lease_until.isoformat(),
+                    "request_id": lease.request_id, "reason": f"suspended {jump} s",
+                    "owner_id": self.owner_id}))
+
     def _expire_local_deadlines(self) -> None:
-        now = time.monotonic()
+        jumped = [lease for lease in self.leases.values()
+                  if clock.jumped(lease.suspended_at_confirm, clock.suspended_seconds())]
+        if jumped:
+            self._clock_jumped(jumped)
+        now = clock.ownership_now()
         for lease in self.leases.values():
             if not lease.lost.is_set() and not lease.settling and now >= lease.local_deadline:
                 lease.lose(StopReason.LOCAL_DEADLINE)

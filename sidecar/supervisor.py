@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import psutil
 
-from sidecar import metrics
+from sidecar import clock, metrics
 from sidecar.cgroups import CgroupHost, Usage
 from sidecar.child import Child, SpawnFailed, tree_processes
 from sidecar.commit import FencedCommit
@@ -155,6 +155,7 @@ class JobSupervisor:
         self.lease = lease
         self.predecessors = tuple(predecessors)
         self.started = time.monotonic()
+        self.claimed_at = clock.ownership_now()  # the lifetime cap's origin (F20)
         self.commit = FencedCommit(ctx, job, lease, self.started)
 
     async def run(self) -> Outcome:
@@ -296,10 +297,14 @@ class JobSupervisor:
         profile = self.ctx.profile
         timeout, on_timeout = profile.stage_timeout_seconds, StopReason.STAGE_TIMEOUT
         lifetime = self.job.lifetime_remaining
-        if lifetime is not None and lifetime - (time.monotonic() - self.started) < timeout:
-            timeout = max(0.0, lifetime - (time.monotonic() - self.started))
+        elapsed = clock.ownership_now() - self.claimed_at
+        if lifetime is not None and lifetime - elapsed < timeout:
+            timeout = max(0.0, lifetime - elapsed)
             on_timeout = StopReason.MAX_LIFETIME
         waiters = {
+            # On CLOCK_BOOTTIME: a suspend counts toward the deadline (case F20).
+            asyncio.ensure_future(watch_deadline(clock.ownership_now() + timeout)):
+                on_timeout,
             asyncio.ensure_future(asyncio.shield(child.exited)): StopReason.EXITED,
             asyncio.ensure_future(self.lease.lost.wait()): StopReason.LEASE_LOST,
             asyncio.ensure_future(self.ctx.shutdown_kill.wait()): StopReason.SHUTDOWN,
@@ -313,18 +318,15 @@ class JobSupervisor:
             waiters[asyncio.ensure_future(
                 watch_cpu(child, sandbox, profile.cpu_seconds))] = StopReason.CPU_LIMIT
         try:
-            done, _ = await asyncio.wait(waiters, timeout=timeout,
-                                         return_when=asyncio.FIRST_COMPLETED)
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
             for fut in waiters:
                 fut.cancel()
         if self.lease.lost.is_set():
             return self._lease_ending()
-        if not done:
-            return on_timeout
         reasons = {waiters[fut] for fut in done}
         for reason in (StopReason.SHUTDOWN, StopReason.EXITED, StopReason.RESULT_TOO_LARGE,
-                       StopReason.IDLE_TIMEOUT, StopReason.CPU_LIMIT):
+                       StopReason.IDLE_TIMEOUT, StopReason.CPU_LIMIT, on_timeout):
             if reason in reasons:
                 return reason
         return StopReason.EXITED
@@ -418,6 +420,20 @@ def _parse_output(output: bytearray, source: str, settings: Settings,
     thread runs this. Raises BadResult."""
     value, text = parse_result(output, source)
     return split_next_stage(value, text, settings, profile)
+
+
+# The longest a deadline on CLOCK_BOOTTIME may be seen late after a suspend: sleeps (on
+# the monotonic clock, which stops in a suspend) are cut into pieces of at most this.
+DEADLINE_CHECK_SECONDS = 1.0
+
+
+async def watch_deadline(deadline: float) -> None:
+    """Return once sidecar.clock.ownership_now() reaches ``deadline`` (CLOCK_BOOTTIME
+    seconds), which counts time the host spent suspended (case F20). Sleeps on the
+    event loop's monotonic clock at most DEADLINE_CHECK_SECONDS at a time, so a deadline
+    that passed during a suspend is seen within that of the resume."""
+    while (left := deadline - clock.ownership_now()) > 0:
+        await asyncio.sleep(min(left, DEADLINE_CHECK_SECONDS))
 
 
 async def watch_idle(child: Child, idle_seconds: float) -> None:

@@ -17,7 +17,7 @@ import tempfile
 import time
 import uuid
 
-from sidecar import db, health, metrics, retention
+from sidecar import clock, db, health, metrics, retention
 from sidecar.cgroups import CgroupHost
 from sidecar.child import reap_adopted
 from sidecar.config import LeaseProfile, Settings
@@ -220,7 +220,7 @@ class Worker:
                         await store.claimable_jobs(tool))
                     self.readiness.db_ok_at = time.monotonic()
                 while len(self.running) < self.concurrency and not self.stopping.is_set():
-                    sent = time.monotonic()
+                    sent = clock.ownership_now()  # the lease's local deadline (F20)
                     job = await store.claim(tool, self.owner_id, self.profile.lease_seconds,
                                             self.profile.max_lifetime_seconds or None)
                     self.readiness.db_ok_at = time.monotonic()

@@ -27,12 +27,15 @@ import time
 import uuid
 from pathlib import Path
 
+import asyncpg
 import orjson
 import psutil
 import pytest
 from kit import job_processes
 
-from conftest import base_env, cli, enqueue, job_row, query, scalar, wait_until
+from conftest import base_env, cli, enqueue, job_row, query, run, scalar, wait_until
+from sidecar.db import init_connection
+from sidecar.queries import Q
 
 PROBE = "attempt_probe.py"
 
@@ -172,13 +175,16 @@ def test_claim_of_a_job_still_supervised_here_first_ends_the_old_attempt(
     before token 2's tool starts; token 2's lease is renewed (it survives several
     heartbeats after token 1 ended) and its result is committed."""
     log_path, endfile = tmp_path / "probe.log", tmp_path / "end"
-    sc = sidecars(dsn, [PROBE], "--concurrency", "2", env=base_env(dsn, **SLOW_HEARTBEAT))
+    sc = sidecars(dsn, [PROBE], "--concurrency", "2",
+                  env=base_env(dsn, **SLOW_HEARTBEAT, SIDECAR_LOG_LEVEL="debug"))
     job_id = enqueue(dsn, PROBE, {"log": str(log_path), "endfile": str(endfile),
                                   "max_wait": 60})
     with TreeWatch(job_id) as watch:
         wait_until(lambda: started_tokens(log_path) == [1], 20, what="token 1 started")
-        assert cli(dsn, "cancel", job_id).returncode == 0
-        query(dsn, REQUEUE_AT_ONCE, uuid.UUID(job_id))
+        # Right after a renewal, the next one is H = 2 s away: the cancel and the requeue
+        # (one transaction) land well inside that heartbeat.
+        sc.wait_event("heartbeat_ok", job_id=job_id)
+        run(_cancel_and_requeue(dsn, uuid.UUID(job_id)))
         wait_until(lambda: 2 in started_tokens(log_path), 20, what="token 2 started")
         superseded = sc.wait_event("attempt_superseded", job_id=job_id)
         assert (superseded["fencing_token"], superseded["new_fencing_token"]) == (1, 2)
@@ -196,6 +202,19 @@ def test_claim_of_a_job_still_supervised_here_first_ends_the_old_attempt(
     assert ("job_succeeded", 2) in names
     assert scalar(dsn, "SELECT attempt FROM tool_jobs WHERE id = $1", uuid.UUID(job_id)) == 1
     assert not [e for e in sc.events("heartbeat_lost") if e.get("fencing_token") == 2]
+
+
+async def _cancel_and_requeue(dsn: str, job_id: uuid.UUID) -> None:
+    """The operator's cancel (the CLI's own statement) and an immediate requeue, in one
+    transaction of a few milliseconds."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        await init_connection(conn)
+        async with conn.transaction():
+            assert await conn.fetch(Q["cancel_job"], job_id)
+            assert await conn.fetch(REQUEUE_AT_ONCE, job_id)
+    finally:
+        await conn.close()
 
 
 # --- the property: random interleavings of two attempts of one job ------------------------

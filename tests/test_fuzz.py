@@ -35,7 +35,6 @@ import json
 import os
 import socket
 import threading
-import time
 import uuid
 from dataclasses import dataclass
 from decimal import Decimal
@@ -49,6 +48,7 @@ from hypothesis import strategies as st
 from conftest import FAST_PROFILE, base_env, cli
 from sidecar import jsontext
 from sidecar.cli import main as cli_main
+from sidecar.clock import ownership_now
 from sidecar.config import (
     GLOBAL_FIELDS,
     MAX_ATTEMPTS_LIMIT,
@@ -718,7 +718,7 @@ def guard(dsn):
         url = await server.start()
         await store.enqueue(GUARD_TOOL, {"n": 1}, None, 3, {})
         job = await store.claim(GUARD_TOOL, "fuzz-w1", 300)
-        lease = Lease(job, local_deadline=time.monotonic() + 600, lease_until=job.lease_until)
+        lease = Lease(job, local_deadline=ownership_now() + 600, lease_until=job.lease_until)
         state.update(pool=pool, server=server)
         return GuardUnderTest(int(url.rsplit(":", 1)[1]), server.register(lease), job.id,
                               job.fencing_token)

@@ -20,6 +20,7 @@ import orjson
 import pytest
 
 from conftest import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, run
+from sidecar.clock import ownership_now
 from sidecar.config import load_settings
 from sidecar.db import init_connection
 from sidecar.guard import CHECKPOINT_LIMIT, GuardServer
@@ -47,7 +48,7 @@ class Harness:
         await self.store.enqueue(TOOL, {"n": time.monotonic_ns()}, None, 3, {})
         job = await self.store.claim(TOOL, self.owner, 30)
         assert job is not None
-        lease = Lease(job, local_deadline=time.monotonic() + remaining,
+        lease = Lease(job, local_deadline=ownership_now() + remaining,
                       lease_until=job.lease_until)
         return lease, self.guard.register(lease)
 
@@ -89,7 +90,7 @@ def test_guard_answers_the_fencing_token_while_ownership_is_confirmed(dsn):
         async with guarded(dsn) as h:
             assert h.url.startswith("http://127.0.0.1:") and not h.url.endswith(":0")
             lease, token = await h.claim(remaining=60)
-            before = time.monotonic()
+            before = ownership_now()
             status, answer = await guard_call(h, token)
             assert status == 200, answer
             assert set(answer) == {"fencing_token", "lease_remaining_seconds"}
@@ -109,7 +110,7 @@ def test_guard_answers_the_fencing_token_while_ownership_is_confirmed(dsn):
             assert lease.request_id == "tool-job:x:email"
 
             # Just above H + J left: still allowed.
-            lease.local_deadline = time.monotonic() + H_PLUS_J + 0.5
+            lease.local_deadline = ownership_now() + H_PLUS_J + 0.5
             status, answer = await guard_call(h, token)
             assert status == 200 and answer["lease_remaining_seconds"] > H_PLUS_J
 
@@ -122,15 +123,15 @@ REFUSALS = [
     ("zero rows at a heartbeat", lambda lease: lease.lose(StopReason.LEASE_LOST), "lease_lost"),
     ("outcome being written", lambda lease: lease.settle(), "lease_lost"),
     ("database not answering", lambda lease: setattr(lease, "unknown_since",
-                                                     time.monotonic() - 2), "ownership_unknown"),
+                                                     ownership_now() - 2), "ownership_unknown"),
     ("given up at the local deadline", lambda lease: lease.lose(StopReason.LOCAL_DEADLINE),
      "ownership_unknown"),
     ("stage deadline", lambda lease: setattr(lease, "stopping", "stage_timeout"), "deadline"),
     ("shutdown", lambda lease: setattr(lease, "stopping", "shutdown"), "deadline"),
     ("less than H + J left", lambda lease: setattr(
-        lease, "local_deadline", time.monotonic() + H_PLUS_J - 0.3), "lease_ending"),
+        lease, "local_deadline", ownership_now() + H_PLUS_J - 0.3), "lease_ending"),
     ("local deadline passed", lambda lease: setattr(
-        lease, "local_deadline", time.monotonic() - 1), "lease_ending"),
+        lease, "local_deadline", ownership_now() - 1), "lease_ending"),
     # Two states at once: the lost lease says more than the stop.
     ("cancelled while stopping", lambda lease: (setattr(lease, "stopping", "stage_timeout"),
                                                 lease.lose(StopReason.CANCELLED)), "cancelled"),
@@ -402,7 +403,7 @@ def test_start_stop_and_reregistration(dsn):
             # two supervisors end in.
             again = Lease(dataclasses.replace(lease.job,
                                               fencing_token=lease.job.fencing_token + 1),
-                          local_deadline=time.monotonic() + 60, lease_until=lease.lease_until)
+                          local_deadline=ownership_now() + 60, lease_until=lease.lease_until)
             token2 = h.guard.register(again)
             assert token2 != token and len(token2) >= 43
             assert (await guard_call(h, token))[0] == 200  # not settled: still its own
@@ -470,7 +471,7 @@ def test_examples_ask_the_guard(dsn, example):
             assert code == 2 and "401" in err and out == ""
 
             other, other_token = await h.claim()
-            other.local_deadline = time.monotonic() + 1
+            other.local_deadline = ownership_now() + 1
             code, out, err = await _run_example(h, other_token, example)
             assert (code, err.strip()) == (1, "guard: lease_ending")
 
@@ -502,7 +503,7 @@ def test_guard_client_retries_lease_ending_until_renewed(dsn):
             lease, token = await h.claim(remaining=1.0)
             loop = asyncio.get_running_loop()
             # The "heartbeat" renews the lease a moment later.
-            loop.call_later(0.7, setattr, lease, "local_deadline", time.monotonic() + 60)
+            loop.call_later(0.7, setattr, lease, "local_deadline", ownership_now() + 60)
             env = {"SIDECAR_GUARD_URL": h.url, "SIDECAR_GUARD_TOKEN": token}
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
