@@ -360,8 +360,8 @@ async def connect(dsn: str, timeout: float, *, pooler: str | None = None,
         conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=_server_settings(),
                                      **_options(mode))
         try:
-            await init_connection(conn)
             await _apply_session_settings(conn, statement_bound or timeout, mode)
+            await init_connection(conn)
         except BaseException:
             conn.terminate()
             raise
@@ -380,8 +380,8 @@ async def create_pool(dsn: str, timeout: float, max_size: int, *,
     mode = pooler or _pooler
 
     async def init(conn: asyncpg.Connection) -> None:
-        await init_connection(conn)
         await _apply_session_settings(conn, statement_bound or timeout, mode)
+        await init_connection(conn)
 
     try:
         return await asyncpg.create_pool(
