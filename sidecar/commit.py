@@ -122,10 +122,19 @@ class FencedCommit:
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
                 self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded",
-                details, self.ctx.profile.result_url or None, next_stage, earlier))
+                details, self.ctx.profile.result_url or None, next_stage, earlier),
+                cancel_is_final=True)
         except OwnershipUnknown:
             self._give_back(earlier)
             return await self._abandon(digest)
+        except asyncpg.QueryCanceledError as exc:  # rolled back: nothing was written (F18)
+            self._give_back(earlier)
+            return await self.fail(failure(
+                FailureKind.COMMIT_TIMEOUT,
+                f"the server cancelled the commit of the {digest['bytes']}-byte result "
+                f"({db.describe_error(exc)}); nothing was stored; raise "
+                "SIDECAR_DB_TIMEOUT_SECONDS (the sidecar's statement_timeout is 0.9 x it)",
+                stderr_tail=stderr_tail))
         except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:  # jsonb refused
             self._give_back(earlier)
             return await self.fail(failure(
@@ -237,19 +246,35 @@ class FencedCommit:
         await self.reject(digest, "ownership unknown at commit")
         return Outcome.ABANDONED
 
-    async def _fenced(self, write: Callable[[], Awaitable[T]]) -> T:
+    async def _fenced(self, write: Callable[[], Awaitable[T]], *,
+                      cancel_is_final: bool = False) -> T:
         """Run a fenced write; when the database failed (``db.UNAVAILABLE_ERRORS``, a
         failover's read-only primary too, case F12), retry on a new connection while the
-        local deadline allows. Past it, raise OwnershipUnknown."""
+        local deadline allows. Past it, raise OwnershipUnknown.
+
+        A write the server ended on a timeout (``db.TIMEOUT_ERRORS``, cases F17, F18) was
+        rolled back and says nothing about ownership: a lock wait (55P03: another session
+        holds the row) is retried the same way; a cancelled statement (57014) is retried
+        too, unless ``cancel_is_final``, when the QueryCanceledError is raised at once."""
         while True:
             try:
                 return await write()
+            except db.TIMEOUT_ERRORS as exc:
+                if cancel_is_final and isinstance(exc, asyncpg.QueryCanceledError):
+                    log.emit("commit_cancelled", "warning", **log_fields(self.job),
+                             reason=db.describe_error(exc), sqlstate=db.sqlstate(exc))
+                    raise
+                await self._before_retry(exc)
             except db.UNAVAILABLE_ERRORS as exc:
-                if clock.ownership_now() >= self.lease.local_deadline:
-                    raise OwnershipUnknown() from exc
-                log.emit("commit_retry", "warning", **log_fields(self.job),
-                         reason=f"{type(exc).__name__}: {exc}"[:200])
-                await asyncio.sleep(min(0.5, self.ctx.profile.heartbeat_seconds / 2))
+                await self._before_retry(exc)
+
+    async def _before_retry(self, exc: BaseException) -> None:
+        """Log one ``commit_retry`` and wait a little; OwnershipUnknown past the deadline."""
+        if clock.ownership_now() >= self.lease.local_deadline:
+            raise OwnershipUnknown() from exc
+        log.emit("commit_retry", "warning", **log_fields(self.job),
+                 reason=db.describe_error(exc), sqlstate=db.sqlstate(exc))
+        await asyncio.sleep(min(0.5, self.ctx.profile.heartbeat_seconds / 2))
 
     async def journal(self, event: str | None, details: dict[str, Any]) -> None:
         """One journal row for this attempt (none for ``event`` None), after the events

@@ -10,11 +10,13 @@ with the password masked.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import socket
 import sys
 import warnings
 from pathlib import Path
+from typing import Any
 from urllib.parse import parse_qs, urlsplit, urlunsplit
 
 import asyncpg
@@ -69,6 +71,109 @@ async def init_connection(conn: asyncpg.Connection) -> None:
         await conn.set_type_codec(
             name, schema="pg_catalog", encoder=_encode_json, decoder=jsontext.loads, format="text"
         )
+
+
+# --- the sidecar's own session settings (case F18) ------------------------------
+#
+# A session inherits whatever ALTER DATABASE / ALTER ROLE / postgresql.conf set: a
+# statement_timeout of 100 ms cancels a large commit, a lock_timeout of 0 lets one
+# operator's open transaction stall the lease path for good, an inherited serializable
+# isolation turns a concurrent claim into a serialization failure. The sidecar states
+# its own values instead, derived from the client-side bound of its statements:
+# - statement_timeout: 0.9 x the client bound, so a statement too slow for us ends on
+#   the server with a clean 57014 (rolled back, outcome known) before the client gives
+#   up on an answer it could never read;
+# - lock_timeout: half the client bound: a wait on another session's lock ends in 55P03
+#   (rolled back, outcome known) and is retried, never waited out (case F17);
+# - idle_in_transaction_session_timeout: the sidecar never idles in a transaction; a
+#   stopped or partitioned sidecar must not keep its row locks for long;
+# - default_transaction_isolation: read committed, what SKIP LOCKED claims and fenced
+#   writes are written for;
+# - TimeZone: UTC, so timestamps journaled as text read alike from every sidecar.
+# Deliberately NOT set: search_path (where the schema lives is the operator's choice of
+# role or database) and default_transaction_read_only (an operator who makes a database
+# read-only pauses the sidecars' writes; they treat it like a failover's old primary).
+IDLE_IN_TRANSACTION_MIN_SECONDS = 60.0
+
+
+def session_settings(statement_bound: float) -> dict[str, str]:
+    """The settings of a session whose statements the client bounds at
+    ``statement_bound`` seconds: ``{name: value}`` as SET accepts them (case F18)."""
+    bound_ms = max(2, round(statement_bound * 1000))
+    idle_ms = round(max(IDLE_IN_TRANSACTION_MIN_SECONDS * 1000, 10 * bound_ms))
+    return {
+        "statement_timeout": f"{bound_ms * 9 // 10}ms",
+        "lock_timeout": f"{bound_ms // 2}ms",
+        "idle_in_transaction_session_timeout": f"{idle_ms}ms",
+        "default_transaction_isolation": "read committed",
+        "TimeZone": "UTC",
+    }
+
+
+def _set_sql(settings: dict[str, str], local: bool) -> str:
+    scope = "SET LOCAL" if local else "SET"
+    # Our own names and values (session_settings), never user input.
+    return "; ".join(f"{scope} {name} = '{value}'" for name, value in settings.items())
+
+
+async def _apply_session_settings(conn: asyncpg.Connection, statement_bound: float,
+                                  pooler: str) -> None:
+    """Give a new connection the sidecar's settings: for the session with one SET, or,
+    behind a transaction pooler (where a session SET would leak onto a server connection
+    other clients share, and PgBouncer refuses such startup parameters), remembered on
+    the connection and applied with SET LOCAL in every transaction (see ``run``)."""
+    settings = session_settings(statement_bound)
+    conn._sidecar_settings = settings  # type: ignore[attr-defined]
+    conn._sidecar_per_transaction = pooler == "transaction"  # type: ignore[attr-defined]
+    if pooler != "transaction":
+        await conn.execute(_set_sql(settings, local=False))
+
+
+def local_settings_sql(conn: asyncpg.Connection, **overrides: str) -> str | None:
+    """``SET LOCAL`` text for a transaction of ``conn`` behind a transaction pooler (its
+    settings with ``overrides``), or, for a session that has them already, only the
+    ``overrides``; None when there is nothing to set. Run it right after BEGIN."""
+    settings = getattr(conn, "_sidecar_settings", None)
+    if getattr(conn, "_sidecar_per_transaction", False) and settings is not None:
+        chosen = {**settings, **overrides}
+    else:
+        chosen = dict(overrides)
+    return _set_sql(chosen, local=True) if chosen else None
+
+
+async def run(conn: asyncpg.Connection, method: str, query: str, *args: Any,
+              timeout: float) -> Any:
+    """``conn.<method>(query, *args)`` (fetch, fetchrow, fetchval or execute) under the
+    sidecar's own settings (case F18). On a direct connection the session has them; behind
+    a transaction pooler a statement outside a transaction runs in one of its own that
+    starts with SET LOCAL (three round trips more), all of it within ``timeout`` seconds.
+    Raises what the statement raises."""
+    call = getattr(conn, method)
+    begin = None if conn.is_in_transaction() else local_settings_sql(conn)
+    if begin is None:
+        return await call(query, *args, timeout=timeout)
+    async with asyncio.timeout(timeout):
+        await conn.execute("BEGIN; " + begin)
+        try:
+            result = await call(query, *args)
+        except asyncpg.PostgresError:
+            with contextlib.suppress(*DATABASE_ERRORS):
+                await conn.execute("ROLLBACK")
+            raise
+        await conn.execute("COMMIT")
+        return result
+
+
+def sqlstate(exc: BaseException) -> str | None:
+    """The SQLSTATE of a server error (``57014``, ``55P03``...), None for any other."""
+    return getattr(exc, "sqlstate", None) if isinstance(exc, asyncpg.PostgresError) else None
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a log: ``Type [SQLSTATE]: first line of the message``."""
+    code = sqlstate(exc)
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    return f"{type(exc).__name__}{f' [{code}]' if code else ''}: {text}"[:200]
 
 
 def describe_host(dsn: str) -> str:
@@ -169,15 +274,25 @@ DATABASE_ERRORS: tuple[type[BaseException], ...] = (
 # "The database failed" (P14b), the one definition every statement on the lease path uses:
 # no answer in time, a dropped or refused connection, or a server that cannot take the
 # write just now: the read-only old primary of a failover (25006), an administrator's or a
-# crash's shutdown and a server still starting (class 57: 57P01-57P03, and 57014 when a
-# statement was cancelled), connection slots full (53300), a session ended for idling in a
-# transaction (25P03). Ownership is then unknown, not lost: the connection is dropped and
-# the fenced write retried on a new one until the lease's local deadline (case F12).
+# crash's shutdown and a server still starting (class 57: 57P01-57P03), connection slots
+# full (53300), a session ended for idling in a transaction (25P03). Ownership is then
+# unknown, not lost: the connection is dropped and the fenced write retried on a new one
+# until the lease's local deadline (case F12). Catch TIMEOUT_ERRORS first: 57014 is a
+# subclass of class 57 in asyncpg, and it is not an outage.
 UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
     OSError, TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
     asyncpg.OperatorInterventionError, asyncpg.ReadOnlySQLTransactionError,
     asyncpg.TooManyConnectionsError, asyncpg.IdleInTransactionSessionTimeoutError,
 )
+
+# The server ended one statement of ours on a timeout of the session (case F18): 57014
+# (statement_timeout; also an operator's pg_cancel_backend) or 55P03 (lock_timeout: another
+# session held a lock we needed, case F17). The statement was rolled back, so the outcome
+# is known (nothing written) and the connection is fine; this is not an outage. A fenced
+# write retries a lock timeout while its local deadline allows; a commit too slow for
+# statement_timeout fails the attempt once (FailureKind.COMMIT_TIMEOUT).
+TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (
+    asyncpg.QueryCanceledError, asyncpg.LockNotAvailableError)
 
 CONNECT_ERRORS = (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
                   asyncpg.InterfaceError, socket.gaierror)
@@ -233,28 +348,45 @@ def _options(pooler: str | None) -> dict:
     return {"connection_class": _PooledConnection}
 
 
-async def connect(dsn: str, timeout: float, *, pooler: str | None = None) -> asyncpg.Connection:
-    """One connection with the JSON codecs; DatabaseUnavailable on failure.
+async def connect(dsn: str, timeout: float, *, pooler: str | None = None,
+                  statement_bound: float | None = None) -> asyncpg.Connection:
+    """One connection with the JSON codecs and the sidecar's session settings
+    (``session_settings(statement_bound)``, default ``timeout`` seconds: the client-side
+    bound of its statements, case F18); DatabaseUnavailable on failure.
 
     ``pooler``: ``none`` or ``transaction``; default the process's (``use_pooler``)."""
+    mode = pooler or _pooler
     try:
         conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=_server_settings(),
-                                     **_options(pooler))
-        await init_connection(conn)
+                                     **_options(mode))
+        try:
+            await _apply_session_settings(conn, statement_bound or timeout, mode)
+            await init_connection(conn)
+        except BaseException:
+            conn.terminate()
+            raise
         return conn
     except CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None
 
 
 async def create_pool(dsn: str, timeout: float, max_size: int, *,
-                      pooler: str | None = None) -> asyncpg.Pool:
-    """A pool of ``max_size`` connections with the JSON codecs; DatabaseUnavailable on failure.
+                      pooler: str | None = None,
+                      statement_bound: float | None = None) -> asyncpg.Pool:
+    """A pool of ``max_size`` connections with the JSON codecs and the sidecar's session
+    settings (as ``connect``); DatabaseUnavailable on failure.
 
     ``pooler``: ``none`` or ``transaction``; default the process's (``use_pooler``)."""
+    mode = pooler or _pooler
+
+    async def init(conn: asyncpg.Connection) -> None:
+        await _apply_session_settings(conn, statement_bound or timeout, mode)
+        await init_connection(conn)
+
     try:
         return await asyncpg.create_pool(
-            dsn, min_size=1, max_size=max_size, timeout=timeout, init=init_connection,
-            server_settings=_server_settings(), command_timeout=None, **_options(pooler),
+            dsn, min_size=1, max_size=max_size, timeout=timeout, init=init,
+            server_settings=_server_settings(), command_timeout=None, **_options(mode),
         )
     except CONNECT_ERRORS as exc:
         raise _unavailable(dsn, exc) from None

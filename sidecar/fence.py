@@ -219,6 +219,9 @@ async def _run(
             tx = conn.transaction()
             await tx.start()
             try:
+                local = db.local_settings_sql(conn)  # behind a transaction pooler (F18)
+                if local:
+                    await conn.execute(local)
                 response, commit, from_handler = await _decide(
                     conn, key, fence, entity, body, handler, lock_timeout, passthrough)
             except BaseException:

@@ -2,15 +2,17 @@
 with one statement per period on a connection of its own (P5, P9).
 
 Three kinds of heartbeat failure (P14):
-- zero rows for a job: the lease is lost (expired, taken over, cancelled); the job's
+- no row for a job: the lease is lost (expired, taken over, cancelled); the job's
   supervisor kills the tree and commits nothing (P13);
-- the database does not answer: ownership is unknown. Logged once per episode as
-  ``ownership_unknown`` (P15); renewals go on, each on a fresh connection, while the
-  conservative local deadline allows: the time the last successful renewal was *sent*,
-  plus the lease length the database returned, minus a safety margin, on CLOCK_BOOTTIME
-  (sidecar.clock: it counts time the host spent suspended, case F20). After a suspend
-  (a jump between CLOCK_BOOTTIME and CLOCK_MONOTONIC) every lease is unknown until a
-  renewal sent after the jump confirms it. Past it the
+- the database does not answer, or ends the renewal on a timeout (lock_timeout,
+  statement_timeout: case F18), or another session holds the job's row locked (that one
+  lease only: the renewal skips locked rows, case F17): ownership is unknown. Logged once
+  per episode as ``ownership_unknown`` (P15); renewals go on, each on a fresh connection,
+  while the conservative local deadline allows: the time the last successful renewal was
+  *sent*, plus the lease length the database returned, minus a safety margin, on
+  CLOCK_BOOTTIME (sidecar.clock: it counts time the host spent suspended, case F20).
+  After a suspend (a jump between CLOCK_BOOTTIME and CLOCK_MONOTONIC) every lease is
+  unknown until a renewal sent after the jump confirms it. Past the local deadline the
   job is given up locally (``lease_abandoned``): the tree is killed before the database
   could hand the job to someone else;
 - the tool not answering is bounded by the stage deadline, not here (P8).
@@ -75,6 +77,13 @@ class Lease:
     def abandoned(self) -> bool:
         """Given up locally with ownership unknown: the database must still be told."""
         return self.reason is StopReason.LOCAL_DEADLINE
+
+
+class RowLocked(Exception):
+    """A renewal skipped a lease because another session holds its row locked (case F17)."""
+
+    def __str__(self) -> str:
+        return "the job's row is locked by another session; renewal skipped"
 
 
 def safety_margin(profile: LeaseProfile) -> float:
@@ -178,8 +187,8 @@ class LeaseKeeper:
                 )
         except (Exception, TimeoutError) as exc:  # noqa: BLE001 - any failure = unknown
             self._abort_connection()
-            result = HeartbeatResult.TIMEOUT if isinstance(exc, TimeoutError) \
-                else HeartbeatResult.ERROR
+            result = HeartbeatResult.TIMEOUT \
+                if isinstance(exc, (TimeoutError, *db.TIMEOUT_ERRORS)) else HeartbeatResult.ERROR
             metrics.HEARTBEATS.labels(*self.labels, result).inc(len(held))
             self._ownership_unknown(held, exc)
             return
@@ -189,9 +198,17 @@ class LeaseKeeper:
             # Suspended while the renewal was on its way: its answer may describe a
             # lease that ended since; it confirms nothing (case F20).
             self._clock_jumped(held)
-            renewed = {}
-            held = [lease for lease in held if lease.job.attempt_id in renewed]
+            renewed, held = {}, []
+        locked = [lease for lease in held
+                  if lease.job.attempt_id in renewed and renewed[lease.job.attempt_id] is None]
+        if locked:
+            # Case F17: another session holds these rows locked. Only they are unknown this
+            # round, and they keep their local deadline; the others were renewed.
+            metrics.HEARTBEATS.labels(*self.labels, HeartbeatResult.LOCKED).inc(len(locked))
+            self._ownership_unknown(locked, RowLocked())
         for lease in held:
+            if lease.job.attempt_id in renewed and renewed[lease.job.attempt_id] is None:
+                continue
             renewal = renewed.get(lease.job.attempt_id)
             if renewal is not None:
                 # Slack: how much of the old lease was left by the database clock.
@@ -216,7 +233,8 @@ class LeaseKeeper:
             await self._probe_abandoned()
         except (Exception, TimeoutError) as exc:  # noqa: BLE001 - probe again next round
             self._abort_connection()
-            log.emit("heartbeat_error", "warning", reason=f"probe: {type(exc).__name__}")
+            log.emit("heartbeat_error", "warning", reason=f"probe: {db.describe_error(exc)}",
+                     sqlstate=db.sqlstate(exc))
 
     async def _connection(self) -> asyncpg.Connection:
         if self._conn is None or self._conn.is_closed():
@@ -231,9 +249,10 @@ class LeaseKeeper:
                 continue
             lease.unknown_since = now
             metrics.OWNERSHIP_UNKNOWN.labels(*self.labels).inc()
-            reason = f"{type(exc).__name__}: {exc}"[:200]
+            reason = db.describe_error(exc)
             log.emit("ownership_unknown", "warning", **log_fields(lease.job),
                      lease_until=lease.lease_until, reason=reason, request_id=lease.request_id,
+                     sqlstate=db.sqlstate(exc),
                      local_deadline_in_s=round(lease.local_deadline - now, 3))
             # P15: its own journal row, written once the database answers again.
             lease.unjournaled.append(("ownership_unknown", {

@@ -87,6 +87,6 @@ async def run_pruner(store: Store, settings: Settings, tool: str,
                          by_state={s: c["jobs"] for s, c in done["removed"].items()
                                    if c["jobs"]})
         except db.DATABASE_ERRORS as exc:
-            log.emit("prune_error", "warning", tool=tool,
-                     reason=f"{type(exc).__name__}: {exc}"[:200])
+            log.emit("prune_error", "warning", tool=tool, reason=db.describe_error(exc),
+                     sqlstate=db.sqlstate(exc))
         await asyncio.sleep(period)

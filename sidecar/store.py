@@ -16,6 +16,7 @@ from typing import Any
 
 import asyncpg
 
+from sidecar import db
 from sidecar.db import RawJson
 from sidecar.errors import IdempotencyConflict, UsageError
 from sidecar.queries import Q, migrations
@@ -92,7 +93,7 @@ class BoundedPool:
         async with asyncio.timeout(timeout):
             conn = await self.pool.acquire()
         try:
-            return await getattr(conn, method)(query, *args, timeout=timeout)
+            return await db.run(conn, method, query, *args, timeout=timeout)
         except BaseException:
             conn.terminate()
             raise
@@ -140,6 +141,10 @@ class Store:
         if wanted <= done:
             return applied_now
         async with self.pool.acquire() as conn, conn.transaction():
+            # A migration may rewrite a large table and waits its turn behind another
+            # migrator: no statement or lock bound of the lease path applies (case F18).
+            await conn.execute(db.local_settings_sql(conn, statement_timeout="0",
+                                                     lock_timeout="0"))
             await conn.execute(Q["lock_migrations"], MIGRATION_LOCK_KEY)
             await conn.execute(Q["create_migrations_table"])
             done = {row[0] for row in await conn.fetch(Q["applied_migrations"])}
@@ -266,19 +271,20 @@ class Store:
     async def extend_leases_if_owner(
         conn: asyncpg.Connection, owner_id: str, held: Iterable[tuple[uuid.UUID, int]],
         lease_seconds: float, timeout: float,
-    ) -> dict[AttemptId, Renewal]:
+    ) -> dict[AttemptId, Renewal | None]:
         """Renew every lease in ``held`` ((job id, token) pairs) in one statement (P5).
 
-        Runs on the caller's dedicated connection. The result is keyed by attempt (job
-        id, token), never by job id alone (case F14): an attempt missing from it is no
+        Runs on the caller's dedicated connection. Keyed by attempt (job id, token), never
+        by job id alone (case F14): ``Renewal`` for each lease renewed, ``None`` for each
+        whose row another session holds locked (skipped, never waited on: ownership
+        unknown for this round, case F17). An attempt missing from the result is no
         longer ours: expired, taken over, cancelled or changed by policy.
         """
         leases = [{"id": str(job_id), "token": token} for job_id, token in held]
-        rows = await conn.fetch(
-            Q["extend_leases_if_owner"], owner_id, leases, lease_seconds, timeout=timeout,
-        )
-        return {AttemptId(row["id"], row["fencing_token"]):
-                Renewal(row["lease_until"], row["lease_remaining"]) for row in rows}
+        rows = await db.run(conn, "fetch", Q["extend_leases_if_owner"], owner_id, leases,
+                            lease_seconds, timeout=timeout)
+        return {AttemptId(row["id"], row["fencing_token"]): None if row["locked"]
+                else Renewal(row["lease_until"], row["lease_remaining"]) for row in rows}
 
     @staticmethod
     async def expire_lease_if_owner(
@@ -286,8 +292,8 @@ class Store:
     ) -> bool:
         """End our own lease now (after abandoning the job locally); False when it was not
         ours any more (expired, taken over, cancelled)."""
-        row = await conn.fetchrow(Q["expire_lease_if_owner"], owner_id, job_id, token,
-                                  timeout=timeout)
+        row = await db.run(conn, "fetchrow", Q["expire_lease_if_owner"], owner_id, job_id,
+                           token, timeout=timeout)
         return row is not None
 
     @staticmethod
@@ -296,7 +302,8 @@ class Store:
         details: dict[str, Any], timeout: float,
     ) -> None:
         """Append one journal event on the given connection."""
-        await conn.execute(Q["record_event"], job_id, token, event, details, timeout=timeout)
+        await db.run(conn, "execute", Q["record_event"], job_id, token, event, details,
+                     timeout=timeout)
 
     async def finish_if_owner(
         self, job: ClaimedJob, owner_id: str, state: str, result: RawJson | None,

@@ -78,6 +78,9 @@ class FailureKind(StrEnum):
     MEMORY_LIMIT = "memory_limit"
     CPU_LIMIT = "cpu_limit"
     PROCESS_LIMIT = "process_limit"
+    # The server cancelled the commit of the result on the sidecar's own statement_timeout
+    # (57014, case F18): too large to store within SIDECAR_DB_TIMEOUT_SECONDS.
+    COMMIT_TIMEOUT = "commit_timeout"
     # Written by SQL, never by a supervisor: the lease expired on the last attempt, and an
     # operator's cancel.
     MAX_ATTEMPTS_EXCEEDED = "max_attempts_exceeded"
@@ -102,6 +105,9 @@ RETRYABLE: dict[FailureKind, bool] = {
     FailureKind.MEMORY_LIMIT: False,
     FailureKind.CPU_LIMIT: False,
     FailureKind.PROCESS_LIMIT: False,
+    # Not retried: the tool would run again for a result that cannot be stored either
+    # (its side effects too); raise the timeout and `sidecar retry` the job.
+    FailureKind.COMMIT_TIMEOUT: False,
     FailureKind.MAX_ATTEMPTS_EXCEEDED: False,
     FailureKind.CANCELLED: False,
 }
@@ -123,7 +129,8 @@ class HeartbeatResult(StrEnum):
     OK = "ok"
     LOST = "lost"        # zero rows
     ERROR = "error"      # the database answered with an error
-    TIMEOUT = "timeout"  # no answer in time
+    TIMEOUT = "timeout"  # no answer in time, or ended by statement/lock timeout
+    LOCKED = "locked"    # another session holds the job's row locked: skipped (case F17)
 
 
 class KillSignal(StrEnum):

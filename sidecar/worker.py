@@ -249,7 +249,8 @@ class Worker:
                     log.emit("drained", tool=tool, owner_id=self.owner_id)
                     return
             except db.DATABASE_ERRORS as exc:
-                log.emit("claim_error", "warning", tool=tool, reason=f"{type(exc).__name__}: {exc}")
+                log.emit("claim_error", "warning", tool=tool, reason=db.describe_error(exc),
+                         sqlstate=db.sqlstate(exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), poll)
 

@@ -447,14 +447,15 @@ def test_concurrent_duplicate_waits_or_gets_in_progress(dsn):
         assert (await first).status == 201
         assert (patient.status, patient.body_json, patient.replayed) == (201, {"done": True}, True)
         assert time.monotonic() - started >= 1.0
-        # The lock_timeout of the fence does not leak into the handler's statements.
+        # The lock_timeout of the fence does not leak into the handler's statements: they
+        # run under the pool's own session setting again (case F18: 0.5 x its 5 s bound).
         headers2 = {"Idempotency-Key": "job:6:t", "X-Execution-Fence": "1"}
 
         async def setting(conn, request):
             return 200, {"lock_timeout": await conn.fetchval("SHOW lock_timeout")}
 
         shown = await run_fenced(pool, headers2, b"", setting, lock_timeout=0.25)
-        assert shown.body_json == {"lock_timeout": "0"}
+        assert shown.body_json == {"lock_timeout": db.session_settings(5)["lock_timeout"]}
 
     _fence_run(dsn, scenario)
     assert calls == ["job:5:slow"]

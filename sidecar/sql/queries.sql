@@ -124,23 +124,45 @@ WITH expired AS (
 SELECT * FROM claimed;
 
 -- name: extend_leases_if_owner
--- P5: one statement renews every lease this sidecar holds. A job missing from
--- the result is no longer ours. The held leases come as one jsonb array of {id, token}
--- ($2), not as uuid[]/bigint[] parameters: asyncpg looks array types up with an
--- introspection query on every new connection, and behind PgBouncer its "jit off" guard
--- around that query lands on another server connection, so PostgreSQL JIT-compiles it
--- (1-2 s of CPU on a loaded server, longer than a heartbeat's timeout).
-UPDATE tool_jobs j
-SET lease_until = now() + $3::float8 * interval '1 second',
-    heartbeat_at = now()
-FROM jsonb_to_recordset($2::jsonb) AS held(id uuid, token bigint)
-WHERE j.id = held.id
-  AND j.fencing_token = held.token
-  AND j.owner_id = $1
-  AND j.state = 'running'
-  AND j.lease_until > now()
-RETURNING j.id, j.fencing_token, j.lease_until,
-          extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining;
+-- P5: one statement renews every lease this sidecar holds, answering per attempt
+-- (id, token; case F14). The held leases come as one
+-- jsonb array of {id, token} ($2), not as uuid[]/bigint[] parameters: asyncpg looks array
+-- types up with an introspection query on every new connection, and behind PgBouncer its
+-- "jit off" guard around that query lands on another server connection, so PostgreSQL
+-- JIT-compiles it (1-2 s of CPU on a loaded server, longer than a heartbeat's timeout).
+-- Case F17: a row another session has locked (an operator's SELECT ... FOR UPDATE, a
+-- cancel in progress) is skipped, never waited on, so one lock cannot stall every lease.
+-- One row per held lease: locked = false with the new lease_until when renewed; locked =
+-- true when the row is ours by this statement's snapshot but was locked (ownership
+-- unknown for this beat); no row when it is no longer ours (expired, taken over,
+-- cancelled, changed by policy).
+WITH held AS (
+    SELECT * FROM jsonb_to_recordset($2::jsonb) AS held(id uuid, token bigint)
+), ours AS (
+    SELECT j.id, j.fencing_token FROM tool_jobs j JOIN held ON j.id = held.id
+    WHERE j.fencing_token = held.token
+      AND j.owner_id = $1
+      AND j.state = 'running'
+      AND j.lease_until > now()
+), lockable AS (
+    SELECT j.id FROM tool_jobs j JOIN held ON j.id = held.id
+    WHERE j.fencing_token = held.token
+      AND j.owner_id = $1
+      AND j.state = 'running'
+      AND j.lease_until > now()
+    FOR UPDATE OF j SKIP LOCKED
+), renewed AS (
+    UPDATE tool_jobs j
+    SET lease_until = now() + $3::float8 * interval '1 second',
+        heartbeat_at = now()
+    FROM lockable
+    WHERE j.id = lockable.id
+    RETURNING j.id, j.fencing_token, j.lease_until,
+              extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining
+)
+SELECT id, fencing_token, lease_until, lease_remaining, false AS locked FROM renewed
+UNION ALL
+SELECT id, fencing_token, NULL, NULL, true FROM ours WHERE id NOT IN (SELECT id FROM lockable);
 
 -- name: finish_job_if_owner
 -- P6: the terminal write (succeeded or failed) commits only for the owner. A success of
