@@ -35,7 +35,13 @@ _SUPERVISOR_LEAF = "sidecar-supervisor"
 
 
 class CgroupError(SidecarError):
-    """A job cgroup could not be made or configured; the message names the file."""
+    """A job cgroup could not be made or configured; the message names the file,
+    ``errno`` is the error number of the operation that failed (None when unknown), so a
+    transient shortage (EAGAIN, ENOSPC, ENOMEM: sidecar.shortage) is told apart."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
 
 
 @dataclass(frozen=True)
@@ -381,7 +387,8 @@ class JobCgroup:
                 with contextlib.suppress(OSError):
                     os.rmdir(d)
             raise CgroupError(f"cannot set up job cgroup {self.name}: "
-                              f"{exc.filename or ''} {exc.strerror or exc}".strip()) from None
+                              f"{exc.filename or ''} {exc.strerror or exc}".strip(),
+                              exc.errno) from None
 
     @staticmethod
     def _set(directory: str | None, name: str, value: int, optional: bool = False) -> None:

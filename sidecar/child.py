@@ -36,6 +36,7 @@ import psutil
 from sidecar import linux
 from sidecar.cgroups import JobCgroup
 from sidecar.errors import SidecarError
+from sidecar.shortage import shortage_errno
 
 STDERR_TAIL_BYTES = 4096
 STDERR_LINE_BYTES = 4096
@@ -75,8 +76,25 @@ def use_subreaper(enabled: bool) -> None:
 
 # Spawns happen on one long-lived thread: the fork stays off the event loop thread, and
 # the parent-death signal (tied by Linux to the forking *thread*) fires only when the
-# sidecar process itself ends.
-_spawner = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="spawn")
+# sidecar process itself ends. That thread has ``no_new_privs`` (case F23): a thread
+# attribute every process it forks inherits, through vfork too, so no tool and nothing a
+# tool starts can gain privileges by exec (a setuid-root helper stays the tool's user and
+# within reach of the tree kill). A profile with ALLOW_NEW_PRIVS spawns on a second
+# thread without it, made at its first use.
+_spawner = concurrent.futures.ThreadPoolExecutor(
+    max_workers=1, thread_name_prefix="spawn", initializer=linux.forbid_new_privileges)
+_spawner_privileged: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _spawn_thread(new_privileges: bool) -> concurrent.futures.ThreadPoolExecutor:
+    """The spawn thread for a tool: with ``no_new_privs`` unless ``new_privileges``."""
+    global _spawner_privileged
+    if not new_privileges:
+        return _spawner
+    if _spawner_privileged is None:
+        _spawner_privileged = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="spawn-privileged")
+    return _spawner_privileged
 
 
 class SpawnFailed(SidecarError):
@@ -89,14 +107,28 @@ class SpawnFailed(SidecarError):
         self.exit_code = exit_code
 
 
+class SpawnShortage(SidecarError):
+    """The tool could not be started because the host ran short of something (case F19):
+    processes or threads (EAGAIN), memory (ENOMEM), descriptors for its pipes (EMFILE,
+    ENFILE). ``errno_name`` says which (sidecar.shortage). Not the tool's fault: the
+    attempt is released, not failed."""
+
+    def __init__(self, message: str, errno_name: str):
+        super().__init__(message)
+        self.errno_name = errno_name
+
+
 @dataclass
 class KillReport:
     """What a tree kill did: ``signal`` is the strongest signal sent (None when nothing was
-    left to kill), ``killed`` the pids signalled, ``survivors`` pids still alive at the end."""
+    left to kill), ``killed`` the pids signalled, ``survivors`` pids of the tree still
+    alive at the end, ``unsignalled`` pids a signal was refused for (EPERM: a process that
+    gained another user's identity, case F23); they stay survivors while they live."""
 
     signal: int | None = None
     killed: list[int] = field(default_factory=list)
     survivors: list[int] = field(default_factory=list)
+    unsignalled: list[int] = field(default_factory=list)
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -180,7 +212,12 @@ def find_tree(root_pid: int, cookie: dict[str, str],
                               and pid not in found])
         for proc in adopted:
             try:
-                env = proc.environ()
+                try:
+                    env = proc.environ()
+                except psutil.AccessDenied:
+                    # A process the sidecar may not read (a setuid exec, or one that made
+                    # itself non-dumpable) shows no mark: it counts as unmarked (F23).
+                    env = {}
                 if all(env.get(k) == v for k, v in cookie.items()) or (
                         claim_unmarked is not None and "SIDECAR_JOB_ID" not in env
                         and proc.create_time() >= claim_unmarked
@@ -203,6 +240,15 @@ def find_tree(root_pid: int, cookie: dict[str, str],
         except (psutil.Error, OSError):
             continue
     return [proc for proc in found.values() if proc.pid != me and _alive(proc)]
+
+
+def _remember(members: dict[psutil.Process, None], found: list[psutil.Process]
+              ) -> list[psutil.Process]:
+    """Add ``found`` to the tree's ``members`` and return every member still alive. A
+    psutil.Process is equal to and hashes as (pid, start time): a reused pid is another
+    member, and a dead member is never taken for the process that now has its pid."""
+    members.update(dict.fromkeys(found))
+    return [proc for proc in members if _alive(proc)]
 
 
 def reap_adopted() -> int:
@@ -280,6 +326,20 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
     return popen, in_w, out_r, err_r
 
 
+def _spawn_failure(program: str, exc: OSError) -> SpawnFailed:
+    """The permanent failure for an error of the program itself (exit codes as tini): 127
+    not found (a missing program or interpreter), 126 not executable (EACCES, ENOEXEC) or
+    not movable into its job cgroup."""
+    if isinstance(exc, CgroupJoinFailed):
+        return SpawnFailed(f"cannot move {program} into its job cgroup: {exc.filename or ''}"
+                           f" {exc.strerror or exc}".rstrip(), 126)
+    if isinstance(exc, FileNotFoundError):
+        return SpawnFailed(f"command not found: {program}", 127)
+    if isinstance(exc, PermissionError):
+        return SpawnFailed(f"command not executable (permission denied): {program}", 126)
+    return SpawnFailed(f"cannot execute {program}: {exc.strerror or exc}", 126)
+
+
 def _spawn_counted(*args):
     """_spawn_blocking, counted out of ``_spawns_in_flight`` once its pid is recorded (or
     the spawn failed), on the spawn thread itself."""
@@ -346,9 +406,11 @@ class Child:
                     on_stderr_line: Callable[[bytes], None], cookie: dict[str, str],
                     cwd: str | None = None,
                     make_preexec: Callable[[int], Callable[[], None]] | None = None,
-                    cgroup: JobCgroup | None = None) -> Child:
+                    cgroup: JobCgroup | None = None, new_privileges: bool = False) -> Child:
         """Start ``argv`` in a new session with ``env`` in ``cwd``; write ``payload`` to its
-        stdin. No file descriptor but stdin, stdout and stderr is inherited.
+        stdin. No file descriptor but stdin, stdout and stderr is inherited. The tool gets
+        ``no_new_privs`` (case F23) unless ``new_privileges`` (a profile's
+        ALLOW_NEW_PRIVS).
 
         ``max_stdout`` caps the bytes of stdout kept (bytes). ``cookie`` is a subset of
         ``env`` that marks the job's processes for the tree kill. ``cgroup`` is the job
@@ -357,7 +419,8 @@ class Child:
         joins ``cgroup`` in the child; without one the child is started by vfork and the
         parent moves it (and anything it forked meanwhile) into ``cgroup``.
         Raises SpawnFailed when the program is missing or not executable (127, 126), or
-        could not be moved into its cgroup (126).
+        could not be moved into its cgroup (126); SpawnShortage when the host ran short of
+        processes, memory or descriptors meanwhile (case F19: sidecar.shortage).
         """
         loop = asyncio.get_running_loop()
         global _spawn_generation, _spawns_in_flight
@@ -366,18 +429,22 @@ class Child:
             _spawns_in_flight += 1  # counted down by _spawn_blocking once the pid is recorded
         try:
             popen, in_w, out_r, err_r = await loop.run_in_executor(
-                _spawner, _spawn_counted, argv, env, os.getpid(), cwd, make_preexec,
-                cgroup if make_preexec is None else None)
-        except CgroupJoinFailed as exc:
-            raise SpawnFailed(f"cannot move {argv[0]} into its job cgroup: {exc.filename or ''}"
-                              f" {exc.strerror or exc}".rstrip(), 126) from None
-        except FileNotFoundError:
-            raise SpawnFailed(f"command not found: {argv[0]}", 127) from None
-        except PermissionError:
-            raise SpawnFailed(f"command not executable (permission denied): {argv[0]}", 126) \
-                from None
-        except OSError as exc:
-            raise SpawnFailed(f"cannot execute {argv[0]}: {exc.strerror or exc}", 126) from None
+                _spawn_thread(new_privileges), _spawn_counted, argv, env, os.getpid(), cwd,
+                make_preexec, cgroup if make_preexec is None else None)
+        except (OSError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError):  # from submit: _spawn_counted never ran
+                with _spawn_count_lock:
+                    _spawns_in_flight -= 1
+            # Pipes (EMFILE, ENFILE), fork (EAGAIN, ENOMEM), exec (EAGAIN over
+            # RLIMIT_NPROC, ENOMEM, ETXTBSY), the cgroup join, a spawn thread that could
+            # not start: not the tool's fault (case F19).
+            short = shortage_errno(exc)
+            if short is None:
+                if isinstance(exc, RuntimeError):
+                    raise
+                raise _spawn_failure(argv[0], exc) from None
+            raise SpawnShortage(f"cannot start {argv[0]} now: "
+                                f"{getattr(exc, 'strerror', None) or exc}", short) from None
         except subprocess.SubprocessError as exc:
             raise SpawnFailed(f"cannot start {argv[0]}: {exc}", 126) from None
         return cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie, cgroup)
@@ -541,8 +608,16 @@ class Child:
     async def kill_tree(self, grace: float) -> KillReport:
         """SIGTERM every process of the tree, wait up to ``grace`` seconds, SIGKILL what
         remains (re-scanning for new forks), and wait until all are gone and our child is
-        reaped. Safe to call when everything has already exited."""
+        reaped. Safe to call when everything has already exited.
+
+        Every process found by any scan of this kill stays part of the tree while it lives
+        (a process re-parented or made unreadable meanwhile is not forgotten), and one
+        that is still alive at the end is a survivor, whether a signal was refused for it
+        (EPERM, ``report.unsignalled``) or not: "0 survivors" is never said of a tree
+        something of which still runs (case F23). The job cgroup, where there is one, is
+        killed with ``cgroup.kill``, which reaches every member whatever its identity."""
         report = KillReport()
+        members: dict[psutil.Process, None] = {}
         procs = await self._scan()
         if not procs and self.exited.done() and self.run_as_uid is None:
             # The usual end: the tool exited and left nothing. No second scan, and adopted
@@ -550,20 +625,23 @@ class Child:
             # below at once: they count against the user's RLIMIT_NPROC).
             self._uncount()
             return report
+        procs = _remember(members, procs)
         if procs:
             report.signal = signal.SIGTERM
             self._signal(procs, signal.SIGTERM, report)
             await self._wait_gone(procs, grace)
         for _ in range(5):
-            procs = await self._scan()
+            procs = _remember(members, await self._scan())
             if not procs:
                 break
             report.signal = signal.SIGKILL
             if self.cgroup is not None:  # atomic where cgroup.kill exists: no fork escapes
                 await self.loop.run_in_executor(None, self.cgroup.kill)
             self._signal(procs, signal.SIGKILL, report)
+            if self.cgroup is None and all(p.pid in report.unsignalled for p in procs):
+                break  # only what refuses our signals is left: no round can do more
             await self._wait_gone(procs, 2.0)
-        report.survivors = [proc.pid for proc in await self._scan()]
+        report.survivors = [proc.pid for proc in _remember(members, await self._scan())]
         if not self.exited.done():
             try:
                 await asyncio.wait_for(asyncio.shield(self.exited), timeout=2.0)
@@ -620,7 +698,10 @@ class Child:
                 proc.send_signal(sig)
                 if proc.pid not in report.killed:
                     report.killed.append(proc.pid)
-            except psutil.Error:
+            except psutil.AccessDenied:  # EPERM: it took another identity (case F23)
+                if proc.pid not in report.unsignalled:
+                    report.unsignalled.append(proc.pid)
+            except psutil.Error:  # gone meanwhile
                 pass
 
     @staticmethod

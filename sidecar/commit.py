@@ -195,13 +195,14 @@ class FencedCommit:
                  duration_s=duration, exit_code=error.get("exit_code"))
         return Outcome.FAILED
 
-    async def release(self) -> Outcome:
-        """Shutdown: give the lease back without spending the attempt."""
+    async def release(self, reason: str = "shutdown") -> Outcome:
+        """Give the lease back without spending the attempt: at shutdown, or (``reason``
+        "shortage", case F19) when the host ran short of something before the tool ran."""
         earlier = await self._take_noted()
         try:
             released = await self._fenced(lambda: self.ctx.store.release_if_owner(
                 self.job, self.ctx.owner_id,
-                {"reason": "shutdown", "owner_id": self.ctx.owner_id}, earlier))
+                {"reason": reason, "owner_id": self.ctx.owner_id}, earlier))
         except OwnershipUnknown:
             self._give_back(earlier)
             return await self._abandon(None)
@@ -209,7 +210,7 @@ class FencedCommit:
             self._give_back(earlier)
             await self.journal(None, {})
         log.emit("lease_released" if released else "lease_lost",
-                 "info" if released else "warning", **log_fields(self.job), reason="shutdown")
+                 "info" if released else "warning", **log_fields(self.job), reason=reason)
         return Outcome.RELEASED if released else Outcome.LEASE_LOST
 
     async def lease_ended(self, reason: StopReason, digest: dict[str, Any] | None) -> Outcome:

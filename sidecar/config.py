@@ -210,6 +210,9 @@ PROFILE_FIELDS: dict[str, _Field] = {
                         "processes and threads of the tool's tree (cgroup pids.max), else "
                         "RLIMIT_NPROC"),
     "CORE_DUMPS": _Field(_flag, "false", "bool", "let the tool write core dumps"),
+    "ALLOW_NEW_PRIVS": _Field(_flag, "false", "bool",
+                              "let the tool gain privileges by exec (setuid/setgid programs, "
+                              "file capabilities); off, it starts with PR_SET_NO_NEW_PRIVS"),
     "RUN_AS": _Field(_run_as, "", "uid[:gid]",
                      "run the tool as this user (the sidecar must be root)"),
     "ENV_PASSTHROUGH": _Field(_env_names, "PATH,HOME,LANG,LC_ALL,LC_CTYPE,TZ", "names",
@@ -367,6 +370,7 @@ class LeaseProfile:
     open_files: int
     processes: int
     core_dumps: bool
+    allow_new_privs: bool
     run_as: str
     env_passthrough: frozenset[str]
     home: str

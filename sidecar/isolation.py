@@ -423,7 +423,7 @@ class Sandbox:
                 if self.profile.processes and not self.profile.run_as:
                     # Fail closed: without the pids cgroup nothing would bind PROCESSES.
                     raise CgroupError(f"{exc}; PROCESSES={self.profile.processes} cannot be "
-                                      "enforced without it (no RUN_AS)") from None
+                                      "enforced without it (no RUN_AS)", exc.errno) from None
                 self.notes.append(str(exc))
 
     def home_variables(self) -> dict[str, str]:

@@ -11,6 +11,8 @@ import sys
 PR_SET_PDEATHSIG = 1
 PR_SET_DUMPABLE = 4
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_NO_NEW_PRIVS = 38
+PR_GET_NO_NEW_PRIVS = 39
 
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
@@ -18,7 +20,10 @@ _libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") el
 def _prctl(option: int, value: int) -> bool:
     if _libc is None:
         return False
-    return _libc.prctl(option, value, 0, 0, 0) == 0
+    # prctl reads its arguments as unsigned long: pass them so (PR_SET_NO_NEW_PRIVS
+    # refuses anything but zeros in the unused ones).
+    zero = ctypes.c_ulong(0)
+    return _libc.prctl(ctypes.c_int(option), ctypes.c_ulong(value), zero, zero, zero) == 0
 
 
 # /proc/<pid>/task/<tid>/children (CONFIG_PROC_CHILDREN, on in the usual kernels) lists
@@ -111,6 +116,14 @@ def make_undumpable() -> bool:
     neither read its /proc/<pid>/environ, mem, maps or fds, nor ptrace it; only
     CAP_SYS_PTRACE can. Exec resets it, so tools are unaffected. True on success."""
     return _prctl(PR_SET_DUMPABLE, 0)
+
+
+def forbid_new_privileges() -> bool:
+    """Set ``no_new_privs`` on the calling *thread* (case F23): no ``execve`` by it or by
+    any process it forks from then on can gain privileges (setuid/setgid bits and file
+    capabilities are ignored). It cannot be unset, and children inherit it. True on
+    success (Linux 3.5 and later)."""
+    return _prctl(PR_SET_NO_NEW_PRIVS, 1)
 
 
 def set_parent_death_signal(sig: int) -> bool:

@@ -3,14 +3,16 @@
 Names follow Prometheus conventions: prefix ``sidecar_``, base units (seconds), ``_total``
 counters (the client appends it), timestamps rather than ages. Labels are the ``tool`` and
 the profile's ``provider``, plus a bounded reason where one is named (outcome, heartbeat
-result, kill reason and signal); never a job id. ``start_at_zero`` creates every known label
-set, so a rate() over a fresh sidecar sees zeros instead of missing series.
+result, kill reason and signal, shortage errno); never a job id. ``start_at_zero`` creates
+every known label set, so a rate() over a fresh sidecar sees zeros instead of missing
+series.
 """
 
 from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from sidecar.shortage import SHORTAGE_NAMES
 from sidecar.vocabulary import HeartbeatResult, KillSignal, Outcome, StopReason
 
 _TP = ("tool", "provider")
@@ -53,6 +55,10 @@ CHILD_KILLS = Counter("sidecar_child_kills", "Tree kills by reason and strongest
                       (*_TP, "reason", "signal"))
 PROCESSES_LEFT = Counter("sidecar_processes_left_after_kill",
                          "Processes still alive after a tree kill finished.", _TP)
+ATTEMPT_SHORTAGES = Counter("sidecar_attempt_shortages",
+                            "Attempts released unspent because the host ran short of "
+                            "processes, memory, descriptors or disk at setup or spawn (F19), "
+                            "by errno.", (*_TP, "errno"))
 COMPLETIONS_REJECTED = Counter("sidecar_completions_rejected",
                                "Outcomes not committed because the lease was not ours (P6).",
                                _TP)
@@ -78,6 +84,8 @@ def start_at_zero(tool: str, provider: str) -> None:
         JOBS_FINISHED.labels(tool, provider, outcome)
     for result in HEARTBEAT_RESULTS:
         HEARTBEATS.labels(tool, provider, result)
+    for name in SHORTAGE_NAMES:
+        ATTEMPT_SHORTAGES.labels(tool, provider, name)
     for reason in KILL_REASONS:
         for sig in KILL_SIGNALS:
             CHILD_KILLS.labels(tool, provider, reason, sig)

@@ -11,14 +11,14 @@ import asyncio
 import os
 import time
 from collections.abc import Callable, Collection
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from sidecar import clock, metrics
 from sidecar.cgroups import CgroupHost, Usage
-from sidecar.child import Child, SpawnFailed, tree_processes
+from sidecar.child import Child, SpawnFailed, SpawnShortage, tree_processes
 from sidecar.commit import FencedCommit
 from sidecar.config import LeaseProfile, Settings
 from sidecar.db import RawJson
@@ -27,6 +27,7 @@ from sidecar.lease import Lease, LeaseKeeper
 from sidecar.leftovers import job_name, work_dir_prefix
 from sidecar.log import log, log_fields, payload_digest
 from sidecar.results import BadResult, parse_result, scrub_text, split_next_stage
+from sidecar.shortage import ClaimPause, shortage_errno
 from sidecar.store import ClaimedJob, NextStage, Store
 from sidecar.verdict import (
     Commit,
@@ -71,6 +72,8 @@ class WorkerContext:
     guard: GuardServer | None = None
     guard_url: str = ""
     cgroup_host: CgroupHost = CgroupHost()
+    # Set by an attempt that met a shortage of the host; the claim loop waits it out (F19).
+    claim_pause: ClaimPause = field(default_factory=ClaimPause)
 
 
 def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
@@ -196,6 +199,24 @@ class JobSupervisor:
         self.lease.settle()
         return await self.commit.fail(fault)
 
+    async def _short_before_spawn(self, stage: str, errno_name: str, reason: str) -> Outcome:
+        """Case F19: the host ran short of processes, memory, descriptors or disk while
+        this attempt was set up (``stage``: sandbox, checkpoint or spawn) before its tool
+        ran. Not the job's fault: journal ``attempt_shortage``, count it, give the lease
+        back without spending the attempt, and pause this sidecar's claiming
+        (sidecar.shortage.ClaimPause) so the backlog is not burnt meanwhile."""
+        self.lease.settle()
+        pause = self.ctx.claim_pause.begin()
+        asyncio.get_running_loop().call_later(pause, self.ctx.claim_pause.on_end)
+        log.emit("attempt_shortage", "warning", **log_fields(self.job), stage=stage,
+                 errno=errno_name, reason=reason, claim_pause_s=pause)
+        metrics.ATTEMPT_SHORTAGES.labels(self.job.tool, self.ctx.profile.provider,
+                                         errno_name).inc()
+        self.commit.note("attempt_shortage", {"stage": stage, "errno": errno_name,
+                                              "reason": reason, "attempt": self.job.attempt,
+                                              "claim_pause_s": pause})
+        return await self.commit.release("shortage")
+
     async def _run(self) -> Outcome:
         job, profile = self.job, self.ctx.profile
         payload = job.payload_text.encode()
@@ -213,6 +234,9 @@ class JobSupervisor:
                 await loop.run_in_executor(None, sandbox.open)
         except Exception as exc:  # noqa: BLE001 - any failure here fails the attempt, cleanly
             await loop.run_in_executor(None, sandbox.close)
+            short = shortage_errno(exc)
+            if short is not None:
+                return await self._short_before_spawn("sandbox", short, str(exc))
             log.emit("sandbox_failed", "error", **log_fields(job), reason=str(exc))
             return await self._fail_before_spawn(failure(
                 FailureKind.SANDBOX_FAILED, f"cannot set up the attempt's work directory or "
@@ -224,8 +248,17 @@ class JobSupervisor:
                                 job_variables(job, profile, self.ctx.owner_id, sandbox))
         try:
             if job.checkpoint_text is not None:
-                env["SIDECAR_CHECKPOINT_FILE"] = sandbox.write_file(CHECKPOINT_FILE_NAME,
-                                                                    job.checkpoint_text)
+                try:
+                    env["SIDECAR_CHECKPOINT_FILE"] = sandbox.write_file(
+                        CHECKPOINT_FILE_NAME, job.checkpoint_text)
+                except OSError as exc:
+                    short = shortage_errno(exc)
+                    if short is not None:
+                        return await self._short_before_spawn("checkpoint", short, str(exc))
+                    log.emit("sandbox_failed", "error", **log_fields(job), reason=str(exc))
+                    return await self._fail_before_spawn(failure(
+                        FailureKind.SANDBOX_FAILED, f"cannot write the checkpoint into the "
+                        f"attempt's work directory: {exc}"))
             if self.ctx.guard is not None:
                 env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
                 env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease)
@@ -247,13 +280,17 @@ class JobSupervisor:
             child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
                                       relay, cookie, cwd=sandbox.job_dir,
                                       make_preexec=sandbox.preexec if sandbox.needs_preexec
-                                      else None, cgroup=sandbox.cgroup)
+                                      else None, cgroup=sandbox.cgroup,
+                                      new_privileges=profile.allow_new_privs)
             child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
+        except SpawnShortage as exc:
+            return await self._short_before_spawn("spawn", exc.errno_name, exc.message)
         except SpawnFailed as exc:
             log.emit("spawn_failed", "error", **log_fields(self.job), reason=exc.message)
             return await self._fail_before_spawn(failure(
                 FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
 
+        self.ctx.claim_pause.started()
         self.commit.note("tool_request_started", {
             "pid": child.pid, "argv0": self.ctx.argv[0], "payload": self.payload_digest})
         log.emit("tool_request_started", **log_fields(self.job), pid=child.pid)
@@ -282,9 +319,12 @@ class JobSupervisor:
         sig = KillSignal(report.signal.name) if report.signal is not None else KillSignal.NONE
         details = {"reason": str(reason), "signal": None if sig is KillSignal.NONE else str(sig),
                    "killed": len(report.killed), "survivors": len(report.survivors)}
+        if report.unsignalled:  # EPERM: the tree holds a process of another user (F23)
+            details["unsignalled"] = len(report.unsignalled)
         log.emit("child_killed", "warning", **log_fields(self.job), reason=str(reason),
-                 signal=details["signal"], killed=len(report.killed),
-                 survivors=report.survivors or None)
+                 signal=details["signal"],
+                 killed=len(report.killed), survivors=report.survivors or None,
+                 unsignalled=report.unsignalled or None)
         labels = (self.job.tool, self.ctx.profile.provider)
         metrics.CHILD_KILLS.labels(*labels, reason, sig).inc()
         metrics.PROCESSES_LEFT.labels(*labels).inc(len(report.survivors))

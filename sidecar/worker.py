@@ -30,6 +30,7 @@ from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock, work_dir_prefix
 from sidecar.log import log
 from sidecar.queries import migrations
+from sidecar.shortage import ClaimPause
 from sidecar.store import ClaimedJob, Store
 from sidecar.supervisor import JobSupervisor, WorkerContext
 from sidecar.vocabulary import AttemptId
@@ -167,7 +168,8 @@ class Worker:
             stack.callback(reap_adopted)
         self._ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
                                   dict(os.environ), self.shutdown_kill, forwarder.wake,
-                                  self.settings, guard, guard_url, self.cgroup_host)
+                                  self.settings, guard, guard_url, self.cgroup_host,
+                                  ClaimPause(on_end=self.wake.set))
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict(),
                  http_addr=http_addr, guard_url=guard_url,
@@ -219,7 +221,10 @@ class Worker:
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(
                         await store.claimable_jobs(tool))
                     self.readiness.db_ok_at = time.monotonic()
-                while len(self.running) < self.concurrency and not self.stopping.is_set():
+                # ctx.claim_pause: an attempt met a shortage of the host (F19); its end
+                # wakes this loop.
+                while len(self.running) < self.concurrency and not self.stopping.is_set() \
+                        and not ctx.claim_pause.remaining():
                     sent = clock.ownership_now()  # the lease's local deadline (F20)
                     job = await store.claim(tool, self.owner_id, self.profile.lease_seconds,
                                             self.profile.max_lifetime_seconds or None)
