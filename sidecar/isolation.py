@@ -16,10 +16,11 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 
+from sidecar import safefs
 from sidecar.cgroups import CgroupError, CgroupHost, JobCgroup
 from sidecar.config import LeaseProfile, Settings, tool_env_key
 from sidecar.errors import ConfigError
-from sidecar.leftovers import hold_directory, remove_tree
+from sidecar.leftovers import lock_directory, remove_tree  # noqa: F401 - re-exported
 from sidecar.linux import PR_SET_PDEATHSIG, _prctl, reset_signal_handlers
 from sidecar.results import BadResult
 
@@ -259,7 +260,8 @@ def _pristine(path: str, with_home: bool, fd: int) -> bool:
     replaced), ours, mode 0700 with no ACL, on the work root's filesystem (no mount on
     top), holding exactly the empty HOME and runtime directories (``with_home``) or
     nothing; never follows a symlink. Runs twice per reused directory (when it is kept
-    and when it is taken): the locked directory itself is read through ``fd``."""
+    and when it is taken): the locked directory and what is in it are read through
+    ``fd`` (sidecar.safefs)."""
     try:
         locked = os.fstat(fd)
         uid = os.geteuid()
@@ -273,10 +275,13 @@ def _pristine(path: str, with_home: bool, fd: int) -> bool:
         if len(names) != 2 or not _KEPT_NAMES.issuperset(names):
             return False
         for name in names:
-            sub = f"{path}/{name}"
-            if not _private_dir(os.lstat(sub), uid, locked.st_dev) or _has_acl(sub) \
-                    or os.listdir(sub):
-                return False
+            sub = safefs.open_subdir(fd, name)
+            try:
+                if not _private_dir(os.fstat(sub), uid, locked.st_dev) or _has_acl(sub) \
+                        or os.listdir(sub):
+                    return False
+            finally:
+                os.close(sub)
         return True
     except OSError:
         return False
@@ -287,21 +292,28 @@ def _private_dir(info: os.stat_result, uid: int, dev: int) -> bool:
         and stat.S_IMODE(info.st_mode) == 0o700 and info.st_dev == dev
 
 
-def _has_acl(target: str | int) -> bool:
-    """True when ``target`` (a path, never followed, or a descriptor) has a POSIX ACL."""
+def _has_acl(fd: int) -> bool:
+    """True when the directory open at ``fd`` has a POSIX ACL."""
     try:
-        names = os.listxattr(target) if isinstance(target, int) \
-            else os.listxattr(target, follow_symlinks=False)
+        names = os.listxattr(fd)
     except OSError:  # no xattr support: no ACL either
         return False
     return not _ACL_ATTRS.isdisjoint(names)
 
 
-def _take_spare(key: tuple[str, str, bool], stale: list[str] | None = None
+def _discard(path: str, fd: int) -> None:
+    """Remove a kept work directory through the descriptor that locks it, then let go."""
+    try:
+        safefs.remove_held_path(path, fd)
+    finally:
+        os.close(fd)
+
+
+def _take_spare(key: tuple[str, str, bool], stale: list[tuple[str, int]] | None = None
                 ) -> tuple[str, int] | None:
     """A kept directory of ``key`` that is still pristine, with its lock, or None. One
-    found touched is removed here, or, given ``stale``, appended to it for the caller to
-    remove (a tree of any size: not on the event loop)."""
+    found touched is removed here, or, given ``stale``, appended to it (path and lock)
+    for the caller to remove (a tree of any size: not on the event loop)."""
     while True:
         with _spare_lock:
             spares = _spare_dirs.get(key)
@@ -310,11 +322,10 @@ def _take_spare(key: tuple[str, str, bool], stale: list[str] | None = None
             path, fd = spares.pop()
         if _pristine(path, key[2], fd):
             return path, fd
-        os.close(fd)
         if stale is None:
-            remove_tree(path)
+            _discard(path, fd)
         else:
-            stale.append(path)
+            stale.append((path, fd))
             return None
 
 
@@ -338,15 +349,21 @@ def discard_spare_dirs(prefix: str) -> None:
         kept = [spare for key in [k for k in _spare_dirs if k[1] == prefix]
                 for spare in _spare_dirs.pop(key)]
     for path, fd in kept:
-        os.close(fd)
-        remove_tree(path)
+        _discard(path, fd)
 
 
 @dataclass
 class Sandbox:
     """One attempt's private work directory and cgroup. ``open`` makes them; ``close``
     removes both (call it only once the tree is dead). ``notes`` collects what degraded
-    (a cgroup that could not be made), for the log."""
+    (a cgroup that could not be made), for the log. ``files`` (name -> text) are written
+    into the work directory by ``open``, before the tool's user gets it (case F15).
+
+    Every file operation inside the work directory goes through ``dir_lock``, the
+    descriptor of the directory made for this attempt, one name at a time and never
+    through a symlink (sidecar.safefs): under ``RUN_AS`` the tool's user, and so every
+    sibling attempt of it, owns the directory and may swap any name in it (or, in a work
+    root it can write, the directory itself) for a link to a file only root may touch."""
 
     settings: Settings
     profile: LeaseProfile
@@ -357,20 +374,27 @@ class Sandbox:
     cgroup: JobCgroup | None = None
     ids: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
-    dir_lock: int | None = None  # flock'ed descriptor: marks the work dir as in use
+    files: dict[str, str] = field(default_factory=dict)
+    # flock'ed descriptor of the work dir: marks it as in use, and every file operation
+    # inside it goes through it (never through job_dir, a path a tool may redirect)
+    dir_lock: int | None = None
     # Set by the supervisor when the tool exited by itself and left no process: only
     # then may close() keep an untouched work directory for the next attempt.
     tree_clean: bool = False
     _root: str = ""
-    _stale: list[str] = field(default_factory=list)
+    _stale: list[tuple[str, int]] = field(default_factory=list)
+    _handed_over: bool = False  # the RUN_AS user owns the work directory now
 
     def open(self) -> None:
-        """Make the work directory (mode 0700, owned by the RUN_AS user) and the job cgroup.
-        Raises OSError when the work directory cannot be made, CgroupError when the job
-        cgroup cannot be made although PROCESSES depends on it; a cgroup that cannot be
-        made otherwise leaves the attempt to rlimits, with a note."""
-        for path in self._stale:  # kept directories open_kept found touched
-            remove_tree(path)
+        """Make the work directory (mode 0700) and the job cgroup, write ``files`` into
+        the directory, and only then hand it to the RUN_AS user (``fchown`` of HOME, the
+        runtime directory and the work directory, last): no process of that user can put
+        anything into it before the sidecar's own writes are done. Raises OSError when
+        the work directory cannot be made or a file cannot be written, CgroupError when
+        the job cgroup cannot be made although PROCESSES depends on it; a cgroup that
+        cannot be made otherwise leaves the attempt to rlimits, with a note."""
+        for path, fd in self._stale:  # kept directories open_kept found touched
+            _discard(path, fd)
         self._stale.clear()
         self.ids = run_as_ids(self.profile.run_as)
         root = self._root = self.settings.work_dir or tempfile.gettempdir()
@@ -379,16 +403,20 @@ class Sandbox:
             self.job_dir, self.dir_lock = spare
         else:
             self._make_dir(root)
+        for name, text in self.files.items():
+            self.write_file(name, text)
+        self._hand_over()
         self._make_cgroup()
 
     def open_kept(self) -> bool:
         """``open`` for the usual case, cheap enough for the event loop: a work directory a
-        previous attempt returned untouched is taken (its reuse check is a few ``lstat``
-        and ``listdir`` calls on the work root) and the job cgroup made (a ``mkdir`` on
-        cgroupfs). An executor hop costs more CPU than both (bench section 1). Returns
-        False, having done nothing, when no directory is kept (or under RUN_AS, whose
-        user lookup may block): call ``open`` in a thread then. Raises like ``open``."""
-        if self.profile.run_as or not self.dir_prefix:
+        previous attempt returned untouched is taken (its reuse check is a few ``fstat``
+        and ``listdir`` calls through its descriptor) and the job cgroup made (a ``mkdir``
+        on cgroupfs). An executor hop costs more CPU than both (bench section 1). Returns
+        False, having done nothing, when no directory is kept, under RUN_AS (whose user
+        lookup may block), or with ``files`` to write: call ``open`` in a thread then.
+        Raises like ``open``."""
+        if self.profile.run_as or not self.dir_prefix or self.files:
             return False
         self.ids = None
         self._root = self.settings.work_dir or tempfile.gettempdir()
@@ -400,17 +428,35 @@ class Sandbox:
         return True
 
     def _make_dir(self, root: str) -> None:
+        """The new work directory, made and filled through descriptors (sidecar.safefs),
+        still the sidecar's own (mode 0700) until ``_hand_over``."""
         os.makedirs(root, exist_ok=True)
-        self.job_dir = tempfile.mkdtemp(prefix=self.dir_prefix or self.name + "-", dir=root)
-        self.dir_lock = hold_directory(self.job_dir)
-        private = [self.job_dir]
+        root_fd = safefs.open_dir(root)
+        try:
+            name, self.dir_lock = safefs.make_private_dir(root_fd,
+                                                          self.dir_prefix or self.name + "-")
+        finally:
+            os.close(root_fd)
+        self.job_dir = os.path.join(root, name)
+        lock_directory(self.dir_lock)
         if self.profile.home == "job":
-            for name in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
-                private.append(os.path.join(self.job_dir, name))
-                os.mkdir(private[-1], 0o700)
-        if self.ids is not None:
-            for path in private:
-                os.chown(path, *self.ids)
+            for sub in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
+                os.mkdir(sub, 0o700, dir_fd=self.dir_lock)
+
+    def _hand_over(self) -> None:
+        """Give the work directory, and HOME and the runtime directory in it, to the RUN_AS
+        user: ``fchown`` through descriptors, the work directory itself last."""
+        if self.ids is None or self._handed_over:
+            return
+        if self.profile.home == "job":
+            for sub in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
+                fd = safefs.open_subdir(self.dir_lock, sub)
+                try:
+                    os.fchown(fd, *self.ids)
+                finally:
+                    os.close(fd)
+        os.fchown(self.dir_lock, *self.ids)
+        self._handed_over = True
 
     def _make_cgroup(self) -> None:
         if self.host.usable:
@@ -446,17 +492,38 @@ class Sandbox:
 
     @property
     def result_file(self) -> str:
-        """``SIDECAR_RESULT_FILE``: ``result.json`` in the work directory."""
+        """``SIDECAR_RESULT_FILE``: ``result.json`` in the work directory (the tool's
+        path; the sidecar reads it with ``read_result``, through the directory's
+        descriptor)."""
         return os.path.join(self.job_dir, RESULT_FILE_NAME)
 
     def write_file(self, name: str, text: str) -> str:
-        """Write ``text`` into the work directory, readable by the tool; return the path."""
-        path = os.path.join(self.job_dir, name)
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-        if self.ids is not None:
-            os.chown(path, *self.ids)
-        return path
+        """Create the new file ``name`` in the work directory holding ``text``, mode 0600,
+        owned by the tool's user; return its path for the tool. Through the directory's
+        descriptor, ``O_CREAT|O_EXCL|O_NOFOLLOW`` and ``fchown`` (sidecar.safefs): never
+        an existing name, never through a link. Raises OSError, and RuntimeError once the
+        directory belongs to the RUN_AS user (pass the file in ``files`` to ``open``):
+        what that user can write, the sidecar does not write into (case F15)."""
+        if self._handed_over:
+            raise RuntimeError(f"{name}: the work directory already belongs to the tool's "
+                               "user; files are written before it is handed over")
+        safefs.create_file(self.dir_lock, name, text.encode("utf-8"), self.ids)
+        return os.path.join(self.job_dir, name)
+
+    def has_result(self) -> bool:
+        """True when the tool left anything named ``result.json`` in its work directory
+        (one ``fstatat`` through the directory's descriptor, no link followed)."""
+        return self.dir_lock is not None \
+            and safefs.lstat_at(self.dir_lock, RESULT_FILE_NAME) is not None
+
+    def read_result(self, max_bytes: int, limit_var: str = "SIDECAR_MAX_RESULT_BYTES"
+                    ) -> bytearray:
+        """``read_result_file`` of ``result.json`` through the work directory's
+        descriptor, checked to belong to the tool's user under RUN_AS. Raises like it."""
+        if self.dir_lock is None:
+            raise FileNotFoundError(RESULT_FILE_NAME)
+        return read_result_file(RESULT_FILE_NAME, max_bytes, self.ids[0] if self.ids else None,
+                                limit_var, dir_fd=self.dir_lock)
 
     @property
     def needs_preexec(self) -> bool:
@@ -485,14 +552,23 @@ class Sandbox:
 
     def _remove_untouched(self) -> bool:
         """The common case in a few syscalls: the tool left the work directory as it was
-        made (HOME and the runtime directory empty, nothing else). rmdir never follows a
-        symlink and fails on anything not empty, so False (then remove_tree) whenever the
-        tool left anything, replaced a directory or changed a mode."""
+        made (HOME and the runtime directory empty, nothing else). rmdir through the
+        directory's descriptor never follows a symlink and fails on anything not empty,
+        and the work directory's own name goes only while it still is that directory; so
+        False (then ``safefs.remove_held``) whenever the tool left anything, replaced a
+        directory or changed a mode."""
         try:
             if self.profile.home == "job":
                 for name in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
-                    os.rmdir(os.path.join(self.job_dir, name))
-            os.rmdir(self.job_dir)
+                    os.rmdir(name, dir_fd=self.dir_lock)
+            root_fd = safefs.open_dir(self._root)
+            try:
+                info = safefs.lstat_at(root_fd, os.path.basename(self.job_dir))
+                if info is None or not os.path.samestat(info, os.fstat(self.dir_lock)):
+                    return False
+                os.rmdir(os.path.basename(self.job_dir), dir_fd=root_fd)
+            finally:
+                os.close(root_fd)
         except OSError:
             return False
         return True
@@ -528,9 +604,9 @@ class Sandbox:
                 and _keep_spare(self._spare_key, self.job_dir, self.dir_lock):
             self.dir_lock = None  # the spare pool holds the lock now
             return left
-        if self.job_dir:
+        if self.job_dir and self.dir_lock is not None:
             if not self._remove_untouched():
-                remove_tree(self.job_dir)
+                safefs.remove_held_path(self.job_dir, self.dir_lock)
             if os.path.lexists(self.job_dir):
                 left.append(self.job_dir)
         if self.dir_lock is not None:
@@ -540,11 +616,14 @@ class Sandbox:
 
 
 def read_result_file(path: str, max_bytes: int, owner_uid: int | None,
-                     limit_var: str = "SIDECAR_MAX_RESULT_BYTES") -> bytearray:
+                     limit_var: str = "SIDECAR_MAX_RESULT_BYTES",
+                     dir_fd: int | None = None) -> bytearray:
     """The result a tool left in ``SIDECAR_RESULT_FILE``: read once into one buffer of the
     file's exact size (never a growing buffer, never a memory mapping: a file truncated
     under a mapping would kill the sidecar with SIGBUS).
 
+    ``path`` is relative to ``dir_fd`` when given (Sandbox.read_result passes one name and
+    the work directory's descriptor, so no component of it can be a tool's link).
     Raises FileNotFoundError when there is no file (stdout is the result), BadResult for a
     symlink, a hard link, anything but a regular file, a file of another user than
     ``owner_uid`` (RUN_AS), or one that changed size while it was read; BadResult of kind
@@ -553,7 +632,8 @@ def read_result_file(path: str, max_bytes: int, owner_uid: int | None,
     try:
         # O_NOFOLLOW: the tool could point a symlink at a file only the sidecar can read;
         # O_NONBLOCK: a FIFO in its place must not block the open.
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
     except FileNotFoundError:
         raise
     except OSError as exc:

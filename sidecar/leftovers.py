@@ -19,14 +19,15 @@ imports: the guardian imports it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import hashlib
 import os
 import re
-import shutil
 import stat
 import time
 
+from sidecar import safefs
 from sidecar.cgroups import kill_cgroup
 
 LOCK_PREFIX = ".owner-"
@@ -64,21 +65,38 @@ class OwnerLock:
         self.fd: int | None = None
 
     def acquire(self) -> None:
-        """Create the lock file (and the work root) and hold an exclusive flock on it."""
+        """Create the lock file (and the work root) and hold an exclusive flock on it. A
+        symlink, FIFO or foreign file a tool put under the lock's name (the work root may be
+        shared with tools) is removed, never opened through (case F15); raises OSError
+        when that keeps happening."""
         os.makedirs(os.path.dirname(self.path), exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        for _ in range(100):
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK
+                             | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                if exc.errno != errno.ELOOP:
+                    raise
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)  # a symlink in its place: removed, not followed
+                continue
+            if not _trusted(os.fstat(fd)):
+                os.close(fd)
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.path)
+                continue
             fcntl.flock(fd, fcntl.LOCK_EX)
             # A sweeper may have removed the file between our open and our lock: then the
             # lock guards nothing anyone can see; take a fresh file.
             try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(fd), os.stat(self.path, follow_symlinks=False))
             except FileNotFoundError:
                 same = False
             if same:
                 self.fd = fd
                 return
             os.close(fd)
+        raise OSError(errno.EAGAIN, "the owner lock file keeps being replaced", self.path)
 
     def release(self) -> None:
         """Remove the lock file and drop the lock (a clean stop leaves nothing behind)."""
@@ -134,7 +152,8 @@ def sweep_dead_owners(work_root: str, cgroup_dirs: list[str]) -> int:
                 continue  # its sidecar is alive
             removed += clear_owner(key, cgroup_dirs, None)
             with contextlib.suppress(OSError):
-                os.unlink(path)
+                if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
+                    os.unlink(path)  # only the file we locked, never a swapped-in one
         finally:
             os.close(fd)
     for path in _entries(work_root, ""):
@@ -150,38 +169,43 @@ ABANDONED_AFTER_SECONDS = 60.0
 _OWNER_KEY = re.compile(r"[0-9a-f]{12}")
 
 
-def hold_directory(path: str) -> int:
-    """Lock an attempt's work directory for the attempt's life (exclusive flock on a
-    close-on-exec descriptor, returned; close it to let go). Raises OSError."""
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise
-    return fd
+def lock_directory(fd: int) -> None:
+    """Take the attempt's exclusive flock on the work directory open at ``fd``. Raises
+    OSError (BlockingIOError when someone holds it)."""
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
 
 
 def remove_if_abandoned(path: str, min_age: float) -> bool:
     """Remove the work directory at ``path`` if no attempt holds it and it is at least
-    ``min_age`` seconds old; a symlink or anything but a directory is left alone. True
-    when it was removed."""
+    ``min_age`` seconds old; a symlink or anything but a directory is left alone. Removed
+    through the descriptor that holds its lock (sidecar.safefs: no link followed, also
+    not when a tool swaps the name meanwhile). True when it was removed."""
+    parent, name = os.path.split(path)
     try:
-        info = os.lstat(path)
-        if not stat.S_ISDIR(info.st_mode) or time.time() - info.st_mtime < min_age:
-            return False
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        parent_fd = safefs.open_dir(parent)
     except OSError:
         return False
     try:
+        info = safefs.lstat_at(parent_fd, name)
+        if info is None or not stat.S_ISDIR(info.st_mode) \
+                or time.time() - info.st_mtime < min_age:
+            return False
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fd = safefs.open_subdir(parent_fd, name)
         except OSError:
-            return False  # a live attempt holds it
-        remove_tree(path)
-        return not os.path.lexists(path)
+            return False
+        try:
+            try:
+                lock_directory(fd)
+            except OSError:
+                return False  # a live attempt holds it
+            if not os.path.samestat(os.fstat(fd), info):
+                return False  # swapped since it was looked at: judged on the next sweep
+            return safefs.remove_held(parent_fd, name, fd)
+        finally:
+            os.close(fd)
     finally:
-        os.close(fd)
+        os.close(parent_fd)
 
 
 def _trusted(info: os.stat_result) -> bool:
@@ -198,28 +222,9 @@ def _entries(parent: str, prefix: str) -> list[str]:
 
 def remove_tree(root: str) -> None:
     """Remove ``root`` and all in it without following a symlink anywhere, also not one
-    the tool put in place of ``root`` itself (that link is removed, not its target).
-    Directories the tool made read-only inside ``root`` are made writable (never anything
-    outside it) and the removal is tried again (at most 8 passes)."""
-    try:
-        if os.path.islink(root) or not os.path.isdir(root):
-            os.unlink(root)
-            return
-    except FileNotFoundError:
-        return
-
-    def unlock(_func, path, _exc_info) -> None:
-        for candidate in (os.path.dirname(path), path):
-            if candidate != root and not candidate.startswith(root + os.sep):
-                continue
-            with contextlib.suppress(OSError):
-                fd = os.open(candidate, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-                try:
-                    os.fchmod(fd, stat.S_IRWXU)
-                finally:
-                    os.close(fd)
-
-    for _ in range(8):  # each pass unlocks at least one more level of locked directories
-        shutil.rmtree(root, onerror=unlock)
-        if not os.path.lexists(root):
-            return
+    the tool put in place of ``root`` itself (that link is removed, not its target), and
+    without entering another filesystem. Every step goes through directory descriptors
+    (sidecar.safefs, case F15); directories of the sidecar's own user that a tool made
+    read-only are made writable through their descriptor, never anything outside
+    ``root``."""
+    safefs.remove_path(root)

@@ -22,7 +22,7 @@ from sidecar.child import Child, SpawnFailed, SpawnShortage, tree_processes
 from sidecar.commit import FencedCommit
 from sidecar.config import LeaseProfile, Settings
 from sidecar.db import RawJson
-from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment, read_result_file
+from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment
 from sidecar.lease import Lease, LeaseKeeper
 from sidecar.leftovers import job_name, work_dir_prefix
 from sidecar.log import log, log_fields, payload_digest
@@ -225,9 +225,12 @@ class JobSupervisor:
                  reclaimed=job.reclaimed or None, payload=self.payload_digest)
         if job.lifetime_remaining is not None and job.lifetime_remaining <= 0:
             return await self._fail_before_spawn(lifetime_failure(profile))
+        # The checkpoint is written while the work directory is still the sidecar's own,
+        # before the RUN_AS user (and so a sibling attempt) can plant a link in it (F15).
+        files = {} if job.checkpoint_text is None else {CHECKPOINT_FILE_NAME: job.checkpoint_text}
         sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
                           job_name(self.ctx.owner_id, job.id, job.fencing_token),
-                          work_dir_prefix(self.ctx.owner_id))
+                          work_dir_prefix(self.ctx.owner_id), files=files)
         loop = asyncio.get_running_loop()
         try:
             if not sandbox.open_kept():
@@ -247,18 +250,9 @@ class JobSupervisor:
         env = child_environment(self.ctx.base_env, profile,
                                 job_variables(job, profile, self.ctx.owner_id, sandbox))
         try:
-            if job.checkpoint_text is not None:
-                try:
-                    env["SIDECAR_CHECKPOINT_FILE"] = sandbox.write_file(
-                        CHECKPOINT_FILE_NAME, job.checkpoint_text)
-                except OSError as exc:
-                    short = shortage_errno(exc)
-                    if short is not None:
-                        return await self._short_before_spawn("checkpoint", short, str(exc))
-                    log.emit("sandbox_failed", "error", **log_fields(job), reason=str(exc))
-                    return await self._fail_before_spawn(failure(
-                        FailureKind.SANDBOX_FAILED, f"cannot write the checkpoint into the "
-                        f"attempt's work directory: {exc}"))
+            if files:
+                env["SIDECAR_CHECKPOINT_FILE"] = os.path.join(sandbox.job_dir,
+                                                              CHECKPOINT_FILE_NAME)
             if self.ctx.guard is not None:
                 env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
                 env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease)
@@ -412,11 +406,12 @@ class JobSupervisor:
             # The result file, when there is one, is the result; stdout is ignored.
             # Up to MAX_RESULT_BYTES from disk: off the event loop, which heartbeats (a
             # tool that left none costs one lstat here, no hop to a thread).
-            if not os.path.lexists(sandbox.result_file):
+            # Both through the work directory's descriptor, never its path (F15).
+            if not sandbox.has_result():
                 raise FileNotFoundError(sandbox.result_file)
             output = await asyncio.get_running_loop().run_in_executor(
-                None, read_result_file, sandbox.result_file, profile.max_result_bytes,
-                sandbox.ids[0] if sandbox.ids else None, profile_var(profile, "MAX_RESULT_BYTES"))
+                None, sandbox.read_result, profile.max_result_bytes,
+                profile_var(profile, "MAX_RESULT_BYTES"))
             source = "SIDECAR_RESULT_FILE"
         except FileNotFoundError:
             output, child.stdout = child.stdout, bytearray()  # handed over, not copied
@@ -444,9 +439,7 @@ class JobSupervisor:
         """payload_digest of what the tool returned (its result file, else its stdout),
         for the journal of a result that may not be committed (P6)."""
         try:
-            return payload_digest(read_result_file(
-                sandbox.result_file, self.ctx.profile.max_result_bytes,
-                sandbox.ids[0] if sandbox.ids else None))
+            return payload_digest(sandbox.read_result(self.ctx.profile.max_result_bytes))
         except FileNotFoundError:
             return payload_digest(child.stdout)
         except BadResult:
