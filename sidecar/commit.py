@@ -123,7 +123,7 @@ class FencedCommit:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
                 self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded",
                 details, self.ctx.profile.result_url or None, next_stage, earlier),
-                cancel_is_final=True)
+                "job_succeeded", cancel_is_final=True)
         except OwnershipUnknown:
             self._give_back(earlier)
             return await self._abandon(digest)
@@ -166,7 +166,7 @@ class FencedCommit:
             try:
                 run_after = await self._fenced(lambda: self.ctx.store.requeue_if_owner(
                     job, self.ctx.owner_id, error, delay,
-                    {**summary, "backoff_s": round(delay, 3)}, earlier))
+                    {**summary, "backoff_s": round(delay, 3)}, earlier), "job_retry_scheduled")
             except OwnershipUnknown:
                 self._give_back(earlier)
                 return await self._abandon(None)
@@ -183,7 +183,7 @@ class FencedCommit:
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
                 job, self.ctx.owner_id, "failed", None, error, "job_failed", summary,
-                earlier=earlier))
+                earlier=earlier), "job_failed")
         except OwnershipUnknown:
             self._give_back(earlier)
             return await self._abandon(None)
@@ -202,7 +202,7 @@ class FencedCommit:
         try:
             released = await self._fenced(lambda: self.ctx.store.release_if_owner(
                 self.job, self.ctx.owner_id,
-                {"reason": reason, "owner_id": self.ctx.owner_id}, earlier))
+                {"reason": reason, "owner_id": self.ctx.owner_id}, earlier), "lease_released")
         except OwnershipUnknown:
             self._give_back(earlier)
             return await self._abandon(None)
@@ -247,7 +247,7 @@ class FencedCommit:
         await self.reject(digest, "ownership unknown at commit")
         return Outcome.ABANDONED
 
-    async def _fenced(self, write: Callable[[], Awaitable[T]], *,
+    async def _fenced(self, write: Callable[[], Awaitable[T]], event: str, *,
                       cancel_is_final: bool = False) -> T:
         """Run a fenced write; when the database failed (``db.UNAVAILABLE_ERRORS``, a
         failover's read-only primary too, case F12), retry on a new connection while the
@@ -256,10 +256,17 @@ class FencedCommit:
         A write the server ended on a timeout (``db.TIMEOUT_ERRORS``, cases F17, F18) was
         rolled back and says nothing about ownership: a lock wait (55P03: another session
         holds the row) is retried the same way; a cancelled statement (57014) is retried
-        too, unless ``cancel_is_final``, when the QueryCanceledError is raised at once."""
+        too, unless ``cancel_is_final``, when the QueryCanceledError is raised at once.
+
+        Case F16: a write whose answer was lost (connection dropped, no answer in time)
+        may have committed; its retry then finds the job no longer ours. Before such a
+        "not accepted" is believed, the journal is asked whether ``event`` (which the
+        write journals in its own statement) is there for this attempt: if so the write
+        did commit, and its details (``run_after`` for a requeue, else True) are returned."""
+        answer_lost = False
         while True:
             try:
-                return await write()
+                result = await write()
             except db.TIMEOUT_ERRORS as exc:
                 if cancel_is_final and isinstance(exc, asyncpg.QueryCanceledError):
                     log.emit("commit_cancelled", "warning", **log_fields(self.job),
@@ -267,7 +274,28 @@ class FencedCommit:
                     raise
                 await self._before_retry(exc)
             except db.UNAVAILABLE_ERRORS as exc:
+                answer_lost = True
                 await self._before_retry(exc)
+            else:
+                if not result and answer_lost:
+                    settled = await self._settle_lost_answer(event)
+                    if settled is not None:
+                        return settled
+                return result
+
+    async def _settle_lost_answer(self, event: str) -> Any:
+        """Case F16: did the write whose answer was lost commit? Its journal row says."""
+        try:
+            details = await self.ctx.store.journaled_outcome(self.job.attempt_id, event)
+        except Exception as exc:  # noqa: BLE001 - unsettled: the write counts as refused
+            log.emit("commit_unsettled", "warning", **log_fields(self.job), journal_event=event,
+                     reason=db.describe_error(exc))
+            return None
+        if details is None:
+            return None
+        log.emit("commit_answer_lost", "warning", **log_fields(self.job), journal_event=event,
+                 reason="the write's answer was lost, and the journal shows it committed")
+        return (details.get("run_after") if isinstance(details, dict) else None) or True
 
     async def _before_retry(self, exc: BaseException) -> None:
         """Log one ``commit_retry`` and wait a little; OwnershipUnknown past the deadline."""

@@ -267,6 +267,22 @@ class Store:
             lifetime_remaining=row["lifetime_remaining"],
         )
 
+    async def release_unheld_claims(self, tool: str, owner_id: str,
+                                    held: Iterable[AttemptId]) -> list[asyncpg.Record]:
+        """Case F16: settle claims whose answer was lost. Every job of ``tool`` running under
+        ``owner_id`` whose attempt is not in ``held`` goes back to the queue without
+        spending the attempt, journaled ``lease_released`` (reason ``claim_answer_lost``).
+        Returns ``id, fencing_token`` of each."""
+        leases = [{"id": str(a.job_id), "token": a.fencing_token} for a in held]
+        return await self.db.fetch(Q["release_unheld_claims"], tool, owner_id, leases,
+                                   timeout=self.timeout)
+
+    async def journaled_outcome(self, attempt: AttemptId, event: str) -> dict | None:
+        """Case F16: the details of ``event`` journaled for ``attempt`` (the proof that a
+        fenced write whose answer was lost did commit), or None."""
+        return await self.db.fetchval(Q["journaled_outcome"], attempt.job_id,
+                                      attempt.fencing_token, event, timeout=self.timeout)
+
     @staticmethod
     async def extend_leases_if_owner(
         conn: asyncpg.Connection, owner_id: str, held: Iterable[tuple[uuid.UUID, int]],

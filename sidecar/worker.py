@@ -89,6 +89,7 @@ class Worker:
         self.labels = (profile.tool, profile.provider)
         self._background: list[asyncio.Task] = []
         self._writes: set[asyncio.Future] = set()  # journal writes in flight
+        self._claim_unsettled = False  # a claim's answer was lost (F16)
         self._store: Store | None = None
         self.readiness = Readiness(expected_schema=migrations()[-1].version,
                                    db_fresh_seconds=max(10.0, 3 * settings.poll_seconds),
@@ -223,11 +224,18 @@ class Worker:
                     self.readiness.db_ok_at = time.monotonic()
                 # ctx.claim_pause: an attempt met a shortage of the host (F19); its end
                 # wakes this loop.
+                if self._claim_unsettled:
+                    await self._settle_claims(store)
                 while len(self.running) < self.concurrency and not self.stopping.is_set() \
                         and not ctx.claim_pause.remaining():
                     sent = clock.ownership_now()  # the lease's local deadline (F20)
-                    job = await store.claim(tool, self.owner_id, self.profile.lease_seconds,
-                                            self.profile.max_lifetime_seconds or None)
+                    try:
+                        job = await store.claim(tool, self.owner_id,
+                                                self.profile.lease_seconds,
+                                                self.profile.max_lifetime_seconds or None)
+                    except db.UNAVAILABLE_ERRORS:
+                        self._claim_unsettled = True  # it may have committed (F16)
+                        raise
                     self.readiness.db_ok_at = time.monotonic()
                     metrics.CLAIM_ATTEMPTS.labels(*self.labels,
                                                   "empty" if job is None else "claimed").inc()
@@ -258,6 +266,20 @@ class Worker:
                          sqlstate=db.sqlstate(exc))
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), poll)
+
+    async def _settle_claims(self, store: Store) -> None:
+        """Case F16: a claim whose answer was lost may have committed, leaving a job running
+        under this sidecar's own owner id with no lease held here and no tool started. Once
+        the database answers, every such job goes back to the queue without spending the
+        attempt (journaled ``lease_released``, reason ``claim_answer_lost``) before anything
+        else is claimed. Raises what the store raises (the claim loop retries)."""
+        held = [*self.running, *self._ctx.keeper.abandoned]
+        for row in await store.release_unheld_claims(self.profile.tool, self.owner_id, held):
+            log.emit("claim_answer_lost", "warning", job_id=str(row["id"]),
+                     tool=self.profile.tool, fencing_token=row["fencing_token"],
+                     reason="the claim committed but its answer was lost; released "
+                            "without spending the attempt")
+        self._claim_unsettled = False
 
     async def _stay_idle(self, store: Store) -> None:
         """Room for a job and none to claim: be on the idle list, so the next job queued

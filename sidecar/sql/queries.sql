@@ -242,6 +242,43 @@ WITH released AS (
 )
 SELECT id, tool_job_wake(tool, 1) FROM released;
 
+-- name: release_unheld_claims
+-- Case F16: a claim whose answer was lost (connection dropped, timeout) may have committed:
+-- the job is running under this sidecar's own owner id ($2) while the sidecar holds no
+-- lease of it. Every such row of the tool ($1) whose attempt ($3: held {id, token}) this
+-- sidecar does not hold goes back to the queue at once, without spending the attempt (its
+-- tool never started). Locked rows are skipped (F17) and settled at the next round.
+WITH held AS (
+    SELECT * FROM jsonb_to_recordset($3::jsonb) AS held(id uuid, token bigint)
+), unheld AS (
+    SELECT j.id FROM tool_jobs j
+    WHERE j.tool = $1 AND j.owner_id = $2 AND j.state = 'running'
+      AND NOT EXISTS (SELECT FROM held WHERE held.id = j.id AND held.token = j.fencing_token)
+    FOR UPDATE SKIP LOCKED
+), released AS (
+    UPDATE tool_jobs j
+    SET state = 'queued', owner_id = NULL, lease_until = NULL, heartbeat_at = NULL,
+        attempt = greatest(j.attempt - 1, 0), run_after = now()
+    FROM unheld
+    WHERE j.id = unheld.id
+    RETURNING j.id, j.tool, j.fencing_token, j.attempt
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'lease_released',
+           jsonb_build_object('reason', 'claim_answer_lost', 'owner_id', $2::text,
+                              'attempt_spent', false)
+    FROM released
+)
+SELECT r.id, r.fencing_token, tool_job_wake(r.tool, 1) FROM released r;
+
+-- name: journaled_outcome
+-- Case F16: whether the fenced write of attempt ($1, token $2) whose answer was lost did
+-- commit: each such write journals its event ($3) in the same statement. Returns the
+-- event's details, or no row.
+SELECT details FROM tool_job_events
+WHERE job_id = $1 AND fencing_token = $2 AND event = $3
+ORDER BY id DESC LIMIT 1;
+
 -- name: cancel_job
 -- Cancels the job and every later stage of it still queued or running. A running job
 -- keeps its owner, token and lease end: its owner may still run the tree until it notices

@@ -1,0 +1,124 @@
+"""Case F16: the answer of a statement can be lost after it committed.
+
+The kind of fault: acting on "no answer" or on a retry's "not yours" as if the statement
+had not happened. A claim that committed (token + 1, attempt + 1, owner this sidecar)
+but whose answer was lost left the job running under the sidecar's own owner id with no
+lease held locally; with --max-attempts 1 it ended max_attempts_exceeded without its tool
+ever starting. A fenced end of an attempt whose answer was lost was retried, found the job
+no longer running, and was journaled as a rejected result although it had committed.
+
+Now the sidecar settles such a statement from the database before acting: after a claim
+with no answer, every job running under its own owner id that it does not hold goes back
+to the queue without spending the attempt (``lease_released``, reason
+``claim_answer_lost``) before the next claim; after a fenced write with no answer whose
+retry is refused, the journal row the write commits in its own statement tells whether
+it did commit (``commit_answer_lost``). Places with the same shape: the claim; the
+success, failure, requeue and release writes of sidecar.commit (one ``_fenced`` path).
+
+The answers are lost by a real PostgreSQL protocol proxy (tests/pgproxy.py) that lets
+the statement commit and then cuts the connection instead of passing its answer on.
+"""
+
+from __future__ import annotations
+
+import uuid
+
+import pytest
+from netproxy import through, upstream_of
+from pgproxy import AnswerDropProxy
+
+from conftest import base_env, enqueue, job_row, query, wait_until
+from sidecar.queries import Q
+
+COUNTER = "run_counter.py"
+
+
+def _marker(name: str) -> str:
+    """A line of the named statement's SQL no other statement has."""
+    lines = [line for line in Q[name].splitlines()
+             if line.strip() and not line.strip().startswith("--")]
+    unique = [line for line in lines
+              if sum(line in text for text in Q.values()) == 1]
+    assert unique, name
+    return unique[0].strip()
+
+
+@pytest.fixture
+def drop_answers(dsn):
+    proxies = []
+
+    def start(statement: str) -> tuple[AnswerDropProxy, str]:
+        proxy = AnswerDropProxy(upstream_of(dsn), _marker(statement))
+        proxies.append(proxy)
+        port = proxy.start()
+        proxied = through(dsn, port)
+        return proxy, proxied + ("&" if "?" in proxied else "?") + "sslmode=disable"
+
+    yield start
+    for proxy in proxies:
+        proxy.stop()
+
+
+def _events(dsn: str, job_id: str) -> list[tuple[str, int, dict]]:
+    return [(r["event"], r["fencing_token"], r["details"]) for r in query(
+        dsn, "SELECT event, fencing_token, details FROM tool_job_events WHERE job_id = $1 "
+             "ORDER BY at, id", uuid.UUID(job_id))]
+
+
+def test_a_claim_whose_answer_was_lost_is_released_without_spending_the_attempt(
+        dsn, sidecars, drop_answers, tmp_path):
+    """Case F16, the claim: its answer is lost after it committed (token 1, attempt 1 of
+    1, owner this sidecar). The sidecar settles it from the row before claiming again:
+    the job goes back to the queue with its attempt given back, is claimed again (token
+    2) and succeeds on its only attempt; the tool ran once, and never for token 1."""
+    proxy, proxied = drop_answers("claim_job")
+    runs = tmp_path / "runs"
+    sc = sidecars(dsn, [COUNTER], env=base_env(proxied))
+    sc.wait_event("worker_started")
+    proxy.arm(1)
+    job_id = enqueue(dsn, COUNTER, {"log": str(runs)}, "--max-attempts", "1")
+    wait_until(lambda: job_row(dsn, job_id)["state"] in ("succeeded", "failed"), 30,
+               what="the job's end")
+    row = job_row(dsn, job_id)
+    assert proxy.dropped == 1
+    assert row["state"] == "succeeded", row["error"]
+    assert (row["fencing_token"], row["attempt"]) == (2, 1)
+    assert runs.read_text().split() == ["2"]
+    events = _events(dsn, job_id)
+    released = [(t, d) for e, t, d in events if e == "lease_released"]
+    assert released == [(1, {"reason": "claim_answer_lost", "owner_id": released[0][1]
+                             ["owner_id"], "attempt_spent": False})]
+    assert not [e for e, _, _ in events if e == "job_failed"]
+    sc.wait_event("claim_answer_lost", job_id=job_id, fencing_token=1)
+
+
+@pytest.mark.parametrize("exit_code, event, state", [
+    (0, "job_succeeded", "succeeded"),
+    (3, "job_retry_scheduled", "queued"),
+])
+def test_a_fenced_end_whose_answer_was_lost_is_settled_from_the_journal(
+        dsn, sidecars, drop_answers, tmp_path, exit_code, event, state):
+    """Case F16, the fenced end of an attempt (success, and a requeue after a failure):
+    the write commits and its answer is lost; the retry finds the job no longer running.
+    The journal row the write committed in its own statement settles it: the outcome
+    stands, no ``result_rejected`` is journaled, and the attempt is not counted as lost."""
+    statement = "finish_job_if_owner" if exit_code == 0 else "requeue_job_if_owner"
+    proxy, proxied = drop_answers(statement)
+    runs = tmp_path / "runs"
+    sc = sidecars(dsn, [COUNTER], env=base_env(proxied))
+    sc.wait_event("worker_started")
+    proxy.arm(1)
+    job_id = enqueue(dsn, COUNTER, {"log": str(runs), "exit": exit_code},
+                     "--max-attempts", "2")
+    settled = sc.wait_event("commit_answer_lost", job_id=job_id, timeout=30)
+    assert settled["journal_event"] == event and proxy.dropped == 1
+    if state == "queued":  # the second attempt then fails for good: let it, and look
+        wait_until(lambda: job_row(dsn, job_id)["state"] == "failed", 30,
+                   what="the second attempt's end")
+    else:
+        wait_until(lambda: job_row(dsn, job_id)["state"] == state, 30, what=state)
+    names = [(e, t) for e, t, _ in _events(dsn, job_id)]
+    assert (event, 1) in names
+    assert not [n for n in names if n[0] == "result_rejected"], names
+    assert not sc.events("result_rejected")
+    assert runs.read_text().split() == (["1"] if exit_code == 0 else ["1", "2"])
