@@ -36,7 +36,7 @@ from sidecar.config import (
 )
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
 from sidecar.loop import run_async
-from sidecar.store import Store
+from sidecar.store import Store, check_producer_key
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 
@@ -166,6 +166,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
             key.encode("utf-8")
         except UnicodeEncodeError:
             raise UsageError("--idempotency-key is not valid UTF-8") from None
+        check_producer_key(key)  # ':stage:N' keys belong to next stages (case F22)
 
     # The text as given, validated: jsonb keeps every number exactly, where a round trip
     # through Python floats would not (12345678901234567890123 stays an integer).

@@ -64,6 +64,8 @@ class FailureKind(StrEnum):
     MEMORY_LIMIT = "memory_limit"
     CPU_LIMIT = "cpu_limit"
     PROCESS_LIMIT = "process_limit"
+    # The next stage's key is held by another job (case F22): the completion wrote nothing.
+    NEXT_STAGE_CONFLICT = "next_stage_conflict"
     # Written by SQL, never by a supervisor: the lease expired on the last attempt, and an
     # operator's cancel.
     MAX_ATTEMPTS_EXCEEDED = "max_attempts_exceeded"
@@ -88,6 +90,7 @@ RETRYABLE: dict[FailureKind, bool] = {
     FailureKind.MEMORY_LIMIT: False,
     FailureKind.CPU_LIMIT: False,
     FailureKind.PROCESS_LIMIT: False,
+    FailureKind.NEXT_STAGE_CONFLICT: False,
     FailureKind.MAX_ATTEMPTS_EXCEEDED: False,
     FailureKind.CANCELLED: False,
 }
