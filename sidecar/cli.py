@@ -316,6 +316,8 @@ def cmd_cancel(args, settings: Settings) -> int:
 
 
 def cmd_retry(args, settings: Settings) -> int:
+    if args.forwarding:
+        return _retry_forwarding(args, settings)
     if (args.job_id is None) == (args.tool is None):
         raise UsageError("give one JOB_ID, or --tool TOOL (with --state) for every failed or "
                          "cancelled job of a tool")
@@ -339,6 +341,33 @@ def cmd_retry(args, settings: Settings) -> int:
                            "can be retried")
     _print_json({"retried": [str(r["id"]) for r in rows], "count": len(rows),
                  "previous_states": sorted({r["previous_state"] for r in rows})})
+    return 0
+
+
+def _retry_forwarding(args, settings: Settings) -> int:
+    """``sidecar retry --forwarding JOB_ID``: deliver a dead-lettered result again (case
+    F21). Exit 2 for bad arguments, 1 when the job does not exist or has no dead-lettered
+    forwarding."""
+    if args.job_id is None or args.tool is not None or args.state is not None:
+        raise UsageError("--forwarding takes one JOB_ID (no --tool or --state): the job "
+                         "whose dead-lettered result should be delivered again")
+    job_id = _job_id(args.job_id)
+
+    async def go():
+        async with open_store(settings) as store:
+            redone = await store.outbox_redeliver(job_id, "sidecar retry --forwarding")
+            if redone:
+                return redone, None, []
+            return redone, await store.get_job(job_id), await store.outbox_of_job(job_id)
+
+    redone, row, outbox = run_async(settings, go())
+    if not redone:
+        if row is None:
+            raise SidecarError(f"no job {job_id}")
+        states = ", ".join(sorted({o["state"] for o in outbox})) or "none (no RESULT_URL)"
+        raise SidecarError(f"job {job_id} has no dead-lettered forwarding (forwarding: "
+                           f"{states}); only a dead-lettered result can be delivered again")
+    _print_json({"id": job_id, "redelivering": redone, "count": len(redone)})
     return 0
 
 
@@ -578,6 +607,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id", metavar="JOB_ID", nargs="?")
     p.add_argument("--tool", metavar="TOOL", help="every failed or cancelled job of TOOL")
     p.add_argument("--state", choices=("failed", "cancelled"), help="only jobs in this state")
+    p.add_argument("--forwarding", action="store_true",
+                   help="instead: deliver the dead-lettered result of JOB_ID again "
+                        "(fresh forwarding attempts and age)")
     p = add("prune", cmd_prune, "delete finished jobs, with their journal and outbox rows, "
             "older than their state's retention; prints what it removed as JSON")
     p.add_argument("--older-than", metavar="DURATION",

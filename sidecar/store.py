@@ -448,11 +448,22 @@ class Store:
         return await self.db.fetchrow(Q["outbox_delivered_if_owner"], row_id, owner_id,
                                         status, timeout=self.timeout) is not None
 
-    async def outbox_dead_letter(self, row_id: int, owner_id: str, status: int,
-                                 reason: str) -> bool:
-        """Dead-letter and journal ``effect_rejected`` and ``forward_dead_lettered``."""
+    async def outbox_dead_letter(self, row_id: int, owner_id: str, status: int | None,
+                                 reason: str, kind: str = "refused",
+                                 details: dict[str, Any] | None = None) -> bool:
+        """Dead-letter and journal ``forward_dead_lettered`` with ``kind`` (``refused``,
+        also journaled as ``effect_rejected``; ``redirect``, ``max_attempts``, ``max_age``,
+        case F21) and ``details``; False if the row was not ours."""
         return await self.db.fetchrow(Q["outbox_dead_letter_if_owner"], row_id, owner_id,
-                                        status, reason, timeout=self.timeout) is not None
+                                        status, reason, kind, details or {},
+                                        timeout=self.timeout) is not None
+
+    async def outbox_redeliver(self, job_id: uuid.UUID, by: str) -> list[int]:
+        """Make the dead-lettered outbox rows of ``job_id`` pending again with fresh
+        attempts and age (journaled ``forward_redelivery`` with ``by``); returns their ids,
+        empty when the job has none."""
+        rows = await self.db.fetch(Q["outbox_redeliver"], job_id, by, timeout=self.timeout)
+        return [row["id"] for row in rows]
 
     async def outbox_retry_later(self, row_id: int, owner_id: str, delay_seconds: float,
                                  status: int | None, error: str) -> bool:
