@@ -38,7 +38,7 @@ from sidecar.config import (
 )
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
 from sidecar.loop import run_async
-from sidecar.store import Store
+from sidecar.store import Store, check_producer_key
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 # How often `retry` looks again for the acknowledgement of a cancel (case F14).
@@ -170,6 +170,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
             key.encode("utf-8")
         except UnicodeEncodeError:
             raise UsageError("--idempotency-key is not valid UTF-8") from None
+        check_producer_key(key)  # ':stage:N' keys belong to next stages (case F22)
 
     # The text as given, validated: jsonb keeps every number exactly, where a round trip
     # through Python floats would not (12345678901234567890123 stays an integer).
@@ -319,6 +320,8 @@ def cmd_cancel(args, settings: Settings) -> int:
 
 
 def cmd_retry(args, settings: Settings) -> int:
+    if args.forwarding:
+        return _retry_forwarding(args, settings)
     if (args.job_id is None) == (args.tool is None):
         raise UsageError("give one JOB_ID, or --tool TOOL (with --state) for every failed or "
                          "cancelled job of a tool")
@@ -356,6 +359,33 @@ def cmd_retry(args, settings: Settings) -> int:
     if waited >= RETRY_ACK_POLL_SECONDS:
         out["waited_for_cancel_s"] = round(waited, 3)
     _print_json(out)
+    return 0
+
+
+def _retry_forwarding(args, settings: Settings) -> int:
+    """``sidecar retry --forwarding JOB_ID``: deliver a dead-lettered result again (case
+    F21). Exit 2 for bad arguments, 1 when the job does not exist or has no dead-lettered
+    forwarding."""
+    if args.job_id is None or args.tool is not None or args.state is not None:
+        raise UsageError("--forwarding takes one JOB_ID (no --tool or --state): the job "
+                         "whose dead-lettered result should be delivered again")
+    job_id = _job_id(args.job_id)
+
+    async def go():
+        async with open_store(settings) as store:
+            redone = await store.outbox_redeliver(job_id, "sidecar retry --forwarding")
+            if redone:
+                return redone, None, []
+            return redone, await store.get_job(job_id), await store.outbox_of_job(job_id)
+
+    redone, row, outbox = run_async(settings, go())
+    if not redone:
+        if row is None:
+            raise SidecarError(f"no job {job_id}")
+        states = ", ".join(sorted({o["state"] for o in outbox})) or "none (no RESULT_URL)"
+        raise SidecarError(f"job {job_id} has no dead-lettered forwarding (forwarding: "
+                           f"{states}); only a dead-lettered result can be delivered again")
+    _print_json({"id": job_id, "redelivering": redone, "count": len(redone)})
     return 0
 
 
@@ -595,6 +625,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("job_id", metavar="JOB_ID", nargs="?")
     p.add_argument("--tool", metavar="TOOL", help="every failed or cancelled job of TOOL")
     p.add_argument("--state", choices=("failed", "cancelled"), help="only jobs in this state")
+    p.add_argument("--forwarding", action="store_true",
+                   help="instead: deliver the dead-lettered result of JOB_ID again "
+                        "(fresh forwarding attempts and age)")
     p = add("prune", cmd_prune, "delete finished jobs, with their journal and outbox rows, "
             "older than their state's retention; prints what it removed as JSON")
     p.add_argument("--older-than", metavar="DURATION",

@@ -24,7 +24,7 @@ import asyncpg
 from sidecar import clock, db, metrics
 from sidecar.config import LeaseProfile
 from sidecar.db import RawJson
-from sidecar.errors import OwnershipUnknown
+from sidecar.errors import NextStageConflict, OwnershipUnknown
 from sidecar.lease import Lease
 from sidecar.log import log, log_fields
 from sidecar.store import ClaimedJob, NextStage
@@ -140,6 +140,18 @@ class FencedCommit:
             return await self.fail(failure(
                 FailureKind.BAD_RESULT, f"PostgreSQL refused the result as jsonb: {exc}",
                 stderr_tail=stderr_tail))
+        except NextStageConflict as exc:
+            # Case F22: the stage's key belongs to another job; the statement wrote nothing.
+            # Never a silent success: journaled, logged loudly, and the attempt fails.
+            self._give_back(earlier)
+            holder = str(exc.holder_id) if exc.holder_id else None
+            log.emit("next_stage_conflict", "error", **log_fields(self.job), key=exc.key,
+                     holder_id=holder, next_tool=next_stage.tool if next_stage else None)
+            self.note("next_stage_conflict", {"key": exc.key, "holder_id": holder,
+                                              "next_tool": next_stage.tool if next_stage
+                                              else None})
+            return await self.fail(failure(FailureKind.NEXT_STAGE_CONFLICT, exc.message,
+                                           key=exc.key, holder_id=holder))
         if not accepted:
             self._give_back(earlier)
             await self.reject(digest, "not the owner at commit")

@@ -194,6 +194,17 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "BACKOFF_MAX_SECONDS": _Field(_number, "300", "s", "retry delay cap"),
     "MAX_RESULT_BYTES": _Field(_integer, str(8 * 1024 * 1024), "bytes", "stdout cap"),
     "RESULT_URL": _Field(_http_url, "", "url", "where accepted results are POSTed (outbox)"),
+    "FORWARD_MAX_ATTEMPTS": _Field(_integer, "20", "count",
+                                   "delivery attempts of a forwarded result before it is "
+                                   "dead-lettered (case F21)"),
+    "FORWARD_MAX_AGE_SECONDS": _Field(_number, "86400", "s",
+                                      "how long a forwarded result is retried, from its "
+                                      "completion (or re-delivery), before it is "
+                                      "dead-lettered (case F21)"),
+    "FORWARD_FOLLOW_REDIRECTS": _Field(_flag, "false", "bool",
+                                       "follow a receiver's 307/308 (method and body kept); "
+                                       "any other 3xx, or any 3xx when false, dead-letters "
+                                       "the result"),
     "IDLE_TIMEOUT_SECONDS": _Field(_number, "0", "s",
                                    "kill a tree with no CPU, I/O or output this long; 0 = off"),
     "MAX_LIFETIME_SECONDS": _Field(_number, "0", "s",
@@ -361,6 +372,9 @@ class LeaseProfile:
     backoff_max_seconds: float
     max_result_bytes: int
     result_url: str
+    forward_max_attempts: int
+    forward_max_age_seconds: float
+    forward_follow_redirects: bool
     idle_timeout_seconds: float
     max_lifetime_seconds: float
     next_tools: frozenset[str]
@@ -459,7 +473,8 @@ def _build_profile(
     src = {name: source for name, (_, source) in values.items()}
 
     for name in ("LEASE_SECONDS", "HEARTBEAT_SECONDS", "STAGE_TIMEOUT_SECONDS",
-                 "MAX_ATTEMPTS", "MAX_RESULT_BYTES", "TOLERATED_MISSES"):
+                 "MAX_ATTEMPTS", "MAX_RESULT_BYTES", "TOLERATED_MISSES",
+                 "FORWARD_MAX_ATTEMPTS", "FORWARD_MAX_AGE_SECONDS"):
         if p[name.lower()] <= 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must be a positive number")
     if p["max_attempts"] > MAX_ATTEMPTS_LIMIT:
@@ -551,9 +566,11 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             continue
         if var.startswith(PROFILE_PREFIX):
             rest = var[len(PROFILE_PREFIX):]
-            match = next(
+            # The longest field that ends the name: FORWARD_MAX_ATTEMPTS, not MAX_ATTEMPTS
+            # of a tool "...-forward".
+            match = max(
                 (f for f in PROFILE_FIELDS if rest.endswith("_" + f) and len(rest) > len(f) + 1),
-                None,
+                key=len, default=None,
             )
             if match is None:
                 raise ConfigError(

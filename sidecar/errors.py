@@ -60,3 +60,16 @@ class OwnershipUnknown(SidecarError):
     def __init__(self, message: str = "ownership unknown: the database did not answer a "
                                       "fenced write before the lease's local deadline"):
         super().__init__(message)
+
+
+class NextStageConflict(SidecarError):
+    """The next stage's derived key (``{parent key}:stage:{n}``, P19) is held by a job that
+    is not this parent's own stage (case F22): the completion wrote nothing. ``key`` is the
+    key, ``holder_id`` the job holding it (None when it vanished before it could be read)."""
+
+    def __init__(self, key: str, holder_id: object | None):
+        super().__init__(f"the next stage's idempotency key {key!r} is already held by job "
+                         f"{holder_id or '(gone)'}, which is not a stage of this job; "
+                         "nothing was committed")
+        self.key = key
+        self.holder_id = holder_id

@@ -267,8 +267,18 @@ async def _decide(
         return FencedResponse(409, {"error": "stale_fence", "fence": fence,
                                     "current": current}), False, False
     digest = hashlib.sha256(body).hexdigest()
-    if not await conn.fetchval(Q["fence_claim_key"], key, entity, fence, digest):
+    # A skipped claim is never taken as done (case F22): the stored answer is read, and a
+    # row deleted in between (an operator pruning keys) is claimed again.
+    stored = None
+    for _ in range(3):
+        if await conn.fetchval(Q["fence_claim_key"], key, entity, fence, digest):
+            break
         stored = await conn.fetchrow(Q["fence_stored_response"], key)
+        if stored is not None:
+            break
+    else:
+        return _in_progress(key, entity, lock_timeout), False, False
+    if stored is not None:
         if stored["body_sha256"] != digest:
             return FencedResponse(422, {
                 "error": "idempotency_key_reused", "idempotency_key": key,

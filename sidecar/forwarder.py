@@ -8,9 +8,20 @@ leaves the row to another after that lease. Each POST carries
 a receiver replays duplicates and refuses a stale owner.
 
 Outcomes: 2xx delivered (``effect_forwarded``); 409 ``stale_fence`` or another 4xx except
-408/429 dead-lettered with the reason (``effect_rejected``, ``forward_dead_lettered``);
-anything else (5xx, 408, 429, a refused or timed-out connection) retried with
-exponential backoff and jitter.
+408/429 dead-lettered with the reason (``effect_rejected``, ``forward_dead_lettered`` kind
+``refused``); anything else (5xx, 408, 429, a refused or timed-out connection) retried with
+exponential backoff and jitter, bounded (case F21) by the profile's FORWARD_MAX_ATTEMPTS
+and FORWARD_MAX_AGE_SECONDS (counted from ``pending_since``, by the database's clock),
+then dead-lettered (kind ``max_attempts`` or ``max_age``).
+
+Redirects are never followed by the HTTP client: a 3xx is not a delivery (aiohttp would
+turn a POST answered 301/302/303 into a bodyless GET, and a 200 to that GET is not the
+receiver accepting the result). It is dead-lettered (kind ``redirect``, with its
+``Location``), unless the profile sets FORWARD_FOLLOW_REDIRECTS: then a 307 or 308, which
+keep the method and body, is followed by POSTing the same body and headers to its
+``Location`` (at most MAX_REDIRECTS hops); any other 3xx is still dead-lettered.
+Every dead letter is journaled, logged, counted (``sidecar_forward_dead_letters_total``),
+shown by ``sidecar show`` and re-delivered by ``sidecar retry --forwarding JOB_ID``.
 """
 
 from __future__ import annotations
@@ -20,7 +31,8 @@ import contextlib
 import random
 from typing import TYPE_CHECKING
 
-from sidecar.config import Settings
+from sidecar import metrics
+from sidecar.config import LeaseProfile, Settings, mask_url
 from sidecar.log import log
 from sidecar.store import Store
 
@@ -30,6 +42,7 @@ if TYPE_CHECKING:
 FORWARD_LEASE_SECONDS = 60.0
 REQUEST_TIMEOUT_SECONDS = 20.0  # well inside the forwarding lease
 BATCH = 8
+MAX_REDIRECTS = 5  # 307/308 hops followed with FORWARD_FOLLOW_REDIRECTS
 
 
 def is_permanent_refusal(status: int) -> bool:
@@ -79,36 +92,96 @@ class Forwarder:
                 await session.close()
 
     async def _deliver(self, session: aiohttp.ClientSession, row) -> None:
-        import aiohttp
-
         fields = {"job_id": str(row["job_id"]), "tool": row["tool"],
                   "fencing_token": row["fencing_token"]}
-        headers = {"Content-Type": "application/json",
-                   "Idempotency-Key": row["idempotency_key"],
-                   "X-Execution-Fence": str(row["fencing_token"])}
-        status: int | None = None
-        try:
-            async with session.post(row["url"], data=row["body_text"].encode(),
-                                    headers=headers) as response:
-                status = response.status
-                text = (await response.text(errors="replace"))[:500]
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            text = f"{type(exc).__name__}: {exc}"[:500]
+        profile = self.settings.profile(row["tool"])
+        attempts, age = row["attempts"], row["age_s"]
+        if attempts > profile.forward_max_attempts:
+            # Claimed more often than allowed without an answer (forwarders that died
+            # mid-delivery): the bound holds without another request.
+            await self._dead_letter(row, profile, fields, None, "max_attempts",
+                                    f"{attempts - 1} delivery attempts without an answer")
+            return
+        status, text, location, url = await _post(session, row, profile)
         if status is not None and 200 <= status < 300:
             await self.store.outbox_delivered(row["id"], self.owner_id, status)
-            log.emit("effect_forwarded", **fields, status=status, attempt=row["attempts"])
+            log.emit("effect_forwarded", **fields, status=status, attempt=attempts,
+                     url=mask_url(url) if url != row["url"] else None)
+        elif status is not None and 300 <= status < 400:
+            shown = mask_url(location) if location else None
+            await self._dead_letter(
+                row, profile, fields, status, "redirect",
+                f"HTTP {status} redirect to {shown or '(no Location)'}: a redirect is not a "
+                "delivery" + ("" if profile.forward_follow_redirects else
+                              "; set FORWARD_FOLLOW_REDIRECTS to follow 307/308"),
+                {"location": shown})
         elif status is not None and is_permanent_refusal(status):
-            reason = _reason(text) or f"HTTP {status}"
-            await self.store.outbox_dead_letter(row["id"], self.owner_id, status, reason)
-            log.emit("forward_dead_lettered", "warning", **fields, status=status, reason=reason)
+            await self._dead_letter(row, profile, fields, status, "refused",
+                                    _reason(text) or f"HTTP {status}")
+        elif attempts >= profile.forward_max_attempts:
+            await self._dead_letter(row, profile, fields, status, "max_attempts",
+                                    f"{attempts} delivery attempts failed; last: {text}"[:500])
+        elif age >= profile.forward_max_age_seconds:
+            await self._dead_letter(row, profile, fields, status, "max_age",
+                                    f"undelivered after {age:.0f} s; last: {text}"[:500])
         else:
-            profile = self.settings.profile(row["tool"])
             delay = min(profile.backoff_max_seconds,
-                        profile.backoff_base_seconds * 2 ** (row["attempts"] - 1))
+                        profile.backoff_base_seconds * 2 ** (attempts - 1))
             delay *= random.uniform(0.5, 1.0)
+            # The last try falls at the age bound, not past it.
+            delay = max(0.0, min(delay, profile.forward_max_age_seconds - age))
             await self.store.outbox_retry_later(row["id"], self.owner_id, delay, status, text)
             log.emit("forward_retry", "warning", **fields, status=status,
-                     reason=text[:200], retry_in_s=round(delay, 3))
+                     reason=text[:200], retry_in_s=round(delay, 3), attempt=attempts)
+
+    async def _dead_letter(self, row, profile: LeaseProfile, fields: dict, status: int | None,
+                           kind: str, reason: str, details: dict | None = None) -> None:
+        """End the row's delivery without a delivery: journaled (``forward_dead_lettered``
+        with ``kind``), logged and counted."""
+        if await self.store.outbox_dead_letter(row["id"], self.owner_id, status, reason, kind,
+                                               details):
+            metrics.FORWARD_DEAD_LETTERS.labels(row["tool"], profile.provider, kind).inc()
+            log.emit("forward_dead_lettered", "warning", **fields, status=status, kind=kind,
+                     reason=reason[:300], attempts=row["attempts"])
+
+
+async def _post(session: aiohttp.ClientSession, row, profile: LeaseProfile,
+                ) -> tuple[int | None, str, str | None, str]:
+    """POST the row's body; return ``(status, text, location, url)``: the last answer's
+    status (None when no answer came), its text (or the connection error), its Location
+    (for a 3xx) and the URL that answered. Redirects are never followed by aiohttp; a
+    307/308 is followed here, same method, body and headers, only when the profile opts in
+    (FORWARD_FOLLOW_REDIRECTS) and at most MAX_REDIRECTS times."""
+    import aiohttp
+    from yarl import URL
+
+    headers = {"Content-Type": "application/json",
+               "Idempotency-Key": row["idempotency_key"],
+               "X-Execution-Fence": str(row["fencing_token"])}
+    body = row["body_text"].encode()
+    url = row["url"]
+    for _hop in range(MAX_REDIRECTS + 1):
+        status: int | None = None
+        location: str | None = None
+        try:
+            async with session.post(url, data=body, headers=headers,
+                                    allow_redirects=False) as response:
+                status = response.status
+                location = response.headers.get("Location")
+                text = (await response.text(errors="replace"))[:500]
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            return None, f"{type(exc).__name__}: {exc}"[:500], None, url
+        if not (profile.forward_follow_redirects and status in (307, 308) and location
+                and _hop < MAX_REDIRECTS):
+            break
+        try:
+            target = URL(url).join(URL(location))
+        except ValueError:
+            break
+        if target.scheme not in ("http", "https"):
+            break
+        url = str(target)
+    return status, text, location, url
 
 
 def _client_session() -> aiohttp.ClientSession:

@@ -66,6 +66,11 @@ QUEUE_DEPTH = Gauge("sidecar_queue_depth", "Jobs of the tool claimable now (samp
 PRUNED_ROWS = Counter("sidecar_pruned_rows",
                       "Rows retention deleted: finished jobs, their journal events and outbox "
                       "rows.", ("table",))
+FORWARD_DEAD_LETTER_KINDS = ("refused", "redirect", "max_attempts", "max_age")
+FORWARD_DEAD_LETTERS = Counter("sidecar_forward_dead_letters",
+                               "Forwarded results dead-lettered, by kind: refused (a 4xx), "
+                               "redirect (a 3xx), max_attempts, max_age (case F21).",
+                               (*_TP, "kind"))
 LOOP_LAG = Histogram("sidecar_event_loop_lag_seconds", "Event-loop lag of the sidecar.",
                      buckets=_FAST)
 
@@ -82,6 +87,8 @@ def start_at_zero(tool: str, provider: str) -> None:
         PRUNED_ROWS.labels(table)
     for outcome in OUTCOMES:
         JOBS_FINISHED.labels(tool, provider, outcome)
+    for kind in FORWARD_DEAD_LETTER_KINDS:
+        FORWARD_DEAD_LETTERS.labels(tool, provider, kind)
     for result in HEARTBEAT_RESULTS:
         HEARTBEATS.labels(tool, provider, result)
     for name in SHORTAGE_NAMES:

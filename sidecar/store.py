@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import re
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -18,12 +19,34 @@ import asyncpg
 
 from sidecar import db
 from sidecar.db import RawJson
-from sidecar.errors import IdempotencyConflict, UsageError
+from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
 from sidecar.queries import Q, migrations
 from sidecar.vocabulary import AttemptId
 
 # Key of the transaction-scoped advisory lock that serialises migrations.
 MIGRATION_LOCK_KEY = 0x5DECA4_0001
+
+# The idempotency keys of next stages (P19): '{parent key}:stage:{n}'. Reserved: no
+# producer may enqueue one (case F22), so a parent's stage key is only ever its own.
+STAGE_KEY_SUFFIX = re.compile(r":stage:[0-9]+\Z")
+# The unique constraint of tool_jobs.idempotency_key (migration 001).
+_JOB_KEY_CONSTRAINT = "tool_jobs_idempotency_key_key"
+
+
+def stage_key(parent_key: str, stage: int) -> str:
+    """The idempotency key of stage ``stage`` (1, 2, ...) of the job keyed ``parent_key``
+    at stage ``stage - 1``, as finish_job_if_owner derives it."""
+    return f"{parent_key}:stage:{stage}"
+
+
+def check_producer_key(key: str) -> str:
+    """Return ``key`` if a producer may use it; raise UsageError (exit 2) when it ends in
+    ``:stage:N``, the namespace of the keys next stages get (case F22)."""
+    if STAGE_KEY_SUFFIX.search(key):
+        raise UsageError(f"--idempotency-key {key!r} ends in ':stage:N', which is reserved "
+                         "for the next stages a job creates (P19); use another key, e.g. "
+                         f"{STAGE_KEY_SUFFIX.sub(lambda m: m.group(0).replace(':', '-'), key)!r}")
+    return key
 
 
 @dataclass(frozen=True)
@@ -173,26 +196,35 @@ class Store:
 
         The same idempotency key returns the existing job and inserts nothing, also
         under concurrent calls. Raises IdempotencyConflict when the key already
-        names a job of another tool or with another payload.
+        names a job of another tool or with another payload, and UsageError for a key in
+        the namespace of next stages (``...:stage:N``, case F22).
+
+        The insert is skipped when the key exists; a skipped insert is never taken as done:
+        the holder of the key is read and compared, and when it vanished in between (a
+        pruned job) the insert is tried again.
         """
         job_id = uuid.uuid4()
-        key = idempotency_key or str(job_id)
-        try:
-            row = await self.db.fetchrow(
-                Q["enqueue_job"], job_id, tool, key, RawJson("null") if payload is None
-                else payload, max_attempts, details, timeout=self.timeout,
-            )
-        except asyncpg.DataError as exc:  # e.g. \u0000 in a string: valid JSON, not jsonb
-            message = exc.args[0] if exc.args else str(exc)
-            detail = getattr(exc, "detail", None)
-            raise UsageError(f"the payload cannot be stored as jsonb: {message}"
-                             + (f"; {detail}" if detail else "")) from None
-        if row is not None:
-            return row["id"], True
-        existing = await self.db.fetchrow(
-            Q["find_job_by_idempotency_key"], key,
-            RawJson("null") if payload is None else payload, timeout=self.timeout
-        )
+        key = check_producer_key(idempotency_key) if idempotency_key else str(job_id)
+        value = RawJson("null") if payload is None else payload
+        for _ in range(3):
+            try:
+                row = await self.db.fetchrow(Q["enqueue_job"], job_id, tool, key, value,
+                                             max_attempts, details, timeout=self.timeout)
+            except asyncpg.DataError as exc:  # e.g. \u0000 in a string: valid JSON, not jsonb
+                message = exc.args[0] if exc.args else str(exc)
+                detail = getattr(exc, "detail", None)
+                raise UsageError(f"the payload cannot be stored as jsonb: {message}"
+                                 + (f"; {detail}" if detail else "")) from None
+            if row is not None:
+                return row["id"], True
+            existing = await self.db.fetchrow(Q["find_job_by_idempotency_key"], key, value,
+                                              timeout=self.timeout)
+            if existing is not None:
+                break
+        else:
+            raise IdempotencyConflict(
+                f"--idempotency-key {key!r}: the job holding it kept vanishing while it was "
+                "read (retention pruning it?); try again")
         if existing["tool"] != tool or not existing["same_payload"]:
             raise IdempotencyConflict(
                 f"--idempotency-key {key!r} already names job {existing['id']} with a different "
@@ -332,17 +364,29 @@ class Store:
         ``next_stage``, it creates the next stage's job; both in the same statement.
         ``earlier`` events of the attempt (``{event, age_s, details}``, see
         ``record_events``) are journaled before ``event`` by the same statement; none is
-        written when it returns False."""
-        row = await self.db.fetchrow(
-            Q["finish_job_if_owner"], job.id, owner_id, job.fencing_token, state, result, error,
-            event, details, result_url,
-            next_stage.tool if next_stage else None,
-            (RawJson("null") if next_stage.payload is None else next_stage.payload)
-            if next_stage else None,
-            next_stage.max_attempts if next_stage else None,
-            uuid.uuid4() if next_stage else None, earlier or None,
-            timeout=self.timeout,
-        )
+        written when it returns False.
+
+        Raises NextStageConflict (nothing written) when the next stage's key is held by a
+        job that is not this job's own stage (case F22); a repeated completion that meets
+        its own stage creates no second one."""
+        try:
+            row = await self.db.fetchrow(
+                Q["finish_job_if_owner"], job.id, owner_id, job.fencing_token, state, result,
+                error, event, details, result_url,
+                next_stage.tool if next_stage else None,
+                (RawJson("null") if next_stage.payload is None else next_stage.payload)
+                if next_stage else None,
+                next_stage.max_attempts if next_stage else None,
+                uuid.uuid4() if next_stage else None, earlier or None,
+                timeout=self.timeout,
+            )
+        except asyncpg.UniqueViolationError as exc:
+            if next_stage is None or exc.constraint_name != _JOB_KEY_CONSTRAINT:
+                raise
+            key = stage_key(job.idempotency_key, job.stage + 1)
+            holder = await self.db.fetchrow(Q["find_job_by_idempotency_key"], key,
+                                            RawJson("null"), timeout=self.timeout)
+            raise NextStageConflict(key, holder["id"] if holder else None) from None
         return row is not None
 
     async def requeue_if_owner(
@@ -456,11 +500,22 @@ class Store:
         return await self.db.fetchrow(Q["outbox_delivered_if_owner"], row_id, owner_id,
                                         status, timeout=self.timeout) is not None
 
-    async def outbox_dead_letter(self, row_id: int, owner_id: str, status: int,
-                                 reason: str) -> bool:
-        """Dead-letter and journal ``effect_rejected`` and ``forward_dead_lettered``."""
+    async def outbox_dead_letter(self, row_id: int, owner_id: str, status: int | None,
+                                 reason: str, kind: str = "refused",
+                                 details: dict[str, Any] | None = None) -> bool:
+        """Dead-letter and journal ``forward_dead_lettered`` with ``kind`` (``refused``,
+        also journaled as ``effect_rejected``; ``redirect``, ``max_attempts``, ``max_age``,
+        case F21) and ``details``; False if the row was not ours."""
         return await self.db.fetchrow(Q["outbox_dead_letter_if_owner"], row_id, owner_id,
-                                        status, reason, timeout=self.timeout) is not None
+                                        status, reason, kind, details or {},
+                                        timeout=self.timeout) is not None
+
+    async def outbox_redeliver(self, job_id: uuid.UUID, by: str) -> list[int]:
+        """Make the dead-lettered outbox rows of ``job_id`` pending again with fresh
+        attempts and age (journaled ``forward_redelivery`` with ``by``); returns their ids,
+        empty when the job has none."""
+        rows = await self.db.fetch(Q["outbox_redeliver"], job_id, by, timeout=self.timeout)
+        return [row["id"] for row in rows]
 
     async def outbox_retry_later(self, row_id: int, owner_id: str, delay_seconds: float,
                                  status: int | None, error: str) -> bool:

@@ -81,6 +81,8 @@ class FailureKind(StrEnum):
     # The server cancelled the commit of the result on the sidecar's own statement_timeout
     # (57014, case F18): too large to store within SIDECAR_DB_TIMEOUT_SECONDS.
     COMMIT_TIMEOUT = "commit_timeout"
+    # The next stage's key is held by another job (case F22): the completion wrote nothing.
+    NEXT_STAGE_CONFLICT = "next_stage_conflict"
     # Written by SQL, never by a supervisor: the lease expired on the last attempt, and an
     # operator's cancel.
     MAX_ATTEMPTS_EXCEEDED = "max_attempts_exceeded"
@@ -108,6 +110,7 @@ RETRYABLE: dict[FailureKind, bool] = {
     # Not retried: the tool would run again for a result that cannot be stored either
     # (its side effects too); raise the timeout and `sidecar retry` the job.
     FailureKind.COMMIT_TIMEOUT: False,
+    FailureKind.NEXT_STAGE_CONFLICT: False,
     FailureKind.MAX_ATTEMPTS_EXCEEDED: False,
     FailureKind.CANCELLED: False,
 }

@@ -1,7 +1,8 @@
 """A real HTTP server for tests, in a thread: records every request, answers from a script.
 
 ``HttpSink().start()`` returns the base URL; ``script`` is a list of (status, json body)
-answers used in order (the last one repeats); ``requests`` lists what arrived.
+or (status, json body, headers) answers used in order (the last one repeats); ``requests``
+lists what arrived (method, path, headers, body).
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ class Received:
     path: str
     headers: dict[str, str]
     body: dict | list | None
+    method: str = "POST"
 
 
 class HttpSink:
-    def __init__(self, script: list[tuple[int, dict]] | None = None):
+    def __init__(self, script: list[tuple] | None = None):
         self.script = list(script or [(200, {"ok": True})])
         self.requests: list[Received] = []
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -36,9 +38,10 @@ class HttpSink:
             body = orjson.loads(raw) if raw else None
         except orjson.JSONDecodeError:
             body = None
-        self.requests.append(Received(request.path, dict(request.headers), body))
-        status, answer = self.script[min(len(self.requests), len(self.script)) - 1]
-        return web.json_response(answer, status=status)
+        self.requests.append(Received(request.path, dict(request.headers), body,
+                                      request.method))
+        status, answer, *extra = self.script[min(len(self.requests), len(self.script)) - 1]
+        return web.json_response(answer, status=status, headers=extra[0] if extra else None)
 
     def start(self) -> str:
         ready = threading.Event()

@@ -170,6 +170,9 @@ SELECT id, fencing_token, NULL, NULL, true FROM ours WHERE id NOT IN (SELECT id 
 -- rejected completion is never forwarded and an accepted one always is. A success that
 -- names a next stage (P19: tool $10, payload $11, max attempts $12, new id $13) creates
 -- it here too, keyed '{parent key}:stage:{n}': a repeated completion cannot make two.
+-- No ON CONFLICT (case F22): the insert skips only this parent's own stage (a repeated
+-- completion); a key held by any other job raises the unique violation, which rolls the
+-- whole statement back (Store.finish_if_owner raises NextStageConflict).
 WITH finished AS (
     UPDATE tool_jobs
     SET state = $4, result = $5, error = $6, finished_at = now(), lease_until = NULL
@@ -178,11 +181,13 @@ WITH finished AS (
     RETURNING id, tool, fencing_token, attempt, result, idempotency_key, stage
 ), next_stage AS (
     INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, parent_id, stage)
-    SELECT $13::uuid, $10::text, idempotency_key || ':stage:' || (stage + 1), $11::jsonb,
-           $12::int, id, stage + 1
-    FROM finished
+    SELECT $13::uuid, $10::text, f.idempotency_key || ':stage:' || (f.stage + 1), $11::jsonb,
+           $12::int, f.id, f.stage + 1
+    FROM finished f
     WHERE $10::text IS NOT NULL
-    ON CONFLICT (idempotency_key) DO NOTHING
+      AND NOT EXISTS (SELECT FROM tool_jobs own
+                      WHERE own.idempotency_key = f.idempotency_key || ':stage:' || (f.stage + 1)
+                        AND own.parent_id = f.id AND own.stage = f.stage + 1)
     RETURNING id, tool, parent_id, stage
 ), next_journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)
