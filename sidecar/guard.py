@@ -62,7 +62,7 @@ from dataclasses import dataclass
 import asyncpg
 import orjson
 
-from sidecar import db
+from sidecar import db, jsontext
 from sidecar.config import LeaseProfile
 from sidecar.db import RawJson
 from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
@@ -310,8 +310,10 @@ class GuardServer:
         if isinstance(body, Response):
             return body
         try:
-            orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
+            jsontext.loads(body, bounded=True)
+        except jsontext.NumberOutOfRange as exc:
+            return _json({"error": "bad_json", "message": str(exc)}, 400)
+        except ValueError as exc:  # orjson.JSONDecodeError
             return _json({"error": "bad_json",
                           "message": f"a checkpoint must be one JSON value ({exc})"}, 400)
         lease, job = registration.lease, registration.lease.job
