@@ -155,8 +155,8 @@ class JobSupervisor:
         finally:
             self.ctx.keeper.drop(self.job.id)
         labels = (self.job.tool, self.ctx.profile.provider)
-        metrics.JOBS_FINISHED.labels(*labels, outcome).inc()
-        metrics.JOB_DURATION.labels(*labels).observe(time.monotonic() - self.started)
+        metrics.ATTEMPTS_FINISHED.labels(*labels, outcome).inc()
+        metrics.ATTEMPT_DURATION.labels(*labels).observe(time.monotonic() - self.started)
         return outcome
 
     async def _fail_before_spawn(self, fault: Failure) -> Outcome:
@@ -246,8 +246,9 @@ class JobSupervisor:
 
     def _killed(self, reason: StopReason, report) -> None:
         """Log, count and journal one tree kill."""
-        sig = KillSignal(report.signal.name) if report.signal is not None else KillSignal.NONE
-        details = {"reason": str(reason), "signal": None if sig is KillSignal.NONE else str(sig),
+        gone = KillSignal.ALREADY_EXITED
+        sig = KillSignal(report.signal.name) if report.signal is not None else gone
+        details = {"reason": str(reason), "signal": None if sig is gone else str(sig),
                    "killed": len(report.killed), "survivors": len(report.survivors)}
         log.emit("child_killed", "warning", **log_fields(self.job), reason=str(reason),
                  signal=details["signal"], killed=len(report.killed),

@@ -271,7 +271,7 @@ class Worker:
             exc = task.exception()
             log.emit("supervisor_error", "error", job_id=str(job_id), tool=self.profile.tool,
                      reason=f"{type(exc).__name__}: {exc}")
-            metrics.JOBS_FINISHED.labels(*self.labels, "abandoned").inc()
+            metrics.ATTEMPTS_FINISHED.labels(*self.labels, "abandoned").inc()
         self.wake.set()
 
     async def _drain_running(self) -> None:
