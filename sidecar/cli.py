@@ -242,6 +242,11 @@ def cmd_run(args, settings: Settings) -> int:
                          reason="job cgroups and work directories of sidecars that died")
     keeper = guardian.start(worker.owner_id, work_root, host.parents)
     child.EXEMPT_PIDS.add(keeper.pid)
+    if getattr(args, "inherited_signals", None):
+        log_mod.log.emit("inherited_signal_state_reset", "warning",
+                         signals=args.inherited_signals,
+                         reason="the launcher blocked or ignored signals the sidecar and its "
+                                "tools need (case F10)")
 
     async def go():
         install_signal_handlers(worker)
@@ -656,10 +661,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings()
         log_mod.configure(settings.log_level, settings.log_format)
-        if inherited and args.func is cmd_run:
-            log_mod.log.emit("inherited_signal_state_reset", "warning", signals=inherited,
-                             reason="the launcher blocked or ignored signals the sidecar "
-                                    "and its tools need (case F10)")
+        # Said by `run` once it starts serving, never before an error: an error is one
+        # line whatever the launcher did (case F24).
+        args.inherited_signals = inherited
         return args.func(args, settings)
     except SidecarError as exc:
         print(f"sidecar: error: {exc.message}", file=sys.stderr)

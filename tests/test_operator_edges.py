@@ -246,3 +246,76 @@ def test_a_bad_payload_of_a_recipe_fails_its_job_at_once(dsn, sidecars):
                 uuid.UUID(job))[0]
     assert (row["state"], row["attempt"]) == ("failed", 1)
     assert "'image' must be a non-empty str" in orjson.dumps(row["error"]).decode()
+
+
+# --- errors under any launcher -------------------------------------------------------
+
+
+@pytest.mark.parametrize("args, extra", [
+    (["run", "--", "/nonexistent/tool"], {}),
+    (["run", "--tool", "bad name", "--", "true"], {}),
+    (["run", "--tool", "t", "--", "true"], {"SIDECAR_WORK_DIR": "/proc/sidecar-f24"}),
+    (["run", "--tool", "t", "--", "true"], {"SIDECAR_PROFILE_T_LEASE_SECONDS": "1"}),
+])
+def test_run_started_in_the_background_by_a_shell_fails_in_one_line(dsn, args, extra):
+    """Case F24, kind: a line of the launcher's making before an error. A shell starts a
+    background job with SIGINT and SIGQUIT ignored; `sidecar run` reset them (case F10)
+    and logged the JSON warning before its pre-flight checks, so every refusal was two
+    lines. The warning is now said once the sidecar serves, an error is one line."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-m", "sidecar", *args]
+    done = subprocess.run(["sh", "-c", '"$@" & wait $!', "sh", *argv],
+                          env=base_env(dsn, **extra), capture_output=True, timeout=60)
+    line = one_line_error(done)
+    assert done.returncode == 2 and line.startswith("sidecar: error: "), line
+
+
+# --- shutdown of the guard/health server ---------------------------------------------
+
+
+def test_http_stop_closes_idle_keepalive_connections_and_logs_no_error():
+    """Case F24, kind: a shutdown that waits on a peer that will never speak. stop() gave
+    every open connection its grace, so one idle keep-alive connection (a Prometheus
+    scraper between scrapes) held it for the whole grace, then the cancelled connection
+    task made asyncio log an error. Idle connections now close at once, without an error;
+    a request in flight still gets its answer (and Connection: close)."""
+    import asyncio
+
+    from sidecar.httpserver import HttpServer, Response
+
+    async def go():
+        errors: list[dict] = []
+        asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
+        release = asyncio.Event()
+
+        async def ok(_request):
+            return Response(200, b"{}")
+
+        async def slow(_request):
+            await release.wait()
+            return Response(200, b'{"slow": true}')
+
+        server = HttpServer({("GET", "/metrics"): ok, ("GET", "/slow"): slow})
+        host, port = await server.start("127.0.0.1", 0)
+        idle_r, idle_w = await asyncio.open_connection(host, port)
+        idle_w.write(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+        await idle_w.drain()
+        assert (await idle_r.readuntil(b"{}")).startswith(b"HTTP/1.1 200")
+        busy_r, busy_w = await asyncio.open_connection(host, port)
+        busy_w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+        await busy_w.drain()
+        await asyncio.sleep(0.2)  # the slow request is in its handler
+        stopping = asyncio.ensure_future(server.stop(grace=3600))
+        # The idle connection is closed by the server without waiting for the grace.
+        assert await asyncio.wait_for(idle_r.read(), 30) == b""
+        release.set()
+        answer = await asyncio.wait_for(busy_r.read(), 30)
+        assert b'{"slow": true}' in answer and b"Connection: close" in answer
+        await asyncio.wait_for(stopping, 30)
+        for writer in (idle_w, busy_w):
+            writer.close()
+        assert errors == []
+
+    asyncio.run(go())
