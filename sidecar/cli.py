@@ -225,13 +225,22 @@ def cmd_run(args, settings: Settings) -> int:
     os.environ.pop("SIDECAR_DATABASE_URL", None)
     linux.make_undumpable()
     # Become the adopter of orphaned descendants, and drain if our own parent dies
-    # (an entrypoint shell that took the SIGTERM meant for us, case F8).
+    # (an entrypoint shell that took the SIGTERM meant for us, case F8) -- unless the
+    # launcher ignored SIGHUP (nohup, a daemonizing script): it asked us to outlive it,
+    # and a parent-death drain would stop the sidecar the moment the script ends (F24).
     adopt = linux.set_child_subreaper()
     child.use_subreaper(adopt)
-    parent = os.getppid()
-    linux.set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != parent:
-        return 0
+    parent: int | None = os.getppid()
+    if "SIGHUP:ignored" in (getattr(args, "inherited_signals", None) or ()):
+        log_mod.log.emit("parent_death_drain_off", tool=tool, parent_pid=parent,
+                         reason="the launcher ignored SIGHUP (nohup): the sidecar outlives it")
+        parent = None
+    else:
+        linux.set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != parent:
+            log_mod.log.emit("parent_died", "warning", tool=tool, old_parent_pid=parent,
+                             new_parent_pid=os.getppid(), reason="before the sidecar started")
+            return 0
     worker = Worker(settings, profile, dsn, args.command, args.concurrency, args.drain,
                     adopt_orphans=adopt, serve_http=True, cgroup_host=host)
     # Leftovers of sidecars that died hard here are cleared; ours will be, however we die
@@ -249,7 +258,7 @@ def cmd_run(args, settings: Settings) -> int:
                                 "tools need (case F10)")
 
     async def go():
-        install_signal_handlers(worker)
+        install_signal_handlers(worker, parent)
         return await worker.run()
 
     try:

@@ -72,6 +72,7 @@ class Worker:
         self.argv = argv
         self.concurrency = concurrency
         self.drain = drain
+        self.stop_reason: str | None = None  # why a stop was asked (request_stop)
         self.adopt_orphans = adopt_orphans
         self.owner_id = owner_id or worker_identity(settings.worker_name)
         self.stopping = asyncio.Event()
@@ -90,10 +91,16 @@ class Worker:
                                    db_fresh_seconds=max(10.0, 3 * settings.poll_seconds),
                                    draining=self.stopping.is_set)
 
-    def request_stop(self) -> None:
-        """First call: stop claiming and drain. Second call: kill running children now."""
+    def request_stop(self, reason: str = "requested") -> None:
+        """First call: stop claiming and drain, logged as ``stop_requested`` with
+        ``reason`` (a signal name, ``parent_died``). Second call: kill running children
+        now."""
         if self.stopping.is_set():
             self.shutdown_kill.set()
+        else:
+            self.stop_reason = reason
+            log.emit("stop_requested", tool=self.profile.tool, owner_id=self.owner_id,
+                     reason=reason, running=len(self.running))
         self.stopping.set()
         self.wake.set()
 
@@ -114,7 +121,8 @@ class Worker:
             finally:
                 await self._stop_background()
         log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
-                 reason=repr(self.failure) if self.failure else None)
+                 reason=repr(self.failure) if self.failure else None,
+                 stop_reason=self.stop_reason or ("drained" if self.drain else None))
         return 1 if self.failure else 0
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
@@ -171,10 +179,13 @@ class Worker:
         self._background = [
             asyncio.create_task(keeper.run(), name="heartbeat"),
             asyncio.create_task(self._listen(), name="listen"),
-            asyncio.create_task(forwarder.run(), name="forwarder"),
             asyncio.create_task(health.watch_loop(self.readiness), name="loop-watch"),
             asyncio.create_task(retention.run_pruner(store, self.settings, self.profile.tool),
                                 name="pruner")]
+        if self.profile.result_url:
+            # Only a sidecar whose tool forwards results polls the outbox: one without
+            # would only add queries, and log forward_error through every outage (F24).
+            self._background.append(asyncio.create_task(forwarder.run(), name="forwarder"))
         if self.adopt_orphans:
             self._background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
         for task in self._background:
@@ -334,8 +345,22 @@ class Worker:
             await asyncio.sleep(1.0)
 
 
-def install_signal_handlers(worker: Worker) -> None:
-    """SIGTERM and SIGINT: drain (a second one kills at once)."""
+def install_signal_handlers(worker: Worker, parent_pid: int | None = None) -> None:
+    """SIGTERM and SIGINT: drain (a second one kills at once). ``parent_pid``: the parent
+    whose death sends SIGTERM (PR_SET_PDEATHSIG), or None when none was asked for; a
+    SIGTERM after that parent is gone is logged as ``parent_died`` with its pid, so every
+    drain says why (case F24)."""
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if sig == signal.SIGTERM and parent_pid is not None and os.getppid() != parent_pid:
+            if not worker.stopping.is_set():
+                log.emit("parent_died", "warning", tool=worker.profile.tool,
+                         owner_id=worker.owner_id, old_parent_pid=parent_pid,
+                         new_parent_pid=os.getppid())
+            worker.request_stop("parent_died")
+        else:
+            worker.request_stop(sig.name)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.request_stop)
+        loop.add_signal_handler(sig, on_signal, sig)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -319,3 +320,118 @@ def test_http_stop_closes_idle_keepalive_connections_and_logs_no_error():
         assert errors == []
 
     asyncio.run(go())
+
+
+# --- parent death ------------------------------------------------------------------------
+
+
+def _launch_from_a_script(dsn, tmp_path, nohup: bool):
+    """`sh -c '[nohup] sidecar run ... &'`, the script ending once the sidecar has started.
+    Returns (the script's pid, the sidecar's pid, its log path)."""
+    import subprocess
+    import sys
+
+    log_path, pid_path = tmp_path / "sidecar.log", tmp_path / "sidecar.pid"
+    argv = [sys.executable, "-m", "sidecar", "run", "--tool", "f24cat", "--", "/bin/cat"]
+    script = f'{"nohup " if nohup else ""}"$@" >"$LOG" 2>&1 </dev/null & echo $! >"$PIDS"; ' \
+             'for i in $(seq 300); do grep -q worker_started "$LOG" && break; sleep 0.1; done'
+    env = base_env(dsn, LOG=str(log_path), PIDS=str(pid_path))
+    shell = subprocess.Popen(["sh", "-c", script, "sh", *argv], env=env)
+    assert shell.wait(30) == 0
+    return shell.pid, int(pid_path.read_text()), log_path
+
+
+def _gone(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def test_nohup_sidecar_outlives_the_script_that_started_it(dsn, tmp_path):
+    """Case F24, kind: a safety drain that fires where the user asked for the opposite.
+    `nohup sidecar run ... &` from a script: the parent-death signal stopped the sidecar
+    when the script ended (exit 0, only worker_stopped logged). A launcher that ignored
+    SIGHUP asked the sidecar to outlive it: no parent-death drain then, and it says so."""
+    import os
+    import signal
+
+    from conftest import read_events, wait_until
+
+    _shell, pid, log_path = _launch_from_a_script(dsn, tmp_path, nohup=True)
+    try:
+        wait_until(lambda: read_events(log_path, "worker_started"), 30, what="the start")
+        job = enqueue(dsn, "f24cat", {"after": "the script ended"})
+        wait_until(lambda: scalar(dsn, "SELECT state FROM tool_jobs WHERE id = $1",
+                                  uuid.UUID(job)) == "succeeded", 30, what="the job")
+        assert not _gone(pid)
+        assert read_events(log_path, "parent_death_drain_off")
+        assert not read_events(log_path, "parent_died")
+        assert not read_events(log_path, "stop_requested")
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGTERM)  # the sidecar this test started, by its pid
+        wait_until(lambda: _gone(pid), 30, what="the sidecar to stop")
+    [stop] = read_events(log_path, "stop_requested")
+    assert stop["reason"] == "SIGTERM"
+
+
+def test_a_parent_death_drain_says_why(dsn, tmp_path):
+    """Case F24: without nohup the parent-death drain stays (case F8), and it is logged as
+    parent_died with the old parent's pid, and stop_requested with the reason, instead of
+    a bare worker_stopped."""
+    from conftest import read_events, wait_until
+
+    shell, pid, log_path = _launch_from_a_script(dsn, tmp_path, nohup=False)
+    wait_until(lambda: _gone(pid), 60, what="the sidecar to drain after its parent died")
+    died = read_events(log_path, "parent_died")
+    assert died and died[0]["old_parent_pid"] == shell, read_events(log_path)
+    [stop] = read_events(log_path, "stop_requested")
+    assert stop["reason"] == "parent_died"
+    [stopped] = read_events(log_path, "worker_stopped")
+    assert stopped["stop_reason"] == "parent_died"
+
+
+# --- a database outage -------------------------------------------------------------------
+
+
+def test_an_outage_journals_the_abandoned_kill_later_and_logs_no_forwarding(
+        dsn, proxy, sidecars, tmp_path):
+    """Case F24, kind: what an outage loses or invents. Through a database outage the
+    tree of an abandoned attempt is killed; its child_killed row could not be written then
+    and was dropped (journal_error), and a sidecar with no RESULT_URL logged forward_error
+    every poll. The row is now kept with the lease and written once the database answers,
+    and only a sidecar whose tool forwards results polls the outbox."""
+    from netproxy import through
+
+    from conftest import pid_alive, read_pids, wait_until
+
+    pidfile = tmp_path / "pids"
+    job = enqueue(dsn, "fault_sleep.py", {"seconds": 600, "pidfile": str(pidfile)},
+                  "--max-attempts", "1")
+    side_dsn = through(dsn, proxy.port)
+    sc = sidecars(side_dsn, ["fault_sleep.py"], env=base_env(side_dsn))
+    [tool_pid] = read_pids(pidfile, 1, 20)
+    proxy.blackhole()
+    try:
+        sc.wait_event("lease_abandoned", timeout=30, job_id=job)
+        wait_until(lambda: not pid_alive(tool_pid), 30, what="the tree to die")
+        sc.wait_event("child_killed", timeout=30, job_id=job)
+        # The attempt ends inside the outage: its journal rows cannot be written now.
+        sc.wait_event("lease_lost", timeout=30, job_id=job)
+        assert sc.events("journal_error")
+        time.sleep(1.0)  # five more poll periods (0.2 s): a forwarder logs in each
+    finally:
+        proxy.restore()
+
+    def journal():
+        return [r["event"] for r in query(
+            dsn, "SELECT event FROM tool_job_events WHERE job_id = $1 AND fencing_token = 1 "
+                 "ORDER BY id", uuid.UUID(job))]
+
+    wait_until(lambda: "lease_abandoned" in journal(), 30,
+               what="lease_abandoned journaled once the database answers")
+    assert {"tool_request_started", "child_killed"} <= set(journal()), journal()
+    assert not sc.events("forward_error")
