@@ -73,6 +73,7 @@ class Worker:
         self.concurrency = concurrency
         self.drain = drain
         self.stop_reason: str | None = None  # why a stop was asked (request_stop)
+        self._schema_checked = 0.0  # monotonic time of the last _check_schema
         self.adopt_orphans = adopt_orphans
         self.owner_id = owner_id or worker_identity(settings.worker_name)
         self.stopping = asyncio.Event()
@@ -139,7 +140,7 @@ class Worker:
         self._store = store
         stack.push_async_callback(self._leave_idle_list)
         await store.migrate()
-        self.readiness.schema = await store.schema_version()
+        await self._check_schema(store)
         self.readiness.db_ok_at = time.monotonic()
         metrics.start_at_zero(*self.labels)
         http_addr = None
@@ -226,6 +227,8 @@ class Worker:
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(
                         await store.claimable_jobs(tool))
                     self.readiness.db_ok_at = time.monotonic()
+                    if time.monotonic() - self._schema_checked >= health.SCHEMA_RECHECK_SECONDS:
+                        await self._check_schema(store)  # a migration applied since (F24)
                 while len(self.running) < self.concurrency and not self.stopping.is_set():
                     sent = time.monotonic()
                     job = await store.claim(tool, self.owner_id, self.profile.lease_seconds,
@@ -256,6 +259,12 @@ class Worker:
                 log.emit("claim_error", "warning", tool=tool, reason=f"{type(exc).__name__}: {exc}")
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), poll)
+
+    async def _check_schema(self, store: Store) -> None:
+        """Read the schema's version and whether this release may run on it (readiness)."""
+        self.readiness.schema, self.readiness.schema_compatible = \
+            await store.schema_compatibility(self.readiness.expected_schema)
+        self._schema_checked = time.monotonic()
 
     async def _stay_idle(self, store: Store) -> None:
         """Room for a job and none to claim: be on the idle list, so the next job queued

@@ -462,3 +462,46 @@ def test_the_k8s_tests_use_the_kubectl_of_the_test_extra(tmp_path):
          str(Path(__file__).parent / "test_k8s.py"), "-k", "probes_reach"],
         env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stdout.decode()[-2000:]
+
+
+# --- a newer schema ----------------------------------------------------------------------
+
+
+def _readyz(addr: str) -> tuple[int, dict]:
+    import urllib.error
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    try:
+        with opener.open(f"http://{addr}/readyz", timeout=10) as response:
+            return response.status, orjson.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, orjson.loads(exc.read())
+
+
+def test_readiness_accepts_a_newer_compatible_schema_and_rechecks(dsn, sidecars):
+    """Case F24, kind: a check that compares for equality where the rule is "at least,
+    if compatible". A release started after a newer, compatible migration answered 503 on
+    /readyz for ever (schema 11, expected 10). A migration now declares the oldest schema
+    whose releases keep working on it (`-- compatible-from: N`, recorded with it);
+    readiness accepts a newer schema whose every newer migration declares at most the
+    release's own, and rechecks while it runs."""
+    from conftest import query, wait_until
+
+    from sidecar.queries import migrations
+
+    assert cli(dsn, "migrate").returncode == 0
+    mine = migrations()[-1].version
+    query(dsn, "INSERT INTO sidecar_schema_migrations (version, name, compatible_from) "
+               "VALUES ($1, 'a_later_additive_step', $2)", mine + 1, mine)
+    sc = sidecars(dsn, ["/bin/cat"], "--tool", "f24cat")
+    addr = sc.wait_event("worker_started")["http_addr"]
+    status, body = wait_until(lambda: (lambda r: r if r[0] == 200 else None)(_readyz(addr)),
+                              30, what="/readyz 200 on a newer compatible schema")
+    assert body == {"ready": True, "problems": []}
+    # A later step this release was not declared compatible with: not ready, once rechecked.
+    query(dsn, "INSERT INTO sidecar_schema_migrations (version, name) "
+               "VALUES ($1, 'a_breaking_step')", mine + 2)
+    status, body = wait_until(lambda: (lambda r: r if r[0] == 503 else None)(_readyz(addr)),
+                              40, what="/readyz 503 once an incompatible step is applied")
+    assert any(f"schema version {mine + 2}" in p for p in body["problems"]), body
