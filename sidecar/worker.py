@@ -165,6 +165,9 @@ class Worker:
                                 "reach the sidecar they mean")
         keeper = LeaseKeeper(self.dsn, self.owner_id, self.profile, store, timeout)
         forwarder = Forwarder(store, self.settings, self.owner_id)
+        # Any sidecar delivers any tool's rows; one whose tool forwards nothing leaves the
+        # outage to claim_error instead of logging forward_error every poll (case F24).
+        forwarder.log_errors = bool(self.profile.result_url)
         guard = GuardServer(store, self.profile, self.owner_id)
         guard_url = await guard.start()
         stack.push_async_callback(guard.stop)
@@ -180,13 +183,10 @@ class Worker:
         self._background = [
             asyncio.create_task(keeper.run(), name="heartbeat"),
             asyncio.create_task(self._listen(), name="listen"),
+            asyncio.create_task(forwarder.run(), name="forwarder"),
             asyncio.create_task(health.watch_loop(self.readiness), name="loop-watch"),
             asyncio.create_task(retention.run_pruner(store, self.settings, self.profile.tool),
                                 name="pruner")]
-        if self.profile.result_url:
-            # Only a sidecar whose tool forwards results polls the outbox: one without
-            # would only add queries, and log forward_error through every outage (F24).
-            self._background.append(asyncio.create_task(forwarder.run(), name="forwarder"))
         if self.adopt_orphans:
             self._background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
         for task in self._background:

@@ -403,7 +403,8 @@ def test_an_outage_journals_the_abandoned_kill_later_and_logs_no_forwarding(
     tree of an abandoned attempt is killed; its child_killed row could not be written then
     and was dropped (journal_error), and a sidecar with no RESULT_URL logged forward_error
     every poll. The row is now kept with the lease and written once the database answers,
-    and only a sidecar whose tool forwards results polls the outbox."""
+    and a sidecar whose tool forwards nothing leaves the outage to claim_error (it still
+    delivers other tools' rows, tests/test_forwarding.py)."""
     from netproxy import through
 
     from conftest import pid_alive, read_pids, wait_until
