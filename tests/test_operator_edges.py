@@ -60,7 +60,7 @@ def test_an_out_of_range_duration_variable_is_refused_at_load():
 
 @pytest.mark.parametrize("name", [*GLOBAL_FIELDS, *PROFILE_FIELDS,
                                   *(f"PROFILE_OCR_{f}" for f in PROFILE_FIELDS)])
-def test_an_empty_variable_is_unset_for_every_variable(name, tmp_path):
+def test_an_empty_variable_is_unset_for_every_variable(name):
     """Case F24, kind: one rule for empty variables. An empty value was "unset" for most
     variables, an error for SIDECAR_DATABASE_URL and for every profile override; now an
     empty (or blank) value is unset for every variable."""
