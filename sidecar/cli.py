@@ -147,8 +147,10 @@ def _read_payload(args, limit: int) -> tuple[Any, bytes]:
                          f"{limit} bytes; pass a reference (a URL or object key) instead, "
                          "or raise that limit")
     try:
-        return orjson.loads(raw), raw
-    except orjson.JSONDecodeError as exc:
+        return jsontext.loads(raw, bounded=True), raw
+    except jsontext.NumberOutOfRange as exc:
+        raise UsageError(f"{source}: {exc}") from None
+    except ValueError as exc:  # orjson.JSONDecodeError, or text that is not UTF-8
         raise UsageError(f"{source} is not valid JSON ({exc}); pass one JSON value, "
                          "for example --payload '{\"path\": \"/etc/hosts\"}'") from None
 
@@ -228,13 +230,22 @@ def cmd_run(args, settings: Settings) -> int:
     os.environ.pop("SIDECAR_DATABASE_URL", None)
     linux.make_undumpable()
     # Become the adopter of orphaned descendants, and drain if our own parent dies
-    # (an entrypoint shell that took the SIGTERM meant for us, case F8).
+    # (an entrypoint shell that took the SIGTERM meant for us, case F8) -- unless the
+    # launcher ignored SIGHUP (nohup, a daemonizing script): it asked us to outlive it,
+    # and a parent-death drain would stop the sidecar the moment the script ends (F24).
     adopt = linux.set_child_subreaper()
     child.use_subreaper(adopt)
-    parent = os.getppid()
-    linux.set_parent_death_signal(signal.SIGTERM)
-    if os.getppid() != parent:
-        return 0
+    parent: int | None = os.getppid()
+    if "SIGHUP:ignored" in (getattr(args, "inherited_signals", None) or ()):
+        log_mod.log.emit("parent_death_drain_off", tool=tool, parent_pid=parent,
+                         reason="the launcher ignored SIGHUP (nohup): the sidecar outlives it")
+        parent = None
+    else:
+        linux.set_parent_death_signal(signal.SIGTERM)
+        if os.getppid() != parent:
+            log_mod.log.emit("parent_died", "warning", tool=tool, old_parent_pid=parent,
+                             new_parent_pid=os.getppid(), reason="before the sidecar started")
+            return 0
     worker = Worker(settings, profile, dsn, args.command, args.concurrency, args.drain,
                     adopt_orphans=adopt, serve_http=True, cgroup_host=host)
     # Leftovers of sidecars that died hard here are cleared; ours will be, however we die
@@ -245,9 +256,14 @@ def cmd_run(args, settings: Settings) -> int:
                          reason="job cgroups and work directories of sidecars that died")
     keeper = guardian.start(worker.owner_id, work_root, host.parents)
     child.EXEMPT_PIDS.add(keeper.pid)
+    if getattr(args, "inherited_signals", None):
+        log_mod.log.emit("inherited_signal_state_reset", "warning",
+                         signals=args.inherited_signals,
+                         reason="the launcher blocked or ignored signals the sidecar and its "
+                                "tools need (case F10)")
 
     async def go():
-        install_signal_handlers(worker)
+        install_signal_handlers(worker, parent)
         return await worker.run()
 
     try:
@@ -585,9 +601,39 @@ def cmd_install(args, settings: Settings) -> int:
 
 # --- parser -------------------------------------------------------------------
 
+# The bounds of every integer option: a value outside them is bad input (exit 2, one
+# line), never a number handed on to PostgreSQL (a bigint) or the event loop (case F24).
+LIMIT_MAX = 100_000
+CONCURRENCY_MAX = 1024
+
+
+def _int_from(low: int, high: int) -> Callable[[str], int]:
+    """An argparse ``type``: the option's text as an int from ``low`` to ``high``, else
+    ArgumentTypeError naming the range (shown by _Parser.error as one line, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text.strip())
+        except ValueError:
+            value = None
+        if value is None or not low <= value <= high:
+            raise argparse.ArgumentTypeError(f"{text[:40]!r} is not an integer from {low} "
+                                             f"to {high}")
+        return value
+    return parse
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but bad input is one line on stderr (exit 2) that names the command and
+    points at its --help, never a usage block before the error."""
+
+    def error(self, message: str):
+        print(f"sidecar: error: {self.prog}: {message}; see '{self.prog} --help'",
+              file=sys.stderr)
+        raise SystemExit(2)
+
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="sidecar",
         description="Run hang-prone tools from a PostgreSQL queue under a lease.")
     parser.add_argument("--version", action="version", version=f"sidecar {__version__}")
@@ -605,10 +651,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--payload-file", metavar="PATH", help="file with the JSON payload, - for stdin")
     p.add_argument("--idempotency-key", metavar="KEY",
                    help="the same key returns the existing job instead of a second one")
-    p.add_argument("--max-attempts", type=int, metavar="N")
+    p.add_argument("--max-attempts", type=_int_from(1, MAX_ATTEMPTS_LIMIT),
+                   metavar="N")
     p = add("run", cmd_run, "claim jobs of TOOL and run COMMAND once per job")
     p.add_argument("--tool", metavar="TOOL", help="default: the basename of COMMAND")
-    p.add_argument("--concurrency", type=int, default=1, metavar="N")
+    p.add_argument("--concurrency", type=_int_from(1, CONCURRENCY_MAX),
+                   default=1, metavar="N")
     p.add_argument("--drain", action="store_true",
                    help="exit 0 once no job of the tool is queued or running")
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
@@ -617,7 +665,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("jobs", cmd_jobs, "one line per job, newest first")
     p.add_argument("--state", choices=STATES)
     p.add_argument("--tool")
-    p.add_argument("--limit", type=int, default=50)
+    p.add_argument("--limit", type=_int_from(1, LIMIT_MAX), default=50)
     p = add("cancel", cmd_cancel, "cancel a queued or running job")
     p.add_argument("job_id", metavar="JOB_ID")
     p = add("retry", cmd_retry, "requeue a failed or cancelled job (or every one of a tool) "
@@ -673,10 +721,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = load_settings()
         log_mod.configure(settings.log_level, settings.log_format)
-        if inherited and args.func is cmd_run:
-            log_mod.log.emit("inherited_signal_state_reset", "warning", signals=inherited,
-                             reason="the launcher blocked or ignored signals the sidecar "
-                                    "and its tools need (case F10)")
+        # Said by `run` once it starts serving, never before an error: an error is one
+        # line whatever the launcher did (case F24).
+        args.inherited_signals = inherited
         return args.func(args, settings)
     except SidecarError as exc:
         print(f"sidecar: error: {exc.message}", file=sys.stderr)

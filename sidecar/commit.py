@@ -331,5 +331,11 @@ class FencedCommit:
             await self.ctx.store.record_events(self.job.id, self.job.fencing_token, earlier,
                                                event, details)
         except Exception:  # noqa: BLE001
+            # Not lost (case F24): the lease keeper writes a lease's unjournaled events once
+            # the database answers, while it holds the lease or probes it as abandoned.
+            kept = [(e["event"], {**e["details"], "noted_s_before_written": e["age_s"]})
+                    for e in earlier]
+            self.lease.unjournaled.extend(kept + ([(event, details)] if event else []))
             log.emit("journal_error", "warning", **log_fields(self.job),
-                     reason=event or ",".join(e["event"] for e in earlier))
+                     reason=event or ",".join(e["event"] for e in earlier),
+                     kept_for_later=bool(self.lease.abandoned or not self.lease.lost.is_set()))

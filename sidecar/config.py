@@ -35,9 +35,16 @@ class _Invalid(SidecarError, ValueError):
 
 def _number(text: str) -> float:
     value = float(text)
-    if not math.isfinite(value) or abs(value) > _MAX_INTEGER:
+    if not math.isfinite(value):
         raise ValueError("not a finite number")
+    if abs(value) > MAX_SECONDS:
+        raise _Invalid(f"at most {MAX_SECONDS} seconds (100 years)")
     return value
+
+
+# Durations above this are refused: PostgreSQL's interval arithmetic (now() + L seconds)
+# and the event loop's timers would overflow long before a number stops being finite.
+MAX_SECONDS = 100 * 365 * 86400
 
 
 # Integers above this are refused: no limit needs more, and JSON (sidecar config, the
@@ -129,17 +136,23 @@ _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
 def _duration(text: str) -> float:
-    """Seconds: a number, or one with a unit s, m, h or d (``90``, ``30m``, ``7d``)."""
+    """Seconds: a number, or one with a unit s, m, h or d (``90``, ``30m``, ``7d``); at most
+    MAX_SECONDS."""
     match = _DURATION.fullmatch(text.strip().lower())
     if not match:
         raise _Invalid("use seconds, or a number with s, m, h or d (e.g. 3600, 12h, 7d)")
-    return _number(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    value = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
+    if not value <= MAX_SECONDS:
+        raise _Invalid(f"at most {MAX_SECONDS} seconds (100 years)")
+    return value
 
 
 def parse_duration(text: str, what: str) -> float:
     """``_duration`` for a command-line value; ConfigError names ``what`` and the form."""
     try:
         return _duration(text)
+    except _Invalid as exc:
+        raise ConfigError(f"{what} {text!r}: {exc}") from None
     except ValueError:
         raise ConfigError(f"{what} {text!r}: use seconds, or a number with s, m, h or d "
                           "(e.g. 3600, 12h, 7d)") from None
@@ -534,13 +547,21 @@ def _read_dsn_file(path: str, url_also_set: bool) -> str:
     return dsn
 
 
+def set_variables(env: Mapping[str, str]) -> dict[str, str]:
+    """The ``SIDECAR_*`` variables of ``env`` that are set: one rule for every variable,
+    an empty (or blank) value means unset, as if the variable were absent (case F24)."""
+    return {var: raw for var, raw in env.items()
+            if var.startswith(PREFIX) and raw.strip()}
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
-    """Read and validate every ``SIDECAR_*`` variable of ``env`` (default ``os.environ``).
+    """Read and validate every ``SIDECAR_*`` variable of ``env`` (default ``os.environ``);
+    an empty or blank one is unset (``set_variables``).
 
     Raises ConfigError (exit 2) with one line naming the variable, the value and
     the fix, for an unknown variable, a bad number or a profile breaking P10.
     """
-    env = os.environ if env is None else env
+    env = set_variables(os.environ if env is None else env)
     defaults: dict[str, tuple[object, str]] = {}
     for name, spec in PROFILE_FIELDS.items():
         var = PREFIX + name
@@ -550,10 +571,6 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         else:
             defaults[name] = (spec.parse(spec.default), f"(default) {var}")
 
-    if "SIDECAR_DATABASE_URL" in env and not env["SIDECAR_DATABASE_URL"].strip():
-        # An empty secret must not quietly switch production to a local embedded database.
-        raise ConfigError("SIDECAR_DATABASE_URL is set but empty; give the server's URL, or "
-                          "unset it to use the embedded PostgreSQL")
     glob: dict[str, object] = {}
     for name, spec in GLOBAL_FIELDS.items():
         var = PREFIX + name

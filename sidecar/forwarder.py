@@ -58,6 +58,7 @@ class Forwarder:
         self.settings = settings
         self.owner_id = owner_id
         self._wake = asyncio.Event()
+        self.log_errors = True  # False: database errors of the outbox poll are not logged
 
     def wake(self) -> None:
         """Called after a commit that queued a result."""
@@ -78,10 +79,14 @@ class Forwarder:
                         session = _client_session()
                     await asyncio.gather(*(self._deliver(session, row) for row in rows))
                 except (OSError, TimeoutError, ConnectionError) as exc:
-                    log.emit("forward_error", "warning", reason=f"{type(exc).__name__}: {exc}")
+                    if self.log_errors:
+                        log.emit("forward_error", "warning",
+                                 reason=f"{type(exc).__name__}: {exc}")
                     rows = []
                 except Exception as exc:  # noqa: BLE001 - asyncpg errors; never kill the loop
-                    log.emit("forward_error", "warning", reason=f"{type(exc).__name__}: {exc}")
+                    if self.log_errors:
+                        log.emit("forward_error", "warning",
+                                 reason=f"{type(exc).__name__}: {exc}")
                     rows = []
                 if len(rows) == BATCH:
                     continue

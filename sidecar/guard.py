@@ -61,7 +61,7 @@ from dataclasses import dataclass
 import asyncpg
 import orjson
 
-from sidecar import clock, db
+from sidecar import clock, db, jsontext
 from sidecar.config import LeaseProfile
 from sidecar.db import RawJson
 from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
@@ -305,8 +305,10 @@ class GuardServer:
         if isinstance(body, Response):
             return body
         try:
-            orjson.loads(body)
-        except orjson.JSONDecodeError as exc:
+            jsontext.loads(body, bounded=True)
+        except jsontext.NumberOutOfRange as exc:
+            return _json({"error": "bad_json", "message": str(exc)}, 400)
+        except ValueError as exc:  # orjson.JSONDecodeError
             return _json({"error": "bad_json",
                           "message": f"a checkpoint must be one JSON value ({exc})"}, 400)
         lease, job = registration.lease, registration.lease.job

@@ -26,15 +26,20 @@ from sidecar.httpserver import Handler, HttpServer, Request, Response
 
 LOOP_TICK_SECONDS = 0.25
 WEDGED_AFTER_SECONDS = 5.0
+SCHEMA_RECHECK_SECONDS = 10.0
 
 
 @dataclass
 class Readiness:
     """What /readyz reports. ``db_ok_at`` (monotonic) is refreshed by every successful
-    query of the claim loop; ``db_fresh_seconds`` is how old it may be."""
+    query of the claim loop; ``db_fresh_seconds`` is how old it may be. ``schema`` and
+    ``schema_compatible`` are read at start and rechecked every SCHEMA_RECHECK_SECONDS
+    (a migration applied while this release runs)."""
 
     expected_schema: int
     schema: int = 0
+    # A newer schema this release was declared compatible with (Store.schema_compatibility)
+    schema_compatible: bool = False
     db_ok_at: float = 0.0
     db_fresh_seconds: float = 10.0
     draining: Callable[[], bool] = lambda: False
@@ -44,8 +49,12 @@ class Readiness:
         out = []
         if time.monotonic() - self.db_ok_at > self.db_fresh_seconds:
             out.append("database not reached recently")
-        if self.schema != self.expected_schema:
-            out.append(f"schema version {self.schema}, expected {self.expected_schema}")
+        if self.schema != self.expected_schema and not (
+                self.schema > self.expected_schema and self.schema_compatible):
+            out.append(f"schema version {self.schema}, expected {self.expected_schema}"
+                       + (" or a newer one whose migrations declare compatible-from <= "
+                          f"{self.expected_schema}" if self.schema > self.expected_schema
+                          else ""))
         if self.draining():
             out.append("draining")
         return out

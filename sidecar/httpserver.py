@@ -91,6 +91,7 @@ class _Connection:
         self.reader = reader
         self.writer = writer
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEADER_BYTES)
+        self.idle = True  # waiting for a request: nothing to lose by closing it
 
     async def next_event(self):
         while True:
@@ -136,7 +137,8 @@ class HttpServer:
         self.header_timeout = header_timeout
         self.server_name = server_name.encode()
         self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: dict[asyncio.Task, _Connection] = {}
+        self._stopping = False
 
     async def start(self, host: str, port: int) -> tuple[str, int]:
         """Listen on ``host:port`` (port 0: any free one); return the bound address.
@@ -147,13 +149,19 @@ class HttpServer:
         return bound[0], bound[1]
 
     async def stop(self, grace: float = 2.0) -> None:
-        """Stop listening, give in-flight requests up to ``grace`` seconds, close the
-        rest. Safe to call twice."""
+        """Stop listening, close idle keep-alive connections at once (a Prometheus scrape
+        connection holds one open between scrapes, case F24), give in-flight requests up
+        to ``grace`` seconds (their connections close after the response), close the rest.
+        Safe to call twice."""
+        self._stopping = True
         server, self._server = self._server, None
         if server is not None:
             server.close()
+        for conn in self._tasks.values():
+            if conn.idle:
+                conn.writer.close()  # the pending read sees EOF: the task ends by itself
         if self._tasks:
-            _, pending = await asyncio.wait(self._tasks, timeout=grace)
+            _, pending = await asyncio.wait(list(self._tasks), timeout=grace)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*pending, return_exceptions=True)
@@ -163,14 +171,18 @@ class HttpServer:
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
         task = asyncio.current_task()
-        self._tasks.add(task)
         conn = _Connection(reader, writer)
+        self._tasks[task] = conn
         try:
             await self._requests(conn)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):
             pass
+        except asyncio.CancelledError:
+            # Cancelled by stop() after its grace: this task is the connection's whole
+            # life, and asyncio's stream callback logs an error for a cancelled one.
+            pass
         finally:
-            self._tasks.discard(task)
+            self._tasks.pop(task, None)
             writer.close()
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(writer.wait_closed(), 1.0)
@@ -178,6 +190,9 @@ class HttpServer:
     async def _requests(self, conn: _Connection) -> None:
         first = True
         while True:
+            if self._stopping:
+                return
+            conn.idle = True
             try:
                 async with asyncio.timeout(self.header_timeout if first
                                            else self.keepalive_timeout):
@@ -185,6 +200,8 @@ class HttpServer:
             except h11.RemoteProtocolError as exc:
                 await self._protocol_error(conn, exc)
                 return
+            finally:
+                conn.idle = False
             first = False
             if not isinstance(event, h11.Request):
                 return  # ConnectionClosed
@@ -226,7 +243,7 @@ class HttpServer:
                    (b"Content-Type", response.content_type.encode("latin-1")),
                    (b"Content-Length", str(len(response.body)).encode()),
                    *((k.encode("latin-1"), v.encode("latin-1")) for k, v in response.headers)]
-        if conn.h11.their_state is not h11.DONE:
+        if conn.h11.their_state is not h11.DONE or self._stopping:
             headers.append((b"Connection", b"close"))
         await conn.send(h11.Response(status_code=response.status, headers=headers,
                                      reason=_reason(response.status)))

@@ -90,8 +90,9 @@ def check_work_dir(settings: Settings, profile: LeaseProfile | None = None,
     """Make sure attempts can get work directories under ``SIDECAR_WORK_DIR`` (default the
     system temp directory), short enough to leave a tool room for socket paths (at most
     MAX_WORK_ROOT_BYTES), and that the profile's RUN_AS user can reach them; return the
-    root. With ``create`` false (``sidecar config``) nothing is made: only the directories
-    that exist are checked. Raises ConfigError naming the variable."""
+    root. With ``create`` false (``sidecar config``) nothing is left behind: the same probe
+    (make and remove a directory) runs in the nearest directory that exists, so config
+    refuses what run would (case F24). Raises ConfigError naming the variable."""
     root = settings.work_dir or tempfile.gettempdir()
     if len(os.fsencode(root)) > MAX_WORK_ROOT_BYTES:
         var = "SIDECAR_WORK_DIR" if settings.work_dir else "SIDECAR_WORK_DIR (unset: TMPDIR)"
@@ -101,14 +102,20 @@ def check_work_dir(settings: Settings, profile: LeaseProfile | None = None,
             f"path under its TMPDIR and HOME (a socket path holds {SOCKET_PATH_MAX_BYTES} "
             "bytes, and Chromium aborts without room for its own); set a shorter "
             "SIDECAR_WORK_DIR, e.g. /tmp/sidecar")
-    if create:
-        try:
+    # One check for `run` and `config` (case F24): a directory is made and removed again
+    # in the root, or (config: nothing may stay) in its nearest existing ancestor.
+    probe_in = root
+    if not create:
+        while not os.path.lexists(probe_in) and os.path.dirname(probe_in) != probe_in:
+            probe_in = os.path.dirname(probe_in)
+    try:
+        if create:
             os.makedirs(root, exist_ok=True)
-            os.rmdir(tempfile.mkdtemp(prefix="sidecar-probe-", dir=root))
-        except OSError as exc:
-            raise ConfigError(f"SIDECAR_WORK_DIR={root}: cannot make work directories there "
-                              f"({exc.strerror or exc}); point it at a writable "
-                              "directory") from None
+        os.rmdir(tempfile.mkdtemp(prefix="sidecar-probe-", dir=probe_in))
+    except OSError as exc:
+        raise ConfigError(f"SIDECAR_WORK_DIR={root}: cannot make work directories there "
+                          f"({exc.strerror or exc}); point it at a writable "
+                          "directory") from None
     ids = run_as_ids(profile.run_as) if profile is not None else None
     if ids is not None:
         # Through any symlink on the way: the kernel walks the real path's ancestors.

@@ -3,17 +3,24 @@
 Names follow Prometheus conventions: prefix ``sidecar_``, base units (seconds), ``_total``
 counters (the client appends it), timestamps rather than ages. Labels are the ``tool`` and
 the profile's ``provider``, plus a bounded reason where one is named (outcome, heartbeat
-result, kill reason and signal, shortage errno); never a job id. ``start_at_zero`` creates
-every known label set, so a rate() over a fresh sidecar sees zeros instead of missing
-series.
+result, kill reason and signal, shortage errno); never a job id. ``start_at_zero``
+creates every known label set, so a rate() over a fresh sidecar sees zeros instead of
+missing series.
+
+A name says what it counts (case F24): a job may take several attempts, so what counts
+attempts says ``attempts``. No series carries the label value ``none`` (a kill that found
+nothing alive has ``signal="already_exited"``), and the client's ``_created`` series (one
+more series per counter, a timestamp no alert or dashboard reads) are not exported.
 """
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
 from sidecar.shortage import SHORTAGE_NAMES
 from sidecar.vocabulary import HeartbeatResult, KillSignal, Outcome, StopReason
+
+disable_created_metrics()  # before any metric exists: none gets a _created series
 
 _TP = ("tool", "provider")
 _DURATIONS = (0.05, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 900, 1800, 3600)
@@ -33,9 +40,11 @@ CLAIM_ATTEMPTS = Counter("sidecar_claim_attempts",
                          (*_TP, "outcome"))
 JOBS_RECLAIMED = Counter("sidecar_jobs_reclaimed",
                          "Jobs claimed from an owner whose lease had expired.", _TP)
-JOBS_FINISHED = Counter("sidecar_jobs_finished", "Attempts ended, by outcome.", (*_TP, "outcome"))
-JOB_DURATION = Histogram("sidecar_job_duration_seconds", "Attempt duration, claim to end.", _TP,
-                         buckets=_DURATIONS)
+ATTEMPTS_FINISHED = Counter("sidecar_attempts_finished",
+                            "Attempts ended, by outcome (a job may take several).",
+                            (*_TP, "outcome"))
+ATTEMPT_DURATION = Histogram("sidecar_attempt_duration_seconds",
+                             "Attempt duration, claim to end.", _TP, buckets=_DURATIONS)
 HEARTBEATS = Counter("sidecar_heartbeats",
                      "Lease renewals by result: ok, lost (zero rows), error, timeout.",
                      (*_TP, "result"))
@@ -77,7 +86,7 @@ LOOP_LAG = Histogram("sidecar_event_loop_lag_seconds", "Event-loop lag of the si
 
 def start_at_zero(tool: str, provider: str) -> None:
     """Create every known label set of ``tool``/``provider`` at zero."""
-    for metric in (JOBS_CLAIMED, JOBS_RECLAIMED, JOB_DURATION, HEARTBEAT_SECONDS, LEASE_SLACK,
+    for metric in (JOBS_CLAIMED, JOBS_RECLAIMED, ATTEMPT_DURATION, HEARTBEAT_SECONDS, LEASE_SLACK,
                    LAST_HEARTBEAT, LEASES_HELD, LEASES_EXPIRED, OWNERSHIP_UNKNOWN,
                    PROCESSES_LEFT, COMPLETIONS_REJECTED, QUEUE_DEPTH):
         metric.labels(tool, provider)
@@ -86,7 +95,7 @@ def start_at_zero(tool: str, provider: str) -> None:
     for table in PRUNED_TABLES:
         PRUNED_ROWS.labels(table)
     for outcome in OUTCOMES:
-        JOBS_FINISHED.labels(tool, provider, outcome)
+        ATTEMPTS_FINISHED.labels(tool, provider, outcome)
     for kind in FORWARD_DEAD_LETTER_KINDS:
         FORWARD_DEAD_LETTERS.labels(tool, provider, kind)
     for result in HEARTBEAT_RESULTS:

@@ -11,6 +11,9 @@ from importlib import resources
 
 _NAME = re.compile(r"^--\s*name:\s*(\w+)\s*$", re.MULTILINE)
 _MIGRATION = re.compile(r"^(\d{3})_(\w+)\.sql$")
+# A migration's declaration that releases built for schema N or later keep running
+# correctly on it (docs/operations.md, "Schema upgrades"): a line of its own in the file.
+_COMPATIBLE_FROM = re.compile(r"^--\s*compatible-from:\s*(\d+)\s*$", re.MULTILINE)
 
 
 def _load_named(text: str) -> dict[str, str]:
@@ -41,11 +44,14 @@ Q: dict[str, str] = _load_all()
 
 @dataclass(frozen=True)
 class Migration:
-    """One schema step: ``version`` (1, 2, ...), ``name`` and its SQL text."""
+    """One schema step: ``version`` (1, 2, ...), ``name`` and its SQL text;
+    ``compatible_from``: the oldest schema version whose releases keep working on it (its
+    ``-- compatible-from: N`` line), None when it declares none (case F24)."""
 
     version: int
     name: str
     sql: str
+    compatible_from: int | None = None
 
 
 def migrations() -> list[Migration]:
@@ -54,7 +60,8 @@ def migrations() -> list[Migration]:
     for entry in resources.files("sidecar").joinpath("sql/migrations").iterdir():
         match = _MIGRATION.match(entry.name)
         if match:
-            found.append(
-                Migration(int(match.group(1)), match.group(2), entry.read_text(encoding="utf-8"))
-            )
+            sql = entry.read_text(encoding="utf-8")
+            marker = _COMPATIBLE_FROM.search(sql)
+            found.append(Migration(int(match.group(1)), match.group(2), sql,
+                                   int(marker.group(1)) if marker else None))
     return sorted(found, key=lambda m: m.version)

@@ -54,12 +54,16 @@ def parse_result(data: bytes | bytearray | memoryview,
     float holds as ``jsontext.ExactNumber``) and the
     original text as ``RawJson``, sent to PostgreSQL as is. Raises BadResult for output
     that is not UTF-8, not JSON, nested deeper than orjson's limit (1024 levels), holds a
-    number outside a double's range or beyond numeric's 16383 decimal places (1e-20000),
-    or holds ``\\u0000`` (valid JSON that jsonb refuses).
+    number PostgreSQL's numeric cannot store (1e-20000, 1e131072; a 400-digit integer or
+    1e400 is kept exactly, case F24) or exponents that blow the document up (see
+    jsontext.MAX_NUMBER_GROWTH), or holds ``\\u0000`` (valid JSON that jsonb refuses).
     """
     shape = jsontext.number_shape(data)
     try:
-        value = jsontext.loads(data, shape)
+        value = jsontext.loads(data, shape, bounded=True)
+    except jsontext.NumberOutOfRange as exc:
+        raise BadResult(f"exit 0 but {source} holds a number the sidecar refuses: {exc}; "
+                        f"{len(data)} bytes") from None
     except ValueError as exc:  # orjson.JSONDecodeError
         reason = str(exc)[:_REASON_CHARS]
         raise BadResult(f"exit 0 but {source} is not one JSON value ({reason}); "

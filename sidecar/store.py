@@ -174,9 +174,26 @@ class Store:
             for migration in migrations():
                 if migration.version not in done:
                     await conn.execute(migration.sql)
-                    await conn.execute(Q["record_migration"], migration.version, migration.name)
+                    await conn.execute(Q["record_migration"], migration.version, migration.name,
+                                       migration.compatible_from)
                     applied_now.append(migration.version)
         return applied_now
+
+    async def schema_compatibility(self, expected: int) -> tuple[int, bool]:
+        """(highest applied migration, whether a release built for schema ``expected``
+        may run on it): the same version, or a newer one whose every migration above
+        ``expected`` declares ``-- compatible-from:`` at most ``expected`` (case F24). A
+        table without the column (written by older releases) is compatible only at the
+        same version."""
+        try:
+            row = await self.db.fetchrow(Q["schema_compatibility"], expected,
+                                         timeout=self.timeout)
+        except asyncpg.UndefinedColumnError:
+            version = await self.schema_version()
+            return version, version == expected
+        except asyncpg.UndefinedTableError:
+            return 0, expected == 0
+        return row["version"], bool(row["compatible"])
 
     async def schema_version(self) -> int:
         """Highest applied migration, 0 when none (or the table is missing)."""

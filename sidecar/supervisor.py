@@ -176,8 +176,8 @@ class JobSupervisor:
         finally:
             self.ctx.keeper.drop(self.job.attempt_id)
         labels = (self.job.tool, self.ctx.profile.provider)
-        metrics.JOBS_FINISHED.labels(*labels, outcome).inc()
-        metrics.JOB_DURATION.labels(*labels).observe(time.monotonic() - self.started)
+        metrics.ATTEMPTS_FINISHED.labels(*labels, outcome).inc()
+        metrics.ATTEMPT_DURATION.labels(*labels).observe(time.monotonic() - self.started)
         return outcome
 
     async def _acknowledge_cancel(self, outcome: Outcome) -> None:
@@ -310,8 +310,9 @@ class JobSupervisor:
 
     def _killed(self, reason: StopReason, report) -> None:
         """Log, count and journal one tree kill."""
-        sig = KillSignal(report.signal.name) if report.signal is not None else KillSignal.NONE
-        details = {"reason": str(reason), "signal": None if sig is KillSignal.NONE else str(sig),
+        gone = KillSignal.ALREADY_EXITED
+        sig = KillSignal(report.signal.name) if report.signal is not None else gone
+        details = {"reason": str(reason), "signal": None if sig is gone else str(sig),
                    "killed": len(report.killed), "survivors": len(report.survivors)}
         if report.unsignalled:  # EPERM: the tree holds a process of another user (F23)
             details["unsignalled"] = len(report.unsignalled)

@@ -137,8 +137,9 @@ class HeartbeatResult(StrEnum):
 
 
 class KillSignal(StrEnum):
-    """The strongest signal a tree kill sent (``none``: nothing was left to kill)."""
+    """The strongest signal a tree kill sent (``already_exited``: nothing was left to kill,
+    so no signal was needed; never the label value ``none``, case F24)."""
 
     SIGTERM = "SIGTERM"
     SIGKILL = "SIGKILL"
-    NONE = "none"
+    ALREADY_EXITED = "already_exited"

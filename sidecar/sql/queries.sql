@@ -4,11 +4,14 @@
 -- lease still in the future by the database's clock (P3).
 
 -- name: create_migrations_table
+-- compatible_from: the oldest schema version whose releases keep working on this
+-- migration (its "-- compatible-from: N" line); NULL when it declares none.
 CREATE TABLE IF NOT EXISTS sidecar_schema_migrations (
     version    integer PRIMARY KEY,
     name       text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now()
 );
+ALTER TABLE sidecar_schema_migrations ADD COLUMN IF NOT EXISTS compatible_from integer;
 
 -- name: lock_migrations
 SELECT pg_advisory_xact_lock($1::bigint);
@@ -17,7 +20,15 @@ SELECT pg_advisory_xact_lock($1::bigint);
 SELECT version FROM sidecar_schema_migrations ORDER BY version;
 
 -- name: record_migration
-INSERT INTO sidecar_schema_migrations (version, name) VALUES ($1, $2);
+INSERT INTO sidecar_schema_migrations (version, name, compatible_from) VALUES ($1, $2, $3);
+
+-- name: schema_compatibility
+-- The highest applied version, and whether a release built for schema $1 may run on it:
+-- the same version, or every migration above $1 declares compatible_from <= $1.
+SELECT coalesce(max(version), 0) AS version,
+       coalesce(bool_and(compatible_from IS NOT NULL AND compatible_from <= $1)
+                FILTER (WHERE version > $1), true) AS compatible
+FROM sidecar_schema_migrations;
 
 -- name: schema_version
 SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
