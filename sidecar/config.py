@@ -274,6 +274,10 @@ GLOBAL_FIELDS: dict[str, _Field] = {
                                 "largest payload `enqueue` accepts (and a next stage's)"),
     "CGROUPS": _Field(str, "auto", "mode",
                       "auto: a cgroup per job where this host lets the sidecar make one; off"),
+    "LEFTOVER_SWEEP_SECONDS": _Field(_duration, "60", "s",
+                                     "how often a running sidecar clears what dead sidecars "
+                                     "of this work root left (tools, job cgroups, work "
+                                     "directories); 0 = only at start"),
     "RETENTION_SECONDS": _Field(_duration, "604800", "s",
                                 "succeeded and cancelled jobs, with their journal, are deleted "
                                 "this long after they finished; 0 keeps them"),
@@ -437,6 +441,7 @@ class Settings:
     cgroups: str
     retention_seconds: float
     retention_failed_seconds: float
+    leftover_sweep_seconds: float
     defaults: Mapping[str, tuple[object, str]]
     overrides: Mapping[str, Mapping[str, tuple[object, str]]]
     # True when SIDECAR_HTTP_ADDR is unset: a taken default port moves to the next free
@@ -626,6 +631,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
             raise ConfigError(f"SIDECAR_{name.upper()}={glob[name]}: must be a positive number")
     if glob["cgroups"] not in ("auto", "off"):
         raise ConfigError(f"SIDECAR_CGROUPS={glob['cgroups']!r}: use auto or off")
+    if glob["leftover_sweep_seconds"] < 0:
+        raise ConfigError(f"SIDECAR_LEFTOVER_SWEEP_SECONDS={glob['leftover_sweep_seconds']}: "
+                          "must not be negative (0 = only at start)")
     if glob["drain_seconds"] < 0:
         raise ConfigError(f"SIDECAR_DRAIN_SECONDS={glob['drain_seconds']}: must not be negative")
 

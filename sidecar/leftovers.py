@@ -8,9 +8,11 @@ whole life; the kernel drops it when the process dies, however it dies. So:
 
 - the guardian (sidecar.guardian), on its sidecar's death, kills and removes that owner's
   job cgroups and work directories at once;
-- every ``sidecar run`` start clears the job cgroups of owners whose lock it can take
-  (dead ones) in its work root, and work directories whose own lock (held by each live
-  attempt) it can take.
+- every ``sidecar run`` start, and every running sidecar every
+  SIDECAR_LEFTOVER_SWEEP_SECONDS, clears the tools and job cgroups of owners whose lock it
+  can take (dead ones) in its work root, and work directories whose own lock (held by
+  each live attempt) it can take: a sidecar SIGKILLed together with its guardian leaves
+  nothing running for longer than that (F24).
 
 Nothing here touches another live sidecar's cgroups or directories. Kept free of heavy
 imports: the guardian imports it.
@@ -107,13 +109,39 @@ class OwnerLock:
             self.fd = None
 
 
-def clear_owner(key: str, cgroup_dirs: list[str], work_root: str | None) -> int:
-    """Kill the processes left in the owner's job cgroups, remove the cgroups and the
-    owner's work directories that no live attempt holds. For an owner known to be dead
-    (the guardian's own sidecar; an owner lock the sweep could take). Returns how many
-    cgroups and directories were removed."""
+def kill_owner_processes(key: str) -> int:
+    """SIGKILL every process whose ``SIDECAR_OWNER_ID`` (the variable every tool of a
+    sidecar inherits) has the owner key ``key``: the tools of a dead sidecar whose
+    guardian died with it and that had no job cgroup (F24). Only for an owner known to be
+    dead; refuses anything but one exact owner key (never an empty or partial selector).
+    Returns how many were signalled."""
+    if not _OWNER_KEY.fullmatch(key):
+        raise ValueError(f"not an owner key: {key!r}")
+    import psutil  # here, not at the top: the guardian imports this module
+
+    me, killed = os.getpid(), 0
+    for proc in psutil.process_iter():
+        if proc.pid == me:
+            continue
+        with contextlib.suppress(psutil.Error, OSError):
+            owner = proc.environ().get("SIDECAR_OWNER_ID")
+            if owner and owner_key(owner) == key:
+                proc.kill()
+                killed += 1
+    return killed
+
+
+def clear_owner(key: str, cgroup_dirs: list[str], work_root: str | None,
+                kill_processes: bool = False) -> int:
+    """Kill the processes left in the owner's job cgroups (and, with ``kill_processes``,
+    every process carrying the owner's id: kill_owner_processes), remove the cgroups and
+    the owner's work directories that no live attempt holds. For an owner known to be
+    dead (the guardian's own sidecar; an owner lock the sweep could take). Returns how
+    many cgroups and directories were removed."""
     prefix = f"{key}{_ATTEMPT_MARK}"
     removed = 0
+    if kill_processes:
+        kill_owner_processes(key)
     for parent in cgroup_dirs:
         for path in _entries(parent, prefix):
             if kill_cgroup(path):
@@ -125,10 +153,12 @@ def clear_owner(key: str, cgroup_dirs: list[str], work_root: str | None) -> int:
 
 
 def sweep_dead_owners(work_root: str, cgroup_dirs: list[str]) -> int:
-    """Clear what dead sidecars left: the job cgroups of every owner whose lock file in
-    ``work_root`` is ours to trust and not held, and every attempt's work directory there
-    that no live attempt holds (older than a minute). Returns how many cgroups and
-    directories were removed.
+    """Clear what dead sidecars left: the processes carrying the id and the job cgroups of
+    every owner whose lock file in ``work_root`` is ours to trust and not held, and every
+    attempt's work directory there that no live attempt holds (older than a minute). Run
+    at every start and, every SIDECAR_LEFTOVER_SWEEP_SECONDS, by every running sidecar, so
+    a sidecar killed together with its guardian leaves nothing running for long (F24).
+    Returns how many cgroups and directories were removed.
 
     A lock file is trusted only if it is a regular file of this process's user, with one
     link and writable by no one else: a tool sharing the work root can neither forge one
@@ -150,7 +180,7 @@ def sweep_dead_owners(work_root: str, cgroup_dirs: list[str]) -> int:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 continue  # its sidecar is alive
-            removed += clear_owner(key, cgroup_dirs, None)
+            removed += clear_owner(key, cgroup_dirs, work_root, kill_processes=True)
             with contextlib.suppress(OSError):
                 if os.path.samestat(os.fstat(fd), os.stat(path, follow_symlinks=False)):
                     os.unlink(path)  # only the file we locked, never a swapped-in one

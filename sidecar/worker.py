@@ -27,7 +27,7 @@ from sidecar.guard import GuardServer
 from sidecar.health import Readiness
 from sidecar.isolation import discard_spare_dirs
 from sidecar.lease import LeaseKeeper
-from sidecar.leftovers import OwnerLock, work_dir_prefix
+from sidecar.leftovers import OwnerLock, sweep_dead_owners, work_dir_prefix
 from sidecar.log import log
 from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
@@ -196,6 +196,9 @@ class Worker:
                                 name="pruner")]
         if self.adopt_orphans:
             self._background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
+        if self.settings.leftover_sweep_seconds > 0:
+            self._background.append(asyncio.create_task(self._sweep_leftovers(),
+                                                        name="leftover-sweep"))
         for task in self._background:
             task.add_done_callback(self._background_done)
         stack.push_async_callback(self._stop_background)
@@ -412,6 +415,26 @@ class Worker:
                 if conn is not None:
                     conn.terminate()
             await asyncio.sleep(self.settings.poll_seconds)
+
+    async def _sweep_leftovers(self) -> None:
+        """Every SIDECAR_LEFTOVER_SWEEP_SECONDS, clear what sidecars of this work root that
+        died left behind (sidecar.leftovers.sweep_dead_owners): a sidecar SIGKILLed together
+        with its guardian leaves its tools running at most that long (F24). A failed sweep
+        is logged and tried again at the next period."""
+        loop = asyncio.get_running_loop()
+        work_root = self.settings.work_dir or tempfile.gettempdir()
+        while True:
+            await asyncio.sleep(self.settings.leftover_sweep_seconds)
+            try:
+                swept = await loop.run_in_executor(None, sweep_dead_owners, work_root,
+                                                   self.cgroup_host.parents)
+            except Exception as exc:  # noqa: BLE001 - a sweep never takes the worker down
+                log.emit("leftover_sweep_error", "warning", tool=self.profile.tool,
+                         reason=f"{type(exc).__name__}: {exc}"[:200])
+                continue
+            if swept:
+                log.emit("leftovers_removed", tool=self.profile.tool, count=swept,
+                         reason="job cgroups and work directories of sidecars that died")
 
     async def _reap_orphans(self) -> None:
         loop = asyncio.get_running_loop()

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
@@ -505,3 +507,77 @@ def test_readiness_accepts_a_newer_compatible_schema_and_rechecks(dsn, sidecars)
     status, body = wait_until(lambda: (lambda r: r if r[0] == 503 else None)(_readyz(addr)),
                               40, what="/readyz 503 once an incompatible step is applied")
     assert any(f"schema version {mine + 2}" in p for p in body["problems"]), body
+
+
+# --- a sidecar SIGKILLed together with its guardian --------------------------------------
+
+
+def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn, tmp_path):
+    """Case F24 (kind: cleanup that only a start or the dying sidecar's own guardian does):
+    sidecar A runs a tool with a whole tree (a grandchild, a double-forked and a setsid
+    one) and no job cgroup; A's guardian and then A are SIGKILLed. Sidecar B, already
+    running beside it on the same work root, clears A's leftovers at its next periodic
+    sweep (SIDECAR_LEFTOVER_SWEEP_SECONDS): every process of A's tree is killed and A's
+    work directory removed, with no new start. The kill selects processes by the dead
+    owner's id, so the test runs both sidecars in a PID namespace of their own."""
+    import psutil
+    from kit import job_processes, stop_process
+
+    from conftest import read_pids, wait_until
+
+    work = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))  # short: room for socket paths
+    pidfile = tmp_path / "tree.pid"
+    common = base_env(dsn, SIDECAR_WORK_DIR=str(work), SIDECAR_CGROUPS="off",
+                      SIDECAR_HTTP_ADDR="off")
+    a_env = {**common, "SIDECAR_LEFTOVER_SWEEP_SECONDS": "0"}
+    b_env = {**common, "SIDECAR_LEFTOVER_SWEEP_SECONDS": "1"}
+    job_id = enqueue(dsn, "hang_tree.py", {"pidfile": str(pidfile), "tree": True})
+    run = f"{sys.executable} -m sidecar run"
+    script = (f"env -i {_shell_env(b_env)} {run} --tool idle -- true & "
+              f"env -i {_shell_env(a_env)} {run} -- hang_tree.py & wait")
+    log = open(tmp_path / "ns.log", "wb")  # noqa: SIM115 - closed below
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+                             stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        read_pids(pidfile, 4, 30)  # pids inside the namespace: the tree is up
+        # Host pids: every process of the job, found by the job id in its environment.
+        tree = wait_until(lambda: len(job_processes(job_id)) >= 4 and job_processes(job_id),
+                          10, what="A's tree seen from the host")
+        inside = psutil.Process(outer.pid).children(recursive=True)
+        sidecar_a = [p for p in inside if p.cmdline()[-1:] == ["hang_tree.py"]]
+        assert len(sidecar_a) == 1, [p.cmdline() for p in inside]
+        sidecar_a = sidecar_a[0]
+        guardian = [p for p in sidecar_a.children()
+                    if "sidecar.guardian" in " ".join(p.cmdline())]
+        assert len(guardian) == 1, [p.cmdline() for p in sidecar_a.children()]
+        assert [p.name for p in work.iterdir() if ".j" in p.name]
+        guardian[0].kill()  # the guardian first: nothing of A's is left to clean up
+        wait_until(lambda: not _alive(guardian[0].pid), 5, what="A's guardian gone")
+        sidecar_a.kill()
+        wait_until(lambda: not _alive(sidecar_a.pid), 5, what="sidecar A gone")
+        assert any(_alive(p) for p in tree)  # nobody has cleared it yet
+        wait_until(lambda: not any(_alive(p) for p in tree), 20,
+                   what="sidecar B's sweep to kill A's tree")
+        wait_until(lambda: not [p for p in work.iterdir() if ".j" in p.name], 10,
+                   what="sidecar B's sweep to remove A's work directory")
+        row = query(dsn, "SELECT state FROM tool_jobs WHERE id = $1", uuid.UUID(job_id))[0]
+        assert row["state"] == "running"  # A's lease ends by itself; B serves another tool
+    finally:
+        stop_process(outer, 10)
+        log.close()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _shell_env(env: dict[str, str]) -> str:
+    import shlex
+
+    return " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
+
+
+def _alive(pid: int) -> bool:
+    import psutil
+
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

@@ -161,6 +161,8 @@ def test_frozen_sidecar_resumes_after_takeover_loses_heartbeat_and_kills_tree(
         wait_all_dead(pids, 15, "the child and its descendants to die after heartbeat_lost")
         killed = wait_journal(dsn, job_id, "child_killed", fencing_token=1)
         sc.wait_event("lease_lost", job_id=job_id, timeout=15)
+        # Logged before it is journaled (the abandoned lease's probe asks the row first).
+        wait_journal(dsn, job_id, "heartbeat_lost", fencing_token=1)
     finally:
         kill_leftovers(pids)
 
