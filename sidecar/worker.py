@@ -239,10 +239,10 @@ class Worker:
                     self.readiness.db_ok_at = time.monotonic()
                     if time.monotonic() - self._schema_checked >= health.SCHEMA_RECHECK_SECONDS:
                         await self._check_schema(store)  # a migration applied since (F24)
-                # ctx.claim_pause: an attempt met a shortage of the host (F19); its end
-                # wakes this loop.
                 if self._claim_unsettled:
                     await self._settle_claims(store)
+                # ctx.claim_pause: an attempt met a shortage of the host (F19); its end
+                # wakes this loop.
                 while len(self.running) < self.concurrency and not self.stopping.is_set() \
                         and not ctx.claim_pause.remaining():
                     sent = clock.ownership_now()  # the lease's local deadline (F20)
