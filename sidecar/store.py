@@ -170,6 +170,7 @@ class Store:
                                                      lock_timeout="0"))
             await conn.execute(Q["lock_migrations"], MIGRATION_LOCK_KEY)
             await conn.execute(Q["create_migrations_table"])
+            await conn.execute(Q["add_migrations_compatible_from"])
             done = {row[0] for row in await conn.fetch(Q["applied_migrations"])}
             for migration in migrations():
                 if migration.version not in done:

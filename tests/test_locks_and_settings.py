@@ -205,7 +205,8 @@ def pooled_dsn(request, dsn, server_dsn):
 
 
 def _alter_database(dsn: str, *settings: str) -> None:
-    name = dsn.rsplit("/", 1)[1]
+    name = query(dsn, "SELECT current_database()")[0][0]  # any DSN form (the embedded one
+    # names its socket directory in the query string)
     for setting in settings:
         query(dsn, f'ALTER DATABASE "{name}" SET {setting}')
 

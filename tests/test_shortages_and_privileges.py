@@ -220,27 +220,32 @@ def setuid_helper(public_dir):
         kill_pid(pid)
 
 
-def _unprivileged_sidecar(dsn, sidecars, public_dir, tool: str, **extra: str):
+def _unprivileged_sidecar(dsn, proxy, sidecars, public_dir, tool: str, **extra: str):
     """A sidecar running as TOOL_UID (as in the field: not root, so it can signal only
-    its own user's processes), with its work directory writable by that user."""
+    its own user's processes), with its work directory writable by that user. It reaches
+    the database over TCP through the test's proxy: the embedded server's socket
+    directory is closed to other users."""
+    from netproxy import through
+
+    side_dsn = through(dsn, proxy.port)
     work = public_dir(0o755)
     os.chown(work, TOOL_UID, TOOL_UID)
-    env = base_env(dsn, SIDECAR_WORK_DIR=str(short_root(work)),
+    env = base_env(side_dsn, SIDECAR_WORK_DIR=str(short_root(work)),
                    SIDECAR_KILL_GRACE_SECONDS="0.5", **extra)
     launcher = ["setpriv", f"--reuid={TOOL_UID}", f"--regid={TOOL_UID}", "--clear-groups"]
-    return sidecars(dsn, [str(TOOLS / "setuid_launcher.py")], "--tool", tool, env=env,
+    return sidecars(side_dsn, [str(TOOLS / "setuid_launcher.py")], "--tool", tool, env=env,
                     launcher=launcher)
 
 
 def test_setuid_helper_stays_unprivileged_and_dies_with_the_tree(
-        dsn, sidecars, public_dir, setuid_helper):
+        dsn, proxy, sidecars, public_dir, setuid_helper):
     """Case F23, kind "a tool that gains privileges cannot escape the tree kill": the
     sidecar runs as an unprivileged user; its tool starts a setuid-root helper that calls
     setuid(0) and is left running when the tool exits. Every tool starts with
     PR_SET_NO_NEW_PRIVS, so the setuid bit is ignored: the helper stays the tool's user,
     its setuid(0) fails, and the tree kill ends it."""
     binary, reports, report = setuid_helper
-    sc = _unprivileged_sidecar(dsn, sidecars, public_dir, "suid")
+    sc = _unprivileged_sidecar(dsn, proxy, sidecars, public_dir, "suid")
     path = reports / "default"
     job = enqueue(dsn, "suid", {"helper": str(binary), "report": str(path)})
     pid, result, euid = report(path)
@@ -253,13 +258,13 @@ def test_setuid_helper_stays_unprivileged_and_dies_with_the_tree(
 
 
 def test_unsignallable_process_of_the_tree_is_a_survivor(
-        dsn, sidecars, public_dir, setuid_helper):
+        dsn, proxy, sidecars, public_dir, setuid_helper):
     """Case F23: a process of the tree the sidecar may not signal (a profile that opts out
     with ALLOW_NEW_PRIVS, so the setuid-root helper really becomes root, unreadable and
     out of reach of an unprivileged sidecar without a cgroup) is reported as a survivor
     (journal ``child_killed`` with survivors and unsignalled), never as "0 survivors"."""
     binary, reports, report = setuid_helper
-    sc = _unprivileged_sidecar(dsn, sidecars, public_dir, "suid",
+    sc = _unprivileged_sidecar(dsn, proxy, sidecars, public_dir, "suid",
                                SIDECAR_PROFILE_SUID_ALLOW_NEW_PRIVS="true")
     path = reports / "opted-out"
     job = enqueue(dsn, "suid", {"helper": str(binary), "report": str(path)})

@@ -4,13 +4,16 @@
 -- lease still in the future by the database's clock (P3).
 
 -- name: create_migrations_table
--- compatible_from: the oldest schema version whose releases keep working on this
--- migration (its "-- compatible-from: N" line); NULL when it declares none.
 CREATE TABLE IF NOT EXISTS sidecar_schema_migrations (
     version    integer PRIMARY KEY,
     name       text NOT NULL,
     applied_at timestamptz NOT NULL DEFAULT now()
 );
+
+-- name: add_migrations_compatible_from
+-- compatible_from: the oldest schema version whose releases keep working on this
+-- migration (its "-- compatible-from: N" line); NULL when it declares none. One
+-- statement per named query: every one of them must prepare (tests/test_pgbouncer.py).
 ALTER TABLE sidecar_schema_migrations ADD COLUMN IF NOT EXISTS compatible_from integer;
 
 -- name: lock_migrations
