@@ -33,6 +33,7 @@ class AnswerDropProxy:
         self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()
 
     def arm(self, drops: int = 1) -> None:
         """Lose the answer of the next ``drops`` watched statements that return a row."""
@@ -63,12 +64,19 @@ class AnswerDropProxy:
             self._server.close()
             for writer in list(self._writers):
                 writer.transport.abort()
+            # Every connection's relays end here, on the running loop, not when a closed
+            # loop's leftovers are collected.
+            tasks = [task for task in self._tasks if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
     async def _accept(self, client_r, client_w) -> None:
+        self._tasks.add(asyncio.current_task())
         try:
             if isinstance(self.upstream, str):
                 server_r, server_w = await asyncio.open_unix_connection(self.upstream)
@@ -86,6 +94,7 @@ class AnswerDropProxy:
             for writer in (client_w, server_w):
                 writer.transport.abort()
                 self._writers.discard(writer)
+            self._tasks.discard(asyncio.current_task())
 
     async def _frontend(self, reader, server_w, state) -> None:
         """Client -> server: the startup packet, then typed messages, relayed as they are."""
