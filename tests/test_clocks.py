@@ -22,6 +22,7 @@ A real suspend cannot be had in a test, so two tests stand for it:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -90,6 +91,30 @@ async def _guard(url: str, token: str) -> tuple[int, dict]:
         return response.status, orjson.loads(await response.read())
 
 
+@contextlib.asynccontextmanager
+async def held_lease(dsn: str):
+    """A real lease keeper (heartbeating), guard and store of owner "w1", holding one
+    freshly claimed job whose lease was renewed twice: yields (store, guard URL, lease,
+    guard secret, job)."""
+    pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=init_connection)
+    store = Store(pool, timeout=5)
+    keeper = LeaseKeeper(dsn, "w1", PROFILE, store, db_timeout=2)
+    guard = GuardServer(store, PROFILE, "w1")
+    url = await guard.start()
+    beating = asyncio.create_task(keeper.run())
+    try:
+        job = await _claim(store, "w1")
+        lease = keeper.hold(job, clock.ownership_now())
+        secret = guard.register(lease)
+        await asyncio.sleep(PROFILE.heartbeat_seconds * 2)
+        yield store, url, lease, secret, job
+    finally:
+        beating.cancel()
+        await asyncio.gather(beating, return_exceptions=True)
+        await guard.stop()
+        await pool.close()
+
+
 def test_a_suspend_past_the_lease_makes_ownership_unknown_at_once_and_kills(
         dsn, monkeypatch):
     """Case F20: a suspend longer than the lease, during which the job is taken over in the
@@ -99,17 +124,7 @@ def test_a_suspend_past_the_lease_makes_ownership_unknown_at_once_and_kills(
     suspend = Suspend(monkeypatch)
 
     async def go():
-        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=init_connection)
-        store = Store(pool, timeout=5)
-        keeper = LeaseKeeper(dsn, "w1", PROFILE, store, db_timeout=2)
-        guard = GuardServer(store, PROFILE, "w1")
-        url = await guard.start()
-        beating = asyncio.create_task(keeper.run())
-        try:
-            job = await _claim(store, "w1")
-            lease = keeper.hold(job, clock.ownership_now())
-            secret = guard.register(lease)
-            await asyncio.sleep(PROFILE.heartbeat_seconds * 2)
+        async with held_lease(dsn) as (store, url, lease, secret, job):
             assert (await _guard(url, secret))[0] == 200  # confirmed, plenty left
             # The host sleeps for 2 L; meanwhile the lease ends by the database clock and
             # another owner takes the job (token 2).
@@ -129,11 +144,6 @@ def test_a_suspend_past_the_lease_makes_ownership_unknown_at_once_and_kills(
             row = await store.db.fetchrow("SELECT owner_id, fencing_token FROM tool_jobs "
                                           "WHERE id = $1", job.id)
             assert (row["owner_id"], row["fencing_token"]) == ("usurper", 2)
-        finally:
-            beating.cancel()
-            await asyncio.gather(beating, return_exceptions=True)
-            await guard.stop()
-            await pool.close()
 
     run(go())
 
@@ -146,17 +156,7 @@ def test_a_short_suspend_is_unknown_until_a_renewal_after_it_confirms(dsn, monke
     suspend = Suspend(monkeypatch)
 
     async def go():
-        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=init_connection)
-        store = Store(pool, timeout=5)
-        keeper = LeaseKeeper(dsn, "w1", PROFILE, store, db_timeout=2)
-        guard = GuardServer(store, PROFILE, "w1")
-        url = await guard.start()
-        beating = asyncio.create_task(keeper.run())
-        try:
-            job = await _claim(store, "w1")
-            lease = keeper.hold(job, clock.ownership_now())
-            secret = guard.register(lease)
-            await asyncio.sleep(PROFILE.heartbeat_seconds * 2)
+        async with held_lease(dsn) as (store, url, lease, secret, job):
             assert (await _guard(url, secret))[0] == 200
             suspend.resume_after(0.4)  # well inside the 3 s lease
             assert await _guard(url, secret) == (409, {"reason": "ownership_unknown"})
@@ -175,11 +175,6 @@ def test_a_short_suspend_is_unknown_until_a_renewal_after_it_confirms(dsn, monke
                 await asyncio.sleep(0.05)
             assert journal.count("ownership_unknown") == 1
             assert journal.count("ownership_confirmed") == 1
-        finally:
-            beating.cancel()
-            await asyncio.gather(beating, return_exceptions=True)
-            await guard.stop()
-            await pool.close()
 
     run(go())
 
