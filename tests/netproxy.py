@@ -47,6 +47,7 @@ class BlackholeProxy:
         self._server: asyncio.AbstractServer | None = None
         self._thread: threading.Thread | None = None
         self._writers: set[asyncio.StreamWriter] = set()
+        self._tasks: set[asyncio.Task] = set()  # one per connection (its _accept)
 
     def start(self) -> int:
         ready = threading.Event()
@@ -78,12 +79,26 @@ class BlackholeProxy:
             self._server.close()
             for writer in list(self._writers):
                 writer.transport.abort()
+            # Every connection's relays end here, on the running loop, not when a closed
+            # loop's leftovers are collected.
+            tasks = [task for task in self._tasks if task is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
 
     async def _accept(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter):
+        self._tasks.add(asyncio.current_task())
+        try:
+            await self._relay(client_r, client_w)
+        finally:
+            self._tasks.discard(asyncio.current_task())
+
+    async def _relay(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter):
+        """One connection: held while blackholed, then piped both ways."""
         self.connections += 1
         self._writers.add(client_w)
         try:

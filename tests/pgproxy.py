@@ -18,65 +18,28 @@ import asyncio
 import struct
 import threading
 
+from netproxy import BlackholeProxy
+
 SSL_REQUEST = 80877103
 
 
-class AnswerDropProxy:
+class AnswerDropProxy(BlackholeProxy):
+    """tests/netproxy.BlackholeProxy's thread, loop and start/stop, relaying the
+    PostgreSQL protocol message by message instead of bytes (never blackholed)."""
+
     def __init__(self, upstream, match: str):
-        self.upstream = upstream
+        super().__init__(upstream)
         self.match = match
-        self.port = 0
         self.dropped = 0
         self._drops = 0
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._server: asyncio.AbstractServer | None = None
-        self._thread: threading.Thread | None = None
-        self._writers: set[asyncio.StreamWriter] = set()
-        self._tasks: set[asyncio.Task] = set()
 
     def arm(self, drops: int = 1) -> None:
         """Lose the answer of the next ``drops`` watched statements that return a row."""
         with self._lock:
             self._drops = drops
 
-    def start(self) -> int:
-        ready = threading.Event()
-
-        def serve() -> None:
-            self._loop = asyncio.new_event_loop()
-            self._server = self._loop.run_until_complete(
-                asyncio.start_server(self._accept, "127.0.0.1", 0))
-            self.port = self._server.sockets[0].getsockname()[1]
-            ready.set()
-            self._loop.run_forever()
-
-        self._thread = threading.Thread(target=serve, daemon=True)
-        self._thread.start()
-        ready.wait(10)
-        return self.port
-
-    def stop(self) -> None:
-        if self._loop is None:
-            return
-
-        async def shutdown():
-            self._server.close()
-            for writer in list(self._writers):
-                writer.transport.abort()
-            # Every connection's relays end here, on the running loop, not when a closed
-            # loop's leftovers are collected.
-            tasks = [task for task in self._tasks if task is not asyncio.current_task()]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
-
-        asyncio.run_coroutine_threadsafe(shutdown(), self._loop).result(10)
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join(10)
-
-    async def _accept(self, client_r, client_w) -> None:
-        self._tasks.add(asyncio.current_task())
+    async def _relay(self, client_r, client_w) -> None:
         try:
             if isinstance(self.upstream, str):
                 server_r, server_w = await asyncio.open_unix_connection(self.upstream)
@@ -94,7 +57,6 @@ class AnswerDropProxy:
             for writer in (client_w, server_w):
                 writer.transport.abort()
                 self._writers.discard(writer)
-            self._tasks.discard(asyncio.current_task())
 
     async def _frontend(self, reader, server_w, state) -> None:
         """Client -> server: the startup packet, then typed messages, relayed as they are."""
