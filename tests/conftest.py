@@ -404,3 +404,22 @@ def public_dir():
     yield make
     for where in made:
         shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.fixture
+def sink():
+    """Factory of receivers (tests/http_sink.HttpSink) answering from a script; every one
+    is stopped at the end of the test."""
+    from http_sink import HttpSink
+
+    servers = []
+
+    def start(script=None) -> HttpSink:
+        server = HttpSink(script)
+        server.start()
+        servers.append(server)
+        return server
+
+    yield start
+    for server in servers:
+        server.stop()

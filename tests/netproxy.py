@@ -105,10 +105,7 @@ class BlackholeProxy:
             while self.blackholed:  # held: accepted, never connected upstream
                 if await self._drop(client_r):
                     return
-            if isinstance(self.upstream, str):
-                server_r, server_w = await asyncio.open_unix_connection(self.upstream)
-            else:
-                server_r, server_w = await asyncio.open_connection(*self.upstream)
+            server_r, server_w = await self._open_upstream()
         except OSError:
             client_w.transport.abort()
             return
@@ -117,6 +114,12 @@ class BlackholeProxy:
         for writer in (client_w, server_w):
             writer.transport.abort()
             self._writers.discard(writer)
+
+    async def _open_upstream(self):
+        """A connection to the server: (reader, writer). Raises OSError."""
+        if isinstance(self.upstream, str):
+            return await asyncio.open_unix_connection(self.upstream)
+        return await asyncio.open_connection(*self.upstream)
 
     async def _drop(self, reader: asyncio.StreamReader) -> bool:
         """Read and discard for a moment; True at EOF."""

@@ -41,10 +41,7 @@ class AnswerDropProxy(BlackholeProxy):
 
     async def _relay(self, client_r, client_w) -> None:
         try:
-            if isinstance(self.upstream, str):
-                server_r, server_w = await asyncio.open_unix_connection(self.upstream)
-            else:
-                server_r, server_w = await asyncio.open_connection(*self.upstream)
+            server_r, server_w = await self._open_upstream()
         except OSError:
             client_w.transport.abort()
             return

@@ -7,24 +7,8 @@ import socket
 
 import orjson
 import pytest
-from http_sink import HttpSink
 
 from conftest import base_env, cli, enqueue, query, wait_until
-
-
-@pytest.fixture
-def sink():
-    servers = []
-
-    def start(script=None) -> HttpSink:
-        server = HttpSink(script)
-        server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def _env(dsn, url, tool="echo-json", **extra):

@@ -22,27 +22,11 @@ import urllib.request
 
 import orjson
 import pytest
-from http_sink import HttpSink
 
 from conftest import base_env, cli, enqueue, one_line_error, query, wait_until
 from sidecar.config import load_settings
 
 TOOL = "echo-json"
-
-
-@pytest.fixture
-def sink():
-    servers = []
-
-    def start(script=None) -> HttpSink:
-        server = HttpSink(script)
-        server.start()
-        servers.append(server)
-        return server
-
-    yield start
-    for server in servers:
-        server.stop()
 
 
 def _env(dsn, url, **profile):
