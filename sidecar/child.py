@@ -107,6 +107,16 @@ class SpawnFailed(SidecarError):
         self.exit_code = exit_code
 
 
+class SpawnSetupFailed(SidecarError):
+    """The sidecar could not put the child into its sandbox (its job cgroup, rlimits, the
+    RUN_AS identity) for a reason other than a shortage of the host. The tool never ran;
+    not an error of the program: the attempt fails as ``sandbox_failed`` (retryable)."""
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
 class SpawnShortage(SidecarError):
     """The tool could not be started because the host ran short of something (case F19):
     processes or threads (EAGAIN), memory (ENOMEM), descriptors for its pipes (EMFILE,
@@ -283,30 +293,64 @@ class CgroupJoinFailed(OSError):
     """The parent could not move a freshly started tool into its job cgroup."""
 
 
+class PreexecFailed(OSError):
+    """The child could not set itself up between fork and exec (sidecar.isolation.
+    make_preexec: cgroup join, rlimits, identity); ``errno`` is the failed call's (0 when
+    it had none) and ``strerror`` says which step. The tool never ran."""
+
+
+def read_setup_report(report_r: int) -> PreexecFailed | None:
+    """What the child's ``preexec_fn`` reported on its report pipe (read end ``report_r``,
+    whose write ends are all closed by now): None when it reported nothing, else the
+    failure (``b"<errno> <what failed>"``, at most 512 bytes)."""
+    try:
+        data = os.read(report_r, 512)
+    except OSError:
+        return None
+    number, _, what = data.decode(errors="replace").partition(" ")
+    if not data or not number.isdigit():
+        return None
+    return PreexecFailed(int(number), what or "cannot set up the child")
+
+
 def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: str | None,
-                    make_preexec: Callable[[int], Callable[[], None]] | None,
+                    make_preexec: Callable[[int, int], Callable[[], None]] | None,
                     join: JobCgroup | None):
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    # The preexec_fn's report of a failed step (errno and step), so a shortage met between
+    # fork and exec is told from a tool's exit status (case F19).
+    report_r, report_w = os.pipe() if make_preexec else (-1, -1)
     try:
         with _reap_lock:
             # No preexec_fn: vfork. restore_signals puts SIGPIPE and SIGXFSZ (which Python
             # ignores for itself) back to SIG_DFL; CPython resets every handled signal in
             # the child and gives it the spawning thread's (empty) mask (case F10).
-            popen = subprocess.Popen(
-                argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
-                cwd=cwd, start_new_session=True, restore_signals=True,
-                preexec_fn=make_preexec(parent_pid) if make_preexec else None,
-            )
+            try:
+                popen = subprocess.Popen(
+                    argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
+                    cwd=cwd, start_new_session=True, restore_signals=True,
+                    preexec_fn=make_preexec(parent_pid, report_w) if make_preexec else None,
+                )
+            except subprocess.SubprocessError:
+                # Popen has reaped the child; its preexec_fn said why, if it could.
+                if report_w >= 0:
+                    os.close(report_w)
+                    report_w = -1
+                    reported = read_setup_report(report_r)
+                    if reported is not None:
+                        raise reported from None
+                raise
             MANAGED_PIDS.add(popen.pid)
     except BaseException:
         for fd in (in_w, out_r, err_r):
             os.close(fd)
         raise
     finally:
-        for fd in (in_r, out_w, err_w):
-            os.close(fd)
+        for fd in (in_r, out_w, err_w, report_r, report_w):
+            if fd >= 0:
+                os.close(fd)
     if join is not None:
         try:
             join.join_tree(popen.pid, linux.descendant_pids if linux.HAVE_PROC_CHILDREN
@@ -326,13 +370,17 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
     return popen, in_w, out_r, err_r
 
 
-def _spawn_failure(program: str, exc: OSError) -> SpawnFailed:
-    """The permanent failure for an error of the program itself (exit codes as tini): 127
-    not found (a missing program or interpreter), 126 not executable (EACCES, ENOEXEC) or
-    not movable into its job cgroup."""
+def _spawn_failure(program: str, exc: OSError) -> SpawnFailed | SpawnSetupFailed:
+    """What a spawn error that is no shortage means. The sidecar's own setup of the child
+    (its job cgroup, rlimits, identity) failing is ``SpawnSetupFailed``: not the program's
+    fault. Otherwise the permanent failure for an error of the program itself (exit codes
+    as tini): 127 not found (a missing program or interpreter), 126 not executable
+    (EACCES, ENOEXEC)."""
     if isinstance(exc, CgroupJoinFailed):
-        return SpawnFailed(f"cannot move {program} into its job cgroup: {exc.filename or ''}"
-                           f" {exc.strerror or exc}".rstrip(), 126)
+        return SpawnSetupFailed(f"cannot move {program} into its job cgroup: "
+                                f"{exc.filename or ''} {exc.strerror or exc}".rstrip())
+    if isinstance(exc, PreexecFailed):
+        return SpawnSetupFailed(f"cannot start {program}: {exc.strerror}")
     if isinstance(exc, FileNotFoundError):
         return SpawnFailed(f"command not found: {program}", 127)
     if isinstance(exc, PermissionError):
@@ -405,7 +453,7 @@ class Child:
     async def spawn(cls, argv: list[str], env: dict[str, str], payload: bytes, max_stdout: int,
                     on_stderr_line: Callable[[bytes], None], cookie: dict[str, str],
                     cwd: str | None = None,
-                    make_preexec: Callable[[int], Callable[[], None]] | None = None,
+                    make_preexec: Callable[[int, int], Callable[[], None]] | None = None,
                     cgroup: JobCgroup | None = None, new_privileges: bool = False) -> Child:
         """Start ``argv`` in a new session with ``env`` in ``cwd``; write ``payload`` to its
         stdin. No file descriptor but stdin, stdout and stderr is inherited. The tool gets
@@ -414,13 +462,16 @@ class Child:
 
         ``max_stdout`` caps the bytes of stdout kept (bytes). ``cookie`` is a subset of
         ``env`` that marks the job's processes for the tree kill. ``cgroup`` is the job
-        cgroup (its members are part of the tree). ``make_preexec(parent_pid)`` gives the
-        ``preexec_fn`` (limits, cgroup join, identity; sidecar.isolation), which then
-        joins ``cgroup`` in the child; without one the child is started by vfork and the
-        parent moves it (and anything it forked meanwhile) into ``cgroup``.
-        Raises SpawnFailed when the program is missing or not executable (127, 126), or
-        could not be moved into its cgroup (126); SpawnShortage when the host ran short of
-        processes, memory or descriptors meanwhile (case F19: sidecar.shortage).
+        cgroup (its members are part of the tree). ``make_preexec(parent_pid, report_fd)``
+        gives the ``preexec_fn`` (limits, cgroup join, identity; sidecar.isolation), which
+        joins ``cgroup`` in the child and reports a failed step on the pipe ``report_fd``;
+        without one the child is started by vfork and the parent moves it (and anything it
+        forked meanwhile) into ``cgroup``.
+        Raises SpawnFailed when the program is missing or not executable (127, 126);
+        SpawnSetupFailed when the child could not be moved into its cgroup or set up by its
+        ``preexec_fn``; SpawnShortage when the host ran short of processes, memory or
+        descriptors meanwhile, in the parent or in the child before exec (case F19:
+        sidecar.shortage).
         """
         loop = asyncio.get_running_loop()
         global _spawn_generation, _spawns_in_flight

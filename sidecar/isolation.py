@@ -195,12 +195,18 @@ def share_limits(profile: LeaseProfile) -> None:
 
 
 def make_preexec(parent_pid: int, procs_files: list[str], limits: list[tuple[int, int, int]],
-                 ids: tuple[int, int] | None):
+                 ids: tuple[int, int] | None, report_fd: int):
     """A Popen ``preexec_fn``, run in the child between fork and exec: join the job's
     cgroups, set the rlimits, drop to ``ids`` (uid, gid) with no supplementary groups, then
     ask for SIGKILL when the sidecar dies (after the identity change, which clears it), and
-    exit at once if the sidecar already died during the fork. A step that fails is written
-    to the tool's stderr and the child exits 126 before running the tool."""
+    exit at once if the sidecar already died during the fork.
+
+    A step that fails writes ``b"<errno> <what failed>"`` (errno 0 when the error had
+    none) to ``report_fd``, the write end of a pipe the parent made for this spawn, and
+    raises, so the tool never runs and Popen fails in the parent, which reads the report
+    (sidecar.child.read_setup_report): an EAGAIN or EMFILE while joining a cgroup is a
+    shortage of the host, not an exit status of the tool (case F19). The pipe's write end
+    is closed by ``close_fds`` before exec, so a clean start reports nothing."""
     sigkill = int(signal.SIGKILL)
 
     def _in_child() -> None:
@@ -224,9 +230,10 @@ def make_preexec(parent_pid: int, procs_files: list[str], limits: list[tuple[int
                 os.setuid(ids[0])
         except (OSError, ValueError, OverflowError) as exc:  # a limit above the hard one
             reason = getattr(exc, "strerror", None) or exc
+            number = getattr(exc, "errno", None) or 0
             with contextlib.suppress(OSError):
-                os.write(2, f"sidecar: cannot {step}: {reason}\n".encode())
-            os._exit(126)
+                os.write(report_fd, f"{number} cannot {step}: {reason}".encode()[:512])
+            raise
         _prctl(PR_SET_PDEATHSIG, sigkill)
         if os.getppid() != parent_pid:
             os._exit(125)
@@ -543,10 +550,11 @@ class Sandbox:
         return any(resource.getrlimit(res) != (soft, hard)
                    for res, soft, hard in rlimits(self.profile, self.cgroup))
 
-    def preexec(self, parent_pid: int):
+    def preexec(self, parent_pid: int, report_fd: int):
         """The child's ``preexec_fn`` for this sandbox (see ``make_preexec``)."""
         files = self.cgroup.procs_files if self.cgroup else []
-        return make_preexec(parent_pid, files, rlimits(self.profile, self.cgroup), self.ids)
+        return make_preexec(parent_pid, files, rlimits(self.profile, self.cgroup), self.ids,
+                            report_fd)
 
     @property
     def _reusable(self) -> bool:

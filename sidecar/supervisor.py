@@ -18,7 +18,7 @@ import psutil
 
 from sidecar import clock, metrics
 from sidecar.cgroups import CgroupHost, Usage
-from sidecar.child import Child, SpawnFailed, SpawnShortage, tree_processes
+from sidecar.child import Child, SpawnFailed, SpawnSetupFailed, SpawnShortage, tree_processes
 from sidecar.commit import FencedCommit
 from sidecar.config import LeaseProfile, Settings
 from sidecar.db import RawJson
@@ -279,6 +279,10 @@ class JobSupervisor:
             child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
         except SpawnShortage as exc:
             return await self._short_before_spawn("spawn", exc.errno_name, exc.message)
+        except SpawnSetupFailed as exc:
+            log.emit("sandbox_failed", "error", **log_fields(self.job), reason=exc.message)
+            return await self._fail_before_spawn(failure(
+                FailureKind.SANDBOX_FAILED, f"{exc.message}; the tool did not run"))
         except SpawnFailed as exc:
             log.emit("spawn_failed", "error", **log_fields(self.job), reason=exc.message)
             return await self._fail_before_spawn(failure(

@@ -164,12 +164,13 @@ class SidecarProcess:
     """A running ``sidecar run``; its stderr (JSON lines) goes to a file we can read."""
 
     def __init__(self, dsn: str, command: list[str], *options: str, env: dict | None = None,
-                 wrap: list[str] | None = None, launcher: list[str] | None = None, tmp: Path):
+                 wrap: list[str] | None = None, launcher: list[str] | None = None, tmp: Path,
+                 python: str = sys.executable):
         """``wrap`` runs the sidecar as one shell word (``sh -c``); ``launcher`` is a
-        program that execs the sidecar's argv (same pid)."""
+        program that execs the sidecar's argv (same pid); ``python`` the interpreter."""
         self.log_path = tmp / f"sidecar-{uuid.uuid4().hex[:8]}.log"
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        argv = [sys.executable, "-m", "sidecar", "run", *options, "--", *command]
+        argv = [python, "-m", "sidecar", "run", *options, "--", *command]
         if wrap:
             argv = [*wrap, " ".join(_quote(a) for a in argv)]
         if launcher:

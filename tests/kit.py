@@ -173,3 +173,24 @@ class PgBouncer:
                 self.proc.kill()
                 self.proc.wait(5)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def python_for(uid: int) -> tuple[str, dict[str, str]]:
+    """An interpreter user ``uid`` can run the sidecar with, and the environment it needs:
+    this one when that user may execute it; else the system's ``python3.X`` of the same
+    version, given this interpreter's site-packages and the project on PYTHONPATH (a
+    pyenv or venv interpreter under a 0700 home, /root, is closed to other users)."""
+    import sys
+    import sysconfig
+
+    probe = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+    check = "import os, sys; sys.exit(not os.access(sys.executable, os.X_OK))"
+    if subprocess.run([*probe, sys.executable, "-c", check], capture_output=True).returncode == 0:
+        return sys.executable, {}
+    system = shutil.which(f"python{sys.version_info[0]}.{sys.version_info[1]}",
+                          path="/usr/local/bin:/usr/bin:/bin")
+    if system is None:
+        raise RuntimeError(f"no Python {sys.version_info[:2]} that uid {uid} can run")
+    project = str(Path(__file__).resolve().parent.parent)
+    return system, {"PYTHONPATH": os.pathsep.join([project, sysconfig.get_paths()["purelib"],
+                                                   sysconfig.get_paths()["platlib"]])}

@@ -14,6 +14,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from kit import python_for
 
 from conftest import (
     TOOLS,
@@ -26,7 +27,8 @@ from conftest import (
     short_root,
     wait_until,
 )
-from sidecar.child import Child, SpawnShortage
+from sidecar.child import Child, SpawnSetupFailed, SpawnShortage
+from sidecar.isolation import make_preexec
 from sidecar.shortage import PAUSE_BASE_SECONDS, PAUSE_MAX_SECONDS, ClaimPause, shortage_errno
 
 PIDS_ROOT = Path("/sys/fs/cgroup/pids")
@@ -106,6 +108,42 @@ def _metric(base: str, name: str, **labels: str) -> float:
         if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
             return float(line.rsplit(" ", 1)[1])
     raise AssertionError(f"no {name} {labels} in /metrics")
+
+
+async def _spawn_joining(procs_file: str):
+    """Spawn ``true`` through the real ``preexec_fn`` (sidecar.isolation.make_preexec),
+    joining ``procs_file`` as its cgroup: the exception raised, or the child's exit status."""
+    try:
+        child = await Child.spawn(
+            ["true"], {"PATH": os.environ["PATH"]}, b"", 1024, lambda line: None,
+            {"SIDECAR_JOB_ID": "x"},
+            make_preexec=lambda pid, report: make_preexec(pid, [procs_file], [], None, report))
+    except Exception as exc:  # noqa: BLE001 - the outcome is what the test looks at
+        return exc
+    return await asyncio.wait_for(child.exited, 10)
+
+
+def test_shortage_between_fork_and_exec_is_a_shortage_not_an_exit_status(tmp_path):
+    """Case F19, kind "a transient shortage is never a permanent failure", where the
+    shortage is met in the child between fork and exec: its ``preexec_fn`` joins the job
+    cgroup, sets rlimits and takes the RUN_AS identity, and any of these can meet EAGAIN,
+    ENOMEM, EMFILE or ENOSPC. It used to exit 126, read as the tool's exit status (an
+    attempt spent, the errno lost). Now the child reports the errno and the step on a pipe
+    of its own and the spawn raises SpawnShortage naming both. The join's write here goes
+    to /dev/full, whose every write fails with ENOSPC, through the real preexec code. A
+    step that fails for another reason (a cgroup that is gone: ENOENT) is
+    SpawnSetupFailed naming the step, never an exit status nor a failure of the
+    program; a join that works starts the tool."""
+    short = asyncio.run(_spawn_joining("/dev/full"))
+    assert isinstance(short, SpawnShortage), short
+    assert short.errno_name == "ENOSPC" and "join cgroup /dev/full" in short.message
+    gone = asyncio.run(_spawn_joining(str(tmp_path / "gone" / "cgroup.procs")))
+    assert isinstance(gone, SpawnSetupFailed), gone
+    assert "join cgroup" in gone.message and "gone" in gone.message, gone.message
+    procs = tmp_path / "cgroup.procs"  # a plain file: the join writes "0" into it
+    procs.write_text("")
+    assert asyncio.run(_spawn_joining(str(procs))) == 0
+    assert procs.read_text() == "0"
 
 
 @pytest.fixture
@@ -230,11 +268,14 @@ def _unprivileged_sidecar(dsn, proxy, sidecars, public_dir, tool: str, **extra: 
     side_dsn = through(dsn, proxy.port)
     work = public_dir(0o755)
     os.chown(work, TOOL_UID, TOOL_UID)
+    # HOME: its own, as a user's (asyncpg looks for client certificates under it).
     env = base_env(side_dsn, SIDECAR_WORK_DIR=str(short_root(work)),
-                   SIDECAR_KILL_GRACE_SECONDS="0.5", **extra)
+                   SIDECAR_KILL_GRACE_SECONDS="0.5", HOME=str(work), **extra)
+    python, python_env = python_for(TOOL_UID)
+    env.update(python_env)
     launcher = ["setpriv", f"--reuid={TOOL_UID}", f"--regid={TOOL_UID}", "--clear-groups"]
-    return sidecars(side_dsn, [str(TOOLS / "setuid_launcher.py")], "--tool", tool, env=env,
-                    launcher=launcher)
+    return sidecars(side_dsn, [python, str(TOOLS / "setuid_launcher.py")], "--tool", tool,
+                    env=env, launcher=launcher, python=python)
 
 
 def test_setuid_helper_stays_unprivileged_and_dies_with_the_tree(
