@@ -247,7 +247,7 @@ class FencedCommit:
         log.emit("result_rejected", "warning", **log_fields(self.job), reason=why)
         metrics.COMPLETIONS_REJECTED.labels(self.job.tool, self.ctx.profile.provider).inc()
         if self.lease.abandoned:
-            self.lease.evidence = details
+            self.lease.keep_evidence(details)
         else:
             await self.journal("result_rejected", details)
 
@@ -335,7 +335,7 @@ class FencedCommit:
             # the database answers, while it holds the lease or probes it as abandoned.
             kept = [(e["event"], {**e["details"], "noted_s_before_written": e["age_s"]})
                     for e in earlier]
-            self.lease.unjournaled.extend(kept + ([(event, details)] if event else []))
+            self.lease.keep_for_journal(kept + ([(event, details)] if event else []))
             log.emit("journal_error", "warning", **log_fields(self.job),
                      reason=event or ",".join(e["event"] for e in earlier),
                      kept_for_later=bool(self.lease.abandoned or not self.lease.lost.is_set()))

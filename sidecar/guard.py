@@ -65,10 +65,10 @@ from sidecar import clock, db, jsontext
 from sidecar.config import LeaseProfile
 from sidecar.db import RawJson
 from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
-from sidecar.lease import Lease
+from sidecar.lease_state import Lease, guard_refusal
 from sidecar.log import log, log_fields, payload_digest
 from sidecar.store import Store
-from sidecar.vocabulary import AttemptId, GuardRefusal, StopReason
+from sidecar.vocabulary import AttemptId, GuardRefusal
 
 GUARD_PATH = "/v1/guard"
 CHECKPOINT_PATH = "/v1/checkpoint"
@@ -220,28 +220,11 @@ class GuardServer:
         return body
 
     def _refusal(self, registration: _Registration) -> str | None:
-        """Why the tool may not start an irreversible step now, or None when it may."""
+        """Why the tool may not start an irreversible step now, or None when it may
+        (sidecar.lease_state.guard_refusal over the lease's state)."""
         lease = registration.lease
-        if lease.lost.is_set():
-            if lease.reason is StopReason.CANCELLED:
-                return GuardRefusal.CANCELLED
-            if lease.reason is StopReason.LOCAL_DEADLINE:
-                return GuardRefusal.OWNERSHIP_UNKNOWN
-            return GuardRefusal.LEASE_LOST
-        if registration.fenced_out:
-            return GuardRefusal.LEASE_LOST
-        if lease.stopping:
-            return GuardRefusal.DEADLINE
-        if lease.settling:
-            return GuardRefusal.LEASE_LOST
-        if lease.unknown_since is not None or \
-                clock.jumped(lease.suspended_at_confirm, clock.suspended_seconds()):
-            # Also from the first instant after a suspend, before the lease keeper has
-            # looked (case F20): unknown until the database confirms the lease.
-            return GuardRefusal.OWNERSHIP_UNKNOWN
-        if lease.local_deadline - clock.ownership_now() < self.min_remaining:
-            return GuardRefusal.LEASE_ENDING
-        return None
+        return guard_refusal(lease.state, lease.reason, registration.fenced_out,
+                             lease.local_deadline - clock.ownership_now(), self.min_remaining)
 
     async def _guard(self, request: Request) -> Response:
         registration = self._authenticate(request)
@@ -275,7 +258,7 @@ class GuardServer:
             return _json({"reason": reason}, 409)
         remaining = lease.local_deadline - clock.ownership_now()
         if request_id is not None:
-            lease.request_id = request_id
+            lease.note_request(request_id)
         registration.refused = None
         return _json({"fencing_token": lease.job.fencing_token,
                       "lease_remaining_seconds": round(remaining, 3)})

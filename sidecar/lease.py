@@ -26,57 +26,16 @@ It never extends an abandoned lease.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import time
-from dataclasses import dataclass, field
-from typing import Any
 
 import asyncpg
 
 from sidecar import clock, db, metrics
 from sidecar.config import LeaseProfile
+from sidecar.lease_state import Lease
 from sidecar.log import log, log_fields
 from sidecar.store import ClaimedJob, Store
 from sidecar.vocabulary import AttemptId, HeartbeatResult, StopReason
-
-
-@dataclass
-class Lease:
-    """One lease this sidecar holds. ``lost`` is set once it is no longer ours; ``reason``
-    then says why. ``local_deadline`` and ``unknown_since`` are CLOCK_BOOTTIME seconds
-    (sidecar.clock.ownership_now, case F20); ``suspended_at_confirm`` is
-    sidecar.clock.suspended_seconds() when ownership was last confirmed (a later jump makes
-    ownership unknown until the next confirmation). ``evidence`` holds what the
-    owner could not commit (hash and size only), journaled once the database answers."""
-
-    job: ClaimedJob
-    local_deadline: float
-    lease_until: dt.datetime
-    lost: asyncio.Event = field(default_factory=asyncio.Event)
-    reason: StopReason | None = None  # lease_lost, cancelled or local_deadline
-    settling: bool = False
-    unknown_since: float | None = None
-    suspended_at_confirm: float = field(default_factory=lambda: clock.suspended_seconds())
-    evidence: dict[str, Any] | None = None
-    request_id: str | None = None        # the external request the tool last registered (P15)
-    stopping: str | None = None          # set by the supervisor once it stops the tool
-    unjournaled: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
-
-    def lose(self, reason: StopReason) -> None:
-        """Mark the lease lost for ``reason`` (first reason wins)."""
-        if not self.lost.is_set():
-            self.reason = reason
-            self.lost.set()
-
-    def settle(self) -> None:
-        """The owner is about to write the job's outcome (fenced itself): stop renewing, so
-        a renewal racing that write cannot mistake our own commit for a lost lease."""
-        self.settling = True
-
-    @property
-    def abandoned(self) -> bool:
-        """Given up locally with ownership unknown: the database must still be told."""
-        return self.reason is StopReason.LOCAL_DEADLINE
 
 
 class RowLocked(Exception):
@@ -158,8 +117,7 @@ class LeaseKeeper:
     async def _watch_deadlines(self) -> None:
         """Sleep until the earliest local deadline of a live lease, then give it up."""
         while True:
-            live = [lease.local_deadline for lease in self.leases.values()
-                    if not lease.lost.is_set() and not lease.settling]
+            live = [lease.local_deadline for lease in self.leases.values() if lease.renewable]
             # Sleeping runs on the monotonic clock, which stops in a suspend: at most H
             # at a time, so a deadline that passed while suspended is seen within H of
             # the resume (and the guard refuses from the first instant, sidecar.guard).
@@ -172,8 +130,7 @@ class LeaseKeeper:
 
     async def beat(self) -> None:
         """One round: renew all leases held now, then probe the abandoned ones."""
-        held = [lease for lease in self.leases.values()
-                if not lease.lost.is_set() and not lease.settling]
+        held = [lease for lease in self.leases.values() if lease.renewable]
         metrics.LEASES_HELD.labels(*self.labels).set(len(held))
         sent, suspended = clock.ownership_now(), clock.suspended_seconds()
         started = time.monotonic()
@@ -217,14 +174,13 @@ class LeaseKeeper:
                     max(0.0, lease.lease_until.timestamp() - db_now))
                 metrics.HEARTBEATS.labels(*self.labels, HeartbeatResult.OK).inc()
                 metrics.LAST_HEARTBEAT.labels(*self.labels).set(time.time())
-                lease.lease_until = renewal.lease_until
-                lease.local_deadline = sent + renewal.lease_remaining - self.margin
-                lease.suspended_at_confirm = suspended
-                self._ownership_confirmed(lease)
+                self._ownership_confirmed(lease, lease.confirm(
+                    renewal.lease_until, sent + renewal.lease_remaining - self.margin,
+                    suspended))
                 if log.enabled("debug"):
                     log.emit("heartbeat_ok", "debug", **log_fields(lease.job),
                              lease_until=renewal.lease_until)
-            elif not lease.lost.is_set() and not lease.settling:
+            elif lease.renewable:
                 await self._zero_rows(lease)
         try:
             for lease in held:
@@ -245,9 +201,8 @@ class LeaseKeeper:
     def _ownership_unknown(self, held: list[Lease], exc: BaseException) -> None:
         now = clock.ownership_now()
         for lease in held:
-            if lease.unknown_since is not None:
+            if not lease.mark_unknown(now):
                 continue
-            lease.unknown_since = now
             metrics.OWNERSHIP_UNKNOWN.labels(*self.labels).inc()
             reason = db.describe_error(exc)
             log.emit("ownership_unknown", "warning", **log_fields(lease.job),
@@ -255,19 +210,20 @@ class LeaseKeeper:
                      sqlstate=db.sqlstate(exc),
                      local_deadline_in_s=round(lease.local_deadline - now, 3))
             # P15: its own journal row, written once the database answers again.
-            lease.unjournaled.append(("ownership_unknown", {
+            lease.keep_for_journal([("ownership_unknown", {
                 "last_confirmed_lease_until": lease.lease_until.isoformat(),
                 "request_id": lease.request_id, "reason": reason,
-                "owner_id": self.owner_id}))
+                "owner_id": self.owner_id})])
 
-    def _ownership_confirmed(self, lease: Lease) -> None:
-        if lease.unknown_since is not None:
-            duration = round(clock.ownership_now() - lease.unknown_since, 3)
+    def _ownership_confirmed(self, lease: Lease, unknown_since: float | None) -> None:
+        """Log and journal the end of an episode of unknown ownership that began at
+        ``unknown_since`` (None: there was none)."""
+        if unknown_since is not None:
+            duration = round(clock.ownership_now() - unknown_since, 3)
             log.emit("ownership_confirmed", **log_fields(lease.job), lease_until=lease.lease_until,
                      duration_s=duration)
-            lease.unjournaled.append(("ownership_confirmed", {
-                "lease_until": lease.lease_until.isoformat(), "unknown_for_s": duration}))
-            lease.unknown_since = None
+            lease.keep_for_journal([("ownership_confirmed", {
+                "lease_until": lease.lease_until.isoformat(), "unknown_for_s": duration})])
 
     async def _flush_journal(self, conn: asyncpg.Connection, lease: Lease) -> None:
         """Write the events kept while the database did not answer."""
@@ -275,7 +231,7 @@ class LeaseKeeper:
             event, details = lease.unjournaled[0]
             await Store.record_event_on(conn, lease.job.id, lease.job.fencing_token, event,
                                         details, self.statement_timeout)
-            lease.unjournaled.pop(0)
+            lease.journaled_first()
 
     async def _zero_rows(self, lease: Lease) -> None:
         job = lease.job
@@ -332,30 +288,27 @@ class LeaseKeeper:
         renewal sent after the jump confirms it; logged once per lease and episode."""
         now, suspended = clock.ownership_now(), clock.suspended_seconds()
         for lease in leases:
-            if lease.lost.is_set() or lease.settling:
+            if not lease.renewable:
                 continue
-            jump = round(suspended - lease.suspended_at_confirm, 3)
-            lease.suspended_at_confirm = suspended  # one episode, one log line
-            if lease.unknown_since is None:
-                lease.unknown_since = now
+            jump = round(lease.restart_suspend_episode(suspended), 3)  # one log line each
+            if lease.mark_unknown(now):
                 log.emit("clock_jump", "warning", **log_fields(lease.job),
                          suspended_s=jump, lease_until=lease.lease_until,
                          local_deadline_in_s=round(lease.local_deadline - now, 3),
                          reason="the host was suspended; ownership unknown until the "
                                 "database confirms the lease")
-                lease.unjournaled.append(("ownership_unknown", {
+                lease.keep_for_journal([("ownership_unknown", {
                     "last_confirmed_lease_until": lease.lease_until.isoformat(),
                     "request_id": lease.request_id, "reason": f"suspended {jump} s",
-                    "owner_id": self.owner_id}))
+                    "owner_id": self.owner_id})])
 
     def _expire_local_deadlines(self) -> None:
-        jumped = [lease for lease in self.leases.values()
-                  if clock.jumped(lease.suspended_at_confirm, clock.suspended_seconds())]
+        jumped = [lease for lease in self.leases.values() if lease.suspended_since_confirm]
         if jumped:
             self._clock_jumped(jumped)
         now = clock.ownership_now()
         for lease in self.leases.values():
-            if not lease.lost.is_set() and not lease.settling and now >= lease.local_deadline:
+            if lease.renewable and now >= lease.local_deadline:
                 lease.lose(StopReason.LOCAL_DEADLINE)
                 metrics.LEASES_EXPIRED.labels(*self.labels).inc()
                 log.emit("lease_abandoned", "error", **log_fields(lease.job),

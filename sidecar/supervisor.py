@@ -295,7 +295,7 @@ class JobSupervisor:
 
         reason = await self._race(child, sandbox)
         if reason is not StopReason.EXITED:
-            self.lease.stopping = reason  # the guard refuses from now on ("deadline")
+            self.lease.stop(reason)  # the guard refuses from now on ("deadline")
         report = await child.kill_tree(profile.kill_grace_seconds)
         sandbox.tree_clean = (reason is StopReason.EXITED and report.signal is None
                               and not report.survivors)

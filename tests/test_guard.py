@@ -110,11 +110,16 @@ def test_guard_answers_the_fencing_token_while_ownership_is_confirmed(dsn):
             assert lease.request_id == "tool-job:x:email"
 
             # Just above H + J left: still allowed.
-            lease.local_deadline = ownership_now() + H_PLUS_J + 0.5
+            _deadline_in(lease, H_PLUS_J + 0.5)
             status, answer = await guard_call(h, token)
             assert status == 200 and answer["lease_remaining_seconds"] > H_PLUS_J
 
     run(go())
+
+
+def _deadline_in(lease, seconds: float) -> None:
+    """A renewal confirmed ``lease`` with its local deadline ``seconds`` from now."""
+    lease.confirm(lease.lease_until, ownership_now() + seconds, lease.suspended_at_confirm)
 
 
 REFUSALS = [
@@ -122,18 +127,16 @@ REFUSALS = [
     ("cancelled by an operator", lambda lease: lease.lose(StopReason.CANCELLED), "cancelled"),
     ("zero rows at a heartbeat", lambda lease: lease.lose(StopReason.LEASE_LOST), "lease_lost"),
     ("outcome being written", lambda lease: lease.settle(), "lease_lost"),
-    ("database not answering", lambda lease: setattr(lease, "unknown_since",
-                                                     ownership_now() - 2), "ownership_unknown"),
+    ("database not answering", lambda lease: lease.mark_unknown(ownership_now() - 2),
+     "ownership_unknown"),
     ("given up at the local deadline", lambda lease: lease.lose(StopReason.LOCAL_DEADLINE),
      "ownership_unknown"),
-    ("stage deadline", lambda lease: setattr(lease, "stopping", "stage_timeout"), "deadline"),
-    ("shutdown", lambda lease: setattr(lease, "stopping", "shutdown"), "deadline"),
-    ("less than H + J left", lambda lease: setattr(
-        lease, "local_deadline", ownership_now() + H_PLUS_J - 0.3), "lease_ending"),
-    ("local deadline passed", lambda lease: setattr(
-        lease, "local_deadline", ownership_now() - 1), "lease_ending"),
+    ("stage deadline", lambda lease: lease.stop(StopReason.STAGE_TIMEOUT), "deadline"),
+    ("shutdown", lambda lease: lease.stop(StopReason.SHUTDOWN), "deadline"),
+    ("less than H + J left", lambda lease: _deadline_in(lease, H_PLUS_J - 0.3), "lease_ending"),
+    ("local deadline passed", lambda lease: _deadline_in(lease, -1), "lease_ending"),
     # Two states at once: the lost lease says more than the stop.
-    ("cancelled while stopping", lambda lease: (setattr(lease, "stopping", "stage_timeout"),
+    ("cancelled while stopping", lambda lease: (lease.stop(StopReason.STAGE_TIMEOUT),
                                                 lease.lose(StopReason.CANCELLED)), "cancelled"),
 ]
 
@@ -471,7 +474,7 @@ def test_examples_ask_the_guard(dsn, example):
             assert code == 2 and "401" in err and out == ""
 
             other, other_token = await h.claim()
-            other.local_deadline = ownership_now() + 1
+            _deadline_in(other, 1)
             code, out, err = await _run_example(h, other_token, example)
             assert (code, err.strip()) == (1, "guard: lease_ending")
 
@@ -503,7 +506,7 @@ def test_guard_client_retries_lease_ending_until_renewed(dsn):
             lease, token = await h.claim(remaining=1.0)
             loop = asyncio.get_running_loop()
             # The "heartbeat" renews the lease a moment later.
-            loop.call_later(0.7, setattr, lease, "local_deadline", ownership_now() + 60)
+            loop.call_later(0.7, _deadline_in, lease, 60)
             env = {"SIDECAR_GUARD_URL": h.url, "SIDECAR_GUARD_TOKEN": token}
             old = {k: os.environ.get(k) for k in env}
             os.environ.update(env)
