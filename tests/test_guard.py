@@ -19,7 +19,7 @@ import asyncpg
 import orjson
 import pytest
 
-from conftest import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, run
+from kit import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, run
 from sidecar.clock import ownership_now
 from sidecar.config import load_settings
 from sidecar.db import init_connection

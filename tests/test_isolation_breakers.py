@@ -15,12 +15,12 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import TOOLS, base_env, cli, enqueue, query, short_root, wait_until
-from conftest import job_cgroup_dirs as _cgroup_dirs
-from conftest import job_row as _row
-from conftest import journal_details as _journal
-from conftest import kill_pid as _kill
-from conftest import process_alive as _alive
+from kit import TOOLS, base_env, cli, enqueue, query, short_root, wait_until
+from kit import job_cgroup_dirs as _cgroup_dirs
+from kit import job_row as _row
+from kit import journal_details as _journal
+from kit import kill_pid as _kill
+from kit import pid_alive as _alive
 
 BREAKER = str(TOOLS / "breaker.py")
 MIB = 1024 * 1024

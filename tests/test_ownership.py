@@ -25,11 +25,12 @@ import asyncpg
 import orjson
 import psutil
 
-from conftest import (
+from kit import (
     FAST_PROFILE,
     base_env,
     cli,
     enqueue,
+    job_row,
     pid_alive,
     query,
     read_pids,
@@ -70,10 +71,6 @@ def wait_journal(dsn: str, job_id: str, name: str, timeout: float = 15.0, **matc
         return None
 
     return wait_until(found, timeout, interval=0.2, what=f"journal event {name} {match or ''}")
-
-
-def job_row(dsn: str, job_id: str) -> dict:
-    return dict(query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0])
 
 
 def lease_expired(dsn: str, job_id: str) -> bool:
