@@ -97,20 +97,53 @@ def journal_details(dsn: str, job_id, event: str) -> list:
         job_id, event)]
 
 
+def sidecar_backends(dsn: str) -> set[int]:
+    """Server pids of the sessions sidecars hold on ``dsn``'s database now."""
+    return {r[0] for r in query(
+        dsn, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+             "AND application_name = 'sidecar' AND pid <> pg_backend_pid()")}
+
+
 # --- waiting ---------------------------------------------------------------------------------
 
-def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"):
-    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+def eventually(predicate, timeout: float = 15.0, interval: float = 0.05):
+    """Poll ``predicate`` until it returns a truthy value, and return it; after ``timeout``
+    seconds return its last (falsy) value instead. For a wait whose failure the caller
+    asserts in its own words."""
     deadline = time.monotonic() + timeout
     while True:
         value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+    value = eventually(predicate, timeout, interval)
+    if not value:
+        import pytest
+
+        pytest.fail(f"timed out after {timeout}s waiting for {what}")
+    return value
+
+
+async def wait_until_async(predicate, timeout: float = 15.0, interval: float = 0.05,
+                           what: str = "condition"):
+    """``wait_until`` inside a running event loop: ``predicate`` may be a coroutine
+    function; the loop runs on while it waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
         if value:
             return value
         if time.monotonic() > deadline:
             import pytest
 
             pytest.fail(f"timed out after {timeout}s waiting for {what}")
-        time.sleep(interval)
+        await asyncio.sleep(interval)
 
 
 def read_pids(path: Path, count: int, timeout: float = 15.0) -> list[int]:

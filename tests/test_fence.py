@@ -15,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from kit import Receiver, base_env, cli, query, run, scalar
+from kit import Receiver, base_env, cli, query, run, scalar, wait_until_async
 from sidecar import db
 from sidecar.fence import FencedRequest, fence_middleware, fenced, run_fenced
 
@@ -401,7 +401,7 @@ def test_concurrent_duplicate_waits_or_gets_in_progress(dsn):
         headers = {"Idempotency-Key": "job:5:slow", "X-Execution-Fence": "1"}
         started = time.monotonic()
         first = asyncio.create_task(run_fenced(pool, headers, b"", slow))
-        await asyncio.sleep(0.2)
+        await wait_until_async(lambda: calls, what="the first request in its handler")
         impatient = await run_fenced(pool, headers, b"", slow, lock_timeout=0.2)
         assert impatient.status == 409 and impatient.body_json["error"] == "in_progress"
         patient = await run_fenced(pool, headers, b"", slow, lock_timeout=5)

@@ -306,11 +306,13 @@ def test_http_stop_closes_idle_keepalive_connections_and_logs_no_error():
         errors: list[dict] = []
         asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
         release = asyncio.Event()
+        handling = asyncio.Event()
 
         async def ok(_request):
             return Response(200, b"{}")
 
         async def slow(_request):
+            handling.set()
             await release.wait()
             return Response(200, b'{"slow": true}')
 
@@ -323,7 +325,7 @@ def test_http_stop_closes_idle_keepalive_connections_and_logs_no_error():
         busy_r, busy_w = await asyncio.open_connection(host, port)
         busy_w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         await busy_w.drain()
-        await asyncio.sleep(0.2)  # the slow request is in its handler
+        await asyncio.wait_for(handling.wait(), 30)  # the slow request is in its handler
         stopping = asyncio.ensure_future(server.stop(grace=3600))
         # The idle connection is closed by the server without waiting for the grace.
         assert await asyncio.wait_for(idle_r.read(), 30) == b""
