@@ -1,37 +1,295 @@
-"""Helpers the tests and the benchmark share (one copy of each): where the test tools are,
-reading a sidecar's JSON event log, stopping a process we started, and finding what is
-left of a job's process tree. Imported as ``kit`` by tests/conftest.py and bench/common.py.
+"""Helpers the tests and the benchmark share, one copy of each: the test database (query,
+scalar), waiting for a condition, the environment and CLI of a sidecar under test, a
+running sidecar or reference receiver, reading a sidecar's JSON events, stopping a process
+we started, checking and finding processes (pid_alive, job_processes), the isolation
+tests' cgroup and work-root helpers, and a PgBouncer of our own. Fixtures live in
+tests/conftest.py and use these; tests import them from here (``from kit import ...``),
+and so does bench/common.py. Nothing here imports pytest at module level: the benchmark
+runs without it.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import pwd
+import shlex
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+import asyncpg
 import orjson
 import psutil
+
+from sidecar.db import init_connection
 
 # The small real executables tests and the benchmark run as tools.
 TOOLS = Path(__file__).resolve().parent / "tools"
 
+# Short periods so the suite runs in seconds; they keep P10 (3 > 1 x 0.5 + 1).
+FAST_PROFILE = {
+    "SIDECAR_LEASE_SECONDS": "3",
+    "SIDECAR_HEARTBEAT_SECONDS": "0.5",
+    "SIDECAR_JITTER_SECONDS": "1",
+    "SIDECAR_TOLERATED_MISSES": "1",
+    "SIDECAR_KILL_GRACE_SECONDS": "1",
+    "SIDECAR_POLL_SECONDS": "0.2",
+    "SIDECAR_BACKOFF_BASE_SECONDS": "0.1",
+    "SIDECAR_BACKOFF_MAX_SECONDS": "0.5",
+    "SIDECAR_DRAIN_SECONDS": "5",
+    "SIDECAR_DB_TIMEOUT_SECONDS": "2",
+    "SIDECAR_HTTP_ADDR": "127.0.0.1:0",  # many sidecars at once: any free port
+}
 
-def read_events(log_path: Path, name: str | None = None) -> list[dict[str, Any]]:
-    """The JSON events of a sidecar's log file (its stderr), oldest first; only those named
-    ``name`` when given. Lines that are not JSON objects are skipped; a missing file has
-    none."""
-    try:
-        data = log_path.read_bytes()
-    except OSError:
-        return []
+
+# --- the database ----------------------------------------------------------------------------
+
+def run(coro):
+    """Run a coroutine to completion from a synchronous test."""
+    return asyncio.run(coro)
+
+
+async def _connect(dsn: str) -> asyncpg.Connection:
+    conn = await asyncpg.connect(dsn)
+    await init_connection(conn)
+    return conn
+
+
+def query(dsn: str, sql: str, *args):
+    """Rows of one statement, run on a fresh connection."""
+
+    async def go():
+        conn = await _connect(dsn)
+        try:
+            return await conn.fetch(sql, *args)
+        finally:
+            await conn.close()
+
+    return run(go())
+
+
+def scalar(dsn: str, sql: str, *args):
+    rows = query(dsn, sql, *args)
+    return rows[0][0] if rows else None
+
+
+def job_row(dsn: str, job_id) -> dict:
+    """The tool_jobs row of one job (``job_id`` a string or a UUID), as a dict."""
+    rows = query(dsn, "SELECT * FROM tool_jobs WHERE id = $1::uuid", str(job_id))
+    assert rows, f"no job {job_id}"
+    return dict(rows[0])
+
+
+def journal_details(dsn: str, job_id, event: str) -> list:
+    """The details of every journal row of ``event`` for the job, oldest first."""
+    return [r["details"] for r in query(
+        dsn, "SELECT details FROM tool_job_events WHERE job_id = $1 AND event = $2 ORDER BY id",
+        job_id, event)]
+
+
+def sidecar_backends(dsn: str) -> set[int]:
+    """Server pids of the sessions sidecars hold on ``dsn``'s database now."""
+    return {r[0] for r in query(
+        dsn, "SELECT pid FROM pg_stat_activity WHERE datname = current_database() "
+             "AND application_name = 'sidecar' AND pid <> pg_backend_pid()")}
+
+
+# --- waiting ---------------------------------------------------------------------------------
+
+def eventually(predicate, timeout: float = 15.0, interval: float = 0.05):
+    """Poll ``predicate`` until it returns a truthy value, and return it; after ``timeout``
+    seconds return its last (falsy) value instead. For a wait whose failure the caller
+    asserts in its own words."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value or time.monotonic() > deadline:
+            return value
+        time.sleep(interval)
+
+
+def wait_until(predicate, timeout: float = 15.0, interval: float = 0.05, what: str = "condition"):
+    """Poll ``predicate`` until it returns a truthy value; fail the test after ``timeout``."""
+    value = eventually(predicate, timeout, interval)
+    if not value:
+        import pytest
+
+        pytest.fail(f"timed out after {timeout}s waiting for {what}")
+    return value
+
+
+async def wait_until_async(predicate, timeout: float = 15.0, interval: float = 0.05,
+                           what: str = "condition"):
+    """``wait_until`` inside a running event loop: ``predicate`` may be a coroutine
+    function; the loop runs on while it waits."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if asyncio.iscoroutine(value):
+            value = await value
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            import pytest
+
+            pytest.fail(f"timed out after {timeout}s waiting for {what}")
+        await asyncio.sleep(interval)
+
+
+def read_pids(path: Path, count: int, timeout: float = 15.0) -> list[int]:
+    """Pids a test tool wrote to ``path``, once it has written ``count`` of them."""
+
+    def ready():
+        try:
+            pids = [int(x) for x in path.read_text().split()]
+        except (OSError, ValueError):
+            return None
+        return pids if len(pids) >= count else None
+
+    return wait_until(ready, timeout, what=f"{count} pids in {path}")
+
+
+# --- a sidecar under test --------------------------------------------------------------------
+
+def base_env(dsn: str, **extra: str) -> dict[str, str]:
+    """The environment of a sidecar under test: ours minus SIDECAR_*, the fast profile."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    env.update(FAST_PROFILE)
+    env["SIDECAR_DATABASE_URL"] = dsn
+    env["PATH"] = f"{TOOLS}:{env.get('PATH', '')}"
+    env.update(extra)
+    return env
+
+
+def cli(dsn: str, *args: str, env: dict | None = None, input: bytes | None = None,
+        timeout: float = 60) -> subprocess.CompletedProcess:
+    """Run ``sidecar ARGS`` to completion."""
+    return subprocess.run([sys.executable, "-m", "sidecar", *args], env=env or base_env(dsn),
+                          capture_output=True, input=input, timeout=timeout)
+
+
+def enqueue(dsn: str, tool: str, payload=None, *extra: str, env=None) -> str:
+    """Enqueue one job through the CLI; return its id."""
+    args = ["enqueue", tool, "--payload", orjson.dumps(payload if payload is not None else {})
+            .decode(), *extra]
+    done = cli(dsn, *args, env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    return orjson.loads(done.stdout)["id"]
+
+
+def one_line_error(done: subprocess.CompletedProcess, no_stdout: bool = False) -> str:
+    """The stderr of a failed command: exactly one line, no traceback; returned as text.
+    ``no_stdout``: the command printed nothing on stdout either."""
+    err = done.stderr.decode(errors="replace")
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, f"expected one stderr line, got {len(lines)}: {err!r}"
+    if no_stdout:
+        assert done.stdout == b""
+    return lines[0]
+
+
+class SidecarProcess:
+    """A running ``sidecar run``; its stderr (JSON lines) goes to a file we can read."""
+
+    def __init__(self, dsn: str, command: list[str], *options: str, env: dict | None = None,
+                 wrap: list[str] | None = None, launcher: list[str] | None = None, tmp: Path,
+                 python: str = sys.executable):
+        """``wrap`` runs the sidecar as one shell word (``sh -c``); ``launcher`` is a
+        program that execs the sidecar's argv (same pid); ``python`` the interpreter."""
+        self.log_path = tmp / f"sidecar-{uuid.uuid4().hex[:8]}.log"
+        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
+        argv = [python, "-m", "sidecar", "run", *options, "--", *command]
+        if wrap:
+            argv = [*wrap, " ".join(shlex.quote(a) for a in argv)]
+        if launcher:
+            argv = [*launcher, *argv]
+        self.proc = subprocess.Popen(argv, env=env or base_env(dsn), stdout=subprocess.DEVNULL,
+                                     stderr=self._log)
+        self.pid = self.proc.pid
+
+    def events(self, name: str | None = None) -> list[dict]:
+        return read_events(self.log_path, name)
+
+    def wait_event(self, name: str, timeout: float = 15.0, **match) -> dict:
+        def found():
+            for event in self.events(name):
+                if all(event.get(k) == v for k, v in match.items()):
+                    return event
+            return None
+
+        return wait_until(found, timeout, what=f"event {name} {match or ''} in {self.log_path}")
+
+    def stderr_text(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float = 30.0) -> int:
+        return self.proc.wait(timeout)
+
+    def stop(self) -> None:
+        stop_process(self.proc, 10)
+        self._log.close()
+
+
+# --- the reference receiver and HTTP ---------------------------------------------------------
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def http_get_json(url: str):
+    import json
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return json.load(response)
+
+
+class Receiver:
+    """A running reference receiver (`sidecar receiver`) with the environment ``env``, its
+    stdout and stderr in ``log_path``; ready once it printed its listening line (after its
+    pool and migrations)."""
+
+    def __init__(self, env: dict[str, str], log_path: Path, timeout: float = 20.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "sidecar", "receiver", "--listen", f"127.0.0.1:{self.port}"],
+            env=env, stdout=self._log, stderr=self._log)
+        wait_until(lambda: self.proc.poll() is not None or "listening on" in self.stderr(),
+                   timeout, what="the receiver's ready line")
+        assert self.proc.poll() is None, self.stderr()
+
+    def stderr(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        """Stop it with ``sig`` (SIGKILL after 10 s); its exit status."""
+        code = stop_process(self.proc, 10, sig)
+        self._log.close()
+        return code
+
+
+# --- events ----------------------------------------------------------------------------------
+
+def parse_events(data: bytes, name: str | None = None) -> list[dict[str, Any]]:
+    """The JSON events in ``data`` (a sidecar's stderr), oldest first; only those named
+    ``name`` when given. Lines that are not JSON objects are skipped."""
     out = []
     for line in data.splitlines():
         if name is not None and name.encode() not in line:
@@ -45,16 +303,45 @@ def read_events(log_path: Path, name: str | None = None) -> list[dict[str, Any]]
     return out
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> int:
-    """SIGTERM a process this code started (a sidecar drains on it), wait up to
-    ``timeout`` seconds, then SIGKILL it; return its exit status."""
+def read_events(log_path: Path, name: str | None = None) -> list[dict[str, Any]]:
+    """The JSON events of a sidecar's log file (its stderr), as ``parse_events``; a missing
+    file has none."""
+    try:
+        data = log_path.read_bytes()
+    except OSError:
+        return []
+    return parse_events(data, name)
+
+
+# --- processes -------------------------------------------------------------------------------
+
+def stop_process(proc: subprocess.Popen, timeout: float = 10.0,
+                 sig: int | None = signal.SIGTERM) -> int:
+    """Send ``sig`` to a process this code started (SIGTERM: a sidecar drains on it; None:
+    it is ending by itself), wait up to ``timeout`` seconds, then SIGKILL it; return its
+    exit status."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
+        if sig is not None:
+            proc.send_signal(sig)
         try:
             return proc.wait(timeout)
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait(5)
+
+
+def pid_alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie counts as gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def kill_pid(pid: int) -> None:
+    """SIGKILL ``pid`` if it still exists."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
 
 
 def job_processes(job_id: str) -> list[int]:
@@ -70,6 +357,45 @@ def job_processes(job_id: str) -> list[int]:
             continue
     return found
 
+
+# --- isolation: cgroups and work roots -------------------------------------------------------
+
+def job_cgroup_dirs(pid: int) -> list[Path]:
+    """The job cgroup directories a tool process is in (v2, v1 memory, v1 pids)."""
+    dirs = []
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "sidecar-jobs" not in path:
+            continue
+        if controllers == "":
+            dirs.append(Path("/sys/fs/cgroup/unified" + path))
+        for name in ("memory", "pids"):
+            if name in controllers.split(","):
+                dirs.append(Path(f"/sys/fs/cgroup/{name}" + path))
+    return dirs
+
+
+# The links short_root made; the session's fixture in conftest.py removes them.
+SHORT_LINKS: list[Path] = []
+
+
+def short_root(path: Path) -> Path:
+    """``path`` (made if missing) as a work root short enough for SIDECAR_WORK_DIR (at most
+    isolation.MAX_WORK_ROOT_BYTES, so tools keep room for socket paths): itself when short
+    enough, else a symlink /tmp/scXXXXXXXX to it, removed at the end of the session."""
+    from sidecar.isolation import MAX_WORK_ROOT_BYTES
+
+    if not path.is_absolute() or len(os.fsencode(str(path))) <= MAX_WORK_ROOT_BYTES:
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    holder = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))
+    holder.rmdir()
+    holder.symlink_to(path)
+    SHORT_LINKS.append(holder)
+    return holder
+
+
+# --- PgBouncer -------------------------------------------------------------------------------
 
 class BouncerError(RuntimeError):
     """PgBouncer is missing, exited or did not listen; the message says which."""
@@ -94,9 +420,7 @@ class PgBouncer:
         port = parts.port or int((query_args.get("port") or ["5432"])[0])
         self.user = unquote(parts.username or "postgres")
         password = unquote(parts.password or "")
-        with socket.socket() as sock:
-            sock.bind(("127.0.0.1", 0))
-            self.port = sock.getsockname()[1]
+        self.port = free_port()
         self.dir = Path(tempfile.mkdtemp(prefix="sidecar-pgbouncer-"))
         run_as = None
         if os.geteuid() == 0:
@@ -165,13 +489,7 @@ class PgBouncer:
             return ""
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+        stop_process(self.proc, 10)
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -180,7 +498,6 @@ def python_for(uid: int) -> tuple[str, dict[str, str]]:
     this one when that user may execute it; else the system's ``python3.X`` of the same
     version, given this interpreter's site-packages and the project on PYTHONPATH (a
     pyenv or venv interpreter under a 0700 home, /root, is closed to other users)."""
-    import sys
     import sysconfig
 
     probe = ["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]

@@ -31,9 +31,8 @@ import asyncpg
 import orjson
 import psutil
 import pytest
-from kit import job_processes
+from kit import base_env, cli, enqueue, job_processes, job_row, query, run, scalar, wait_until
 
-from conftest import base_env, cli, enqueue, job_row, query, run, scalar, wait_until
 from sidecar.db import init_connection
 from sidecar.queries import Q
 

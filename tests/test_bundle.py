@@ -18,7 +18,7 @@ import orjson
 import psutil
 import pytest
 
-from conftest import base_env, cli, enqueue, pid_alive, query, read_pids, wait_until
+from kit import base_env, cli, enqueue, pid_alive, query, read_pids, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.timeout(600)

@@ -19,7 +19,18 @@ import orjson
 import psutil
 import pytest
 
-from conftest import TOOLS, base_env, cli, enqueue, pid_alive, query, read_pids, scalar, wait_until
+from kit import (
+    TOOLS,
+    base_env,
+    cli,
+    enqueue,
+    job_row,
+    pid_alive,
+    query,
+    read_pids,
+    scalar,
+    wait_until,
+)
 from sidecar import db
 from sidecar import log as log_mod
 from sidecar.config import load_settings
@@ -35,12 +46,6 @@ CP_FLOOD = str(TOOLS / "cp_flood.py")
 
 
 # --- helpers --------------------------------------------------------------------
-
-
-def job_row(dsn: str, job_id) -> dict:
-    rows = query(dsn, "SELECT * FROM tool_jobs WHERE id = $1::uuid", str(job_id))
-    assert rows, f"no job {job_id}"
-    return dict(rows[0])
 
 
 def job_state(dsn: str, job_id) -> str:

@@ -10,7 +10,7 @@ import datetime as dt
 import orjson
 import pytest
 
-from conftest import query, run
+from kit import query, run
 from sidecar import db
 from sidecar.queries import Q
 from sidecar.store import Store

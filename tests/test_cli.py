@@ -13,7 +13,7 @@ import asyncpg
 import orjson
 import pytest
 
-from conftest import base_env, cli, enqueue, one_line_error, query, run, scalar
+from kit import base_env, cli, enqueue, one_line_error, query, run, scalar
 from sidecar.db import with_database
 from sidecar.queries import migrations
 

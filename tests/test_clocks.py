@@ -32,7 +32,7 @@ import asyncpg
 import orjson
 import pytest
 
-from conftest import FAST_PROFILE, base_env, enqueue, query, run, wait_until
+from kit import FAST_PROFILE, base_env, enqueue, query, run, wait_until
 from sidecar import clock, supervisor
 from sidecar.config import load_settings
 from sidecar.db import init_connection

@@ -8,7 +8,7 @@ import uuid
 
 import pytest
 
-from conftest import FAST_PROFILE, base_env, cli, enqueue, one_line_error, scalar
+from kit import FAST_PROFILE, base_env, cli, enqueue, one_line_error, scalar
 from sidecar.config import load_settings, tool_env_key
 from sidecar.errors import ConfigError
 

@@ -11,7 +11,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import orjson
 
-from conftest import base_env, cli, enqueue, query
+from kit import base_env, cli, enqueue, one_line_error, query
 
 PASSWORD = "Pw-do-not-print-7f3a"
 TOKEN = "tok-do-not-print-91c2"
@@ -30,15 +30,6 @@ def assert_no_secret(done: subprocess.CompletedProcess) -> None:
     text = done.stdout.decode(errors="replace") + done.stderr.decode(errors="replace")
     for secret in SECRETS:
         assert secret not in text, f"{secret!r} printed:\n{text}"
-
-
-def one_line_error(done: subprocess.CompletedProcess) -> str:
-    err = done.stderr.decode(errors="replace")
-    assert "Traceback" not in err, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1, err
-    assert done.stdout == b""
-    return lines[0]
 
 
 # --- sidecar config ---------------------------------------------------------------
@@ -97,7 +88,7 @@ def test_config_exits_2_with_one_line_for_any_invalid_profile(dsn):
     for args in (("config",), ("config", "--tool", "ocr")):
         done = cli(dsn, *args, env=env)
         assert done.returncode == 2
-        line = one_line_error(done)
+        line = one_line_error(done, no_stdout=True)
         assert "SIDECAR_PROFILE_BROKEN_LEASE_SECONDS" in line and "P10" in line
         assert_no_secret(done)
 
@@ -112,10 +103,10 @@ def test_config_exits_2_for_unknown_variable_bad_pooler_and_bad_url(dsn):
     for extra, variable in cases:
         done = cli(dsn, "config", env=base_env(with_password(dsn), **extra))
         assert done.returncode == 2, (extra, done.stderr)
-        assert variable in one_line_error(done)
+        assert variable in one_line_error(done, no_stdout=True)
         assert_no_secret(done)
     done = cli(dsn, "config", "--tool", "no spaces", env=base_env(dsn))
-    assert done.returncode == 2 and "tool name" in one_line_error(done)
+    assert done.returncode == 2 and "tool name" in one_line_error(done, no_stdout=True)
 
 
 def test_config_connects_to_nothing(dsn):
@@ -164,8 +155,8 @@ def test_events_of_unknown_job_exit_1_and_bad_id_exit_2(dsn):
     unknown = str(uuid.uuid4())
     done = cli(dsn, "events", unknown, env=env)
     assert done.returncode == 1
-    assert unknown in one_line_error(done)
+    assert unknown in one_line_error(done, no_stdout=True)
     assert_no_secret(done)
     done = cli(dsn, "events", "not-a-uuid", env=env)
     assert done.returncode == 2
-    assert "not a UUID" in one_line_error(done)
+    assert "not a UUID" in one_line_error(done, no_stdout=True)

@@ -38,10 +38,9 @@ import uuid
 from pathlib import Path
 
 import asyncpg
-import orjson
 import pytest
 
-from conftest import base_env, cli, enqueue, one_line_error, query, run
+from kit import base_env, cli, enqueue, one_line_error, parse_events, query, run
 from sidecar.db import RawJson, init_connection
 from sidecar.errors import NextStageConflict, UsageError
 from sidecar.store import NextStage, Store
@@ -119,8 +118,7 @@ def test_a_next_stage_whose_key_is_taken_fails_the_parent_loudly(dsn, sidecars):
                          "event = 'next_stage_conflict'", parent)
     assert event["details"]["key"] == "K:stage:1"
     assert event["details"]["holder_id"] == holder
-    logged = [orjson.loads(line) for line in done.stderr.splitlines()
-              if b"next_stage_conflict" in line]
+    logged = parse_events(done.stderr, "next_stage_conflict")
     assert any(e.get("event") == "next_stage_conflict" and e.get("level") == "error"
                for e in logged), done.stderr.decode()[-2000:]
     # The unrelated job is untouched.

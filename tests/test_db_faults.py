@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 from netproxy import through
 
-from conftest import (
+from kit import (
     FAST_PROFILE,
     base_env,
     cli,

@@ -15,7 +15,7 @@ from pathlib import Path
 import orjson
 import psutil
 
-from conftest import base_env, query, wait_until
+from kit import base_env, query, wait_until
 
 
 def test_demo_prints_real_results_and_the_hung_tool_killed(dsn):

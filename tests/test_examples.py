@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import base_env, cli, enqueue, query
+from kit import base_env, cli, enqueue, query
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
@@ -22,7 +22,7 @@ def _effects(url: str) -> list[dict]:
 @pytest.mark.parametrize("example", ["create_case.sh", "create_case.py"])
 def test_example_tool_sends_a_fenced_idempotent_effect(dsn, receiver, example):
     # The tool sees RECEIVER_URL only because its profile lets it through.
-    env = base_env(dsn, RECEIVER_URL=receiver,
+    env = base_env(dsn, RECEIVER_URL=receiver.url,
                    SIDECAR_PROFILE_CREATE_CASE_ENV_PASSTHROUGH="PATH,RECEIVER_URL")
     job_id = enqueue(dsn, "create-case", {"customer": "c-1048", "summary": "check invoice"},
                      env=env)
@@ -33,7 +33,7 @@ def test_example_tool_sends_a_fenced_idempotent_effect(dsn, receiver, example):
                 job_id)[0]
     assert job["state"] == "succeeded", job
     assert job["result"]["status"] == 201
-    [effect] = _effects(receiver)
+    [effect] = _effects(receiver.url)
     assert effect["idempotency_key"] == f"tool-job:{job_id}:create_case"
     assert effect["fence"] == job["fencing_token"] == 1
     assert effect["entity"] == f"tool-job:{job_id}"
@@ -50,4 +50,4 @@ def test_example_tool_sends_a_fenced_idempotent_effect(dsn, receiver, example):
     assert job["state"] == "succeeded" and job["fencing_token"] == 2
     assert job["result"]["receiver"] == {"effect_id": effect["id"], "entity": effect["entity"],
                                          "fence": 1}
-    assert len(_effects(receiver)) == 1
+    assert len(_effects(receiver.url)) == 1

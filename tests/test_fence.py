@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
-import subprocess
-import sys
 import time
 
 import aiohttp
@@ -17,7 +15,7 @@ import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
-from conftest import base_env, cli, query, run, scalar, wait_until
+from kit import Receiver, base_env, cli, query, run, scalar, wait_until_async
 from sidecar import db
 from sidecar.fence import FencedRequest, fence_middleware, fenced, run_fenced
 
@@ -28,48 +26,12 @@ KEY = "tool-job:8f1b:create_case"
 pytestmark = pytest.mark.filterwarnings("ignore::aiohttp.web.NotAppKeyWarning")
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class Receiver:
-    """A running `sidecar receiver` subprocess."""
-
-    def __init__(self, dsn: str, tmp_path):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log_path = tmp_path / f"receiver-{self.port}.log"
-        self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "sidecar", "receiver", "--listen", f"127.0.0.1:{self.port}"],
-            env=base_env(dsn), stdout=subprocess.DEVNULL, stderr=self._log)
-        wait_until(lambda: self.proc.poll() is not None or "listening on" in self.stderr(),
-                   what="the receiver's ready line")
-        assert self.proc.poll() is None, self.stderr()
-        assert f"sidecar: receiver listening on {self.url}" in self.stderr()
-
-    def stderr(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def stop(self, sig: int = signal.SIGTERM) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        self._log.close()
-        return self.proc.returncode
-
-
 @pytest.fixture
-def receiver(dsn, tmp_path):
-    started = Receiver(dsn, tmp_path)
-    yield started
-    assert started.stop() == 0, started.stderr()
+def receiver(receiver):
+    """conftest's receiver, which must print its exact ready line and exit 0 on SIGTERM."""
+    assert f"sidecar: receiver listening on {receiver.url}" in receiver.stderr()
+    yield receiver
+    assert receiver.stop() == 0, receiver.stderr()
 
 
 def fence_headers(key: str | None = KEY, fence: int | str | None = 42,
@@ -236,9 +198,8 @@ def test_concurrent_identical_requests_execute_once(dsn, receiver):
     assert len(effects(dsn)) == 1
 
 
-def test_receiver_exits_0_on_sigint(dsn, tmp_path):
-    started = Receiver(dsn, tmp_path)
-    assert started.stop(signal.SIGINT) == 0
+def test_receiver_exits_0_on_sigint(receiver):
+    assert receiver.stop(signal.SIGINT) == 0
 
 
 def test_receiver_bad_listen_is_one_line_and_exit_2():
@@ -440,7 +401,7 @@ def test_concurrent_duplicate_waits_or_gets_in_progress(dsn):
         headers = {"Idempotency-Key": "job:5:slow", "X-Execution-Fence": "1"}
         started = time.monotonic()
         first = asyncio.create_task(run_fenced(pool, headers, b"", slow))
-        await asyncio.sleep(0.2)
+        await wait_until_async(lambda: calls, what="the first request in its handler")
         impatient = await run_fenced(pool, headers, b"", slow, lock_timeout=0.2)
         assert impatient.status == 409 and impatient.body_json["error"] == "in_progress"
         patient = await run_fenced(pool, headers, b"", slow, lock_timeout=5)

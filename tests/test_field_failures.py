@@ -20,7 +20,7 @@ from urllib.parse import urlsplit
 import orjson
 import pytest
 
-from conftest import (
+from kit import (
     TOOLS,
     base_env,
     cli,
@@ -244,14 +244,14 @@ def test_f11_outbox_and_receiver_keep_every_digit(dsn, sidecars, tmp_path, recei
     reference receiver stores and lists it exactly."""
     text = f'{{"n": {BIG_INT}, "f": {LONG_FRACTION}}}'
     out = _exact_text(tmp_path, text)
-    env = base_env(dsn, SIDECAR_PROFILE_FWD_RESULT_URL=receiver + "/effects")
+    env = base_env(dsn, SIDECAR_PROFILE_FWD_RESULT_URL=receiver.url + "/effects")
     job = enqueue(dsn, "fwd", {}, env=env)
     sidecars(dsn, [str(TOOLS / "exact_json.py"), out], "--tool", "fwd", env=env)
-    effects = wait_until(lambda: [e for e in http_get_json(receiver + "/effects")["effects"]
+    effects = wait_until(lambda: [e for e in http_get_json(receiver.url + "/effects")["effects"]
                                   if job in str(e)], 30, what="the forwarded result")
     raw = json.dumps(effects)  # the GET answer parsed by the stdlib: exact ints, floats not
     assert BIG_INT in raw, raw
-    listed = urllib.request.urlopen(receiver + "/effects", timeout=5).read().decode()
+    listed = urllib.request.urlopen(receiver.url + "/effects", timeout=5).read().decode()
     assert BIG_INT in listed and LONG_FRACTION in listed, listed
     [stored] = [r[0] for r in query(dsn, "SELECT body->>'result' FROM fence_effects")]
     assert stored == _as_stored(dsn, text)

@@ -3,12 +3,11 @@ when the receiver refuses for good, and never for a rejected completion."""
 
 from __future__ import annotations
 
-import socket
 
 import orjson
 import pytest
 
-from conftest import base_env, cli, enqueue, query, wait_until
+from kit import base_env, cli, enqueue, free_port, query, wait_until
 
 
 def _env(dsn, url, tool="echo-json", **extra):
@@ -92,16 +91,10 @@ def test_failed_job_is_not_forwarded(dsn, sink):
     assert _outbox(dsn, job_id) == [] and server.requests == []
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_delivery_survives_a_sidecar_restart_and_any_sidecar_delivers(dsn, sink, sidecars):
     """The receiver is down while the job completes; the row waits in the outbox and a
     later sidecar, of another tool even, delivers it."""
-    down = f"http://127.0.0.1:{_free_port()}"
+    down = f"http://127.0.0.1:{free_port()}"
     env = _env(dsn, down, SIDECAR_BACKOFF_BASE_SECONDS="30", SIDECAR_BACKOFF_MAX_SECONDS="30")
     job_id = enqueue(dsn, "echo-json", {"n": 7}, env=env)
     _run_drain(dsn, env)  # delivery refused: retried later, the sidecar exits

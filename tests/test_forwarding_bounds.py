@@ -23,7 +23,7 @@ import urllib.request
 import orjson
 import pytest
 
-from conftest import base_env, cli, enqueue, one_line_error, query, wait_until
+from kit import base_env, cli, enqueue, one_line_error, query, wait_until
 from sidecar.config import load_settings
 
 TOOL = "echo-json"

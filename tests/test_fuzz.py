@@ -45,7 +45,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from conftest import FAST_PROFILE, base_env, cli
+from kit import FAST_PROFILE, base_env, cli
 from sidecar import jsontext
 from sidecar.cli import main as cli_main
 from sidecar.clock import ownership_now

@@ -19,7 +19,7 @@ import asyncpg
 import orjson
 import pytest
 
-from conftest import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, run
+from kit import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, run, wait_until_async
 from sidecar.clock import ownership_now
 from sidecar.config import load_settings
 from sidecar.db import init_connection
@@ -340,7 +340,9 @@ def test_checkpoint_database_trouble_is_503_and_never_blocks_the_guard(dsn):
                 started = time.monotonic()
                 stuck = asyncio.create_task(
                     post(h.url, "/v1/checkpoint", token, body={"page": 1}))
-                await asyncio.sleep(0.2)
+                await wait_until_async(lambda: blocker.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                    " AND wait_event_type = 'Lock'"), what="the checkpoint to wait on the row")
                 # Meanwhile the guard answers at once (nothing blocks the event loop).
                 t0 = time.monotonic()
                 assert (await guard_call(h, token))[0] == 200

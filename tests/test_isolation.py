@@ -16,11 +16,18 @@ from pathlib import Path
 
 import orjson
 import pytest
-from kit import job_processes
+from kit import (
+    TOOLS,
+    base_env,
+    cli,
+    enqueue,
+    job_processes,
+    job_row as _row,
+    journal_details as _journal,
+    query,
+    short_root,
+)
 
-from conftest import TOOLS, base_env, cli, enqueue, query, short_root
-from conftest import job_row as _row
-from conftest import journal_details as _journal
 from sidecar.cgroups import detect
 from sidecar.config import load_settings
 from sidecar.errors import ConfigError

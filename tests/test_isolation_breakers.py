@@ -9,18 +9,17 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import orjson
 import pytest
 
-from conftest import TOOLS, base_env, cli, enqueue, query, short_root, wait_until
-from conftest import job_cgroup_dirs as _cgroup_dirs
-from conftest import job_row as _row
-from conftest import journal_details as _journal
-from conftest import kill_pid as _kill
-from conftest import process_alive as _alive
+from kit import TOOLS, base_env, cli, enqueue, eventually, query, short_root, wait_until
+from kit import job_cgroup_dirs as _cgroup_dirs
+from kit import job_row as _row
+from kit import journal_details as _journal
+from kit import kill_pid as _kill
+from kit import pid_alive as _alive
 
 BREAKER = str(TOOLS / "breaker.py")
 MIB = 1024 * 1024
@@ -344,8 +343,9 @@ def test_a_sigkilled_sidecars_escapee_dies_with_its_job_cgroup(dsn, tmp_path, si
                    for line in Path(f"/proc/{escapee}/cgroup").read_text().splitlines())
         first.proc.kill()
         first.proc.wait(5)
-        time.sleep(3)  # the guardian's sweep takes well under a second
-        assert not _alive(escapee), "the escapee outlived the SIGKILLed sidecar"
+        # The guardian's sweep takes well under a second: 3 s at the most.
+        assert eventually(lambda: not _alive(escapee), 3), \
+            "the escapee outlived the SIGKILLed sidecar"
     finally:
         _kill(escapee)
 

@@ -18,7 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from conftest import base_env, enqueue, query, scalar
+from kit import base_env, enqueue, query, scalar
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"

@@ -7,7 +7,7 @@ import asyncio
 
 import asyncpg
 
-from conftest import query, run, scalar
+from kit import query, run, scalar
 from sidecar.db import RawJson, init_connection
 from sidecar.store import Store
 

@@ -18,26 +18,27 @@ import time
 from collections import Counter
 from pathlib import Path
 
-import orjson
 import psutil
 import pytest
 
-from conftest import (
+from kit import (
     FAST_PROFILE,
     TOOLS,
     base_env,
     cli,
     enqueue,
+    parse_events,
     query,
+    read_events,
     read_pids,
     short_root,
     wait_until,
 )
-from conftest import job_cgroup_dirs as _job_cgroups
-from conftest import job_row as _row
-from conftest import journal_details as _journal
-from conftest import kill_pid as _kill
-from conftest import process_alive as _alive
+from kit import job_cgroup_dirs as _job_cgroups
+from kit import job_row as _row
+from kit import journal_details as _journal
+from kit import kill_pid as _kill
+from kit import pid_alive as _alive
 
 PROBE = str(TOOLS / "leftover_probe.py")
 ROOT = os.geteuid() == 0
@@ -60,16 +61,6 @@ def _drain(dsn, env, tool, command=(sys.executable, PROBE)):
     done = cli(dsn, "run", "--tool", tool, "--drain", "--", *command, env=env, timeout=60)
     assert done.returncode == 0, (done.returncode, done.stderr.decode()[-3000:])
     return done
-
-
-def _events(stderr: bytes, name: str) -> list[dict]:
-    out = []
-    for line in stderr.splitlines():
-        with contextlib.suppress(orjson.JSONDecodeError):
-            event = orjson.loads(line)
-            if isinstance(event, dict) and event.get("event") == name:
-                out.append(event)
-    return out
 
 
 
@@ -128,7 +119,7 @@ def test_a_start_beside_a_live_sidecar_mid_job_clears_only_dead_owners_leftovers
         assert all(d.exists() for d in dead_dirs)
 
         done = _drain(dsn, env, "idle")
-        [removed] = _events(done.stderr, "leftovers_removed")
+        [removed] = parse_events(done.stderr, "leftovers_removed")
         assert removed["count"] == 5, removed  # 3 cgroups + 2 work dirs
         assert stray.wait(5) == -signal.SIGKILL
         assert [c for c in dead_cgroups if c.exists()] == []
@@ -321,10 +312,6 @@ def _nsenter(pid: int, argv: list[str], as_nobody: bool = False, env=None) -> st
     return done.stdout.decode()
 
 
-def _log_events(log: Path, *names: str) -> list[dict]:
-    return [e for name in names for e in _events(log.read_bytes(), name)]
-
-
 def _end_namespace(outer: subprocess.Popen, init_pid: int) -> None:
     _kill(init_pid)  # PID 1 gone: the kernel kills the whole namespace
     try:
@@ -364,17 +351,17 @@ def test_a_sidecar_as_pid_1_does_not_kill_its_own_embedded_postgres(tmp_path, pu
         [sys.executable, "-m", "sidecar", "run", "--tool", "probe", "--", sys.executable,
          PROBE], env, log, as_nobody=True)
     try:
-        wait_until(lambda: _log_events(log, "worker_started"), 60,
+        wait_until(lambda: read_events(log, "worker_started"), 60,
                    what=f"the sidecar with its embedded PostgreSQL ({log})")
         postmaster = [p.pid for p in psutil.Process(init).children()
                       if str(base / "data") in " ".join(p.cmdline())]
         assert len(postmaster) == 1, "the postmaster is the sidecar's (adopted) child"
         _nsenter(init, [sys.executable, "-m", "sidecar", "enqueue", "probe", "--payload",
                         '{"mode": "ok"}'], as_nobody=True, env=env)
-        ended = wait_until(lambda: _log_events(log, "job_succeeded", "lease_abandoned",
-                                               "job_retry_scheduled", "job_failed"), 30,
+        ended = wait_until(lambda: [e for e in read_events(log) if e["event"] in (
+            "job_succeeded", "lease_abandoned", "job_retry_scheduled", "job_failed")], 30,
                            what="the job's outcome")
-        killed = _log_events(log, "child_killed")
+        killed = read_events(log, "child_killed")
         assert _alive(postmaster[0]), f"the sidecar killed its own PostgreSQL: {killed}"
         assert [e["event"] for e in ended] == ["job_succeeded"], ended
     finally:
@@ -396,7 +383,7 @@ def test_a_sidecar_as_pid_1_kills_no_orphan_that_was_never_a_tools(dsn, tmp_path
         [sys.executable, "-m", "sidecar", "run", "--tool", "probe", "--", sys.executable,
          PROBE], env, log)
     try:
-        wait_until(lambda: _log_events(log, "worker_started"), 20, what=f"the sidecar ({log})")
+        wait_until(lambda: read_events(log, "worker_started"), 20, what=f"the sidecar ({log})")
         _nsenter(init, ["sh", "-c", "sleep 61.5 >/dev/null 2>&1 &"])
 
         def orphan():
@@ -410,7 +397,7 @@ def test_a_sidecar_as_pid_1_kills_no_orphan_that_was_never_a_tools(dsn, tmp_path
         job = enqueue(dsn, "probe", {"mode": "ok"})
         wait_until(lambda: _row(dsn, job)["state"] == "succeeded", 20, what="the job")
         time.sleep(0.5)
-        killed = _log_events(log, "child_killed")
+        killed = read_events(log, "child_killed")
         assert _alive(stranger), f"a well-behaved job's tree kill took a stranger: {killed}"
         assert killed == []
     finally:
@@ -481,6 +468,6 @@ def test_concurrent_well_behaved_jobs_never_kill_each_others_tools(dsn, public_d
                sys.executable, PROBE, env=env, timeout=90)
     outcomes = Counter((r["state"], r["kind"]) for r in query(
         dsn, "SELECT state, error->>'kind' AS kind FROM tool_jobs WHERE tool = 'calm'"))
-    assert _events(done.stderr, "draining") == [], f"the sidecar stopped itself: {outcomes}"
+    assert parse_events(done.stderr, "draining") == [], f"the sidecar stopped itself: {outcomes}"
     assert outcomes == {("succeeded", None): jobs}, outcomes
     assert done.returncode == 0

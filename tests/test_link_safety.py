@@ -58,7 +58,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import TOOLS, base_env, cli, enqueue, job_row, short_root
+from kit import TOOLS, base_env, cli, enqueue, job_row, short_root
 from sidecar import safefs
 from sidecar.cgroups import CgroupHost
 from sidecar.config import load_settings

@@ -27,7 +27,7 @@ import pytest
 from netproxy import through, upstream_of
 from pgproxy import AnswerDropProxy
 
-from conftest import base_env, enqueue, job_row, query, wait_until
+from kit import base_env, enqueue, job_row, query, wait_until
 from sidecar.queries import Q
 
 COUNTER = "run_counter.py"

@@ -12,7 +12,7 @@ import orjson
 import pytest
 from netproxy import BlackholeProxy, through, upstream_of
 
-from conftest import base_env, cli, enqueue, query, wait_until
+from kit import base_env, cli, enqueue, query, wait_until
 
 
 def _get(url: str) -> tuple[int, str]:

@@ -16,7 +16,21 @@ from pathlib import Path
 import orjson
 import pytest
 
-from conftest import TOOLS, base_env, cli, enqueue, one_line_error, query, scalar
+from kit import (
+    TOOLS,
+    base_env,
+    cli,
+    enqueue,
+    job_processes,
+    one_line_error,
+    pid_alive,
+    query,
+    read_events,
+    read_pids,
+    scalar,
+    stop_process,
+    wait_until,
+)
 from sidecar import jsontext
 from sidecar.config import GLOBAL_FIELDS, PROFILE_FIELDS, load_settings
 from sidecar.results import BadResult, parse_result
@@ -292,11 +306,13 @@ def test_http_stop_closes_idle_keepalive_connections_and_logs_no_error():
         errors: list[dict] = []
         asyncio.get_running_loop().set_exception_handler(lambda _loop, ctx: errors.append(ctx))
         release = asyncio.Event()
+        handling = asyncio.Event()
 
         async def ok(_request):
             return Response(200, b"{}")
 
         async def slow(_request):
+            handling.set()
             await release.wait()
             return Response(200, b'{"slow": true}')
 
@@ -309,7 +325,7 @@ def test_http_stop_closes_idle_keepalive_connections_and_logs_no_error():
         busy_r, busy_w = await asyncio.open_connection(host, port)
         busy_w.write(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
         await busy_w.drain()
-        await asyncio.sleep(0.2)  # the slow request is in its handler
+        await asyncio.wait_for(handling.wait(), 30)  # the slow request is in its handler
         stopping = asyncio.ensure_future(server.stop(grace=3600))
         # The idle connection is closed by the server without waiting for the grace.
         assert await asyncio.wait_for(idle_r.read(), 30) == b""
@@ -343,15 +359,6 @@ def _launch_from_a_script(dsn, tmp_path, nohup: bool):
     return shell.pid, int(pid_path.read_text()), log_path
 
 
-def _gone(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
-
-
 def test_nohup_sidecar_outlives_the_script_that_started_it(dsn, tmp_path):
     """Case F24, kind: a safety drain that fires where the user asked for the opposite.
     `nohup sidecar run ... &` from a script: the parent-death signal stopped the sidecar
@@ -360,22 +367,20 @@ def test_nohup_sidecar_outlives_the_script_that_started_it(dsn, tmp_path):
     import os
     import signal
 
-    from conftest import read_events, wait_until
-
     _shell, pid, log_path = _launch_from_a_script(dsn, tmp_path, nohup=True)
     try:
         wait_until(lambda: read_events(log_path, "worker_started"), 30, what="the start")
         job = enqueue(dsn, "f24cat", {"after": "the script ended"})
         wait_until(lambda: scalar(dsn, "SELECT state FROM tool_jobs WHERE id = $1",
                                   uuid.UUID(job)) == "succeeded", 30, what="the job")
-        assert not _gone(pid)
+        assert pid_alive(pid)
         assert read_events(log_path, "parent_death_drain_off")
         assert not read_events(log_path, "parent_died")
         assert not read_events(log_path, "stop_requested")
     finally:
-        if not _gone(pid):
+        if pid_alive(pid):
             os.kill(pid, signal.SIGTERM)  # the sidecar this test started, by its pid
-        wait_until(lambda: _gone(pid), 30, what="the sidecar to stop")
+        wait_until(lambda: not pid_alive(pid), 30, what="the sidecar to stop")
     [stop] = read_events(log_path, "stop_requested")
     assert stop["reason"] == "SIGTERM"
 
@@ -384,10 +389,9 @@ def test_a_parent_death_drain_says_why(dsn, tmp_path):
     """Case F24: without nohup the parent-death drain stays (case F8), and it is logged as
     parent_died with the old parent's pid, and stop_requested with the reason, instead of
     a bare worker_stopped."""
-    from conftest import read_events, wait_until
 
     shell, pid, log_path = _launch_from_a_script(dsn, tmp_path, nohup=False)
-    wait_until(lambda: _gone(pid), 60, what="the sidecar to drain after its parent died")
+    wait_until(lambda: not pid_alive(pid), 60, what="the sidecar to drain after its parent died")
     died = read_events(log_path, "parent_died")
     assert died and died[0]["old_parent_pid"] == shell, read_events(log_path)
     [stop] = read_events(log_path, "stop_requested")
@@ -408,8 +412,6 @@ def test_an_outage_journals_the_abandoned_kill_later_and_logs_no_forwarding(
     and a sidecar whose tool forwards nothing leaves the outage to claim_error (it still
     delivers other tools' rows, tests/test_forwarding.py)."""
     from netproxy import through
-
-    from conftest import pid_alive, read_pids, wait_until
 
     pidfile = tmp_path / "pids"
     job = enqueue(dsn, "fault_sleep.py", {"seconds": 600, "pidfile": str(pidfile)},
@@ -489,7 +491,6 @@ def test_readiness_accepts_a_newer_compatible_schema_and_rechecks(dsn, sidecars)
     whose releases keep working on it (`-- compatible-from: N`, recorded with it);
     readiness accepts a newer schema whose every newer migration declares at most the
     release's own, and rechecks while it runs."""
-    from conftest import query, wait_until
     from sidecar.queries import migrations
 
     assert cli(dsn, "migrate").returncode == 0
@@ -521,9 +522,6 @@ def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn,
     work directory removed, with no new start. The kill selects processes by the dead
     owner's id, so the test runs both sidecars in a PID namespace of their own."""
     import psutil
-    from kit import job_processes, stop_process
-
-    from conftest import read_pids, wait_until
 
     work = Path(tempfile.mkdtemp(prefix="sc", dir="/tmp"))  # short: room for socket paths
     pidfile = tmp_path / "tree.pid"
@@ -552,11 +550,11 @@ def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn,
         assert len(guardian) == 1, [p.cmdline() for p in sidecar_a.children()]
         assert [p.name for p in work.iterdir() if ".j" in p.name]
         guardian[0].kill()  # the guardian first: nothing of A's is left to clean up
-        wait_until(lambda: not _alive(guardian[0].pid), 5, what="A's guardian gone")
+        wait_until(lambda: not pid_alive(guardian[0].pid), 5, what="A's guardian gone")
         sidecar_a.kill()
-        wait_until(lambda: not _alive(sidecar_a.pid), 5, what="sidecar A gone")
-        assert any(_alive(p) for p in tree)  # nobody has cleared it yet
-        wait_until(lambda: not any(_alive(p) for p in tree), 20,
+        wait_until(lambda: not pid_alive(sidecar_a.pid), 5, what="sidecar A gone")
+        assert any(pid_alive(p) for p in tree)  # nobody has cleared it yet
+        wait_until(lambda: not any(pid_alive(p) for p in tree), 20,
                    what="sidecar B's sweep to kill A's tree")
         wait_until(lambda: not [p for p in work.iterdir() if ".j" in p.name], 10,
                    what="sidecar B's sweep to remove A's work directory")
@@ -573,11 +571,3 @@ def _shell_env(env: dict[str, str]) -> str:
 
     return " ".join(shlex.quote(f"{k}={v}") for k, v in env.items())
 
-
-def _alive(pid: int) -> bool:
-    import psutil
-
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.Error:
-        return False

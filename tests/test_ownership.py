@@ -25,16 +25,18 @@ import asyncpg
 import orjson
 import psutil
 
-from conftest import (
+from kit import (
     FAST_PROFILE,
     base_env,
     cli,
     enqueue,
+    job_row,
     pid_alive,
     query,
     read_pids,
     run,
     scalar,
+    sidecar_backends,
     wait_until,
 )
 from sidecar.db import init_connection
@@ -70,10 +72,6 @@ def wait_journal(dsn: str, job_id: str, name: str, timeout: float = 15.0, **matc
         return None
 
     return wait_until(found, timeout, interval=0.2, what=f"journal event {name} {match or ''}")
-
-
-def job_row(dsn: str, job_id: str) -> dict:
-    return dict(query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0])
 
 
 def lease_expired(dsn: str, job_id: str) -> bool:
@@ -364,10 +362,13 @@ def test_f3_restarted_pod_with_same_name_gets_new_owner_and_waits_for_the_lease(
     wait_until(lambda: sink_lines(sink), 15, what="the first attempt to start")
     first_child = int(sink_lines(sink)[0][2])
 
+    sessions = sidecar_backends(dsn)  # the first sidecar's
     first.proc.kill()  # kill -9: no drain, no release
     first.wait(10)
     second = sidecars(dsn, [SINK_JOB], env=env)  # restarted at once, same name
-    time.sleep(0.3)  # let a renewal already on the wire land before reading the lease
+    # A renewal already on the wire lands before its session ends: read the lease after.
+    wait_until(lambda: not sessions & sidecar_backends(dsn), 10,
+               what="the killed sidecar's sessions to end")
     lease_at_death = job_row(dsn, job_id)["lease_until"]
 
     wait_until(lambda: not pid_alive(first_child), 5, what="the dead sidecar's tool to die")
@@ -478,6 +479,7 @@ def test_f8_kill_9_takes_the_tree_down_and_writes_nothing(dsn, sidecars, tmp_pat
         sc.wait_event("tool_request_started", job_id=job_id)
         wait_journal(dsn, job_id, "tool_request_started")
         events_before = journal(dsn, job_id)
+        sessions = sidecar_backends(dsn)
         sc.proc.kill()
         sc.wait(10)
         killed_at = time.monotonic()
@@ -486,7 +488,9 @@ def test_f8_kill_9_takes_the_tree_down_and_writes_nothing(dsn, sidecars, tmp_pat
     finally:
         kill_leftovers(pids)
 
-    time.sleep(0.3)  # a renewal already on the wire may still land; nothing after it may
+    # A renewal already on the wire may still land, before its session ends; nothing after.
+    wait_until(lambda: not sessions & sidecar_backends(dsn), 10,
+               what="the killed sidecar's sessions to end")
     row = job_row(dsn, job_id)
     assert row["state"] == "running" and row["fencing_token"] == 1 and row["attempt"] == 1
     assert row["result"] is None and row["error"] is None

@@ -12,17 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 
 import orjson
 import pytest
-from kit import BouncerError, PgBouncer
+from kit import BouncerError, PgBouncer, Receiver, base_env, cli, query
 
-from conftest import base_env, cli, free_port, query, wait_until
 from sidecar import db
 from sidecar.store import Store
 
@@ -124,37 +120,19 @@ def _post(url: str, key: str, fence: int, body: dict) -> tuple[int, dict]:
 def test_reference_receiver_behind_pgbouncer(dsn, bouncer, tmp_path):
     """The receiver's pool gets the same pooler handling (db.create_pool): fenced
     transactions with a transaction-local lock_timeout, replays and stale fences."""
-    port = free_port()
-    env = base_env(bouncer.dsn_for(dsn), **PROFILE)
     log_path = tmp_path / "receiver.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "sidecar", "receiver", "--listen",
-                                 f"127.0.0.1:{port}"], env=env, stdout=log, stderr=log)
-        try:
-            url = f"http://127.0.0.1:{port}/effects"
-
-            def up():
-                if proc.poll() is not None:
-                    return True
-                try:
-                    urllib.request.urlopen(url, timeout=2).close()
-                    return True
-                except OSError:
-                    return False
-
-            wait_until(up, 20, what="the receiver behind pgbouncer")
-            assert proc.poll() is None, log_path.read_text()
-            for round_ in range(3):  # the second and third rounds are replays
-                for n in range(10):
-                    status, answer = _post(url, f"tool-job:e{n}:create_case", 2,
-                                           {"case": n})
-                    assert status == 201, (round_, answer)
-                    assert answer["fence"] == 2
-            status, answer = _post(url, "tool-job:e0:other_step", 1, {"case": 0})
-            assert (status, answer["error"]) == (409, "stale_fence")
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(10)
+    receiver = Receiver(base_env(bouncer.dsn_for(dsn), **PROFILE), log_path)
+    try:
+        url = receiver.url + "/effects"
+        for round_ in range(3):  # the second and third rounds are replays
+            for n in range(10):
+                status, answer = _post(url, f"tool-job:e{n}:create_case", 2, {"case": n})
+                assert status == 201, (round_, answer)
+                assert answer["fence"] == 2
+        status, answer = _post(url, "tool-job:e0:other_step", 1, {"case": 0})
+        assert (status, answer["error"]) == (409, "stale_fence")
+    finally:
+        receiver.stop()
     assert len(query(dsn, "SELECT 1 FROM fence_effects")) == 10
     text = log_path.read_text(errors="replace") + bouncer.log()
     for marker in PREPARED_ERRORS:

@@ -10,7 +10,7 @@ import urllib.request
 import asyncpg
 import orjson
 
-from conftest import base_env, cli, one_line_error, query, run, scalar
+from kit import base_env, cli, one_line_error, query, run, scalar
 from sidecar.retention import PRUNE_LOCK_KEY
 
 DAY = 86400

@@ -10,7 +10,7 @@ from urllib.parse import urlsplit, urlunsplit
 
 import pytest
 
-from conftest import base_env, cli, enqueue, job_row, query, scalar
+from kit import base_env, cli, enqueue, job_row, query, scalar
 
 WORKER_GRANTS = """
 REVOKE CREATE ON SCHEMA public FROM PUBLIC;

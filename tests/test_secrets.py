@@ -20,14 +20,13 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
-import uuid
 from urllib.parse import quote, urlsplit, urlunsplit
 
 import asyncpg
 import orjson
 import pytest
 
-from conftest import TOOLS, base_env, cli, enqueue, free_port, query, run, wait_until
+from kit import TOOLS, base_env, cli, enqueue, free_port, job_row, query, run, wait_until
 
 PASSWORD = "Sup3rSecretPw_xyz"
 TOOL = "print_env.py"  # tests/tools/print_env.py; the tool name is the command's basename
@@ -104,11 +103,6 @@ def enqueue_job(dsn: str, env: dict, exit_code: int) -> str:
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     assert_no_leak(done, "sidecar enqueue")
     return orjson.loads(done.stdout)["id"]
-
-
-def job_row(dsn: str, job_id: str):
-    return query(dsn, "SELECT state, result, error FROM tool_jobs WHERE id = $1",
-                 uuid.UUID(job_id))[0]
 
 
 def http_text(url: str) -> str:

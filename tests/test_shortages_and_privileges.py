@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 from kit import python_for
 
-from conftest import (
+from kit import (
     TOOLS,
     base_env,
     enqueue,
     job_row,
     journal_details,
     kill_pid,
-    process_alive,
+    pid_alive,
     short_root,
     wait_until,
 )
@@ -292,7 +292,7 @@ def test_setuid_helper_stays_unprivileged_and_dies_with_the_tree(
     pid, result, euid = report(path)
     assert (result, euid) == (-1, TOOL_UID)
     wait_until(lambda: job_row(dsn, job)["state"] == "succeeded", 20, what="the job to end")
-    wait_until(lambda: not process_alive(pid), 10, what="the helper to be killed")
+    wait_until(lambda: not pid_alive(pid), 10, what="the helper to be killed")
     killed = journal_details(dsn, job, "child_killed")
     assert killed and killed[-1]["survivors"] == 0 and killed[-1]["killed"] >= 1
     assert sc.proc.poll() is None
@@ -316,6 +316,6 @@ def test_unsignallable_process_of_the_tree_is_a_survivor(
                         what="child_killed in the journal")
     assert killed[-1]["survivors"] >= 1, killed
     assert killed[-1].get("unsignalled", 0) >= 1, killed
-    assert process_alive(pid)  # it is out of the sidecar's reach: the report is the truth
+    assert pid_alive(pid)  # it is out of the sidecar's reach: the report is the truth
     logged = sc.wait_event("child_killed", 5, job_id=job)
     assert pid in logged["survivors"]

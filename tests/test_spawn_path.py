@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from conftest import TOOLS, base_env, enqueue, query, short_root, wait_until
+from kit import TOOLS, base_env, enqueue, query, short_root, wait_until
 from sidecar import linux
 from sidecar.cgroups import JobCgroup, detect
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncpg
 import orjson
 
-from conftest import base_env, cli, enqueue, pid_alive, query, run, wait_until
+from kit import base_env, cli, enqueue, pid_alive, query, run, wait_until
 from sidecar.commit import backoff_seconds
 from sidecar.config import load_settings
 from sidecar.db import RawJson, init_connection

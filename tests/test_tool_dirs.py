@@ -10,7 +10,7 @@ from pathlib import Path
 
 import orjson
 
-from conftest import TOOLS, base_env, cli, enqueue, job_row, query, short_root
+from kit import TOOLS, base_env, cli, enqueue, job_row, query, short_root
 from sidecar.isolation import MAX_WORK_ROOT_BYTES, SOCKET_NAME_BYTES, SOCKET_PATH_MAX_BYTES
 
 SOCKET_PATHS = str(TOOLS / "socket_paths.py")

@@ -20,7 +20,7 @@ import uuid
 
 from netproxy import through
 
-from conftest import base_env, enqueue, pid_alive, query, wait_until
+from kit import base_env, enqueue, pid_alive, query, wait_until
 
 TOOL = "effect_tool.py"
 PROFILE = "SIDECAR_PROFILE_EFFECT_TOOL_PY_"
@@ -110,8 +110,8 @@ def _assert_w1_fenced_out(dsn, receiver, job_id, entity, tmp_path, w1_tool_pid):
 
 def test_p25_partitioned_owner_cannot_extend_commit_or_act_after_takeover(
         dsn, receiver, proxy, sidecars, tmp_path):
-    w1_env = _env(through(dsn, proxy.port), receiver)
-    job_id, entity = _start_job(dsn, receiver, tmp_path, work_w1=600)
+    w1_env = _env(through(dsn, proxy.port), receiver.url)
+    job_id, entity = _start_job(dsn, receiver.url, tmp_path, work_w1=600)
     w1 = sidecars(through(dsn, proxy.port), [TOOL], env=w1_env)
     started = wait_until(lambda: (tmp_path / "started-1").exists(), 20, what="W1's tool")
     assert started
@@ -124,19 +124,19 @@ def test_p25_partitioned_owner_cannot_extend_commit_or_act_after_takeover(
     w1.wait_event("ownership_unknown", timeout=1)
     w1.wait_event("lease_abandoned", timeout=1)
 
-    _w2_finishes(dsn, receiver, sidecars, job_id)
+    _w2_finishes(dsn, receiver.url, sidecars, job_id)
     proxy.restore()
     wait_until(lambda: "lease_abandoned" in [r["event"] for r in _journal(dsn, job_id, 1)],
                20, what="W1 to report its abandoned lease once the database answers")
-    _assert_w1_fenced_out(dsn, receiver, job_id, entity, tmp_path, w1_tool)
+    _assert_w1_fenced_out(dsn, receiver.url, job_id, entity, tmp_path, w1_tool)
     assert not (tmp_path / "finished-1").exists()
     assert w1.proc.poll() is None, "W1 must survive the partition"
 
 
 def test_p25_frozen_owner_wakes_up_to_zero_rows(dsn, receiver, sidecars, tmp_path):
     """Variant (b): a runtime pause (SIGSTOP) instead of a partition."""
-    job_id, entity = _start_job(dsn, receiver, tmp_path, work_w1=600)
-    w1 = sidecars(dsn, [TOOL], env=_env(dsn, receiver, SIDECAR_LOG_LEVEL="debug"))
+    job_id, entity = _start_job(dsn, receiver.url, tmp_path, work_w1=600)
+    w1 = sidecars(dsn, [TOOL], env=_env(dsn, receiver.url, SIDECAR_LOG_LEVEL="debug"))
     wait_until(lambda: (tmp_path / "started-1").exists(), 20, what="W1's tool")
     w1_tool = int((tmp_path / "started-1").read_text())
     w1.wait_event("heartbeat_ok", job_id=job_id)
@@ -144,14 +144,14 @@ def test_p25_frozen_owner_wakes_up_to_zero_rows(dsn, receiver, sidecars, tmp_pat
     w1.proc.send_signal(signal.SIGSTOP)
     try:
         wait_until(lambda: _lease_expired(dsn, job_id), 20, what="the lease to expire")
-        _w2_finishes(dsn, receiver, sidecars, job_id)
+        _w2_finishes(dsn, receiver.url, sidecars, job_id)
         assert pid_alive(w1_tool)  # frozen sidecar, running tool: the dangerous moment
     finally:
         w1.proc.send_signal(signal.SIGCONT)
     wait_until(lambda: not pid_alive(w1_tool), 10, what="W1's tool to be killed")
     wait_until(lambda: "heartbeat_lost" in [r["event"] for r in _journal(dsn, job_id, 1)],
                10, what="W1's heartbeat_lost")
-    _assert_w1_fenced_out(dsn, receiver, job_id, entity, tmp_path, w1_tool)
+    _assert_w1_fenced_out(dsn, receiver.url, job_id, entity, tmp_path, w1_tool)
 
 
 def test_p25_result_finished_during_the_partition_is_never_committed(
@@ -160,8 +160,8 @@ def test_p25_result_finished_during_the_partition_is_never_committed(
     committed or forwarded, also after the network returns; it is journaled as hash only."""
     slow = {"SIDECAR_LEASE_SECONDS": "6"}  # room for the tool to end before the deadline
     w1_dsn = through(dsn, proxy.port)
-    job_id, entity = _start_job(dsn, receiver, tmp_path, work_w1=1.5, effect_w1=False)
-    w1 = sidecars(w1_dsn, [TOOL], env=_env(w1_dsn, receiver, **slow))
+    job_id, entity = _start_job(dsn, receiver.url, tmp_path, work_w1=1.5, effect_w1=False)
+    w1 = sidecars(w1_dsn, [TOOL], env=_env(w1_dsn, receiver.url, **slow))
     wait_until(lambda: (tmp_path / "started-1").exists(), 20, what="W1's tool")
     w1_tool = int((tmp_path / "started-1").read_text())
     proxy.blackhole()
@@ -169,11 +169,11 @@ def test_p25_result_finished_during_the_partition_is_never_committed(
     w1.wait_event("lease_abandoned", timeout=15)
     wait_until(lambda: _lease_expired(dsn, job_id), 20, what="the lease to expire")
 
-    _w2_finishes(dsn, receiver, sidecars, job_id)
+    _w2_finishes(dsn, receiver.url, sidecars, job_id)
     proxy.restore()
     wait_until(lambda: "lease_abandoned" in [r["event"] for r in _journal(dsn, job_id, 1)],
                20, what="W1 to report its abandoned lease")
-    _assert_w1_fenced_out(dsn, receiver, job_id, entity, tmp_path, w1_tool)
+    _assert_w1_fenced_out(dsn, receiver.url, job_id, entity, tmp_path, w1_tool)
     w1_output = (json.dumps({"token": 1, "attempt": 1, "effect": None}) + "\n").encode()
     [rejected] = [r for r in _journal(dsn, job_id, 1) if r["event"] == "result_rejected"]
     assert rejected["details"]["result"] == {"sha256": hashlib.sha256(w1_output).hexdigest(),

@@ -8,7 +8,7 @@ import sys
 import time
 import urllib.request
 
-from conftest import base_env, enqueue, query, scalar, wait_until
+from kit import base_env, enqueue, query, scalar, wait_until
 
 TOOL_OK = [sys.executable, "-c", "print('{\"ok\": true}')"]
 

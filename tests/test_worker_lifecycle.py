@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import asyncpg
 import pytest
 
-from conftest import base_env, query, run, wait_until
+from kit import base_env, query, run, wait_until
 from sidecar.config import load_settings
 from sidecar.db import with_database
 from sidecar.errors import ConfigError

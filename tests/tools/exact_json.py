@@ -5,7 +5,8 @@ the first attempt instead saves that text through the guard as its checkpoint an
 an attempt that has SIDECAR_CHECKPOINT_FILE prints the checkpoint's text."""
 import os
 import sys
-import urllib.request
+
+from tool_checkpoint import save_checkpoint
 
 sys.stdin.buffer.read()
 checkpoint = os.environ.get("SIDECAR_CHECKPOINT_FILE")
@@ -18,11 +19,5 @@ with open(sys.argv[1], "rb") as f:
 if sys.argv[2:] != ["checkpoint"]:
     sys.stdout.buffer.write(text)
     sys.exit(0)
-request = urllib.request.Request(
-    os.environ["SIDECAR_GUARD_URL"] + "/v1/checkpoint", method="POST", data=text,
-    headers={"Authorization": "Bearer " + os.environ["SIDECAR_GUARD_TOKEN"],
-             "Content-Type": "application/json"})
-opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-with opener.open(request, timeout=10) as response:
-    print(f"checkpoint saved: {response.status}", file=sys.stderr)
+save_checkpoint(text)
 sys.exit(3)

@@ -5,7 +5,8 @@ and prints {"resumed_from": <checkpoint>, "attempt": N}."""
 import json
 import os
 import sys
-import urllib.request
+
+from tool_checkpoint import save_checkpoint
 
 json.load(sys.stdin)
 path = os.environ.get("SIDECAR_CHECKPOINT_FILE")
@@ -14,12 +15,5 @@ if path:
         print(json.dumps({"resumed_from": json.load(f),
                           "attempt": int(os.environ["SIDECAR_ATTEMPT"])}))
     sys.exit(0)
-request = urllib.request.Request(
-    os.environ["SIDECAR_GUARD_URL"] + "/v1/checkpoint", method="POST",
-    data=json.dumps({"page": 7}).encode(),
-    headers={"Authorization": "Bearer " + os.environ["SIDECAR_GUARD_TOKEN"],
-             "Content-Type": "application/json"})
-opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-with opener.open(request, timeout=10) as response:
-    print(f"checkpoint saved: {response.status}", file=sys.stderr)
+save_checkpoint(json.dumps({"page": 7}).encode())
 sys.exit(3)
