@@ -22,7 +22,6 @@ import pytest
 pytest.register_assert_rewrite("kit")
 
 import kit  # noqa: E402 - after the rewrite hook, so its asserts explain themselves
-
 from sidecar.db import with_database  # noqa: E402
 
 

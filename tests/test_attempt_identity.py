@@ -31,8 +31,8 @@ import asyncpg
 import orjson
 import psutil
 import pytest
-from kit import base_env, cli, enqueue, job_processes, job_row, query, run, scalar, wait_until
 
+from kit import base_env, cli, enqueue, job_processes, job_row, query, run, scalar, wait_until
 from sidecar.db import init_connection
 from sidecar.queries import Q
 

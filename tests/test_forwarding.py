@@ -3,7 +3,6 @@ when the receiver refuses for good, and never for a rejected completion."""
 
 from __future__ import annotations
 
-
 import orjson
 import pytest
 

@@ -16,18 +16,22 @@ from pathlib import Path
 
 import orjson
 import pytest
+
 from kit import (
     TOOLS,
     base_env,
     cli,
     enqueue,
     job_processes,
-    job_row as _row,
-    journal_details as _journal,
     query,
     short_root,
 )
-
+from kit import (
+    job_row as _row,
+)
+from kit import (
+    journal_details as _journal,
+)
 from sidecar.cgroups import detect
 from sidecar.config import load_settings
 from sidecar.errors import ConfigError

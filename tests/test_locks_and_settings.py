@@ -25,8 +25,8 @@ from pathlib import Path
 
 import asyncpg
 import pytest
-from kit import TOOLS, BouncerError, PgBouncer, base_env, cli, enqueue, query, scalar, wait_until
 
+from kit import TOOLS, BouncerError, PgBouncer, base_env, cli, enqueue, query, scalar, wait_until
 from sidecar import db
 
 TOOL = str(TOOLS / "lock_probe.py")

@@ -17,8 +17,8 @@ import urllib.request
 
 import orjson
 import pytest
-from kit import BouncerError, PgBouncer, Receiver, base_env, cli, query
 
+from kit import BouncerError, PgBouncer, Receiver, base_env, cli, query
 from sidecar import db
 from sidecar.store import Store
 

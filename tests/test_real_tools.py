@@ -12,8 +12,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from kit import base_env, enqueue, job_processes, job_row, wait_until
 
+from kit import base_env, enqueue, job_processes, job_row, wait_until
 
 RECIPES = Path(__file__).resolve().parent.parent / "examples" / "recipes"
 # The recipes' lease profiles, with a lease wide enough for their kill graces (P10).

@@ -14,7 +14,6 @@ import uuid
 from pathlib import Path
 
 import pytest
-from kit import python_for
 
 from kit import (
     TOOLS,
@@ -24,6 +23,7 @@ from kit import (
     journal_details,
     kill_pid,
     pid_alive,
+    python_for,
     short_root,
     wait_until,
 )
