@@ -234,7 +234,7 @@ def cmd_run(args, settings: Settings) -> int:
     # launcher ignored SIGHUP (nohup, a daemonizing script): it asked us to outlive it,
     # and a parent-death drain would stop the sidecar the moment the script ends (F24).
     adopt = linux.set_child_subreaper()
-    child.use_subreaper(adopt)
+    processes = child.ProcessTable(subreaper=adopt)
     parent: int | None = os.getppid()
     if "SIGHUP:ignored" in (getattr(args, "inherited_signals", None) or ()):
         log_mod.log.emit("parent_death_drain_off", tool=tool, parent_pid=parent,
@@ -247,7 +247,8 @@ def cmd_run(args, settings: Settings) -> int:
                              new_parent_pid=os.getppid(), reason="before the sidecar started")
             return 0
     worker = Worker(settings, profile, dsn, args.command, args.concurrency, args.drain,
-                    adopt_orphans=adopt, serve_http=True, cgroup_host=host)
+                    adopt_orphans=adopt, serve_http=True, cgroup_host=host,
+                    processes=processes)
     # Leftovers of sidecars that died hard here are cleared; ours will be, however we die
     # (the worker holds its owner lock while it runs; the guardian clears after it).
     swept = leftovers.sweep_dead_owners(work_root, host.parents)
@@ -255,7 +256,7 @@ def cmd_run(args, settings: Settings) -> int:
         log_mod.log.emit("leftovers_removed", tool=tool, count=swept,
                          reason="job cgroups and work directories of sidecars that died")
     keeper = guardian.start(worker.owner_id, work_root, host.parents)
-    child.EXEMPT_PIDS.add(keeper.pid)
+    processes.exempt(keeper.pid)
     if getattr(args, "inherited_signals", None):
         log_mod.log.emit("inherited_signal_state_reset", "warning",
                          signals=args.inherited_signals,
