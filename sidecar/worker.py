@@ -29,6 +29,7 @@ from sidecar.isolation import SparePool
 from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock, sweep_dead_owners
 from sidecar.log import log
+from sidecar.periodic import Periodic
 from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
 from sidecar.store import ClaimedJob, Store
@@ -428,28 +429,36 @@ class Worker:
         """Every SIDECAR_LEFTOVER_SWEEP_SECONDS, clear what sidecars of this work root that
         died left behind (sidecar.leftovers.sweep_dead_owners): a sidecar SIGKILLed together
         with its guardian leaves its tools running at most that long (F24). A failed sweep
-        is logged and tried again at the next period."""
+        (any error: a sweep never takes the worker down) is logged as
+        ``leftover_sweep_error`` and tried again at the next period. The periodic service
+        ``leftover_sweep`` (sidecar.periodic)."""
         loop = asyncio.get_running_loop()
         work_root = self.settings.work_dir or tempfile.gettempdir()
-        while True:
-            await asyncio.sleep(self.settings.leftover_sweep_seconds)
-            try:
-                swept = await loop.run_in_executor(None, sweep_dead_owners, work_root,
-                                                   self.cgroup_host.parents)
-            except Exception as exc:  # noqa: BLE001 - a sweep never takes the worker down
-                log.emit("leftover_sweep_error", "warning", tool=self.profile.tool,
-                         reason=f"{type(exc).__name__}: {exc}"[:200])
-                continue
+
+        async def sweep() -> None:
+            swept = await loop.run_in_executor(None, sweep_dead_owners, work_root,
+                                               self.cgroup_host.parents)
             if swept:
                 log.emit("leftovers_removed", tool=self.profile.tool, count=swept,
                          reason="job cgroups and work directories of sidecars that died")
 
+        await Periodic("leftover_sweep", self.settings.leftover_sweep_seconds, sweep,
+                       errors=(Exception,), error_event="leftover_sweep_error",
+                       fields={"tool": self.profile.tool},
+                       error_fields=lambda exc: {
+                           "reason": f"{type(exc).__name__}: {exc}"[:200]}).run()
+
     async def _reap_orphans(self) -> None:
+        """Reap adopted zombies now and every second (ProcessTable.reap_adopted), off the
+        loop: it scans /proc and waits for a spawn in progress to be recorded. The
+        periodic service ``orphan_reaper`` (sidecar.periodic); an error ends it, and with
+        it the worker."""
         loop = asyncio.get_running_loop()
-        while True:
-            # Off the loop: it scans /proc and waits for a spawn in progress to be recorded.
+
+        async def reap() -> None:
             await loop.run_in_executor(None, self.processes.reap_adopted)
-            await asyncio.sleep(1.0)
+
+        await Periodic("orphan_reaper", 1.0, reap, first=0, errors=()).run()
 
 
 def install_signal_handlers(worker: Worker, parent_pid: int | None = None) -> None:
