@@ -64,7 +64,7 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
     isolation.share_limits(profile)
     host = cgroups.detect(settings.cgroups)
     adopt = linux.set_child_subreaper()
-    child.use_subreaper(adopt)
+    processes = child.ProcessTable(subreaper=adopt)  # one for the process, both Workers
     argv = [sys.executable, str(TOOLS / "cp_flood.py")]
     # The sidecar's events go to a file, as `sidecar run 2>file` would write them.
     log_file = tempfile.NamedTemporaryFile(prefix="bench-lag-", suffix=".log", delete=False)  # noqa: SIM115
@@ -74,7 +74,7 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
     try:
         # Baseline: the same Worker, started, with nothing to do.
         worker = Worker(settings, profile, dsn, argv, concurrency=concurrency,
-                        adopt_orphans=adopt, cgroup_host=host)
+                        adopt_orphans=adopt, cgroup_host=host, processes=processes)
         running = asyncio.create_task(worker.run())
         await asyncio.sleep(1.0)
         stop = asyncio.Event()
@@ -91,7 +91,7 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
             await store.enqueue("flood", payload(i), None, 1, {})
         await pool.close()
         worker = Worker(settings, profile, dsn, argv, concurrency=concurrency, drain=True,
-                        adopt_orphans=adopt, cgroup_host=host)
+                        adopt_orphans=adopt, cgroup_host=host, processes=processes)
         stop = asyncio.Event()
         probing = asyncio.create_task(probe(stop))
         started = time.monotonic()

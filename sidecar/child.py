@@ -43,58 +43,165 @@ STDERR_LINE_BYTES = 4096
 _READ_CHUNK = 65536
 _READS_PER_WAKEUP = 4  # bounds the time one flooding pipe holds the event loop
 
-# Pids whose exit status this module collects itself; the adopted-orphan reaper skips them.
-MANAGED_PIDS: set[int] = set()
-# Children of the sidecar that are no tool's (the guardian): never part of a job's tree.
-EXEMPT_PIDS: set[int] = set()
-# Attempts whose tree is not yet dead. With one, an adopted orphan that carries no job's
-# SIDECAR_JOB_ID at all (it cleared its environment) and was started after that attempt
-# can only be that attempt's.
-_live_attempts = 0
-# A child between fork and exec is not yet in MANAGED_PIDS and still carries the sidecar's
-# own environment: a scan must not take it for an env-less escapee. Spawns bump the
-# generation before they fork and count themselves in flight until the pid is recorded;
-# a scan claims unmarked processes only if neither moved while it listed them.
-_spawn_generation = 0
-_spawns_in_flight = 0
-_spawn_count_lock = threading.Lock()  # the loop thread counts up, the spawn thread down
-# Held from before a tool's fork until its pid is in MANAGED_PIDS, and by the adopted-orphan
-# reaper while it lists and reaps: a tool that exits right after exec is otherwise a zombie
-# child that no set names yet, and the reaper would take its exit status (case F9).
-_reap_lock = threading.Lock()
+class ProcessTable:
+    """The children of this process that the sidecar starts and reaps itself, and what a
+    tree scan and the adopted-orphan reaper must know about them (cases F7, F9). One per
+    process: ``sidecar run``'s bootstrap makes it and hands it to its Worker; a Worker or
+    a spawn given none makes one of its own (then nothing else in the process shares it).
 
-# True once this process is a child subreaper (``sidecar run``): every descendant of a tool
-# then stays either a descendant of the tool or becomes our own (adopted) child, so a tree
-# scan need not read the environment of every process on the host.
-SUBREAPER = False
+    ``subreaper``: this process is a child subreaper (``sidecar run``): every descendant
+    of a tool then stays either a descendant of the tool or becomes our own (adopted)
+    child, so a tree scan need not read the environment of every process on the host.
 
+    Invariants (tests/test_process_table.py):
 
-def use_subreaper(enabled: bool) -> None:
-    """Record whether this process adopts orphaned descendants (see SUBREAPER)."""
-    global SUBREAPER
-    SUBREAPER = enabled
+    - a pid is *managed* from before its fork returns (under ``reap_lock``) until its
+      exit status is collected; ``reap_adopted`` never takes a managed or exempt pid's
+      status, and waits for ``reap_lock``, so it never takes a tool's that exited right
+      after exec, before its pid was recorded (F9);
+    - every ``spawn_begun`` bumps the spawn generation and is matched by exactly one
+      ``spawn_done`` once the pid is recorded or the spawn failed (``spawn_quiet``);
+    - ``live_attempts`` counts attempts whose tree is not yet dead; with exactly one, an
+      adopted orphan with no ``SIDECAR_JOB_ID`` started after it can only be that
+      attempt's (``alone``).
 
-# Spawns happen on one long-lived thread: the fork stays off the event loop thread, and
-# the parent-death signal (tied by Linux to the forking *thread*) fires only when the
-# sidecar process itself ends. That thread has ``no_new_privs`` (case F23): a thread
-# attribute every process it forks inherits, through vfork too, so no tool and nothing a
-# tool starts can gain privileges by exec (a setuid-root helper stays the tool's user and
-# within reach of the tree kill). A profile with ALLOW_NEW_PRIVS spawns on a second
-# thread without it, made at its first use.
-_spawner = concurrent.futures.ThreadPoolExecutor(
-    max_workers=1, thread_name_prefix="spawn", initializer=linux.forbid_new_privileges)
-_spawner_privileged: concurrent.futures.ThreadPoolExecutor | None = None
+    The spawn threads (``spawn_thread``) are the process's too: the parent-death signal
+    is tied by Linux to the forking *thread*.
+    """
 
+    def __init__(self, subreaper: bool = False):
+        self.subreaper = subreaper
+        # Pids whose exit status the sidecar collects itself; the adopted-orphan reaper
+        # skips them.
+        self._managed: set[int] = set()
+        # Children of the sidecar that are no tool's (the guardian): never part of a
+        # job's tree.
+        self._exempt: set[int] = set()
+        # Attempts whose tree is not yet dead (counted on the event loop thread).
+        self._live_attempts = 0
+        # A child between fork and exec is not yet managed and still carries the
+        # sidecar's own environment: a scan must not take it for an env-less escapee.
+        # Spawns bump the generation before they fork and count themselves in flight
+        # until the pid is recorded; a scan claims unmarked processes only if neither
+        # moved while it listed them.
+        self._spawn_generation = 0
+        self._spawns_in_flight = 0
+        self._spawn_count_lock = threading.Lock()  # the loop counts up, the spawn thread down
+        # Held from before a tool's fork until its pid is managed, and by the adopted-
+        # orphan reaper while it lists and reaps: a tool that exits right after exec is
+        # otherwise a zombie child that no set names yet, and the reaper would take its
+        # exit status (case F9).
+        self.reap_lock = threading.Lock()
+        self._spawner: concurrent.futures.ThreadPoolExecutor | None = None
+        self._spawner_privileged: concurrent.futures.ThreadPoolExecutor | None = None
+        self._spawner_lock = threading.Lock()
 
-def _spawn_thread(new_privileges: bool) -> concurrent.futures.ThreadPoolExecutor:
-    """The spawn thread for a tool: with ``no_new_privs`` unless ``new_privileges``."""
-    global _spawner_privileged
-    if not new_privileges:
-        return _spawner
-    if _spawner_privileged is None:
-        _spawner_privileged = concurrent.futures.ThreadPoolExecutor(
-            max_workers=1, thread_name_prefix="spawn-privileged")
-    return _spawner_privileged
+    # --- pids ---------------------------------------------------------------
+
+    def manage(self, pid: int) -> None:
+        """Record ``pid`` as a child whose exit status the sidecar collects itself. Call
+        it holding ``reap_lock``, before the lock is released after the fork."""
+        self._managed.add(pid)
+
+    def unmanage(self, pid: int) -> None:
+        """``pid``'s exit status was collected (or it never ran): no longer managed."""
+        self._managed.discard(pid)
+
+    def exempt(self, pid: int) -> None:
+        """Record ``pid`` as a child that belongs to no job's tree (the guardian)."""
+        self._exempt.add(pid)
+
+    def is_own(self, pid: int) -> bool:
+        """True when ``pid`` is a managed tool or an exempt child: never an adopted
+        orphan, never reaped by ``reap_adopted``."""
+        return pid in self._managed or pid in self._exempt
+
+    # --- spawns -------------------------------------------------------------
+
+    def spawn_begun(self) -> None:
+        """A spawn is about to fork (on the event loop): bump the generation and count it
+        in flight until ``spawn_done``."""
+        with self._spawn_count_lock:
+            self._spawn_generation += 1
+            self._spawns_in_flight += 1
+
+    def spawn_done(self) -> None:
+        """The spawn's pid is managed, or the spawn failed (any thread)."""
+        with self._spawn_count_lock:
+            self._spawns_in_flight -= 1
+
+    def spawn_mark(self) -> tuple[int, bool]:
+        """``(generation, quiet)`` before a scan: quiet when no spawn is in flight."""
+        return self._spawn_generation, self._spawns_in_flight == 0
+
+    def spawn_moved(self, generation: int) -> bool:
+        """True when a spawn began since ``spawn_mark`` gave ``generation``, or one is in
+        flight now: a process a scan found unmarked may be that spawn's child."""
+        return self._spawn_generation != generation or self._spawns_in_flight != 0
+
+    # --- attempts -----------------------------------------------------------
+
+    def attempt_started(self) -> None:
+        """A Child was made: its tree is alive (event loop thread)."""
+        self._live_attempts += 1
+
+    def attempt_ended(self) -> None:
+        """A Child's tree is dead (event loop thread; once per ``attempt_started``)."""
+        self._live_attempts -= 1
+
+    @property
+    def live_attempts(self) -> int:
+        """Attempts whose tree is not yet dead."""
+        return self._live_attempts
+
+    def alone(self) -> bool:
+        """True while exactly one attempt's tree is alive, and this process is not PID 1
+        (as PID 1 every orphan of the container is ours to adopt: only marked processes
+        are claimed then)."""
+        return self._live_attempts == 1 and os.getpid() != 1
+
+    # --- reaping ------------------------------------------------------------
+
+    def reap_adopted(self) -> int:
+        """Reap zombie children this process adopted as a subreaper and does not manage
+        itself (never ``waitpid(-1)``: that would steal statuses asyncio or Popen wait
+        for). Blocks while a tool is being spawned (``reap_lock``), so it never takes the
+        exit status of a child the sidecar started, whatever the timing (case F9).
+        Returns how many were reaped. Call it off the event loop."""
+        reaped = 0
+        with self.reap_lock:
+            for pid in _children(os.getpid()):
+                if self.is_own(pid) or not _zombie(pid):
+                    continue
+                try:
+                    os.waitpid(pid, os.WNOHANG)
+                    reaped += 1
+                except ChildProcessError:
+                    continue
+        return reaped
+
+    # --- spawn threads ------------------------------------------------------
+
+    def spawn_thread(self, new_privileges: bool) -> concurrent.futures.ThreadPoolExecutor:
+        """The long-lived thread tools are spawned on, made at its first use: the fork
+        stays off the event loop thread, and the parent-death signal (tied by Linux to
+        the forking *thread*) fires only when the sidecar process itself ends. That
+        thread has ``no_new_privs`` (case F23): a thread attribute every process it forks
+        inherits, through vfork too, so no tool and nothing a tool starts can gain
+        privileges by exec (a setuid-root helper stays the tool's user and within reach
+        of the tree kill). ``new_privileges`` (a profile's ALLOW_NEW_PRIVS) gives a
+        second thread without it."""
+        with self._spawner_lock:
+            if new_privileges:
+                if self._spawner_privileged is None:
+                    self._spawner_privileged = concurrent.futures.ThreadPoolExecutor(
+                        max_workers=1, thread_name_prefix="spawn-privileged")
+                return self._spawner_privileged
+            if self._spawner is None:
+                self._spawner = concurrent.futures.ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix="spawn",
+                    initializer=linux.forbid_new_privileges)
+            return self._spawner
 
 
 class SpawnFailed(SidecarError):
@@ -188,12 +295,14 @@ def tree_processes(root_pid: int) -> list[psutil.Process]:
 def find_tree(root_pid: int, cookie: dict[str, str],
               claim_unmarked: float | None = None,
               claim_uid: int | None = None,
-              root_reaped: bool = False) -> list[psutil.Process]:
+              root_reaped: bool = False,
+              processes: ProcessTable | None = None) -> list[psutil.Process]:
     """Every live process of a job's tree: descendants of ``root_pid``, members of its
     session (the child is a session leader, so sid == root_pid), and any process whose
     environment carries all of ``cookie`` (re-parented or ``setsid`` escapees, case F7).
 
-    As a child subreaper, escapees can only be our own adopted children (and their
+    As a child subreaper (``processes.subreaper``), escapees can only be our own adopted
+    children that ``processes`` does not own (and their
     descendants), so only those are checked for the cookie. ``claim_unmarked`` (a
     ``time.time()``, given only while this is the only attempt running) also claims an
     adopted child with no ``SIDECAR_JOB_ID`` at all that was started after it (and, with
@@ -204,6 +313,7 @@ def find_tree(root_pid: int, cookie: dict[str, str],
     ``root_reaped``: the root's exit status was collected, so ``root_pid`` may already
     belong to an unrelated process; the tree is then not read from it (the root's orphans
     are our adopted children, or, without a subreaper, found by session and cookie).
+    ``processes``: the process table (None: not a subreaper, no child of our own).
     Raises ValueError for an empty cookie."""
     me = os.getpid()
     found: dict[int, psutil.Process] = {}
@@ -213,13 +323,12 @@ def find_tree(root_pid: int, cookie: dict[str, str],
     if not root_reaped:
         for proc in tree_processes(root_pid):
             found[proc.pid] = proc
-    if SUBREAPER:
+    if processes is not None and processes.subreaper:
         # Orphans are the children of our thread group leader (linux.adopted_pids); the
         # tools, children of the spawn thread, are each their own Child's root.
         listed = linux.adopted_pids(me) if linux.HAVE_PROC_CHILDREN else _children(me)
         adopted = _processes([pid for pid in listed
-                              if pid not in MANAGED_PIDS and pid not in EXEMPT_PIDS
-                              and pid not in found])
+                              if not processes.is_own(pid) and pid not in found])
         for proc in adopted:
             try:
                 try:
@@ -261,25 +370,6 @@ def _remember(members: dict[psutil.Process, None], found: list[psutil.Process]
     return [proc for proc in members if _alive(proc)]
 
 
-def reap_adopted() -> int:
-    """Reap zombie children this process adopted as a subreaper and does not manage itself
-    (never ``waitpid(-1)``: that would steal statuses asyncio or Popen wait for). Blocks
-    while a tool is being spawned (``_reap_lock``), so it never takes the exit status of a
-    child the sidecar started, whatever the timing (case F9). Returns how many were reaped.
-    Call it off the event loop."""
-    reaped = 0
-    with _reap_lock:
-        for pid in _children(os.getpid()):
-            if pid in MANAGED_PIDS or pid in EXEMPT_PIDS or not _zombie(pid):
-                continue
-            try:
-                os.waitpid(pid, os.WNOHANG)
-                reaped += 1
-            except ChildProcessError:
-                continue
-    return reaped
-
-
 def _zombie(pid: int) -> bool:
     if linux.HAVE_PROC_CHILDREN:
         return linux.is_zombie(pid)
@@ -315,7 +405,7 @@ def read_setup_report(report_r: int) -> PreexecFailed | None:
 
 def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: str | None,
                     make_preexec: Callable[[int, int], Callable[[], None]] | None,
-                    join: JobCgroup | None):
+                    join: JobCgroup | None, processes: ProcessTable):
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -323,7 +413,7 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
     # fork and exec is told from a tool's exit status (case F19).
     report_r, report_w = os.pipe() if make_preexec else (-1, -1)
     try:
-        with _reap_lock:
+        with processes.reap_lock:
             # No preexec_fn: vfork. restore_signals puts SIGPIPE and SIGXFSZ (which Python
             # ignores for itself) back to SIG_DFL; CPython resets every handled signal in
             # the child and gives it the spawning thread's (empty) mask (case F10).
@@ -342,7 +432,7 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
                     if reported is not None:
                         raise reported from None
                 raise
-            MANAGED_PIDS.add(popen.pid)
+            processes.manage(popen.pid)
     except BaseException:
         for fd in (in_w, out_r, err_r):
             os.close(fd)
@@ -363,7 +453,7 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
                 os.killpg(popen.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(5)
-            MANAGED_PIDS.discard(popen.pid)
+            processes.unmanage(popen.pid)
             for fd in (in_w, out_r, err_r):
                 os.close(fd)
             raise CgroupJoinFailed(exc.errno, exc.strerror, exc.filename) from None
@@ -388,15 +478,14 @@ def _spawn_failure(program: str, exc: OSError) -> SpawnFailed | SpawnSetupFailed
     return SpawnFailed(f"cannot execute {program}: {exc.strerror or exc}", 126)
 
 
-def _spawn_counted(*args):
-    """_spawn_blocking, counted out of ``_spawns_in_flight`` once its pid is recorded (or
-    the spawn failed), on the spawn thread itself."""
-    global _spawns_in_flight
+def _spawn_counted(processes: ProcessTable, *args):
+    """_spawn_blocking(*args, processes), counted out of the spawns in flight
+    (``ProcessTable.spawn_done``) once its pid is recorded (or the spawn failed), on the
+    spawn thread itself."""
     try:
-        return _spawn_blocking(*args)
+        return _spawn_blocking(*args, processes)
     finally:
-        with _spawn_count_lock:
-            _spawns_in_flight -= 1
+        processes.spawn_done()
 
 
 class Child:
@@ -410,8 +499,10 @@ class Child:
 
     def __init__(self, popen: subprocess.Popen, stdin_fd: int, stdout_fd: int, stderr_fd: int,
                  payload: bytes, max_stdout: int, on_stderr_line: Callable[[bytes], None],
-                 cookie: dict[str, str], cgroup: JobCgroup | None = None):
+                 cookie: dict[str, str], cgroup: JobCgroup | None = None,
+                 processes: ProcessTable | None = None):
         self.loop = asyncio.get_running_loop()
+        self.processes = processes if processes is not None else ProcessTable()
         self.cgroup = cgroup
         # The child's own resource use (wait4), its reaped descendants included.
         self.rusage: resource.struct_rusage | None = None
@@ -445,8 +536,7 @@ class Child:
         self._stdin_task = None if rest is None \
             else asyncio.ensure_future(self._feed_stdin(stdin_fd, rest))
         self._watch_exit()
-        global _live_attempts
-        _live_attempts += 1
+        self.processes.attempt_started()
         self._counted = True
 
     @classmethod
@@ -454,7 +544,8 @@ class Child:
                     on_stderr_line: Callable[[bytes], None], cookie: dict[str, str],
                     cwd: str | None = None,
                     make_preexec: Callable[[int, int], Callable[[], None]] | None = None,
-                    cgroup: JobCgroup | None = None, new_privileges: bool = False) -> Child:
+                    cgroup: JobCgroup | None = None, new_privileges: bool = False,
+                    processes: ProcessTable | None = None) -> Child:
         """Start ``argv`` in a new session with ``env`` in ``cwd``; write ``payload`` to its
         stdin. No file descriptor but stdin, stdout and stderr is inherited. The tool gets
         ``no_new_privs`` (case F23) unless ``new_privileges`` (a profile's
@@ -472,20 +563,20 @@ class Child:
         ``preexec_fn``; SpawnShortage when the host ran short of processes, memory or
         descriptors meanwhile, in the parent or in the child before exec (case F19:
         sidecar.shortage).
+        ``processes`` is the process table of the sidecar (sidecar run: the one of the
+        process); None gives the child a table of its own.
         """
         loop = asyncio.get_running_loop()
-        global _spawn_generation, _spawns_in_flight
-        with _spawn_count_lock:
-            _spawn_generation += 1
-            _spawns_in_flight += 1  # counted down by _spawn_blocking once the pid is recorded
+        if processes is None:
+            processes = ProcessTable()
+        processes.spawn_begun()  # counted down by _spawn_counted once the pid is recorded
         try:
             popen, in_w, out_r, err_r = await loop.run_in_executor(
-                _spawn_thread(new_privileges), _spawn_counted, argv, env, os.getpid(), cwd,
-                make_preexec, cgroup if make_preexec is None else None)
+                processes.spawn_thread(new_privileges), _spawn_counted, processes, argv, env,
+                os.getpid(), cwd, make_preexec, cgroup if make_preexec is None else None)
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError):  # from submit: _spawn_counted never ran
-                with _spawn_count_lock:
-                    _spawns_in_flight -= 1
+                processes.spawn_done()
             # Pipes (EMFILE, ENFILE), fork (EAGAIN, ENOMEM), exec (EAGAIN over
             # RLIMIT_NPROC, ENOMEM, ETXTBSY), the cgroup join, a spawn thread that could
             # not start: not the tool's fault (case F19).
@@ -498,7 +589,8 @@ class Child:
                                 f"{getattr(exc, 'strerror', None) or exc}", short) from None
         except subprocess.SubprocessError as exc:
             raise SpawnFailed(f"cannot start {argv[0]}: {exc}", 126) from None
-        return cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie, cgroup)
+        return cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie, cgroup,
+                   processes)
 
     # --- exit ---------------------------------------------------------------
 
@@ -534,7 +626,7 @@ class Child:
             self.returncode = os.waitstatus_to_exitcode(status)
         # Popen must never wait on the pid again: it may already belong to someone else.
         self.popen.returncode = self.returncode if status is not None else -signal.SIGKILL
-        MANAGED_PIDS.discard(self.pid)
+        self.processes.unmanage(self.pid)
         if not self.exited.done():
             self.exited.set_result(self.returncode)
         return True
@@ -699,38 +791,39 @@ class Child:
             except TimeoutError:
                 report.survivors.append(self.pid)
         self._uncount()
-        if SUBREAPER:
+        if self.processes.subreaper:
             # Reap the killed orphans now, not at the next periodic sweep: as zombies they
             # still count against the RUN_AS user's RLIMIT_NPROC for the next attempt.
-            await self.loop.run_in_executor(None, reap_adopted)
+            await self.loop.run_in_executor(None, self.processes.reap_adopted)
         return report
 
     def _uncount(self) -> None:
-        global _live_attempts
         if self._counted:
-            _live_attempts -= 1
+            self.processes.attempt_ended()
             self._counted = False
 
     async def _scan(self) -> list[psutil.Process]:
         # As a subreaper the scan reads the tree and our own children from /proc: a few
         # small reads, cheaper on the event loop than a hop to a thread. Without one it
         # reads every process on the host, off the loop.
-        if SUBREAPER:
+        if self.processes.subreaper:
             return self._scan_blocking()
         return await self.loop.run_in_executor(None, self._scan_blocking)
 
     def _scan_blocking(self) -> list[psutil.Process]:
         # As PID 1 every orphan of the container is ours to adopt (a `kubectl exec` shell's
         # leftovers, an embedded server): only marked processes are claimed then.
-        alone = _live_attempts == 1 and os.getpid() != 1
-        generation, quiet = _spawn_generation, _spawns_in_flight == 0
+        alone = self.processes.alone()
+        generation, quiet = self.processes.spawn_mark()
         reaped = self.exited.done()  # our pid may be someone else's from then on
         procs = find_tree(self.pid, self.cookie,
                           claim_unmarked=self.started_at if alone and quiet else None,
-                          claim_uid=self.run_as_uid, root_reaped=reaped)
-        if alone and quiet and (_spawn_generation != generation or _spawns_in_flight):
+                          claim_uid=self.run_as_uid, root_reaped=reaped,
+                          processes=self.processes)
+        if alone and quiet and self.processes.spawn_moved(generation):
             # A spawn began while we listed: one of the "unmarked" may be its child.
-            procs = find_tree(self.pid, self.cookie, root_reaped=reaped)
+            procs = find_tree(self.pid, self.cookie, root_reaped=reaped,
+                              processes=self.processes)
         if self.cgroup is not None:
             known = {proc.pid for proc in procs}
             for pid in self.cgroup.members() - known:

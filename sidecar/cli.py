@@ -9,10 +9,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import select
 import shutil
-import signal
 import sys
 import time
 import uuid
@@ -188,88 +186,14 @@ def cmd_enqueue(args, settings: Settings) -> int:
     return 0
 
 
-# Programs that run another program: their name says nothing about the tool.
-_INTERPRETER = re.compile(r"(python|pypy|node|nodejs|deno|bun|perl|ruby|php|java|bash|sh|dash"
-                          r"|zsh|env|exec|nice|timeout|xvfb-run|Rscript|lua)[0-9.]*")
-
-
 def cmd_run(args, settings: Settings) -> int:
-    from sidecar import cgroups, child, guardian, isolation, leftovers
-    from sidecar.worker import Worker, install_signal_handlers
+    """``sidecar run``: the arguments checked (bootstrap.check_run_args), then the
+    bootstrap's named steps (bootstrap.run)."""
+    from sidecar import bootstrap
 
-    if not args.command:
-        raise UsageError("give the tool command after '--', e.g. sidecar run -- /usr/bin/ocr")
-    program = os.path.basename(args.command[0])
-    if args.tool is None and _INTERPRETER.fullmatch(program):
-        # `run -- python3 script.py` would silently serve jobs of a tool named "python3".
-        raise UsageError(f"the command starts with the interpreter {program!r}; name the "
-                         f"tool it runs with --tool, e.g. sidecar run --tool ocr -- "
-                         f"{' '.join(args.command[:2])}")
-    tool = validate_tool_name(args.tool or program)
-    profile = settings.profile(tool)
-    if args.concurrency < 1:
-        raise UsageError(f"--concurrency {args.concurrency}: must be 1 or more")
-    # The tool starts in its work directory with an allow-listed PATH: resolve the command
-    # here, against our own directory and PATH, as the user meant it.
-    found = shutil.which(args.command[0])
-    if found is None:
-        # Refused here, not at the first job: a typo would otherwise fail the whole queue
-        # of the tool as spawn_failed within a second.
-        where = "" if os.sep in args.command[0] else f" on PATH ({os.environ.get('PATH', '')})"
-        raise UsageError(f"command {args.command[0]!r} does not exist or is not an "
-                         f"executable file{where}; fix the command after '--'")
-    args.command[0] = os.path.abspath(found)
-    host = cgroups.detect(settings.cgroups)
-    isolation.check_profile(profile, host)
-    isolation.share_limits(profile)
-    work_root = isolation.check_work_dir(settings, profile)
-    dsn = db.resolve_dsn(settings)
-    # The DSN is in memory now. A tool of our own uid must not find it: not in our
-    # environment (what later children inherit), and not through /proc/<pid>/environ or
-    # mem, which non-dumpable closes (the initial environment block stays in memory).
-    os.environ.pop("SIDECAR_DATABASE_URL", None)
-    linux.make_undumpable()
-    # Become the adopter of orphaned descendants, and drain if our own parent dies
-    # (an entrypoint shell that took the SIGTERM meant for us, case F8) -- unless the
-    # launcher ignored SIGHUP (nohup, a daemonizing script): it asked us to outlive it,
-    # and a parent-death drain would stop the sidecar the moment the script ends (F24).
-    adopt = linux.set_child_subreaper()
-    child.use_subreaper(adopt)
-    parent: int | None = os.getppid()
-    if "SIGHUP:ignored" in (getattr(args, "inherited_signals", None) or ()):
-        log_mod.log.emit("parent_death_drain_off", tool=tool, parent_pid=parent,
-                         reason="the launcher ignored SIGHUP (nohup): the sidecar outlives it")
-        parent = None
-    else:
-        linux.set_parent_death_signal(signal.SIGTERM)
-        if os.getppid() != parent:
-            log_mod.log.emit("parent_died", "warning", tool=tool, old_parent_pid=parent,
-                             new_parent_pid=os.getppid(), reason="before the sidecar started")
-            return 0
-    worker = Worker(settings, profile, dsn, args.command, args.concurrency, args.drain,
-                    adopt_orphans=adopt, serve_http=True, cgroup_host=host)
-    # Leftovers of sidecars that died hard here are cleared; ours will be, however we die
-    # (the worker holds its owner lock while it runs; the guardian clears after it).
-    swept = leftovers.sweep_dead_owners(work_root, host.parents)
-    if swept:
-        log_mod.log.emit("leftovers_removed", tool=tool, count=swept,
-                         reason="job cgroups and work directories of sidecars that died")
-    keeper = guardian.start(worker.owner_id, work_root, host.parents)
-    child.EXEMPT_PIDS.add(keeper.pid)
-    if getattr(args, "inherited_signals", None):
-        log_mod.log.emit("inherited_signal_state_reset", "warning",
-                         signals=args.inherited_signals,
-                         reason="the launcher blocked or ignored signals the sidecar and its "
-                                "tools need (case F10)")
-
-    async def go():
-        install_signal_handlers(worker, parent)
-        return await worker.run()
-
-    try:
-        return run_async(settings, go())
-    finally:
-        keeper.stdin.close()
+    config = bootstrap.check_run_args(args.command, args.tool, args.concurrency, args.drain,
+                                      settings, getattr(args, "inherited_signals", None))
+    return bootstrap.run(config, settings)
 
 
 def cmd_show(args, settings: Settings) -> int:

@@ -27,13 +27,13 @@ shown by ``sidecar show`` and re-delivered by ``sidecar retry --forwarding JOB_I
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 from typing import TYPE_CHECKING
 
 from sidecar import metrics
 from sidecar.config import LeaseProfile, Settings, mask_url
 from sidecar.log import log
+from sidecar.periodic import Periodic
 from sidecar.store import Store
 
 if TYPE_CHECKING:
@@ -65,33 +65,27 @@ class Forwarder:
         self._wake.set()
 
     async def run(self) -> None:
-        """Deliver until cancelled; database errors are logged and retried next period.
-        The HTTP client (aiohttp, about 12 MiB once imported) is made at the first row to
-        deliver, so a sidecar whose results are never forwarded does not carry it."""
+        """Deliver until cancelled, as the periodic service ``forwarder``
+        (sidecar.periodic): a batch every ``SIDECAR_POLL_SECONDS``, at once after a full
+        one or a ``wake()``; any error (the database, the network: never kills the loop)
+        is logged as ``forward_error`` unless ``log_errors`` is False, and retried next
+        period. The HTTP client (aiohttp, about 12 MiB once imported) is made at the first
+        row to deliver, so a sidecar whose results are never forwarded does not carry it."""
         session = None
+
+        async def step() -> bool:
+            nonlocal session
+            rows = await self.store.claim_outbox(self.owner_id, FORWARD_LEASE_SECONDS, BATCH)
+            if rows and session is None:
+                session = _client_session()
+            await asyncio.gather(*(self._deliver(session, row) for row in rows))
+            return len(rows) == BATCH
+
         try:
-            while True:
-                self._wake.clear()
-                try:
-                    rows = await self.store.claim_outbox(self.owner_id, FORWARD_LEASE_SECONDS,
-                                                         BATCH)
-                    if rows and session is None:
-                        session = _client_session()
-                    await asyncio.gather(*(self._deliver(session, row) for row in rows))
-                except (OSError, TimeoutError, ConnectionError) as exc:
-                    if self.log_errors:
-                        log.emit("forward_error", "warning",
-                                 reason=f"{type(exc).__name__}: {exc}")
-                    rows = []
-                except Exception as exc:  # noqa: BLE001 - asyncpg errors; never kill the loop
-                    if self.log_errors:
-                        log.emit("forward_error", "warning",
-                                 reason=f"{type(exc).__name__}: {exc}")
-                    rows = []
-                if len(rows) == BATCH:
-                    continue
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self.settings.poll_seconds)
+            await Periodic("forwarder", lambda: self.settings.poll_seconds, step, first=0,
+                           wake=self._wake, errors=(Exception,), error_event="forward_error",
+                           error_fields=lambda exc: {"reason": f"{type(exc).__name__}: {exc}"}
+                           if self.log_errors else None).run()
         finally:
             if session is not None:
                 await session.close()

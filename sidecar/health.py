@@ -11,7 +11,6 @@ draining. The guard API for tools is separate and loopback-only (sidecar/guard.p
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import time
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from prometheus_client.exposition import choose_encoder
 
 from sidecar import metrics
 from sidecar.httpserver import Handler, HttpServer, Request, Response
+from sidecar.periodic import Periodic
 
 LOOP_TICK_SECONDS = 0.25
 WEDGED_AFTER_SECONDS = 5.0
@@ -61,13 +61,14 @@ class Readiness:
 
 
 async def watch_loop(readiness: Readiness) -> None:
-    """Tick every LOOP_TICK_SECONDS and record the loop's lag (how late each tick ran)."""
-    while True:
-        before = time.monotonic()
-        await asyncio.sleep(LOOP_TICK_SECONDS)
-        now = time.monotonic()
-        metrics.LOOP_LAG.observe(max(0.0, now - before - LOOP_TICK_SECONDS))
-        readiness.last_tick = now
+    """Tick every LOOP_TICK_SECONDS and record the loop's lag (how late each tick ran),
+    as the periodic service ``loop_watch`` (sidecar.periodic); runs until cancelled."""
+    async def tick() -> None:
+        metrics.LOOP_LAG.observe(service.lateness)
+        readiness.last_tick = time.monotonic()
+
+    service = Periodic("loop_watch", LOOP_TICK_SECONDS, tick, errors=())
+    await service.run()
 
 
 def make_routes(readiness: Readiness) -> dict[tuple[str, str], Handler]:

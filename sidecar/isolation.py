@@ -252,19 +252,7 @@ def child_environment(base_env: dict[str, str], profile: LeaseProfile,
     return env
 
 
-# Work directories an attempt returned exactly as they were made (HOME and the runtime
-# directory empty, nothing else, modes unchanged) from a job cgroup that was removed
-# empty (so no process of the tool is left to write into them), kept locked for the next
-# attempt of the same owner: making and removing three directories costs six journaled
-# metadata operations, about 0.6 ms of kernel time a job on an ext4 root mounted with
-# `discard` (bench section 1). Keyed by (work root, owner's directory prefix, whether
-# HOME is `job`); RUN_AS attempts and attempts without a cgroup never keep one. Removed
-# at shutdown by discard_spare_dirs; a SIGKILLed sidecar's are unlocked then and swept by
-# leftovers.
-MAX_SPARE_DIRS = 16
-_spare_dirs: dict[tuple[str, str, bool], list[tuple[str, int]]] = {}
-_closed_prefixes: set[str] = set()  # owners whose pool was discarded: keep nothing more
-_spare_lock = threading.Lock()
+MAX_SPARE_DIRS = 16  # per key of a SparePool
 _ACL_ATTRS = frozenset(("system.posix_acl_access", "system.posix_acl_default"))
 _KEPT_NAMES = frozenset((HOME_DIR_NAME, RUNTIME_DIR_NAME))
 
@@ -323,47 +311,78 @@ def _discard(path: str, fd: int) -> None:
         os.close(fd)
 
 
-def _take_spare(key: tuple[str, str, bool], stale: list[tuple[str, int]] | None = None
-                ) -> tuple[str, int] | None:
-    """A kept directory of ``key`` that is still pristine, with its lock, or None. One
-    found touched is removed here, or, given ``stale``, appended to it (path and lock)
-    for the caller to remove (a tree of any size: not on the event loop)."""
-    while True:
-        with _spare_lock:
-            spares = _spare_dirs.get(key)
-            if not spares:
+SpareKey = tuple[str, str, bool]  # (work root, owner's directory prefix, HOME is `job`)
+
+
+class SparePool:
+    """Work directories an attempt returned exactly as they were made (HOME and the
+    runtime directory empty, nothing else, modes unchanged) from a job cgroup that was
+    removed empty (so no process of the tool is left to write into them), kept locked
+    for the next attempt of the same owner: making and removing three directories costs
+    six journaled metadata operations, about 0.6 ms of kernel time a job on an ext4 root
+    mounted with `discard` (bench section 1). RUN_AS attempts and attempts without a
+    cgroup never keep one.
+
+    One per Worker (its owner's prefix): keyed by ``SpareKey``, at most ``limit`` a key,
+    each held as ``(path, fd)`` with ``fd`` the directory's locking descriptor, which the
+    pool owns while the directory is kept. Thread-safe: ``take`` and ``keep`` run on the
+    event loop and in executor threads. ``close`` (at the Worker's shutdown) removes
+    them all and keeps none from then on; a SIGKILLed sidecar's are unlocked then and
+    swept by leftovers.
+    """
+
+    def __init__(self, limit: int = MAX_SPARE_DIRS):
+        self.limit = limit
+        self._dirs: dict[SpareKey, list[tuple[str, int]]] = {}
+        self._closed = False
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(kept) for kept in self._dirs.values())
+
+    def take(self, key: SpareKey, stale: list[tuple[str, int]] | None = None
+             ) -> tuple[str, int] | None:
+        """A kept directory of ``key`` that is still pristine, with its lock (the caller
+        owns it from now on), or None. One found touched is removed here, or, given
+        ``stale``, appended to it (path and lock) for the caller to remove (a tree of any
+        size: not on the event loop) and None returned."""
+        while True:
+            with self._lock:
+                spares = self._dirs.get(key)
+                if not spares:
+                    return None
+                path, fd = spares.pop()
+            if _pristine(path, key[2], fd):
+                return path, fd
+            if stale is None:
+                _discard(path, fd)
+            else:
+                stale.append((path, fd))
                 return None
-            path, fd = spares.pop()
-        if _pristine(path, key[2], fd):
-            return path, fd
-        if stale is None:
+
+    def keep(self, key: SpareKey, path: str, fd: int) -> bool:
+        """Keep ``path`` (locked by ``fd``) for a later ``take`` of ``key``. True when
+        kept (the pool owns ``fd`` now); False when the pool is closed or holds ``limit``
+        directories of ``key`` already (the caller still owns both)."""
+        with self._lock:
+            if self._closed:
+                return False
+            spares = self._dirs.setdefault(key, [])
+            if len(spares) >= self.limit:
+                return False
+            spares.append((path, fd))
+            return True
+
+    def close(self) -> None:
+        """Remove every kept directory (through its lock) and keep none from then on;
+        safe to call twice."""
+        with self._lock:
+            self._closed = True
+            kept = [spare for spares in self._dirs.values() for spare in spares]
+            self._dirs.clear()
+        for path, fd in kept:
             _discard(path, fd)
-        else:
-            stale.append((path, fd))
-            return None
-
-
-def _keep_spare(key: tuple[str, str, bool], path: str, fd: int) -> bool:
-    with _spare_lock:
-        if key[1] in _closed_prefixes:
-            return False
-        spares = _spare_dirs.setdefault(key, [])
-        if len(spares) >= MAX_SPARE_DIRS:
-            return False
-        spares.append((path, fd))
-        return True
-
-
-def discard_spare_dirs(prefix: str) -> None:
-    """Remove every work directory kept for the owner whose directories start with
-    ``prefix`` (leftovers.work_dir_prefix), at its shutdown, and keep none of its from
-    then on; safe to call twice."""
-    with _spare_lock:
-        _closed_prefixes.add(prefix)
-        kept = [spare for key in [k for k in _spare_dirs if k[1] == prefix]
-                for spare in _spare_dirs.pop(key)]
-    for path, fd in kept:
-        _discard(path, fd)
 
 
 @dataclass
@@ -384,6 +403,8 @@ class Sandbox:
     host: CgroupHost
     name: str
     dir_prefix: str = ""  # of the work directory (leftovers.work_dir_prefix); default name-
+    # Where untouched work directories are kept for reuse (the Worker's); None: none is.
+    spares: SparePool | None = None
     job_dir: str = ""
     cgroup: JobCgroup | None = None
     ids: tuple[int, int] | None = None
@@ -412,7 +433,7 @@ class Sandbox:
         self._stale.clear()
         self.ids = run_as_ids(self.profile.run_as)
         root = self._root = self.settings.work_dir or tempfile.gettempdir()
-        spare = _take_spare(self._spare_key) if self._reusable else None
+        spare = self.spares.take(self._spare_key) if self._reusable else None
         if spare is not None:
             self.job_dir, self.dir_lock = spare
         else:
@@ -427,14 +448,15 @@ class Sandbox:
         previous attempt returned untouched is taken (its reuse check is a few ``fstat``
         and ``listdir`` calls through its descriptor) and the job cgroup made (a ``mkdir``
         on cgroupfs). An executor hop costs more CPU than both (bench section 1). Returns
-        False, having done nothing, when no directory is kept, under RUN_AS (whose user
-        lookup may block), or with ``files`` to write: call ``open`` in a thread then.
+        False, having done nothing, when no directory is kept (or no ``spares`` pool),
+        under RUN_AS (whose user lookup may block), or with ``files`` to write: call
+        ``open`` in a thread then.
         Raises like ``open``."""
-        if self.profile.run_as or not self.dir_prefix or self.files:
+        if self.profile.run_as or not self.dir_prefix or self.files or self.spares is None:
             return False
         self.ids = None
         self._root = self.settings.work_dir or tempfile.gettempdir()
-        spare = _take_spare(self._spare_key, self._stale)  # removed by open, off the loop
+        spare = self.spares.take(self._spare_key, self._stale)  # removed by open, off the loop
         if spare is None:
             return False
         self.job_dir, self.dir_lock = spare
@@ -558,11 +580,12 @@ class Sandbox:
 
     @property
     def _reusable(self) -> bool:
-        # Only directories named by owner (leftovers.work_dir_prefix), never a RUN_AS one.
-        return self.ids is None and bool(self.dir_prefix)
+        # Only directories named by owner (leftovers.work_dir_prefix), never a RUN_AS one,
+        # and only with a pool to keep them in.
+        return self.ids is None and bool(self.dir_prefix) and self.spares is not None
 
     @property
-    def _spare_key(self) -> tuple[str, str, bool]:
+    def _spare_key(self) -> SpareKey:
         return self._root, self.dir_prefix, self.profile.home == "job"
 
     def _remove_untouched(self) -> bool:
@@ -600,7 +623,7 @@ class Sandbox:
             return False
         if self.cgroup.remove(timeout=0) \
                 or not _pristine(self.job_dir, self.profile.home == "job", self.dir_lock) \
-                or not _keep_spare(self._spare_key, self.job_dir, self.dir_lock):
+                or not self.spares.keep(self._spare_key, self.job_dir, self.dir_lock):
             return False
         self.dir_lock = None  # the spare pool holds the lock now
         return True
@@ -616,7 +639,7 @@ class Sandbox:
         if self.job_dir and self.dir_lock is not None and self.tree_clean \
                 and self._reusable and self.cgroup is not None and left == [] \
                 and _pristine(self.job_dir, self.profile.home == "job", self.dir_lock) \
-                and _keep_spare(self._spare_key, self.job_dir, self.dir_lock):
+                and self.spares.keep(self._spare_key, self.job_dir, self.dir_lock):
             self.dir_lock = None  # the spare pool holds the lock now
             return left
         if self.job_dir and self.dir_lock is not None:

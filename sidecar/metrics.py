@@ -82,6 +82,13 @@ FORWARD_DEAD_LETTERS = Counter("sidecar_forward_dead_letters",
                                (*_TP, "kind"))
 LOOP_LAG = Histogram("sidecar_event_loop_lag_seconds", "Event-loop lag of the sidecar.",
                      buckets=_FAST)
+# The periodic services (sidecar.periodic), by name.
+SERVICES = ("pruner", "forwarder", "leftover_sweep", "orphan_reaper", "loop_watch")
+SERVICE_RESULTS = ("ok", "error")
+SERVICE_RUNS = Counter("sidecar_service_runs",
+                       "Runs of the periodic background services (pruner, forwarder, "
+                       "leftover_sweep, orphan_reaper, loop_watch) by result: ok, or error "
+                       "(logged under the service's error event).", ("service", "result"))
 
 
 def start_at_zero(tool: str, provider: str) -> None:
@@ -94,6 +101,9 @@ def start_at_zero(tool: str, provider: str) -> None:
         CLAIM_ATTEMPTS.labels(tool, provider, outcome)
     for table in PRUNED_TABLES:
         PRUNED_ROWS.labels(table)
+    for service in SERVICES:
+        for result in SERVICE_RESULTS:
+            SERVICE_RUNS.labels(service, result)
     for outcome in OUTCOMES:
         ATTEMPTS_FINISHED.labels(tool, provider, outcome)
     for kind in FORWARD_DEAD_LETTER_KINDS:

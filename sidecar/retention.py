@@ -13,12 +13,12 @@ same on demand; every ``sidecar run`` prunes every PRUNE_PERIOD_SECONDS.
 from __future__ import annotations
 
 import asyncio
-import random
 from typing import Any
 
 from sidecar import db, metrics
 from sidecar.config import Settings
 from sidecar.log import log
+from sidecar.periodic import Periodic
 from sidecar.store import Store
 
 PRUNE_LOCK_KEY = 0x5DECA4_0002    # the advisory lock one pruner at a time holds
@@ -73,20 +73,21 @@ async def run_pruner(store: Store, settings: Settings, tool: str,
     """Prune every ``period`` seconds (the first time 1-5 s after start, at a random
     moment, so sidecars started together do not all try at once) until cancelled; also
     forget idle registrations of sidecars that died (migration 008). Logs
-    ``jobs_pruned`` when something was deleted; a database error is logged and tried
-    again next period."""
+    ``jobs_pruned`` when something was deleted; a database error is logged
+    (``prune_error``) and tried again next period. The periodic service ``pruner``
+    (sidecar.periodic)."""
     ages = retention_by_state(settings)
-    await asyncio.sleep(random.uniform(1.0, 5.0))
-    while True:
-        try:
-            await store.forget_dead_idle()
-            done = await prune(store, ages, pause=0.05)
-            if done["jobs"]:
-                log.emit("jobs_pruned", tool=tool, jobs=done["jobs"], events=done["events"],
-                         outbox=done["outbox"],
-                         by_state={s: c["jobs"] for s, c in done["removed"].items()
-                                   if c["jobs"]})
-        except db.DATABASE_ERRORS as exc:
-            log.emit("prune_error", "warning", tool=tool, reason=db.describe_error(exc),
-                     sqlstate=db.sqlstate(exc))
-        await asyncio.sleep(period)
+
+    async def step() -> None:
+        await store.forget_dead_idle()
+        done = await prune(store, ages, pause=0.05)
+        if done["jobs"]:
+            log.emit("jobs_pruned", tool=tool, jobs=done["jobs"], events=done["events"],
+                     outbox=done["outbox"],
+                     by_state={s: c["jobs"] for s, c in done["removed"].items()
+                               if c["jobs"]})
+
+    await Periodic("pruner", period, step, first=1.0, jitter=4.0, errors=db.DATABASE_ERRORS,
+                   error_event="prune_error", fields={"tool": tool},
+                   error_fields=lambda exc: {"reason": db.describe_error(exc),
+                                             "sqlstate": db.sqlstate(exc)}).run()

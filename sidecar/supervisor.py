@@ -18,11 +18,18 @@ import psutil
 
 from sidecar import clock, metrics
 from sidecar.cgroups import CgroupHost, Usage
-from sidecar.child import Child, SpawnFailed, SpawnSetupFailed, SpawnShortage, tree_processes
+from sidecar.child import (
+    Child,
+    ProcessTable,
+    SpawnFailed,
+    SpawnSetupFailed,
+    SpawnShortage,
+    tree_processes,
+)
 from sidecar.commit import FencedCommit
 from sidecar.config import LeaseProfile, Settings
 from sidecar.db import RawJson
-from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment
+from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, SparePool, child_environment
 from sidecar.lease import Lease, LeaseKeeper
 from sidecar.leftovers import job_name, work_dir_prefix
 from sidecar.log import log, log_fields, payload_digest
@@ -74,6 +81,10 @@ class WorkerContext:
     cgroup_host: CgroupHost = CgroupHost()
     # Set by an attempt that met a shortage of the host; the claim loop waits it out (F19).
     claim_pause: ClaimPause = field(default_factory=ClaimPause)
+    # The process table (the process's, from the Worker) and the Worker's kept work
+    # directories: every attempt's Child and Sandbox use these.
+    processes: ProcessTable = field(default_factory=ProcessTable)
+    spares: SparePool = field(default_factory=SparePool)
 
 
 def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
@@ -230,7 +241,8 @@ class JobSupervisor:
         files = {} if job.checkpoint_text is None else {CHECKPOINT_FILE_NAME: job.checkpoint_text}
         sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
                           job_name(self.ctx.owner_id, job.id, job.fencing_token),
-                          work_dir_prefix(self.ctx.owner_id), files=files)
+                          work_dir_prefix(self.ctx.owner_id), spares=self.ctx.spares,
+                          files=files)
         loop = asyncio.get_running_loop()
         try:
             if not sandbox.open_kept():
@@ -275,7 +287,8 @@ class JobSupervisor:
                                       relay, cookie, cwd=sandbox.job_dir,
                                       make_preexec=sandbox.preexec if sandbox.needs_preexec
                                       else None, cgroup=sandbox.cgroup,
-                                      new_privileges=profile.allow_new_privs)
+                                      new_privileges=profile.allow_new_privs,
+                                      processes=self.ctx.processes)
             child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
         except SpawnShortage as exc:
             return await self._short_before_spawn("spawn", exc.errno_name, exc.message)

@@ -19,16 +19,17 @@ import uuid
 
 from sidecar import clock, db, health, metrics, retention
 from sidecar.cgroups import CgroupHost
-from sidecar.child import reap_adopted
+from sidecar.child import ProcessTable
 from sidecar.config import LeaseProfile, Settings
 from sidecar.errors import ConfigError
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
 from sidecar.health import Readiness
-from sidecar.isolation import discard_spare_dirs
+from sidecar.isolation import SparePool
 from sidecar.lease import LeaseKeeper
-from sidecar.leftovers import OwnerLock, sweep_dead_owners, work_dir_prefix
+from sidecar.leftovers import OwnerLock, sweep_dead_owners
 from sidecar.log import log
+from sidecar.periodic import Periodic
 from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
 from sidecar.store import ClaimedJob, Store
@@ -60,12 +61,17 @@ class Worker:
     ``drain``: return once no job of the tool is queued or running. ``adopt_orphans``:
     reap zombies adopted as a child subreaper (set when the process is one).
     ``serve_http``: serve /metrics, /livez and /readyz on ``SIDECAR_HTTP_ADDR``.
+    ``processes``: the process table of this process (``sidecar run``'s bootstrap makes
+    the one that knows the subreaper and the guardian); None makes one of the Worker's
+    own, no subreaper. The Worker owns its pool of kept work directories (``spares``),
+    closed at its stop.
     """
 
     def __init__(self, settings: Settings, profile: LeaseProfile, dsn: str, argv: list[str],
                  concurrency: int = 1, drain: bool = False, adopt_orphans: bool = False,
                  owner_id: str | None = None, serve_http: bool = False,
-                 cgroup_host: CgroupHost | None = None):
+                 cgroup_host: CgroupHost | None = None,
+                 processes: ProcessTable | None = None):
         self.settings = settings
         # Where job cgroups go; the default (none) leaves rlimits and the psutil tree kill.
         self.cgroup_host = cgroup_host or CgroupHost(notes=("not detected",))
@@ -77,6 +83,8 @@ class Worker:
         self.stop_reason: str | None = None  # why a stop was asked (request_stop)
         self._schema_checked = 0.0  # monotonic time of the last _check_schema
         self.adopt_orphans = adopt_orphans
+        self.processes = processes if processes is not None else ProcessTable()
+        self.spares = SparePool()
         self.owner_id = owner_id or worker_identity(settings.worker_name)
         self.stopping = asyncio.Event()
         self.shutdown_kill = asyncio.Event()
@@ -139,7 +147,7 @@ class Worker:
         await loop.run_in_executor(None, owner_lock.acquire)
         stack.callback(owner_lock.release)
         # The work directories kept for reuse (sidecar.isolation); after this none more.
-        stack.callback(discard_spare_dirs, work_dir_prefix(self.owner_id))
+        stack.callback(self.spares.close)
         pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
         stack.push_async_callback(lambda: asyncio.wait_for(pool.close(), timeout))
         store = Store(pool, timeout)
@@ -178,11 +186,12 @@ class Worker:
         guard_url = await guard.start()
         stack.push_async_callback(guard.stop)
         if self.adopt_orphans:  # the last sweep, once every tool is gone
-            stack.callback(reap_adopted)
+            stack.callback(self.processes.reap_adopted)
         self._ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
                                   dict(os.environ), self.shutdown_kill, forwarder.wake,
                                   self.settings, guard, guard_url, self.cgroup_host,
-                                  ClaimPause(on_end=self.wake.set))
+                                  ClaimPause(on_end=self.wake.set),
+                                  processes=self.processes, spares=self.spares)
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict(),
                  http_addr=http_addr, guard_url=guard_url,
@@ -420,28 +429,36 @@ class Worker:
         """Every SIDECAR_LEFTOVER_SWEEP_SECONDS, clear what sidecars of this work root that
         died left behind (sidecar.leftovers.sweep_dead_owners): a sidecar SIGKILLed together
         with its guardian leaves its tools running at most that long (F24). A failed sweep
-        is logged and tried again at the next period."""
+        (any error: a sweep never takes the worker down) is logged as
+        ``leftover_sweep_error`` and tried again at the next period. The periodic service
+        ``leftover_sweep`` (sidecar.periodic)."""
         loop = asyncio.get_running_loop()
         work_root = self.settings.work_dir or tempfile.gettempdir()
-        while True:
-            await asyncio.sleep(self.settings.leftover_sweep_seconds)
-            try:
-                swept = await loop.run_in_executor(None, sweep_dead_owners, work_root,
-                                                   self.cgroup_host.parents)
-            except Exception as exc:  # noqa: BLE001 - a sweep never takes the worker down
-                log.emit("leftover_sweep_error", "warning", tool=self.profile.tool,
-                         reason=f"{type(exc).__name__}: {exc}"[:200])
-                continue
+
+        async def sweep() -> None:
+            swept = await loop.run_in_executor(None, sweep_dead_owners, work_root,
+                                               self.cgroup_host.parents)
             if swept:
                 log.emit("leftovers_removed", tool=self.profile.tool, count=swept,
                          reason="job cgroups and work directories of sidecars that died")
 
+        await Periodic("leftover_sweep", self.settings.leftover_sweep_seconds, sweep,
+                       errors=(Exception,), error_event="leftover_sweep_error",
+                       fields={"tool": self.profile.tool},
+                       error_fields=lambda exc: {
+                           "reason": f"{type(exc).__name__}: {exc}"[:200]}).run()
+
     async def _reap_orphans(self) -> None:
+        """Reap adopted zombies now and every second (ProcessTable.reap_adopted), off the
+        loop: it scans /proc and waits for a spawn in progress to be recorded. The
+        periodic service ``orphan_reaper`` (sidecar.periodic); an error ends it, and with
+        it the worker."""
         loop = asyncio.get_running_loop()
-        while True:
-            # Off the loop: it scans /proc and waits for a spawn in progress to be recorded.
-            await loop.run_in_executor(None, reap_adopted)
-            await asyncio.sleep(1.0)
+
+        async def reap() -> None:
+            await loop.run_in_executor(None, self.processes.reap_adopted)
+
+        await Periodic("orphan_reaper", 1.0, reap, first=0, errors=()).run()
 
 
 def install_signal_handlers(worker: Worker, parent_pid: int | None = None) -> None:

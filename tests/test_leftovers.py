@@ -440,7 +440,7 @@ def test_a_result_file_rejected_after_a_lost_lease_is_journaled_with_its_own_dig
 def test_concurrent_well_behaved_jobs_never_kill_each_others_tools(dsn, public_dir):
     """--concurrency 2, nothing but well-behaved jobs (print a result, exit 0). Each
     attempt ends with a tree kill scan; while the other slot is between fork and exec,
-    only one Child is counted (_live_attempts == 1, the new one is counted after spawn
+    only one Child is counted (ProcessTable.alone(), the new one is counted after spawn
     returns) and the sibling's forked child still shows the sidecar's own environment,
     without SIDECAR_JOB_ID: claim_unmarked claims it. The SIGTERM either kills the
     sibling's freshly exec'd tool (its job fails ``signal`` 15 and spends an attempt), or

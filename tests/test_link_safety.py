@@ -33,8 +33,8 @@ Every place audited (what it does now):
   directory (a link in its place is unlinked, a swapped-in directory is left); the rest
   by ``safefs.clear_dir``: no shutil.rmtree, no path walked, fchmod only through a
   descriptor, never into another filesystem, at most MAX_HELD_DIRS descriptors held.
-- kept directories found touched or discarded at shutdown (``_take_spare``,
-  ``discard_spare_dirs``): removed through the descriptor that locks them.
+- kept directories found touched or discarded at shutdown (``SparePool.take``,
+  ``SparePool.close``): removed through the descriptor that locks them.
 - abandoned work directories (sidecar/leftovers.py ``remove_if_abandoned``, used by the
   start-up sweep and the guardian): locked and removed through the descriptor, only if
   the name still is the directory that was locked.
