@@ -32,14 +32,23 @@ class AnswerDropProxy(BlackholeProxy):
         self.match = match
         self.dropped = 0
         self._drops = 0
+        self._isolate = False
+        self.isolated = threading.Event()
         self._lock = threading.Lock()
 
-    def arm(self, drops: int = 1) -> None:
-        """Lose the answer of the next ``drops`` watched statements that return a row."""
+    def arm(self, drops: int = 1, isolate: bool = False) -> None:
+        """Lose the answer of the next ``drops`` watched statements that return a row.
+        With ``isolate``, the first drop also cuts every other connection and refuses new
+        ones from then on (``isolated`` is set): the client cannot settle what it lost,
+        as one that died at that moment."""
         with self._lock:
             self._drops = drops
+            self._isolate = isolate
 
     async def _relay(self, client_r, client_w) -> None:
+        if self.isolated.is_set():
+            client_w.transport.abort()
+            return
         try:
             server_r, server_w = await self._open_upstream()
         except OSError:
@@ -114,6 +123,10 @@ class AnswerDropProxy(BlackholeProxy):
                         self.dropped += 1
                 if drop:
                     state["cut"] = True
+                    if self._isolate:
+                        self.isolated.set()
+                        for writer in list(self._writers):
+                            writer.transport.abort()
                     return  # the answer is lost: both sides are cut below
                 for m in held:
                     client_w.write(m)

@@ -92,6 +92,70 @@ def test_a_claim_whose_answer_was_lost_is_released_without_spending_the_attempt(
     sc.wait_event("claim_answer_lost", job_id=job_id, fencing_token=1)
 
 
+def test_a_lost_claim_of_a_sidecar_that_died_before_settling_it_is_not_an_attempt(
+        dsn, sidecars, drop_answers, tmp_path):
+    """Case F16, kind "the answer of a statement can be lost after it committed", when the
+    sidecar cannot settle it: the claim's answer is lost (token 1, attempt 1 of 1, owner
+    A) and A dies before it could release the job (its database is cut off, then it is
+    SIGKILLed). The lease expires with no tool started for token 1 (no
+    ``tool_request_started`` in the journal). It used to end ``max_attempts_exceeded``
+    without the tool ever running; now the expired attempt is given back: sidecar B
+    claims it (token 2, still attempt 1, ``attempt_refunded`` journaled with the claim,
+    ``unstarted_expiries`` 1) and the tool runs once and succeeds."""
+    proxy, proxied = drop_answers("claim_job")
+    runs = tmp_path / "runs"
+    a = sidecars(dsn, [COUNTER], env=base_env(proxied))
+    a.wait_event("worker_started")
+    proxy.arm(1, isolate=True)
+    job_id = enqueue(dsn, COUNTER, {"log": str(runs)}, "--max-attempts", "1")
+    wait_until(proxy.isolated.is_set, 20, what="the claim's answer to be lost")
+    a.proc.kill()
+    a.wait(10)
+    row = job_row(dsn, job_id)
+    assert (row["state"], row["fencing_token"], row["attempt"]) == ("running", 1, 1)
+    b = sidecars(dsn, [COUNTER], env=base_env(dsn))
+    wait_until(lambda: job_row(dsn, job_id)["state"] in ("succeeded", "failed"), 30,
+               what="the job's end")
+    row = job_row(dsn, job_id)
+    assert row["state"] == "succeeded", row["error"]
+    assert (row["fencing_token"], row["attempt"]) == (2, 1)
+    assert runs.read_text().split() == ["2"]
+    refunds = query(dsn, "SELECT unstarted_expiries FROM tool_jobs WHERE id = $1",
+                    uuid.UUID(job_id))[0]["unstarted_expiries"]
+    assert refunds == 1
+    claims = [(t, d) for e, t, d in _events(dsn, job_id) if e == "job_claimed"]
+    assert [t for t, _ in claims] == [1, 2]
+    assert "attempt_refunded" not in claims[0][1] and "attempt_refunded" in claims[1][1]
+    assert claims[1][1]["attempt"] == 1
+    b.wait_event("job_succeeded", job_id=job_id)
+
+
+def test_unstarted_expiries_are_given_back_a_bounded_number_of_times(dsn, sidecars, tmp_path):
+    """Case F16's bound: a job whose attempts keep expiring before their tool's start
+    reaches the journal (a tool that kills its sidecar at once, or sidecars that die
+    between claim and spawn) is given back at most max_attempts times, then the next
+    unstarted expiry is spent as any other, so it cannot loop for ever. Claims by the
+    real claim statement of sidecars that die at once (nothing runs for them); a real
+    sidecar's lease sweep ends the job ``max_attempts_exceeded``."""
+    job_id = enqueue(dsn, COUNTER, {"log": str(tmp_path / "runs")}, "--max-attempts", "1")
+    claim = Q["claim_job"]
+    seen = []
+    for owner in ("dead-1", "dead-2"):
+        wait_until(lambda: query(dsn, "SELECT state = 'queued' OR lease_until < now() AS due "
+                                      "FROM tool_jobs WHERE id = $1",
+                                 uuid.UUID(job_id))[0]["due"], 15, what="the lease to expire")
+        [row] = query(dsn, claim, COUNTER, owner, 1.0, None)
+        seen.append((row["fencing_token"], row["attempt"], row["refunded"]))
+    assert seen == [(1, 1, False), (2, 1, True)]
+    sc = sidecars(dsn, [COUNTER], env=base_env(dsn))
+    wait_until(lambda: job_row(dsn, job_id)["state"] == "failed", 20,
+               what="the exhausted job to fail")
+    row = job_row(dsn, job_id)
+    assert row["error"]["kind"] == "max_attempts_exceeded"
+    assert not (tmp_path / "runs").exists()
+    sc.stop()
+
+
 @pytest.mark.parametrize("exit_code, event, state", [
     (0, "job_succeeded", "succeeded"),
     (3, "job_retry_scheduled", "queued"),

@@ -59,7 +59,8 @@ SELECT id, tool, payload = $2::jsonb AS same_payload FROM tool_jobs WHERE idempo
 
 -- name: fail_exhausted_leases
 -- Running jobs whose lease expired with no attempt left become terminal (P16)
--- instead of being claimed again.
+-- instead of being claimed again; not one whose expired attempt is given back because
+-- its tool never started (case F16, migration 012): the claim takes that one.
 WITH exhausted AS (
     UPDATE tool_jobs
     SET state = 'failed', finished_at = now(), lease_until = NULL,
@@ -71,6 +72,8 @@ WITH exhausted AS (
         SELECT id FROM tool_jobs
         WHERE tool = $1 AND state = 'running' AND lease_until < now()
           AND attempt >= max_attempts
+          AND NOT tool_job_expiry_refunded(id, fencing_token, unstarted_expiries,
+                                           max_attempts)
         FOR UPDATE SKIP LOCKED)
     RETURNING id, fencing_token, owner_id, attempt
 ), journal AS (
@@ -87,17 +90,21 @@ SELECT id, fencing_token FROM exhausted;
 -- oldest due queued job, and takes it, bumping fencing_token and attempt. Each part is an
 -- ordered LIMIT over its own partial index, so the backlog is never sorted: the queued
 -- part reads tool_jobs_queued_order_idx in claim order (migration 005) and runs only when
--- the expired part found nothing (a one-time filter).
+-- the expired part found nothing (a one-time filter). Case F16: an expired attempt whose
+-- tool never started is given back (migration 012): the claim keeps its attempt number
+-- and counts the refund, so it is never what exhausts max_attempts.
 WITH expired AS (
-    SELECT id, 'running'::text AS previous_state
-    FROM tool_jobs
+    SELECT id, 'running'::text AS previous_state, refunded
+    FROM tool_jobs,
+         LATERAL (SELECT tool_job_expiry_refunded(id, fencing_token, unstarted_expiries,
+                                                  max_attempts) AS refunded) r
     WHERE tool = $1 AND state = 'running' AND lease_until < now()
-      AND attempt < max_attempts
+      AND (attempt < max_attempts OR refunded)
     ORDER BY run_after, created_at, id
     LIMIT 1
-    FOR UPDATE SKIP LOCKED
+    FOR UPDATE OF tool_jobs SKIP LOCKED
 ), queued AS (
-    SELECT id, 'queued'::text AS previous_state
+    SELECT id, 'queued'::text AS previous_state, false AS refunded
     FROM tool_jobs
     WHERE tool = $1 AND state = 'queued' AND run_after <= now()
       AND NOT EXISTS (SELECT FROM expired)
@@ -115,12 +122,13 @@ WITH expired AS (
         lease_until = now() + $3::float8 * interval '1 second',
         heartbeat_at = now(),
         fencing_token = j.fencing_token + 1,
-        attempt = j.attempt + 1,
+        attempt = j.attempt + CASE WHEN candidate.refunded THEN 0 ELSE 1 END,
+        unstarted_expiries = j.unstarted_expiries + candidate.refunded::int,
         first_claimed_at = coalesce(j.first_claimed_at, now())
     FROM candidate
     WHERE j.id = candidate.id
     RETURNING j.id, j.tool, j.payload::text AS payload_text, j.fencing_token, j.attempt, j.max_attempts,
-              j.lease_until, j.idempotency_key, candidate.previous_state,
+              j.lease_until, j.idempotency_key, candidate.previous_state, candidate.refunded,
               extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining,
               j.checkpoint::text AS checkpoint_text, j.stage,
               -- P12: seconds left of the job's lifetime cap ($4, NULL = none), counted
@@ -133,6 +141,9 @@ WITH expired AS (
            jsonb_build_object('owner_id', $2::text, 'attempt', attempt,
                               'lease_until', lease_until,
                               'reclaimed', previous_state = 'running')
+           || CASE WHEN refunded THEN jsonb_build_object(
+                  'attempt_refunded', 'the expired attempt''s tool never started (F16)')
+              ELSE '{}'::jsonb END
     FROM claimed
 )
 SELECT * FROM claimed;
