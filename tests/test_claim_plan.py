@@ -60,7 +60,9 @@ def test_an_expired_lease_is_claimed_before_the_queue_and_the_queue_oldest_first
         try:
             ids = [(await store.enqueue("ocr", {"n": n}, None, 3, {}))[0] for n in range(3)]
             first = await store.claim("ocr", "a", 30.0)
+            # a's tool started (journaled: an expiry spends the attempt, case F16), then
             # a's lease on the oldest job expires; the next claim takes it over first
+            await store.record_event(first.id, first.fencing_token, "tool_request_started", {})
             await pool.execute("UPDATE tool_jobs SET lease_until = now() - interval '1 s' "
                                "WHERE id = $1", first.id)
             taken_over = await store.claim("ocr", "b", 30.0)

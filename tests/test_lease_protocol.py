@@ -49,11 +49,19 @@ def test_concurrent_claimers_never_share_a_job(dsn):
     assert {(r["attempt"], r["fencing_token"], r["state"]) for r in rows} == {(1, 1, "running")}
 
 
+async def _tool_started(store: Store, job) -> None:
+    """What an owner journals once its tool started (sidecar.supervisor, within
+    JOURNAL_DEFER_SECONDS): an expiry of that attempt spends it. Without it the expired
+    attempt is given back, not spent (case F16: tests/test_lost_answers.py)."""
+    await store.record_event(job.id, job.fencing_token, "tool_request_started", {})
+
+
 def test_expired_lease_is_reclaimed_with_next_token_and_old_owner_is_fenced(dsn):
     async def go():
         store = await _store(dsn)
         job_id, _ = await store.enqueue("t", {"x": 1}, None, 3, {})
         first = await store.claim("t", "w1", 30)
+        await _tool_started(store, first)
         assert await store.claim("t", "w2", 30) is None  # a live lease is not handed out
         await _expire(store, job_id)
         second = await store.claim("t", "w2", 30)
@@ -106,7 +114,7 @@ def test_exhausted_expired_lease_fails_instead_of_running_again(dsn):
     async def go():
         store = await _store(dsn)
         job_id, _ = await store.enqueue("t", {}, None, 1, {})
-        await store.claim("t", "w1", 30)
+        await _tool_started(store, await store.claim("t", "w1", 30))
         await _expire(store, job_id)
         claimed = await store.claim("t", "w2", 30)
         failed = await store.fail_exhausted_leases("t")

@@ -72,8 +72,7 @@ WITH exhausted AS (
         SELECT id FROM tool_jobs
         WHERE tool = $1 AND state = 'running' AND lease_until < now()
           AND attempt >= max_attempts
-          AND NOT tool_job_expiry_refunded(id, fencing_token, unstarted_expiries,
-                                           max_attempts)
+          AND NOT tool_job_expiry_refunded(tool_jobs)
         FOR UPDATE SKIP LOCKED)
     RETURNING id, fencing_token, owner_id, attempt
 ), journal AS (
@@ -94,15 +93,13 @@ SELECT id, fencing_token FROM exhausted;
 -- tool never started is given back (migration 012): the claim keeps its attempt number
 -- and counts the refund, so it is never what exhausts max_attempts.
 WITH expired AS (
-    SELECT id, 'running'::text AS previous_state, refunded
-    FROM tool_jobs,
-         LATERAL (SELECT tool_job_expiry_refunded(id, fencing_token, unstarted_expiries,
-                                                  max_attempts) AS refunded) r
+    SELECT id, 'running'::text AS previous_state, tool_job_expiry_refunded(j) AS refunded
+    FROM tool_jobs j
     WHERE tool = $1 AND state = 'running' AND lease_until < now()
-      AND (attempt < max_attempts OR refunded)
+      AND (attempt < max_attempts OR tool_job_expiry_refunded(j))
     ORDER BY run_after, created_at, id
     LIMIT 1
-    FOR UPDATE OF tool_jobs SKIP LOCKED
+    FOR UPDATE SKIP LOCKED
 ), queued AS (
     SELECT id, 'queued'::text AS previous_state, false AS refunded
     FROM tool_jobs
@@ -121,6 +118,7 @@ WITH expired AS (
         owner_id = $2,
         lease_until = now() + $3::float8 * interval '1 second',
         heartbeat_at = now(),
+        claimed_at = now(),  -- heartbeat_at = claimed_at: not renewed yet (migration 012)
         fencing_token = j.fencing_token + 1,
         attempt = j.attempt + CASE WHEN candidate.refunded THEN 0 ELSE 1 END,
         unstarted_expiries = j.unstarted_expiries + candidate.refunded::int,
