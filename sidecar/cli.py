@@ -30,12 +30,12 @@ from sidecar.config import (
     Settings,
     default_data_dir,
     load_settings,
-    mask_url,
     tool_env_key,
     validate_tool_name,
 )
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
 from sidecar.loop import run_async
+from sidecar.masking import mask_url
 from sidecar.store import Store, check_producer_key
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sidecar.errors import ConfigError, SidecarError
+from sidecar.masking import mask_url
 
 PREFIX = "SIDECAR_"
 MAX_ATTEMPTS_LIMIT = 1000
@@ -303,54 +304,6 @@ PASSIVE_VARIABLES = frozenset(
         "SIDECAR_TEST_DATABASE_URL",
     }
 )
-
-
-# Query parameters whose value is a credential: password=, sslpassword=, token=,
-# access_token=, api_key=, client_secret=, signature=, X-Amz-Credential=, auth=, ...
-_SECRET_KEY = r"[^=&#\s]*(?:pass|secret|token|key|sig|auth|credential)[^=&#\s]*"
-# A secret value runs to the next "&name=" (an "&" not starting a parameter is part of it).
-_SECRET_PARAM = re.compile(rf"([?&]{_SECRET_KEY}=)(?:[^&#]|&(?![^=&#]*=))*", re.IGNORECASE)
-_SECRET_WORD = re.compile(rf"\b({_SECRET_KEY})\s*=\s*(?:'(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-
-
-def mask_url(dsn: str) -> str:
-    """A DSN or URL with its credentials replaced by ``***``: the userinfo password, the
-    user of an http(s) URL without a password (a token in the user part), and the values of
-    query parameters (or ``key=value`` words of a libpq DSN) that name a password, token,
-    key, secret or signature.
-
-    Secret query values are masked first, then the userinfo: everything between
-    ``scheme://`` and the *last* ``@``, so a password holding ``/``, ``?``, ``#`` or ``@``
-    unencoded (which URL parsers cut short) is masked whole. The rest is kept as written."""
-    scheme, sep, rest = dsn.partition("://")
-    if not sep:  # not a URL: perhaps a libpq "host=... password=..." string
-        return _SECRET_WORD.sub(r"\1=***", dsn)
-    rest = _SECRET_PARAM.sub(r"\1***", rest)
-    userinfo, at, host = rest.rpartition("@")
-    if not at:
-        return f"{scheme}://{rest}"
-    user, colon, _password = userinfo.partition(":")
-    if colon:
-        userinfo = f"{user}:***"
-    elif scheme.lower() in ("http", "https"):
-        userinfo = "***"
-    return f"{scheme}://{userinfo}@{host}"
-
-
-def url_secrets(dsn: str) -> list[str]:
-    """The credentials ``mask_url`` hides in ``dsn`` (the userinfo password, secret query
-    values), longest first, so messages built from the raw URL can be scrubbed too."""
-    found: list[str] = []
-    scheme, sep, rest = dsn.partition("://")
-    if sep:
-        userinfo, at, _host = rest.rpartition("@")
-        if at and ":" in userinfo:
-            found.append(userinfo.partition(":")[2])
-        found += [m.group(0)[len(m.group(1)):] for m in _SECRET_PARAM.finditer(rest)]
-    else:
-        found += [m.group(0).split("=", 1)[1].strip().strip("'") for m in
-                  _SECRET_WORD.finditer(dsn)]
-    return sorted({s for s in found if s}, key=len, reverse=True)
 
 
 def tool_env_key(tool: str) -> str:
