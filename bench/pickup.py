@@ -19,7 +19,7 @@ import asyncpg
 
 from bench.common import SHORT_PROFILE, Context, Sidecar, connect, ms, percentile, progress, until
 from bench.report import Row
-from sidecar.db import RawJson
+from sidecar.model import RawJson
 from sidecar.queries import Q
 from sidecar.worker import wake_channel
 

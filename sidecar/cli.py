@@ -36,6 +36,7 @@ from sidecar.config import (
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
 from sidecar.loop import run_async
 from sidecar.masking import mask_url
+from sidecar.model import RawJson
 from sidecar.store import Store, check_producer_key
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
@@ -174,7 +175,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
 
     # The text as given, validated: jsonb keeps every number exactly, where a round trip
     # through Python floats would not (12345678901234567890123 stays an integer).
-    text = db.RawJson(raw.decode("utf-8"))
+    text = RawJson(raw.decode("utf-8"))
 
     async def go():
         async with open_store(settings) as store:

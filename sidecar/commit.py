@@ -23,11 +23,10 @@ import asyncpg
 
 from sidecar import clock, db, metrics
 from sidecar.config import LeaseProfile
-from sidecar.db import RawJson
 from sidecar.errors import NextStageConflict, OwnershipUnknown
 from sidecar.lease import Lease
 from sidecar.log import log, log_fields
-from sidecar.store import ClaimedJob, NextStage
+from sidecar.model import ClaimedJob, NextStage, RawJson
 from sidecar.verdict import Failure, failure
 from sidecar.vocabulary import FailureKind, Outcome, StopReason
 

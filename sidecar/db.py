@@ -25,10 +25,7 @@ from sidecar import jsontext
 from sidecar.config import POOLER_MODES, Settings, default_data_dir
 from sidecar.errors import DatabaseUnavailable, UsageError
 from sidecar.masking import mask_text, mask_url
-
-
-class RawJson(str):
-    """JSON text already validated; sent to a jsonb parameter without re-encoding."""
+from sidecar.model import RawJson
 
 
 def _encode_json(value) -> str:

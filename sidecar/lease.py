@@ -34,7 +34,8 @@ from sidecar import clock, db, metrics
 from sidecar.config import LeaseProfile
 from sidecar.lease_state import Lease
 from sidecar.log import log, log_fields
-from sidecar.store import ClaimedJob, Store
+from sidecar.model import ClaimedJob
+from sidecar.store import Store
 from sidecar.vocabulary import AttemptId, HeartbeatResult, StopReason
 
 

@@ -76,7 +76,7 @@ def _text(value: Any) -> str:
 
 def log_fields(job: Any) -> dict[str, Any]:
     """The fields every event about one attempt carries (P22): ``job_id``, ``tool``,
-    ``fencing_token`` and ``attempt`` of ``job`` (a store.ClaimedJob or anything with
+    ``fencing_token`` and ``attempt`` of ``job`` (a model.ClaimedJob or anything with
     those attributes)."""
     return {"job_id": str(job.id), "tool": job.tool, "fencing_token": job.fencing_token,
             "attempt": job.attempt}

@@ -14,9 +14,8 @@ from typing import Any
 
 from sidecar import jsontext
 from sidecar.config import LeaseProfile, Settings, tool_env_key
-from sidecar.db import RawJson
 from sidecar.errors import SidecarError
-from sidecar.store import NextStage
+from sidecar.model import NextStage, RawJson
 
 # Longest reason kept from the JSON parser: its messages quote no input, but stay short.
 _REASON_CHARS = 200

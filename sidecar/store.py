@@ -18,8 +18,8 @@ from typing import Any
 import asyncpg
 
 from sidecar import db
-from sidecar.db import RawJson
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
+from sidecar.model import ClaimedJob, NextStage, RawJson
 from sidecar.queries import Q, migrations
 from sidecar.vocabulary import AttemptId
 
@@ -47,44 +47,6 @@ def check_producer_key(key: str) -> str:
                          "for the next stages a job creates (P19); use another key, e.g. "
                          f"{STAGE_KEY_SUFFIX.sub(lambda m: m.group(0).replace(':', '-'), key)!r}")
     return key
-
-
-@dataclass(frozen=True)
-class ClaimedJob:
-    """A job this sidecar just claimed (P4).
-
-    ``payload_text`` is the payload as JSON text; ``lease_remaining`` (seconds) is
-    ``lease_until - now()`` by the database's clock at the claim; ``reclaimed`` is
-    True when the job was taken over from an owner whose lease had expired.
-    """
-
-    id: uuid.UUID
-    tool: str
-    payload_text: str
-    fencing_token: int
-    attempt: int
-    max_attempts: int
-    lease_until: dt.datetime
-    lease_remaining: float
-    idempotency_key: str
-    reclaimed: bool
-    checkpoint_text: str | None = None
-    stage: int = 0
-    lifetime_remaining: float | None = None
-
-    @property
-    def attempt_id(self) -> AttemptId:
-        """This attempt's identity: (job id, fencing token) (case F14)."""
-        return AttemptId(self.id, self.fencing_token)
-
-
-@dataclass(frozen=True)
-class NextStage:
-    """The next stage a successful job names (P19): a job of ``tool`` with ``payload``."""
-
-    tool: str
-    payload: Any
-    max_attempts: int
 
 
 @dataclass(frozen=True)

@@ -29,10 +29,11 @@ from sidecar.isolation import SparePool
 from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock, sweep_dead_owners
 from sidecar.log import log
+from sidecar.model import ClaimedJob
 from sidecar.periodic import Periodic
 from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
-from sidecar.store import ClaimedJob, Store
+from sidecar.store import Store
 from sidecar.supervisor import JobSupervisor, WorkerContext
 from sidecar.vocabulary import AttemptId
 
