@@ -30,13 +30,12 @@ from sidecar.config import (
     Settings,
     default_data_dir,
     load_settings,
-    tool_env_key,
     validate_tool_name,
 )
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
 from sidecar.loop import run_async
 from sidecar.masking import mask_url
-from sidecar.model import RawJson
+from sidecar.model import RawJson, tool_env_key
 from sidecar.store import Store, check_producer_key
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")

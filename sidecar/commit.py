@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncpg
 
 from sidecar import clock, db, metrics
-from sidecar.config import LeaseProfile
 from sidecar.errors import NextStageConflict, OwnershipUnknown
 from sidecar.lease import Lease
 from sidecar.log import log, log_fields
-from sidecar.model import ClaimedJob, NextStage, RawJson
+from sidecar.model import ClaimedJob, LeaseProfile, NextStage, RawJson
 from sidecar.verdict import Failure, failure
 from sidecar.vocabulary import FailureKind, Outcome, StopReason
 

@@ -18,10 +18,11 @@ from dataclasses import dataclass, field
 
 from sidecar import safefs
 from sidecar.cgroups import CgroupError, CgroupHost, JobCgroup
-from sidecar.config import LeaseProfile, Settings, tool_env_key
+from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.leftovers import lock_directory, remove_tree  # noqa: F401 - re-exported
 from sidecar.linux import PR_SET_PDEATHSIG, _prctl, reset_signal_handlers
+from sidecar.model import LeaseProfile, tool_env_key
 from sidecar.results import BadResult
 
 RESULT_FILE_NAME = "result.json"

@@ -31,10 +31,9 @@ import time
 import asyncpg
 
 from sidecar import clock, db, metrics
-from sidecar.config import LeaseProfile
 from sidecar.lease_state import Lease
 from sidecar.log import log, log_fields
-from sidecar.model import ClaimedJob
+from sidecar.model import ClaimedJob, LeaseProfile
 from sidecar.store import Store
 from sidecar.vocabulary import AttemptId, HeartbeatResult, StopReason
 

@@ -10,12 +10,11 @@ supervisor turns into a ``bad_result`` failure. Nothing here raises anything els
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from sidecar import jsontext
-from sidecar.config import LeaseProfile, Settings, tool_env_key
 from sidecar.errors import SidecarError
-from sidecar.model import NextStage, RawJson
+from sidecar.model import LeaseProfile, NextStage, RawJson, tool_env_key
 
 # Longest reason kept from the JSON parser: its messages quote no input, but stay short.
 _REASON_CHARS = 200
@@ -42,6 +41,17 @@ class BadResult(SidecarError):
         super().__init__(message)
         self.message = message
         self.kind = kind
+
+
+class StageSettings(Protocol):
+    """What split_next_stage reads of the settings (``config.Settings`` has both), so this
+    module needs no env parsing: the payload cap in bytes (0 = none) and the validated
+    profile of a tool (ConfigError for an invalid one)."""
+
+    @property
+    def max_payload_bytes(self) -> int: ...
+
+    def profile(self, tool: str) -> LeaseProfile: ...
 
 
 def parse_result(data: bytes | bytearray | memoryview,
@@ -78,7 +88,7 @@ def parse_result(data: bytes | bytearray | memoryview,
     return value, RawJson(text)
 
 
-def split_next_stage(value: Any, text: RawJson, settings: Settings, profile: LeaseProfile,
+def split_next_stage(value: Any, text: RawJson, settings: StageSettings, profile: LeaseProfile,
                      ) -> tuple[RawJson, NextStage | None]:
     """Split a tool's output (``value`` parsed from ``text`` by parse_result) of the form
     ``{"result": R, "next": {"tool": T, "payload": P}}`` (P19) into R's JSON text and the

@@ -27,12 +27,12 @@ from sidecar.child import (
     tree_processes,
 )
 from sidecar.commit import FencedCommit
-from sidecar.config import LeaseProfile, Settings
+from sidecar.config import Settings
 from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, SparePool, child_environment
 from sidecar.lease import Lease, LeaseKeeper
 from sidecar.leftovers import job_name, work_dir_prefix
 from sidecar.log import log, log_fields, payload_digest
-from sidecar.model import ClaimedJob, NextStage, RawJson, Usage
+from sidecar.model import ClaimedJob, LeaseProfile, NextStage, RawJson, Usage
 from sidecar.results import BadResult, parse_result, scrub_text, split_next_stage
 from sidecar.shortage import ClaimPause, shortage_errno
 from sidecar.store import Store

@@ -20,7 +20,7 @@ import uuid
 from sidecar import clock, db, health, metrics, retention
 from sidecar.cgroups import CgroupHost
 from sidecar.child import ProcessTable
-from sidecar.config import LeaseProfile, Settings
+from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
@@ -29,7 +29,7 @@ from sidecar.isolation import SparePool
 from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock, sweep_dead_owners
 from sidecar.log import log
-from sidecar.model import ClaimedJob
+from sidecar.model import ClaimedJob, LeaseProfile
 from sidecar.periodic import Periodic
 from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
