@@ -24,6 +24,7 @@ from sidecar.leftovers import lock_directory, remove_tree  # noqa: F401 - re-exp
 from sidecar.linux import PR_SET_PDEATHSIG, _prctl, reset_signal_handlers
 from sidecar.model import LeaseProfile, tool_env_key
 from sidecar.results import BadResult
+from sidecar.vocabulary import FailureKind
 
 RESULT_FILE_NAME = "result.json"
 _RLIMIT_NAMES = {getattr(resource, name): name for name in (
@@ -691,7 +692,7 @@ def read_result_file(path: str, max_bytes: int, owner_uid: int | None,
         if info.st_size > max_bytes:
             raise BadResult(f"SIDECAR_RESULT_FILE holds {info.st_size} bytes, more than "
                             f"{max_bytes}; return less, or raise {limit_var}",
-                            "result_too_large")
+                            FailureKind.RESULT_TOO_LARGE)
         os.set_blocking(fd, True)
         data = bytearray(info.st_size)
         view, got = memoryview(data), 0

@@ -1,6 +1,6 @@
 """The small data types every floor of the house passes around, on the ground floor.
 
-JSON text already checked, a claimed job, the next stage a result names, what an
+A job's state, JSON text already checked, a claimed job, the next stage a result names, what an
 attempt's tree used and a tool's lease profile: plain values that the SQL layer, the
 sandbox and the pure decisions (``verdict``, ``results``) all speak. Pure: nothing here
 does I/O or imports a module that does (tests/test_import_graph.py checks it), so a pure
@@ -16,10 +16,32 @@ import re
 import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from sidecar.masking import mask_url
 from sidecar.vocabulary import AttemptId
+
+
+class JobState(StrEnum):
+    """The ``state`` of a ``tool_jobs`` row (its CHECK constraint, migration 001).
+
+    A job is ``queued`` until claimed, ``running`` while a lease is held on it (or until
+    a sweep notices the lease expired), and ends ``succeeded``, ``failed`` (dead letter)
+    or ``cancelled``. Values are the strings the database stores. Being a ``str``, a
+    member passes as a text parameter as is; it is not a valid ``orjson`` dict key
+    (use ``.value`` there)."""
+
+    QUEUED = "queued"
+    RUNNING = "running"
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+# The states a job ends in: nothing changes it afterwards but an operator's retry, and
+# retention deletes it some time after ``finished_at``.
+FINISHED_STATES = (JobState.SUCCEEDED, JobState.FAILED, JobState.CANCELLED)
 
 
 class RawJson(str):

@@ -15,6 +15,7 @@ from typing import Any, Protocol
 from sidecar import jsontext
 from sidecar.errors import SidecarError
 from sidecar.model import LeaseProfile, NextStage, RawJson, tool_env_key
+from sidecar.vocabulary import FailureKind
 
 # Longest reason kept from the JSON parser: its messages quote no input, but stay short.
 _REASON_CHARS = 200
@@ -35,9 +36,10 @@ _STRING_OR_NUMBER = re.compile(
 
 class BadResult(SidecarError):
     """The tool's output is not one JSON value PostgreSQL can store; ``message`` says why,
-    ``kind`` is the error kind of the failed job (``bad_result``, ``result_too_large``)."""
+    ``kind`` is the error kind of the failed job (``bad_result``, ``result_too_large``,
+    ``stage_not_allowed``)."""
 
-    def __init__(self, message: str, kind: str = "bad_result"):
+    def __init__(self, message: str, kind: FailureKind = FailureKind.BAD_RESULT):
         super().__init__(message)
         self.message = message
         self.kind = kind
@@ -106,7 +108,7 @@ def split_next_stage(value: Any, text: RawJson, settings: StageSettings, profile
         allowed = ", ".join(sorted(profile.next_tools)) or "none"
         raise BadResult(f"next stage tool {nxt['tool']!r} is not allowed for "
                         f"{profile.tool!r} (SIDECAR_PROFILE_{tool_env_key(profile.tool)}"
-                        f"_NEXT_TOOLS: {allowed})", kind="stage_not_allowed")
+                        f"_NEXT_TOOLS: {allowed})", kind=FailureKind.STAGE_NOT_ALLOWED)
     payload = nxt.get("payload", {})
     limit = settings.max_payload_bytes
     if limit and len(jsontext.dumps(payload)) > limit:

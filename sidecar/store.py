@@ -19,7 +19,7 @@ import asyncpg
 
 from sidecar import db
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
-from sidecar.model import ClaimedJob, NextStage, RawJson
+from sidecar.model import ClaimedJob, JobState, NextStage, RawJson
 from sidecar.queries import Q, migrations
 from sidecar.vocabulary import AttemptId
 
@@ -274,7 +274,7 @@ class Store:
             fencing_token=row["fencing_token"], attempt=row["attempt"],
             max_attempts=row["max_attempts"], lease_until=row["lease_until"],
             lease_remaining=row["lease_remaining"], idempotency_key=row["idempotency_key"],
-            reclaimed=row["previous_state"] == "running",
+            reclaimed=row["previous_state"] == JobState.RUNNING,
             checkpoint_text=row["checkpoint_text"], stage=row["stage"],
             lifetime_remaining=row["lifetime_remaining"],
         )
@@ -334,12 +334,13 @@ class Store:
                      timeout=timeout)
 
     async def finish_if_owner(
-        self, job: ClaimedJob, owner_id: str, state: str, result: RawJson | None,
+        self, job: ClaimedJob, owner_id: str, state: JobState, result: RawJson | None,
         error: dict[str, Any] | None, event: str, details: dict[str, Any],
         result_url: str | None = None, next_stage: NextStage | None = None,
         earlier: list[dict[str, Any]] | None = None,
     ) -> bool:
-        """Write the terminal state (P6) and journal ``event``; False when not the owner.
+        """Write the terminal ``state`` (succeeded or failed, P6) and journal ``event``;
+        False when not the owner.
         With ``result_url``, a success also queues its forwarding (outbox); with
         ``next_stage``, it creates the next stage's job; both in the same statement.
         ``earlier`` events of the attempt (``{event, age_s, details}``, see

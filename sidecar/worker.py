@@ -35,7 +35,7 @@ from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
 from sidecar.store import Store
 from sidecar.supervisor import JobSupervisor, WorkerContext
-from sidecar.vocabulary import AttemptId
+from sidecar.vocabulary import AttemptId, FailureKind, Outcome
 
 # An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
 # function skips places older than two minutes (migration 008).
@@ -243,7 +243,7 @@ class Worker:
                     for row in await store.fail_exhausted_leases(tool):
                         log.emit("job_failed", "warning", job_id=str(row["id"]), tool=tool,
                                  fencing_token=row["fencing_token"],
-                                 reason="max_attempts_exceeded")
+                                 reason=FailureKind.MAX_ATTEMPTS_EXCEEDED)
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(
                         await store.claimable_jobs(tool))
                     self.readiness.db_ok_at = time.monotonic()
@@ -371,7 +371,7 @@ class Worker:
             log.emit("supervisor_error", "error", job_id=str(attempt.job_id),
                      fencing_token=attempt.fencing_token, tool=self.profile.tool,
                      reason=f"{type(exc).__name__}: {exc}")
-            metrics.ATTEMPTS_FINISHED.labels(*self.labels, "abandoned").inc()
+            metrics.ATTEMPTS_FINISHED.labels(*self.labels, Outcome.ABANDONED).inc()
         self.wake.set()
 
     async def _drain_running(self) -> None:
