@@ -41,7 +41,9 @@ def _wait_until(start_at: float) -> None:
 async def claim_loop(dsn: str, tool: str, concurrency: int, start_at: float,
                      journal: bool, spawn: bool = False) -> dict:
     from sidecar.db import connect
+    from sidecar.model import JobState
     from sidecar.queries import Q
+    from sidecar.vocabulary import FailureKind
 
     owner = f"bench-bare:{os.getpid()}:{uuid.uuid4().hex[:12]}"
     conns = [await connect(dsn, 10) for _ in range(concurrency)]
@@ -74,12 +76,13 @@ async def claim_loop(dsn: str, tool: str, concurrency: int, start_at: float,
             earlier = [{"event": "tool_request_started", "age_s": 0.001, "details": {
                 "pid": pid, "argv0": "/bin/true",
                 "payload": {"sha256": "0" * 64, "bytes": 2}}}] if journal or spawn else None
-            error = {"kind": "bad_result", "message": "exit 0 but stdout is not one JSON value "
+            error = {"kind": FailureKind.BAD_RESULT,
+                     "message": "exit 0 but stdout is not one JSON value "
                      "(unexpected end of data: line 1 column 1 (char 0)); 0 bytes"}
-            summary = {"attempt": row["attempt"], "kind": "bad_result",
+            summary = {"attempt": row["attempt"], "kind": FailureKind.BAD_RESULT,
                        "duration_s": round(time.monotonic() - started, 3)}
             await conn.fetchrow(Q["finish_job_if_owner"], row["id"], owner,
-                                row["fencing_token"], "failed", None, error, "job_failed",
+                                row["fencing_token"], JobState.FAILED, None, error, "job_failed",
                                 summary, None, None, None, None, None, earlier,
                                 timeout=10)
             done += 1

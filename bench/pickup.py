@@ -19,7 +19,7 @@ import asyncpg
 
 from bench.common import SHORT_PROFILE, Context, Sidecar, connect, ms, percentile, progress, until
 from bench.report import Row
-from sidecar.db import RawJson
+from sidecar.model import JobState, RawJson
 from sidecar.queries import Q
 from sidecar.worker import wake_channel
 
@@ -82,7 +82,7 @@ async def bare(ctx: Context, conn: asyncpg.Connection, count: int) -> list[float
                     start_new_session=True)
                 out, _ = await proc.communicate()
                 await work.fetchrow(Q["finish_job_if_owner"], row["id"], owner,
-                                    row["fencing_token"], "succeeded", RawJson(out.decode()),
+                                    row["fencing_token"], JobState.SUCCEEDED, RawJson(out.decode()),
                                     None, "job_succeeded", {}, None, None, None, None, None,
                                     None)
 

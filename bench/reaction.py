@@ -38,7 +38,7 @@ from bench.common import (
     until,
 )
 from bench.report import Row
-from sidecar.db import RawJson
+from sidecar.model import RawJson
 from sidecar.queries import Q
 
 TREE = ["/bin/sh", "-c", "sleep 600 & sleep 600 & wait"]

@@ -34,9 +34,11 @@ SELECT pg_relation_size('tool_jobs') AS heap, pg_indexes_size('tool_jobs') AS in
 
 async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     from sidecar.db import create_pool
+    from sidecar.model import JobState
     from sidecar.queries import Q
     from sidecar.retention import prune
     from sidecar.store import Store
+    from sidecar.vocabulary import FailureKind
 
     total = 10_000 if ctx.mode.name == "quick" else 1_000_000
     tool, owner = "soak", f"bench-soak:{uuid.uuid4().hex[:12]}"
@@ -51,7 +53,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     producer, sampler = await connect(ctx.dsn), await connect(ctx.dsn)
     pool = await create_pool(ctx.dsn, 10, max_size=1)
     store = Store(pool, 30)
-    error = {"kind": "bad_result", "message": "exit 0 but stdout is not one JSON value"}
+    error = {"kind": FailureKind.BAD_RESULT, "message": "exit 0 but stdout is not one JSON value"}
     earlier = [{"event": "tool_request_started", "age_s": 0.001,
                 "details": {"pid": 0, "argv0": "/bin/true"}}]
 
@@ -65,9 +67,9 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
                 await asyncio.sleep(0.01)
                 continue
             await c.fetchrow(Q["finish_job_if_owner"], row["id"], owner, row["fencing_token"],
-                             "failed", None, error, "job_failed",
-                             {"attempt": row["attempt"], "kind": "bad_result"}, None, None,
-                             None, None, None, earlier, timeout=30)
+                             JobState.FAILED, None, error, "job_failed",
+                             {"attempt": row["attempt"], "kind": FailureKind.BAD_RESULT},
+                             None, None, None, None, None, earlier, timeout=30)
             done += 1
             if done >= total:
                 stop.set()

@@ -35,10 +35,11 @@ from dataclasses import dataclass
 
 from sidecar import cgroups, db, guardian, isolation, leftovers, linux
 from sidecar.child import ProcessTable
-from sidecar.config import LeaseProfile, Settings, validate_tool_name
+from sidecar.config import Settings, validate_tool_name
 from sidecar.errors import UsageError
 from sidecar.log import log
 from sidecar.loop import run_async
+from sidecar.model import LeaseProfile
 
 # Programs that run another program: their name says nothing about the tool.
 INTERPRETER = re.compile(r"(python|pypy|node|nodejs|deno|bun|perl|ruby|php|java|bash|sh|dash"

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 
 from sidecar.errors import SidecarError
 from sidecar.linux import read_pseudo_file
+from sidecar.model import Usage
 
 PARENT_NAME = "sidecar-jobs"
 _SUPERVISOR_LEAF = "sidecar-supervisor"
@@ -276,18 +277,6 @@ def kill_cgroup(path: str, timeout: float = 2.0) -> bool:
             if time.monotonic() >= deadline:
                 return False
             time.sleep(0.02)
-
-
-@dataclass
-class Usage:
-    """What one attempt's tree used: peak memory (bytes), CPU time (seconds), how often the
-    kernel's OOM killer fired and how often a fork was refused at the process limit.
-    None where this host does not measure it."""
-
-    peak_memory_bytes: int | None = None
-    cpu_seconds: float | None = None
-    oom_kills: int = 0
-    process_limit_hits: int = 0
 
 
 def _keyed(path: str, key: str) -> int:

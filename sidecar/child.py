@@ -35,7 +35,7 @@ import psutil
 
 from sidecar import linux
 from sidecar.cgroups import JobCgroup
-from sidecar.errors import SidecarError
+from sidecar.errors import SidecarError, one_line
 from sidecar.shortage import shortage_errno
 
 STDERR_TAIL_BYTES = 4096
@@ -379,8 +379,16 @@ def _zombie(pid: int) -> bool:
         return False
 
 
-class CgroupJoinFailed(OSError):
-    """The parent could not move a freshly started tool into its job cgroup."""
+class CgroupJoinFailed(SidecarError, OSError):
+    """The parent could not move a freshly started tool into its job cgroup.
+
+    Also an OSError with the failed write's ``errno``, ``strerror`` and ``filename``
+    (its ``str`` and ``message`` are OSError's: ``[Errno 16] ...: 'cgroup.procs'``), so
+    ``except OSError`` and the shortage check (sidecar.shortage) see it as before."""
+
+    def __init__(self, errno: int | None, strerror: str | None, filename: str | None = None):
+        OSError.__init__(self, errno, strerror, filename)
+        self.message = one_line(str(self))
 
 
 class PreexecFailed(OSError):

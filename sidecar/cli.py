@@ -30,15 +30,16 @@ from sidecar.config import (
     Settings,
     default_data_dir,
     load_settings,
-    mask_url,
-    tool_env_key,
     validate_tool_name,
 )
 from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
 from sidecar.loop import run_async
+from sidecar.masking import mask_url
+from sidecar.model import FINISHED_STATES, JobState, RawJson, tool_env_key
 from sidecar.store import Store, check_producer_key
 
-STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+# Plain strings: argparse shows choices with repr() in its errors.
+STATES = tuple(state.value for state in JobState)
 # How often `retry` looks again for the acknowledgement of a cancel (case F14).
 RETRY_ACK_POLL_SECONDS = 0.2
 
@@ -174,7 +175,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
 
     # The text as given, validated: jsonb keeps every number exactly, where a round trip
     # through Python floats would not (12345678901234567890123 stays an integer).
-    text = db.RawJson(raw.decode("utf-8"))
+    text = RawJson(raw.decode("utf-8"))
 
     async def go():
         async with open_store(settings) as store:
@@ -596,7 +597,8 @@ def build_parser() -> argparse.ArgumentParser:
             "with fresh attempts; prints {retried, count}")
     p.add_argument("job_id", metavar="JOB_ID", nargs="?")
     p.add_argument("--tool", metavar="TOOL", help="every failed or cancelled job of TOOL")
-    p.add_argument("--state", choices=("failed", "cancelled"), help="only jobs in this state")
+    p.add_argument("--state", choices=(JobState.FAILED.value, JobState.CANCELLED.value),
+                   help="only jobs in this state")
     p.add_argument("--forwarding", action="store_true",
                    help="instead: deliver the dead-lettered result of JOB_ID again "
                         "(fresh forwarding attempts and age)")
@@ -605,7 +607,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--older-than", metavar="DURATION",
                    help="instead of SIDECAR_RETENTION_SECONDS and "
                         "SIDECAR_RETENTION_FAILED_SECONDS: seconds, or e.g. 12h, 7d")
-    p.add_argument("--state", choices=("succeeded", "failed", "cancelled"),
+    p.add_argument("--state", choices=tuple(state.value for state in FINISHED_STATES),
                    help="only jobs in this state")
     p.add_argument("--dry-run", action="store_true",
                    help="count what would be removed; remove nothing")

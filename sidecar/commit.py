@@ -22,12 +22,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import asyncpg
 
 from sidecar import clock, db, metrics
-from sidecar.config import LeaseProfile
-from sidecar.db import RawJson
 from sidecar.errors import NextStageConflict, OwnershipUnknown
 from sidecar.lease import Lease
 from sidecar.log import log, log_fields
-from sidecar.store import ClaimedJob, NextStage
+from sidecar.model import ClaimedJob, JobState, LeaseProfile, NextStage, RawJson
 from sidecar.verdict import Failure, failure
 from sidecar.vocabulary import FailureKind, Outcome, StopReason
 
@@ -121,7 +119,7 @@ class FencedCommit:
         earlier = await self._take_noted()
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
-                self.job, self.ctx.owner_id, "succeeded", result, None, "job_succeeded",
+                self.job, self.ctx.owner_id, JobState.SUCCEEDED, result, None, "job_succeeded",
                 details, self.ctx.profile.result_url or None, next_stage, earlier),
                 "job_succeeded", cancel_is_final=True)
         except OwnershipUnknown:
@@ -194,7 +192,7 @@ class FencedCommit:
         earlier = await self._take_noted()
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
-                job, self.ctx.owner_id, "failed", None, error, "job_failed", summary,
+                job, self.ctx.owner_id, JobState.FAILED, None, error, "job_failed", summary,
                 earlier=earlier), "job_failed")
         except OwnershipUnknown:
             self._give_back(earlier)

@@ -13,10 +13,11 @@ import math
 import os
 import re
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from sidecar.errors import ConfigError, SidecarError
+from sidecar.model import PROFILE_FIELD_NAMES, LeaseProfile, tolerated_silence, tool_env_key
 
 PREFIX = "SIDECAR_"
 MAX_ATTEMPTS_LIMIT = 1000
@@ -247,6 +248,10 @@ PROFILE_FIELDS: dict[str, _Field] = {
                    "passes HOME), or an absolute path"),
 }
 
+# Every profile field is one field of model.LeaseProfile, in its order (as_dict's order).
+if tuple(name.lower() for name in PROFILE_FIELDS) != PROFILE_FIELD_NAMES:
+    raise AssertionError("config.PROFILE_FIELDS and model.LeaseProfile disagree")
+
 # Sidecar-wide settings (not per tool).
 GLOBAL_FIELDS: dict[str, _Field] = {
     "DATABASE_URL": _Field(str, "", "dsn", "PostgreSQL server; unset = embedded PostgreSQL"),
@@ -305,59 +310,6 @@ PASSIVE_VARIABLES = frozenset(
 )
 
 
-# Query parameters whose value is a credential: password=, sslpassword=, token=,
-# access_token=, api_key=, client_secret=, signature=, X-Amz-Credential=, auth=, ...
-_SECRET_KEY = r"[^=&#\s]*(?:pass|secret|token|key|sig|auth|credential)[^=&#\s]*"
-# A secret value runs to the next "&name=" (an "&" not starting a parameter is part of it).
-_SECRET_PARAM = re.compile(rf"([?&]{_SECRET_KEY}=)(?:[^&#]|&(?![^=&#]*=))*", re.IGNORECASE)
-_SECRET_WORD = re.compile(rf"\b({_SECRET_KEY})\s*=\s*(?:'(?:[^'\\]|\\.)*'|\S+)", re.IGNORECASE)
-
-
-def mask_url(dsn: str) -> str:
-    """A DSN or URL with its credentials replaced by ``***``: the userinfo password, the
-    user of an http(s) URL without a password (a token in the user part), and the values of
-    query parameters (or ``key=value`` words of a libpq DSN) that name a password, token,
-    key, secret or signature.
-
-    Secret query values are masked first, then the userinfo: everything between
-    ``scheme://`` and the *last* ``@``, so a password holding ``/``, ``?``, ``#`` or ``@``
-    unencoded (which URL parsers cut short) is masked whole. The rest is kept as written."""
-    scheme, sep, rest = dsn.partition("://")
-    if not sep:  # not a URL: perhaps a libpq "host=... password=..." string
-        return _SECRET_WORD.sub(r"\1=***", dsn)
-    rest = _SECRET_PARAM.sub(r"\1***", rest)
-    userinfo, at, host = rest.rpartition("@")
-    if not at:
-        return f"{scheme}://{rest}"
-    user, colon, _password = userinfo.partition(":")
-    if colon:
-        userinfo = f"{user}:***"
-    elif scheme.lower() in ("http", "https"):
-        userinfo = "***"
-    return f"{scheme}://{userinfo}@{host}"
-
-
-def url_secrets(dsn: str) -> list[str]:
-    """The credentials ``mask_url`` hides in ``dsn`` (the userinfo password, secret query
-    values), longest first, so messages built from the raw URL can be scrubbed too."""
-    found: list[str] = []
-    scheme, sep, rest = dsn.partition("://")
-    if sep:
-        userinfo, at, _host = rest.rpartition("@")
-        if at and ":" in userinfo:
-            found.append(userinfo.partition(":")[2])
-        found += [m.group(0)[len(m.group(1)):] for m in _SECRET_PARAM.finditer(rest)]
-    else:
-        found += [m.group(0).split("=", 1)[1].strip().strip("'") for m in
-                  _SECRET_WORD.finditer(dsn)]
-    return sorted({s for s in found if s}, key=len, reverse=True)
-
-
-def tool_env_key(tool: str) -> str:
-    """The TOOL part of ``SIDECAR_PROFILE_<TOOL>_<FIELD>``: ``ocr-fast`` -> ``OCR_FAST``."""
-    return re.sub(r"[^A-Z0-9]", "_", tool.upper())
-
-
 def validate_tool_name(tool: str) -> str:
     """Return ``tool`` if it matches ``[A-Za-z0-9][A-Za-z0-9._-]{0,62}``; else ConfigError."""
     if not TOOL_NAME.fullmatch(tool or ""):
@@ -366,57 +318,6 @@ def validate_tool_name(tool: str) -> str:
             "starting with a letter or digit"
         )
     return tool
-
-
-@dataclass(frozen=True)
-class LeaseProfile:
-    """The effective lease profile of one tool (all durations in seconds).
-
-    ``sources`` maps each field name to the variable that set it (or "default"),
-    so an error can name the variable to change.
-    """
-
-    tool: str
-    lease_seconds: float
-    heartbeat_seconds: float
-    tolerated_misses: int
-    jitter_seconds: float
-    stage_timeout_seconds: float
-    max_attempts: int
-    kill_grace_seconds: float
-    non_retryable_exit_codes: frozenset[int]
-    backoff_base_seconds: float
-    backoff_max_seconds: float
-    max_result_bytes: int
-    result_url: str
-    forward_max_attempts: int
-    forward_max_age_seconds: float
-    forward_follow_redirects: bool
-    idle_timeout_seconds: float
-    max_lifetime_seconds: float
-    next_tools: frozenset[str]
-    provider: str
-    memory_bytes: int
-    cpu_seconds: float
-    open_files: int
-    processes: int
-    core_dumps: bool
-    allow_new_privs: bool
-    run_as: str
-    env_passthrough: frozenset[str]
-    home: str
-    sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
-
-    def as_dict(self) -> dict[str, object]:
-        """The profile as plain JSON-able values, for ``sidecar config`` and the journal."""
-        out: dict[str, object] = {"tool": self.tool, "tolerated_silence_s": tolerated_silence(
-            self.lease_seconds, self.heartbeat_seconds, self.kill_grace_seconds)}
-        for name in PROFILE_FIELDS:
-            value = getattr(self, name.lower())
-            out[name.lower()] = sorted(value) if isinstance(value, frozenset) else value
-        if self.result_url:
-            out["result_url"] = mask_url(self.result_url)
-        return out
 
 
 @dataclass(frozen=True)
@@ -523,14 +424,6 @@ def _build_profile(
             f"(H from {src['HEARTBEAT_SECONDS']}, kill grace from {src['KILL_GRACE_SECONDS']}); "
             "raise the lease or shorten the heartbeat or the kill grace")
     return LeaseProfile(tool=tool, sources=src, **p)
-
-
-def tolerated_silence(lease: float, heartbeat: float, kill_grace: float) -> float:
-    """Seconds without any database answer that a lease survives in the worst case: a
-    renewal sent just before the outage, minus one heartbeat period, minus the safety
-    margin of the local deadline (kill grace + L/10) that gets the tree killed before the
-    database could hand the job to someone else (P14b)."""
-    return round(lease - heartbeat - kill_grace - 0.1 * lease, 3)
 
 
 def _read_dsn_file(path: str, url_also_set: bool) -> str:

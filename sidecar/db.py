@@ -22,13 +22,10 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import asyncpg
 
 from sidecar import jsontext
-from sidecar.config import POOLER_MODES, Settings, default_data_dir, url_secrets
-from sidecar.config import mask_url as mask_dsn
+from sidecar.config import POOLER_MODES, Settings, default_data_dir
 from sidecar.errors import DatabaseUnavailable, UsageError
-
-
-class RawJson(str):
-    """JSON text already validated; sent to a jsonb parameter without re-encoding."""
+from sidecar.masking import mask_text, mask_url
+from sidecar.model import RawJson
 
 
 def _encode_json(value) -> str:
@@ -241,13 +238,13 @@ def resolve_dsn(settings: Settings) -> str:
         url = settings.database_url
         if not url.startswith(("postgres://", "postgresql://")):
             raise UsageError(
-                f"SIDECAR_DATABASE_URL must start with postgresql:// (got {mask_dsn(url)!r})")
+                f"SIDECAR_DATABASE_URL must start with postgresql:// (got {mask_url(url)!r})")
         try:
             parts = urlsplit(url)
             parts.port  # noqa: B018 - raises ValueError for a port that is not a number
             parts.hostname  # noqa: B018 - raises ValueError for a broken [IPv6] host
         except ValueError:  # its text may quote a piece of the password: not shown
-            raise UsageError(f"SIDECAR_DATABASE_URL {mask_dsn(url)!r} is malformed: the port "
+            raise UsageError(f"SIDECAR_DATABASE_URL {mask_url(url)!r} is malformed: the port "
                              "must be a number, and a password holding / ? # or @ must be "
                              "percent-encoded; expected "
                              "postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
@@ -257,10 +254,8 @@ def resolve_dsn(settings: Settings) -> str:
 
 def _unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    reason = reason.replace(dsn, mask_dsn(dsn))
-    for secret in url_secrets(dsn):  # a driver may quote a piece of a malformed URL
-        reason = reason.replace(secret, "***")
-    shown = mask_dsn(dsn)
+    reason = mask_text(reason, [dsn])  # a driver may quote a piece of a malformed URL
+    shown = mask_url(dsn)
     return DatabaseUnavailable(
         f"cannot reach PostgreSQL at {describe_host(shown)} ({shown}): {reason}; "
         "check SIDECAR_DATABASE_URL (host, port, user, password, database) and that the server runs"

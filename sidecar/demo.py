@@ -17,7 +17,9 @@ from sidecar import db
 from sidecar import log as log_mod
 from sidecar.config import Settings, load_settings
 from sidecar.loop import run_async
+from sidecar.model import JobState
 from sidecar.store import Store
+from sidecar.vocabulary import FailureKind
 from sidecar.worker import Worker
 
 TOOLS = Path(__file__).parent / "demo_tools"
@@ -40,7 +42,7 @@ DEMO_PROFILE = {
 
 
 def _summary(row) -> str:
-    if row["state"] == "succeeded":
+    if row["state"] == JobState.SUCCEEDED:
         r = row["result"]
         return (f"sha256 {r['sha256'][:16]}…  {r['lines']} lines  {r['words']} words  "
                 f"{r['bytes']} bytes")
@@ -80,8 +82,8 @@ async def _demo(settings: Settings) -> int:
         print(f"{row['id']}  {row['tool']:<13}  {shown:<24}  {row['state']:<9}  "
               f"{_summary(row)}")
     print("\nInspect one with: sidecar show JOB_ID  (its row, journal and forwarding)")
-    ok = all(r["state"] == "succeeded" for r, _ in rows[:-1]) and \
-        rows[-1][0]["error"]["kind"] == "stage_timeout"
+    ok = all(r["state"] == JobState.SUCCEEDED for r, _ in rows[:-1]) and \
+        rows[-1][0]["error"]["kind"] == FailureKind.STAGE_TIMEOUT
     print("\nEvery real file got its checksum; the hung tool was killed at its stage deadline"
           if ok else "\nUnexpected outcome: see the table and 'sidecar show JOB_ID'")
     return 0 if ok and codes == [0, 0] else 1

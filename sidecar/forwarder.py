@@ -31,8 +31,10 @@ import random
 from typing import TYPE_CHECKING
 
 from sidecar import metrics
-from sidecar.config import LeaseProfile, Settings, mask_url
+from sidecar.config import Settings
 from sidecar.log import log
+from sidecar.masking import mask_url
+from sidecar.model import LeaseProfile
 from sidecar.periodic import Periodic
 from sidecar.store import Store
 

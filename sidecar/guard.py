@@ -62,11 +62,10 @@ import asyncpg
 import orjson
 
 from sidecar import clock, db, jsontext
-from sidecar.config import LeaseProfile
-from sidecar.db import RawJson
 from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
 from sidecar.lease_state import Lease, guard_refusal
 from sidecar.log import log, log_fields, payload_digest
+from sidecar.model import LeaseProfile, RawJson
 from sidecar.store import Store
 from sidecar.vocabulary import AttemptId, GuardRefusal
 

@@ -24,6 +24,8 @@ from http import HTTPStatus
 
 import h11
 
+from sidecar.errors import SidecarError
+
 _READ_CHUNK = 65536
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")  # every control character but HTAB
 MAX_HEADER_BYTES = 16384
@@ -36,8 +38,12 @@ def _reason(status: int) -> bytes:
         return b""
 
 
-class BodyTooLarge(Exception):
-    """The request body is longer than the handler's limit."""
+class BodyTooLarge(SidecarError):
+    """The request body is longer than the handler's limit (``Request.read``'s ``limit``,
+    bytes); the server answers 413."""
+
+    def __init__(self, message: str = "the request body is longer than the handler's limit"):
+        super().__init__(message)
 
 
 @dataclass(frozen=True)

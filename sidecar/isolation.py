@@ -18,11 +18,13 @@ from dataclasses import dataclass, field
 
 from sidecar import safefs
 from sidecar.cgroups import CgroupError, CgroupHost, JobCgroup
-from sidecar.config import LeaseProfile, Settings, tool_env_key
+from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.leftovers import lock_directory, remove_tree  # noqa: F401 - re-exported
 from sidecar.linux import PR_SET_PDEATHSIG, _prctl, reset_signal_handlers
+from sidecar.model import LeaseProfile, tool_env_key
 from sidecar.results import BadResult
+from sidecar.vocabulary import FailureKind
 
 RESULT_FILE_NAME = "result.json"
 _RLIMIT_NAMES = {getattr(resource, name): name for name in (
@@ -690,7 +692,7 @@ def read_result_file(path: str, max_bytes: int, owner_uid: int | None,
         if info.st_size > max_bytes:
             raise BadResult(f"SIDECAR_RESULT_FILE holds {info.st_size} bytes, more than "
                             f"{max_bytes}; return less, or raise {limit_var}",
-                            "result_too_large")
+                            FailureKind.RESULT_TOO_LARGE)
         os.set_blocking(fd, True)
         data = bytearray(info.st_size)
         view, got = memoryview(data), 0

@@ -31,10 +31,10 @@ import time
 import asyncpg
 
 from sidecar import clock, db, metrics
-from sidecar.config import LeaseProfile
 from sidecar.lease_state import Lease
 from sidecar.log import log, log_fields
-from sidecar.store import ClaimedJob, Store
+from sidecar.model import ClaimedJob, JobState, LeaseProfile
+from sidecar.store import Store
 from sidecar.vocabulary import AttemptId, HeartbeatResult, StopReason
 
 
@@ -242,7 +242,7 @@ class LeaseKeeper:
             row = await self.store.ownership(job.id)
             if row is not None:
                 details.update(state=row["state"], current_token=row["fencing_token"])
-                if row["state"] == "cancelled":
+                if row["state"] == JobState.CANCELLED:
                     reason = StopReason.CANCELLED
         except Exception as exc:  # noqa: BLE001 - the explanation is optional; the loss is not
             details["ownership_error"] = f"{type(exc).__name__}: {exc}"[:200]

@@ -32,7 +32,7 @@ from sidecar import clock
 from sidecar.vocabulary import GuardRefusal, StopReason
 
 if TYPE_CHECKING:
-    from sidecar.store import ClaimedJob
+    from sidecar.model import ClaimedJob
 
 
 class LeaseState(StrEnum):

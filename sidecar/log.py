@@ -18,12 +18,12 @@ from typing import Any
 
 import orjson
 
+from sidecar.masking import mask_text
+
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 _ORDER = ("job_id", "tool", "fencing_token", "attempt", "lease_until", "reason", "duration_s")
 # Every C0 control (line breaks included: one event is one line), DEL and the one-byte CSI.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f\x9b]")
-# Credentials a library may quote in a log message (aiohttp echoes a bad request's headers).
-_CREDENTIAL = re.compile(r"(?i)\b(bearer|basic|token)(\s+|=)[^\s'\",;]+")
 
 
 class EventLog:
@@ -76,7 +76,7 @@ def _text(value: Any) -> str:
 
 def log_fields(job: Any) -> dict[str, Any]:
     """The fields every event about one attempt carries (P22): ``job_id``, ``tool``,
-    ``fencing_token`` and ``attempt`` of ``job`` (a store.ClaimedJob or anything with
+    ``fencing_token`` and ``attempt`` of ``job`` (a model.ClaimedJob or anything with
     those attributes)."""
     return {"job_id": str(job.id), "tool": job.tool, "fencing_token": job.fencing_token,
             "attempt": job.attempt}
@@ -98,13 +98,8 @@ class _LibraryBridge(logging.Handler):
         level = "error" if record.levelno >= logging.ERROR else "warning"
         exc = record.exc_info[1] if record.exc_info else None
         log.emit("library_log", level, logger=record.name,
-                 reason=redact(record.getMessage())[:300],
-                 exception=redact(f"{type(exc).__name__}: {exc}")[:300] if exc else None)
-
-
-def redact(text: str) -> str:
-    """``text`` with bearer/basic credentials and ``token=`` values replaced by ``***``."""
-    return _CREDENTIAL.sub(lambda m: f"{m.group(1)}{m.group(2)}***", text)
+                 reason=mask_text(record.getMessage())[:300],
+                 exception=mask_text(f"{type(exc).__name__}: {exc}")[:300] if exc else None)
 
 
 def configure(level: str, fmt: str) -> None:

@@ -10,13 +10,12 @@ supervisor turns into a ``bad_result`` failure. Nothing here raises anything els
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, Protocol
 
 from sidecar import jsontext
-from sidecar.config import LeaseProfile, Settings, tool_env_key
-from sidecar.db import RawJson
 from sidecar.errors import SidecarError
-from sidecar.store import NextStage
+from sidecar.model import LeaseProfile, NextStage, RawJson, tool_env_key
+from sidecar.vocabulary import FailureKind
 
 # Longest reason kept from the JSON parser: its messages quote no input, but stay short.
 _REASON_CHARS = 200
@@ -37,12 +36,24 @@ _STRING_OR_NUMBER = re.compile(
 
 class BadResult(SidecarError):
     """The tool's output is not one JSON value PostgreSQL can store; ``message`` says why,
-    ``kind`` is the error kind of the failed job (``bad_result``, ``result_too_large``)."""
+    ``kind`` is the error kind of the failed job (``bad_result``, ``result_too_large``,
+    ``stage_not_allowed``)."""
 
-    def __init__(self, message: str, kind: str = "bad_result"):
+    def __init__(self, message: str, kind: FailureKind = FailureKind.BAD_RESULT):
         super().__init__(message)
         self.message = message
         self.kind = kind
+
+
+class StageSettings(Protocol):
+    """What split_next_stage reads of the settings (``config.Settings`` has both), so this
+    module needs no env parsing: the payload cap in bytes (0 = none) and the validated
+    profile of a tool (ConfigError for an invalid one)."""
+
+    @property
+    def max_payload_bytes(self) -> int: ...
+
+    def profile(self, tool: str) -> LeaseProfile: ...
 
 
 def parse_result(data: bytes | bytearray | memoryview,
@@ -79,7 +90,7 @@ def parse_result(data: bytes | bytearray | memoryview,
     return value, RawJson(text)
 
 
-def split_next_stage(value: Any, text: RawJson, settings: Settings, profile: LeaseProfile,
+def split_next_stage(value: Any, text: RawJson, settings: StageSettings, profile: LeaseProfile,
                      ) -> tuple[RawJson, NextStage | None]:
     """Split a tool's output (``value`` parsed from ``text`` by parse_result) of the form
     ``{"result": R, "next": {"tool": T, "payload": P}}`` (P19) into R's JSON text and the
@@ -97,7 +108,7 @@ def split_next_stage(value: Any, text: RawJson, settings: Settings, profile: Lea
         allowed = ", ".join(sorted(profile.next_tools)) or "none"
         raise BadResult(f"next stage tool {nxt['tool']!r} is not allowed for "
                         f"{profile.tool!r} (SIDECAR_PROFILE_{tool_env_key(profile.tool)}"
-                        f"_NEXT_TOOLS: {allowed})", kind="stage_not_allowed")
+                        f"_NEXT_TOOLS: {allowed})", kind=FailureKind.STAGE_NOT_ALLOWED)
     payload = nxt.get("payload", {})
     limit = settings.max_payload_bytes
     if limit and len(jsontext.dumps(payload)) > limit:

@@ -18,20 +18,22 @@ from typing import Any
 from sidecar import db, metrics
 from sidecar.config import Settings
 from sidecar.log import log
+from sidecar.model import JobState
 from sidecar.periodic import Periodic
 from sidecar.store import Store
 
 PRUNE_LOCK_KEY = 0x5DECA4_0002    # the advisory lock one pruner at a time holds
 BATCH = 500                        # jobs one statement deletes at most
 PRUNE_PERIOD_SECONDS = 60.0        # how often a sidecar prunes
-FINISHED_STATES = ("succeeded", "failed", "cancelled")
 _TABLES = {"jobs": "tool_jobs", "events": "tool_job_events", "outbox": "tool_job_outbox"}
 
 
 def retention_by_state(settings: Settings) -> dict[str, float]:
     """Seconds after finishing that a job of each finished state may be deleted; 0 = never."""
-    return {"succeeded": settings.retention_seconds, "failed": settings.retention_failed_seconds,
-            "cancelled": settings.retention_seconds}
+    # Plain str keys: the result is printed with orjson, which refuses str subclasses as keys.
+    return {JobState.SUCCEEDED.value: settings.retention_seconds,
+            JobState.FAILED.value: settings.retention_failed_seconds,
+            JobState.CANCELLED.value: settings.retention_seconds}
 
 
 async def prune(store: Store, ages: dict[str, float], *, dry_run: bool = False,

@@ -18,8 +18,8 @@ from typing import Any
 import asyncpg
 
 from sidecar import db
-from sidecar.db import RawJson
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
+from sidecar.model import ClaimedJob, JobState, NextStage, RawJson
 from sidecar.queries import Q, migrations
 from sidecar.vocabulary import AttemptId
 
@@ -47,44 +47,6 @@ def check_producer_key(key: str) -> str:
                          "for the next stages a job creates (P19); use another key, e.g. "
                          f"{STAGE_KEY_SUFFIX.sub(lambda m: m.group(0).replace(':', '-'), key)!r}")
     return key
-
-
-@dataclass(frozen=True)
-class ClaimedJob:
-    """A job this sidecar just claimed (P4).
-
-    ``payload_text`` is the payload as JSON text; ``lease_remaining`` (seconds) is
-    ``lease_until - now()`` by the database's clock at the claim; ``reclaimed`` is
-    True when the job was taken over from an owner whose lease had expired.
-    """
-
-    id: uuid.UUID
-    tool: str
-    payload_text: str
-    fencing_token: int
-    attempt: int
-    max_attempts: int
-    lease_until: dt.datetime
-    lease_remaining: float
-    idempotency_key: str
-    reclaimed: bool
-    checkpoint_text: str | None = None
-    stage: int = 0
-    lifetime_remaining: float | None = None
-
-    @property
-    def attempt_id(self) -> AttemptId:
-        """This attempt's identity: (job id, fencing token) (case F14)."""
-        return AttemptId(self.id, self.fencing_token)
-
-
-@dataclass(frozen=True)
-class NextStage:
-    """The next stage a successful job names (P19): a job of ``tool`` with ``payload``."""
-
-    tool: str
-    payload: Any
-    max_attempts: int
 
 
 @dataclass(frozen=True)
@@ -312,7 +274,7 @@ class Store:
             fencing_token=row["fencing_token"], attempt=row["attempt"],
             max_attempts=row["max_attempts"], lease_until=row["lease_until"],
             lease_remaining=row["lease_remaining"], idempotency_key=row["idempotency_key"],
-            reclaimed=row["previous_state"] == "running",
+            reclaimed=row["previous_state"] == JobState.RUNNING,
             checkpoint_text=row["checkpoint_text"], stage=row["stage"],
             lifetime_remaining=row["lifetime_remaining"],
         )
@@ -372,12 +334,13 @@ class Store:
                      timeout=timeout)
 
     async def finish_if_owner(
-        self, job: ClaimedJob, owner_id: str, state: str, result: RawJson | None,
+        self, job: ClaimedJob, owner_id: str, state: JobState, result: RawJson | None,
         error: dict[str, Any] | None, event: str, details: dict[str, Any],
         result_url: str | None = None, next_stage: NextStage | None = None,
         earlier: list[dict[str, Any]] | None = None,
     ) -> bool:
-        """Write the terminal state (P6) and journal ``event``; False when not the owner.
+        """Write the terminal ``state`` (succeeded or failed, P6) and journal ``event``;
+        False when not the owner.
         With ``result_url``, a success also queues its forwarding (outbox); with
         ``next_stage``, it creates the next stage's job; both in the same statement.
         ``earlier`` events of the attempt (``{event, age_s, details}``, see

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from sidecar import clock, metrics
-from sidecar.cgroups import CgroupHost, Usage
+from sidecar.cgroups import CgroupHost
 from sidecar.child import (
     Child,
     ProcessTable,
@@ -27,15 +27,15 @@ from sidecar.child import (
     tree_processes,
 )
 from sidecar.commit import FencedCommit
-from sidecar.config import LeaseProfile, Settings
-from sidecar.db import RawJson
+from sidecar.config import Settings
 from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, SparePool, child_environment
 from sidecar.lease import Lease, LeaseKeeper
 from sidecar.leftovers import job_name, work_dir_prefix
 from sidecar.log import log, log_fields, payload_digest
+from sidecar.model import ClaimedJob, LeaseProfile, NextStage, RawJson, Usage
 from sidecar.results import BadResult, parse_result, scrub_text, split_next_stage
 from sidecar.shortage import ClaimPause, shortage_errno
-from sidecar.store import ClaimedJob, NextStage, Store
+from sidecar.store import Store
 from sidecar.verdict import (
     Commit,
     Failure,

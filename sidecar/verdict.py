@@ -17,8 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.cgroups import Usage
-from sidecar.config import LeaseProfile, tool_env_key
+from sidecar.model import LeaseProfile, Usage, tool_env_key
 from sidecar.vocabulary import LEASE_ENDINGS, RETRYABLE, FailureKind, StopReason
 
 # What a process refused memory under RLIMIT_AS typically writes last (lower case): the

@@ -20,7 +20,7 @@ import uuid
 from sidecar import clock, db, health, metrics, retention
 from sidecar.cgroups import CgroupHost
 from sidecar.child import ProcessTable
-from sidecar.config import LeaseProfile, Settings
+from sidecar.config import Settings
 from sidecar.errors import ConfigError
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
@@ -29,12 +29,13 @@ from sidecar.isolation import SparePool
 from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock, sweep_dead_owners
 from sidecar.log import log
+from sidecar.model import ClaimedJob, LeaseProfile
 from sidecar.periodic import Periodic
 from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
-from sidecar.store import ClaimedJob, Store
+from sidecar.store import Store
 from sidecar.supervisor import JobSupervisor, WorkerContext
-from sidecar.vocabulary import AttemptId
+from sidecar.vocabulary import AttemptId, FailureKind, Outcome
 
 # An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
 # function skips places older than two minutes (migration 008).
@@ -242,7 +243,7 @@ class Worker:
                     for row in await store.fail_exhausted_leases(tool):
                         log.emit("job_failed", "warning", job_id=str(row["id"]), tool=tool,
                                  fencing_token=row["fencing_token"],
-                                 reason="max_attempts_exceeded")
+                                 reason=FailureKind.MAX_ATTEMPTS_EXCEEDED)
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(
                         await store.claimable_jobs(tool))
                     self.readiness.db_ok_at = time.monotonic()
@@ -370,7 +371,7 @@ class Worker:
             log.emit("supervisor_error", "error", job_id=str(attempt.job_id),
                      fencing_token=attempt.fencing_token, tool=self.profile.tool,
                      reason=f"{type(exc).__name__}: {exc}")
-            metrics.ATTEMPTS_FINISHED.labels(*self.labels, "abandoned").inc()
+            metrics.ATTEMPTS_FINISHED.labels(*self.labels, Outcome.ABANDONED).inc()
         self.wake.set()
 
     async def _drain_running(self) -> None:

@@ -9,8 +9,9 @@ import uuid
 import pytest
 
 from kit import FAST_PROFILE, base_env, cli, enqueue, one_line_error, scalar
-from sidecar.config import load_settings, tool_env_key
+from sidecar.config import load_settings
 from sidecar.errors import ConfigError
+from sidecar.model import tool_env_key
 
 UNREACHABLE = "postgresql://bob:s3cretpw@127.0.0.1:1/nope"
 

@@ -41,9 +41,10 @@ import asyncpg
 import pytest
 
 from kit import base_env, cli, enqueue, one_line_error, parse_events, query, run
-from sidecar.db import RawJson, init_connection
+from sidecar.db import init_connection
 from sidecar.errors import NextStageConflict, UsageError
-from sidecar.store import NextStage, Store
+from sidecar.model import NextStage, RawJson
+from sidecar.store import Store
 
 TOOL = "stage_tool.py"
 ROOT = Path(__file__).resolve().parent.parent / "sidecar"

@@ -57,14 +57,14 @@ from sidecar.config import (
     TOOL_NAME,
     Settings,
     load_settings,
-    mask_url,
-    tool_env_key,
 )
-from sidecar.db import RawJson, init_connection
+from sidecar.db import init_connection
 from sidecar.errors import ConfigError
 from sidecar.guard import CHECKPOINT_LIMIT, GUARD_BODY_LIMIT, MAX_REQUEST_ID, GuardServer
 from sidecar.jsontext import ExactNumber
 from sidecar.lease import Lease
+from sidecar.masking import mask_url
+from sidecar.model import RawJson, tool_env_key
 from sidecar.results import BadResult, parse_result, scrub_text
 from sidecar.store import Store
 

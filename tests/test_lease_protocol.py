@@ -8,7 +8,8 @@ import asyncio
 import asyncpg
 
 from kit import query, run, scalar
-from sidecar.db import RawJson, init_connection
+from sidecar.db import init_connection
+from sidecar.model import RawJson
 from sidecar.store import Store
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from sidecar.clock import ownership_now, suspended_seconds
 from sidecar.lease_state import Lease, LeaseState, guard_refusal
-from sidecar.store import ClaimedJob
+from sidecar.model import ClaimedJob
 from sidecar.vocabulary import GuardRefusal, StopReason
 
 UNTIL = dt.datetime(2026, 12, 2, tzinfo=dt.UTC)

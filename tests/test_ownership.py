@@ -40,7 +40,8 @@ from kit import (
     wait_until,
 )
 from sidecar.db import init_connection
-from sidecar.store import ClaimedJob, Store
+from sidecar.model import ClaimedJob
+from sidecar.store import Store
 
 LEASE = float(FAST_PROFILE["SIDECAR_LEASE_SECONDS"])          # L = 3 s
 HEARTBEAT = float(FAST_PROFILE["SIDECAR_HEARTBEAT_SECONDS"])  # H = 0.5 s

@@ -9,8 +9,9 @@ import orjson
 from kit import base_env, cli, enqueue, pid_alive, query, run, wait_until
 from sidecar.commit import backoff_seconds
 from sidecar.config import load_settings
-from sidecar.db import RawJson, init_connection
-from sidecar.store import NextStage, Store
+from sidecar.db import init_connection
+from sidecar.model import NextStage, RawJson
+from sidecar.store import Store
 
 TOOL = "stage_tool.py"
 

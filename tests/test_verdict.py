@@ -9,8 +9,8 @@ import signal
 import pytest
 
 from sidecar import metrics
-from sidecar.cgroups import Usage
 from sidecar.config import load_settings
+from sidecar.model import Usage
 from sidecar.verdict import Commit, Failure, Observed, Reject, Release, decide
 from sidecar.vocabulary import (
     LEASE_ENDINGS,

@@ -1,0 +1,133 @@
+"""The ground floor stays pure: the modules that decide (``verdict``, ``results``) and the
+ones that name things (``vocabulary``, ``model``, ...) import nothing that does I/O, directly
+or through another module, so they can be read, tested and reused without a database, a
+sandbox or the environment.
+
+The import graph is read from the source with ``ast`` (no module is imported): every
+``import`` statement counts, at module level or inside a function, under ``if
+TYPE_CHECKING`` or not, so a lazy import of an I/O module is caught as well.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
+
+# The pure modules, and everything they may import from the sidecar: each of these is
+# checked itself, so the rule holds transitively.
+PURE = frozenset({
+    "sidecar.verdict", "sidecar.results", "sidecar.vocabulary", "sidecar.model",
+    "sidecar.shortage", "sidecar.clock", "sidecar.errors", "sidecar.jsontext",
+    "sidecar.masking", "sidecar",
+})
+# What a pure module may import from outside the sidecar: the standard library's pure
+# parts (``time`` only reads clocks, ``signal`` and ``errno`` only give numbers) and
+# orjson, a JSON codec.
+ALLOWED_EXTERNAL = frozenset({
+    "__future__", "collections", "dataclasses", "datetime", "decimal", "enum", "errno",
+    "functools", "itertools", "json", "math", "re", "signal", "time", "typing", "uuid",
+    "orjson",
+})
+# Named in the rule: a pure module never reaches one of these, whatever the lists above say.
+IO_MODULES = frozenset({
+    "sidecar.db", "sidecar.store", "sidecar.cgroups", "sidecar.child", "sidecar.isolation",
+    "asyncpg", "aiohttp", "psutil",
+})
+
+
+def module_name(path: Path) -> str:
+    """``sidecar/x.py`` -> ``sidecar.x``; ``sidecar/__init__.py`` -> ``sidecar``."""
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def all_modules() -> dict[str, Path]:
+    """Every module of the package by dotted name."""
+    return {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports_of(name: str, path: Path, known: set[str]) -> set[str]:
+    """The modules ``name`` imports: sidecar modules by full name (``from sidecar import x``
+    is ``sidecar.x`` when x is a module), others by their top-level name."""
+    found: set[str] = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative: from the package, up level - 1
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names
+                                if f"{base}.{alias.name}" in known]
+        else:
+            continue
+        for target in targets:
+            if target == "sidecar" or target.startswith("sidecar."):
+                # Importing sidecar.a.b runs sidecar and sidecar.a first.
+                parts = target.split(".")
+                found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1)
+                             if ".".join(parts[:i]) in known)
+            else:
+                found.add(target.split(".")[0])
+    found.discard(name)
+    return found
+
+
+def import_graph() -> dict[str, set[str]]:
+    """``{module: the modules it imports}`` for every module of the package."""
+    modules = all_modules()
+    known = set(modules)
+    return {name: imports_of(name, path, known) for name, path in modules.items()}
+
+
+def reached(graph: dict[str, set[str]], start: str) -> dict[str, str]:
+    """Everything ``start`` imports, directly or not: ``{module: the sidecar module that
+    imports it}`` (for a readable failure)."""
+    via: dict[str, str] = {}
+    todo = [start]
+    while todo:
+        current = todo.pop()
+        for target in sorted(graph.get(current, ())):
+            if target not in via and target != start:
+                via[target] = current
+                if target in graph:
+                    todo.append(target)
+    return via
+
+
+def chain(via: dict[str, str], start: str, target: str) -> str:
+    """``start -> ... -> target`` as the graph reaches it."""
+    path = [target]
+    while path[-1] != start:
+        path.append(via[path[-1]])
+    return " -> ".join(reversed(path))
+
+
+GRAPH = import_graph()
+
+
+@pytest.mark.parametrize("module", sorted(PURE))
+def test_a_pure_module_imports_nothing_that_does_io(module):
+    assert module in GRAPH, f"{module} is not a module of the package any more"
+    via = reached(GRAPH, module)
+    bad = sorted(target for target in via if target in IO_MODULES
+                 or (target in GRAPH and target not in PURE)
+                 or (target not in GRAPH and target not in ALLOWED_EXTERNAL))
+    assert not bad, (f"{module} must stay pure, but imports: "
+                     + "; ".join(chain(via, module, target) for target in bad))
+
+
+def test_the_graph_sees_direct_lazy_and_transitive_imports():
+    """The check itself: it finds what the I/O modules are known to import, at module
+    level, inside functions and through another module."""
+    assert {"asyncpg", "sidecar.db", "sidecar.model"} <= GRAPH["sidecar.store"]
+    assert "sidecar.bootstrap" in GRAPH["sidecar.cli"]  # imported inside cmd_run
+    assert "sidecar.db" in GRAPH["sidecar.cli"]      # from sidecar import db
+    assert "asyncpg" in reached(GRAPH, "sidecar.retention")  # through sidecar.store
+    assert "sidecar" in GRAPH["sidecar.store"]       # the package runs first
