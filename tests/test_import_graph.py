@@ -22,7 +22,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
 PURE = frozenset({
     "sidecar.verdict", "sidecar.results", "sidecar.vocabulary", "sidecar.model",
     "sidecar.shortage", "sidecar.clock", "sidecar.errors", "sidecar.jsontext",
-    "sidecar.masking", "sidecar",
+    "sidecar.masking", "sidecar.lease_state", "sidecar",
 })
 # What a pure module may import from outside the sidecar: the standard library's pure
 # parts (``time`` only reads clocks, ``signal`` and ``errno`` only give numbers) and
@@ -32,6 +32,9 @@ ALLOWED_EXTERNAL = frozenset({
     "functools", "itertools", "json", "math", "re", "signal", "time", "typing", "uuid",
     "orjson",
 })
+# One module's own allowance: the lease state machine signals a lost lease on an
+# asyncio.Event (its supervisor waits on it); it never does I/O through asyncio.
+ALLOWED_FOR = {"sidecar.lease_state": frozenset({"asyncio"})}
 # Named in the rule: a pure module never reaches one of these, whatever the lists above say.
 IO_MODULES = frozenset({
     "sidecar.db", "sidecar.store", "sidecar.cgroups", "sidecar.child", "sidecar.isolation",
@@ -118,7 +121,8 @@ def test_a_pure_module_imports_nothing_that_does_io(module):
     via = reached(GRAPH, module)
     bad = sorted(target for target in via if target in IO_MODULES
                  or (target in GRAPH and target not in PURE)
-                 or (target not in GRAPH and target not in ALLOWED_EXTERNAL))
+                 or (target not in GRAPH and target not in ALLOWED_EXTERNAL
+                     and target not in ALLOWED_FOR.get(module, ())))
     assert not bad, (f"{module} must stay pure, but imports: "
                      + "; ".join(chain(via, module, target) for target in bad))
 
