@@ -1,6 +1,8 @@
-"""The fenced end of one attempt: every write that ends an attempt goes through one
-``FencedCommit``, which retries it while the lease's local deadline allows, and logs,
-journals and counts each outcome in one place.
+"""The fenced end of one attempt: ``FencedCommit.end(ending)`` is its only ender. The kind
+of ending (a verdict: Succeeded, Failure, Release, Reject) picks one fenced write
+(``_ENDERS``); every write goes through one retry policy (``_fenced``) while the lease's
+local deadline allows; and one table (``OUTCOME_REPORTS``) says how each outcome is logged
+and journaled, and it is counted in one place (sidecar_attempts_finished_total).
 
 A fenced write (``*_if_owner`` in sidecar.store) carries the job id, owner, token and
 ``lease_until > now()`` (P6). "Not accepted" means another owner holds the job: the
@@ -17,22 +19,23 @@ import asyncio
 import random
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import asyncpg
 
 from sidecar import clock, db, metrics
+from sidecar.context import WorkerContext
 from sidecar.errors import NextStageConflict, OwnershipUnknown
 from sidecar.lease import Lease
 from sidecar.log import log, log_fields
-from sidecar.model import ClaimedJob, JobState, LeaseProfile, NextStage, RawJson
-from sidecar.verdict import Failure, failure
+from sidecar.model import ClaimedJob, JobState, LeaseProfile
+from sidecar.verdict import Ending, Failure, Reject, Release, Succeeded, failure
 from sidecar.vocabulary import FailureKind, Outcome, StopReason
 
-if TYPE_CHECKING:
-    from sidecar.supervisor import WorkerContext
-
 T = TypeVar("T")
+# What an ender returns: the outcome and the fields of its log line.
+Ended = tuple[Outcome, dict[str, Any]]
 
 # What the outcome of an attempt is when its lease ended before anything was committed.
 LEASE_ENDING_OUTCOMES = {StopReason.LEASE_LOST: Outcome.LEASE_LOST,
@@ -112,32 +115,58 @@ class FencedCommit:
     def _duration(self) -> float:
         return round(time.monotonic() - self.started, 3)
 
-    async def succeed(self, result: RawJson, digest: dict[str, Any],
-                      next_stage: NextStage | None, stderr_tail: str | None) -> Outcome:
-        """Commit ``result`` (and create ``next_stage``, P19) if the lease is still ours."""
+    async def end(self, ending: Ending) -> Outcome:
+        """End this attempt by ``ending`` (a verdict; a Commit's output checked into
+        Succeeded) with the one fenced write its kind calls for (``_ENDERS``), then
+        report the outcome once: its log line (``OUTCOME_REPORTS``), the attempt's
+        outcome and duration metrics. The only place an attempt's outcome is written,
+        logged and counted."""
+        outcome, fields = await _ENDERS[type(ending)](self, ending)
+        self._report(outcome, fields)
+        return outcome
+
+    def crashed(self) -> None:
+        """The supervisor raised before an outcome was written (a bug): counted as
+        abandoned, as the lease expires by itself."""
+        self._count(Outcome.ABANDONED)
+
+    def _report(self, outcome: Outcome, fields: dict[str, Any]) -> None:
+        report = OUTCOME_REPORTS[outcome]
+        if report.event is not None:
+            log.emit(report.event, report.level, **log_fields(self.job), **fields)
+        self._count(outcome)
+
+    def _count(self, outcome: Outcome) -> None:
+        labels = (self.job.tool, self.ctx.profile.provider)
+        metrics.ATTEMPTS_FINISHED.labels(*labels, outcome).inc()
+        metrics.ATTEMPT_DURATION.labels(*labels).observe(time.monotonic() - self.started)
+
+    async def _succeed(self, ending: Succeeded) -> Ended:
+        """Commit the result (and create its next stage, P19) if the lease is still ours."""
+        digest, next_stage = dict(ending.digest), ending.next_stage
         details = {"result": digest, "duration_s": self._duration(), **self.resources}
         earlier = await self._take_noted()
         try:
             accepted = await self._fenced(lambda: self.ctx.store.finish_if_owner(
-                self.job, self.ctx.owner_id, JobState.SUCCEEDED, result, None, "job_succeeded",
-                details, self.ctx.profile.result_url or None, next_stage, earlier),
-                "job_succeeded", cancel_is_final=True)
+                self.job, self.ctx.owner_id, JobState.SUCCEEDED, ending.result, None,
+                "job_succeeded", details, self.ctx.profile.result_url or None, next_stage,
+                earlier), "job_succeeded", cancel_is_final=True)
         except OwnershipUnknown:
             self._give_back(earlier)
             return await self._abandon(digest)
         except asyncpg.QueryCanceledError as exc:  # rolled back: nothing was written (F18)
             self._give_back(earlier)
-            return await self.fail(failure(
+            return await self._fail(failure(
                 FailureKind.COMMIT_TIMEOUT,
                 f"the server cancelled the commit of the {digest['bytes']}-byte result "
                 f"({db.describe_error(exc)}); nothing was stored; raise "
                 "SIDECAR_DB_TIMEOUT_SECONDS (the sidecar's statement_timeout is 0.9 x it)",
-                stderr_tail=stderr_tail))
+                stderr_tail=ending.stderr_tail))
         except (asyncpg.DataError, asyncpg.ProgramLimitExceededError) as exc:  # jsonb refused
             self._give_back(earlier)
-            return await self.fail(failure(
+            return await self._fail(failure(
                 FailureKind.BAD_RESULT, f"PostgreSQL refused the result as jsonb: {exc}",
-                stderr_tail=stderr_tail))
+                stderr_tail=ending.stderr_tail))
         except NextStageConflict as exc:
             # Case F22: the stage's key belongs to another job; the statement wrote nothing.
             # Never a silent success: journaled, logged loudly, and the attempt fails.
@@ -148,19 +177,18 @@ class FencedCommit:
             self.note("next_stage_conflict", {"key": exc.key, "holder_id": holder,
                                               "next_tool": next_stage.tool if next_stage
                                               else None})
-            return await self.fail(failure(FailureKind.NEXT_STAGE_CONFLICT, exc.message,
-                                           key=exc.key, holder_id=holder))
+            return await self._fail(failure(FailureKind.NEXT_STAGE_CONFLICT, exc.message,
+                                            key=exc.key, holder_id=holder))
         if not accepted:
             self._give_back(earlier)
             await self.reject(digest, "not the owner at commit")
-            return Outcome.REJECTED
-        log.emit("job_succeeded", **log_fields(self.job), duration_s=details["duration_s"],
-                 next_tool=next_stage.tool if next_stage else None)
+            return Outcome.REJECTED, {}
         if self.ctx.profile.result_url:
             self.ctx.result_queued()
-        return Outcome.SUCCEEDED
+        return Outcome.SUCCEEDED, {"duration_s": details["duration_s"],
+                                   "next_tool": next_stage.tool if next_stage else None}
 
-    async def fail(self, fault: Failure) -> Outcome:
+    async def _fail(self, fault: Failure) -> Ended:
         """Record ``fault``: requeued after backoff while it is retryable and attempts
         remain, else the job fails for good (P16). Every attempt's summary is journaled,
         the last error goes to the row."""
@@ -183,10 +211,9 @@ class FencedCommit:
             if run_after is None:
                 self._give_back(earlier)
                 await self.reject(None, "not the owner at requeue")
-                return Outcome.REJECTED
-            log.emit("job_retry_scheduled", "warning", **log_fields(job), reason=error["kind"],
-                     duration_s=duration, run_after=run_after)
-            return Outcome.REQUEUED
+                return Outcome.REJECTED, {}
+            return Outcome.REQUEUED, {"reason": error["kind"], "duration_s": duration,
+                                      "run_after": run_after}
         if fault.retryable:
             error["message"] += f"; attempt {job.attempt} of {job.max_attempts}, none left"
         earlier = await self._take_noted()
@@ -200,39 +227,36 @@ class FencedCommit:
         if not accepted:
             self._give_back(earlier)
             await self.reject(None, "not the owner at commit")
-            return Outcome.REJECTED
-        log.emit("job_failed", "warning", **log_fields(job), reason=error["kind"],
-                 duration_s=duration, exit_code=error.get("exit_code"))
-        return Outcome.FAILED
+            return Outcome.REJECTED, {}
+        return Outcome.FAILED, {"reason": error["kind"], "duration_s": duration,
+                                "exit_code": error.get("exit_code")}
 
-    async def release(self, reason: str = "shutdown") -> Outcome:
-        """Give the lease back without spending the attempt: at shutdown, or (``reason``
+    async def _release(self, ending: Release) -> Ended:
+        """Give the lease back without spending the attempt: at shutdown, or (reason
         "shortage", case F19) when the host ran short of something before the tool ran."""
         earlier = await self._take_noted()
         try:
             released = await self._fenced(lambda: self.ctx.store.release_if_owner(
                 self.job, self.ctx.owner_id,
-                {"reason": reason, "owner_id": self.ctx.owner_id}, earlier), "lease_released")
+                {"reason": ending.reason, "owner_id": self.ctx.owner_id}, earlier),
+                "lease_released")
         except OwnershipUnknown:
             self._give_back(earlier)
             return await self._abandon(None)
         if not released:
             self._give_back(earlier)
             await self.journal(None, {})
-        log.emit("lease_released" if released else "lease_lost",
-                 "info" if released else "warning", **log_fields(self.job), reason=reason)
-        return Outcome.RELEASED if released else Outcome.LEASE_LOST
+        return Outcome.RELEASED if released else Outcome.LEASE_LOST, {"reason": ending.reason}
 
-    async def lease_ended(self, reason: StopReason, digest: dict[str, Any] | None) -> Outcome:
+    async def _lease_ended(self, ending: Reject) -> Ended:
         """The lease ended before the outcome was written (P13): nothing is committed; a
         result the tool returned (``digest``) is only journaled."""
-        if digest is not None:
-            await self.reject(digest, "lease lost before commit")
+        if ending.digest is not None:
+            await self.reject(dict(ending.digest), "lease lost before commit")
         elif self._noted or self._flush_timer is not None:
             await self.journal(None, {})  # what the attempt noted, on its own
-        log.emit("lease_lost", "warning", **log_fields(self.job), reason=str(reason),
-                 duration_s=self._duration())
-        return LEASE_ENDING_OUTCOMES[reason]
+        return LEASE_ENDING_OUTCOMES[ending.reason], {"reason": str(ending.reason),
+                                                       "duration_s": self._duration()}
 
     async def reject(self, digest: dict[str, Any] | None, why: str) -> None:
         """P6: an outcome we may not commit goes to the journal as hash and size only
@@ -249,13 +273,12 @@ class FencedCommit:
         else:
             await self.journal("result_rejected", details)
 
-    async def _abandon(self, digest: dict[str, Any] | None) -> Outcome:
+    async def _abandon(self, digest: dict[str, Any] | None) -> Ended:
         """The outcome could not be written before the local deadline: give the job up."""
         self.lease.lose(StopReason.LOCAL_DEADLINE)
-        log.emit("lease_abandoned", "error", **log_fields(self.job),
-                 reason="outcome not written before the local deadline; ownership unknown")
         await self.reject(digest, "ownership unknown at commit")
-        return Outcome.ABANDONED
+        return Outcome.ABANDONED, {
+            "reason": "outcome not written before the local deadline; ownership unknown"}
 
     async def _fenced(self, write: Callable[[], Awaitable[T]], event: str, *,
                       cancel_is_final: bool = False) -> T:
@@ -337,3 +360,36 @@ class FencedCommit:
             log.emit("journal_error", "warning", **log_fields(self.job),
                      reason=event or ",".join(e["event"] for e in earlier),
                      kept_for_later=bool(self.lease.abandoned or not self.lease.lost.is_set()))
+
+
+@dataclass(frozen=True)
+class OutcomeReport:
+    """How one outcome is reported: its log line (``event`` at ``level``; None when the
+    rejection's own ``result_rejected`` line says it) and the fenced statement's journal
+    row (``journal``; None when nothing was written, the row being another's)."""
+
+    event: str | None
+    level: str
+    journal: str | None
+
+
+# One table from an attempt's outcome to what is logged and journaled; every outcome is
+# also counted in sidecar_attempts_finished_total{outcome} (labels: tool, provider).
+OUTCOME_REPORTS: dict[Outcome, OutcomeReport] = {
+    Outcome.SUCCEEDED: OutcomeReport("job_succeeded", "info", "job_succeeded"),
+    Outcome.REQUEUED: OutcomeReport("job_retry_scheduled", "warning", "job_retry_scheduled"),
+    Outcome.FAILED: OutcomeReport("job_failed", "warning", "job_failed"),
+    Outcome.RELEASED: OutcomeReport("lease_released", "info", "lease_released"),
+    Outcome.LEASE_LOST: OutcomeReport("lease_lost", "warning", None),
+    Outcome.CANCELLED: OutcomeReport("lease_lost", "warning", None),
+    Outcome.ABANDONED: OutcomeReport("lease_abandoned", "error", "lease_abandoned"),
+    Outcome.REJECTED: OutcomeReport(None, "warning", "result_rejected"),
+}
+
+# The one fenced write per kind of ending.
+_ENDERS: dict[type, Callable[[FencedCommit, Any], Awaitable[Ended]]] = {
+    Succeeded: FencedCommit._succeed,
+    Failure: FencedCommit._fail,
+    Release: FencedCommit._release,
+    Reject: FencedCommit._lease_ended,
+}

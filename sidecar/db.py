@@ -289,8 +289,9 @@ UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
 TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.QueryCanceledError, asyncpg.LockNotAvailableError)
 
-CONNECT_ERRORS = (OSError, asyncio.TimeoutError, asyncpg.PostgresError,
-                  asyncpg.InterfaceError, socket.gaierror)
+# A connection that could not be made: the same failures as any statement's (a name that
+# does not resolve, socket.gaierror, is an OSError; asyncio.TimeoutError is TimeoutError).
+CONNECT_ERRORS = DATABASE_ERRORS
 
 
 def _server_settings() -> dict[str, str]:

@@ -10,17 +10,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable, Collection
-from dataclasses import dataclass, field
+from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
 import psutil
 
 from sidecar import clock, metrics
-from sidecar.cgroups import CgroupHost
 from sidecar.child import (
     Child,
-    ProcessTable,
     SpawnFailed,
     SpawnSetupFailed,
     SpawnShortage,
@@ -28,20 +25,21 @@ from sidecar.child import (
 )
 from sidecar.commit import FencedCommit
 from sidecar.config import Settings
-from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, SparePool, child_environment
-from sidecar.lease import Lease, LeaseKeeper
+from sidecar.context import WorkerContext
+from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment
+from sidecar.lease import Lease
 from sidecar.leftovers import job_name, work_dir_prefix
 from sidecar.log import log, log_fields, payload_digest
 from sidecar.model import ClaimedJob, LeaseProfile, NextStage, RawJson, Usage
 from sidecar.results import BadResult, parse_result, scrub_text, split_next_stage
-from sidecar.shortage import ClaimPause, shortage_errno
-from sidecar.store import Store
+from sidecar.shortage import shortage_errno
 from sidecar.verdict import (
     Commit,
     Failure,
     Observed,
     Reject,
     Release,
+    Succeeded,
     decide,
     failure,
     lifetime_failure,
@@ -50,7 +48,7 @@ from sidecar.verdict import (
 from sidecar.vocabulary import LEASE_ENDINGS, FailureKind, KillSignal, Outcome, StopReason
 
 if TYPE_CHECKING:
-    from sidecar.guard import GuardServer
+    pass
 
 CHECKPOINT_FILE_NAME = "checkpoint.json"
 
@@ -61,30 +59,6 @@ ACKNOWLEDGING_OUTCOMES = frozenset({Outcome.CANCELLED, Outcome.LEASE_LOST, Outco
                                     Outcome.ABANDONED})
 # Results up to this many bytes are parsed on the event loop (well under a millisecond).
 PARSE_ON_LOOP_BYTES = 64 * 1024
-
-
-@dataclass(frozen=True)
-class WorkerContext:
-    """What every supervisor of one sidecar shares."""
-
-    store: Store
-    keeper: LeaseKeeper
-    profile: LeaseProfile
-    owner_id: str
-    argv: list[str]
-    base_env: dict[str, str]
-    shutdown_kill: asyncio.Event
-    result_queued: Callable[[], None]
-    settings: Settings
-    guard: GuardServer | None = None
-    guard_url: str = ""
-    cgroup_host: CgroupHost = CgroupHost()
-    # Set by an attempt that met a shortage of the host; the claim loop waits it out (F19).
-    claim_pause: ClaimPause = field(default_factory=ClaimPause)
-    # The process table (the process's, from the Worker) and the Worker's kept work
-    # directories: every attempt's Child and Sandbox use these.
-    processes: ProcessTable = field(default_factory=ProcessTable)
-    spares: SparePool = field(default_factory=SparePool)
 
 
 def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
@@ -178,17 +152,17 @@ class JobSupervisor:
             if self.predecessors:
                 await asyncio.wait(self.predecessors)  # each kills its tree, bounded by grace
             if self.lease.lost.is_set():  # lost (cancelled again?) while we waited
-                outcome = await self.commit.lease_ended(self._lease_ending(), None)
+                outcome = await self.commit.end(Reject(self._lease_ending()))
             else:
                 outcome = await self._run()
             await self.commit.journal(None, {})  # whatever the attempt noted and no end wrote
             if outcome in ACKNOWLEDGING_OUTCOMES:
                 await self._acknowledge_cancel(outcome)
+        except Exception:
+            self.commit.crashed()  # a bug: counted once, then the worker logs it
+            raise
         finally:
             self.ctx.keeper.drop(self.job.attempt_id)
-        labels = (self.job.tool, self.ctx.profile.provider)
-        metrics.ATTEMPTS_FINISHED.labels(*labels, outcome).inc()
-        metrics.ATTEMPT_DURATION.labels(*labels).observe(time.monotonic() - self.started)
         return outcome
 
     async def _acknowledge_cancel(self, outcome: Outcome) -> None:
@@ -208,7 +182,7 @@ class JobSupervisor:
 
     async def _fail_before_spawn(self, fault: Failure) -> Outcome:
         self.lease.settle()
-        return await self.commit.fail(fault)
+        return await self.commit.end(fault)
 
     async def _short_before_spawn(self, stage: str, errno_name: str, reason: str) -> Outcome:
         """Case F19: the host ran short of processes, memory, descriptors or disk while
@@ -226,7 +200,7 @@ class JobSupervisor:
         self.commit.note("attempt_shortage", {"stage": stage, "errno": errno_name,
                                               "reason": reason, "attempt": self.job.attempt,
                                               "claim_pause_s": pause})
-        return await self.commit.release("shortage")
+        return await self.commit.end(Release("shortage"))
 
     async def _run(self) -> Outcome:
         job, profile = self.job, self.ctx.profile
@@ -406,11 +380,11 @@ class JobSupervisor:
                 # the other jobs' leases.
                 digest = await asyncio.get_running_loop().run_in_executor(
                     None, self._output_digest, child, sandbox) if returned else None
-                return await self.commit.lease_ended(ending, digest)
+                return await self.commit.end(Reject(ending, digest))
             case Release():
-                return await self.commit.release()
+                return await self.commit.end(verdict)
             case Failure():
-                return await self.commit.fail(verdict)
+                return await self.commit.end(verdict)
             case Commit():
                 return await self._commit_output(child, sandbox, stderr_tail)
         raise AssertionError(f"no verdict handled: {verdict!r}")
@@ -435,8 +409,8 @@ class JobSupervisor:
             output, child.stdout = child.stdout, bytearray()  # handed over, not copied
             source = "stdout"
         except BadResult as exc:
-            return await self.commit.fail(failure(FailureKind(exc.kind), exc.message,
-                                                  stderr_tail=stderr_tail))
+            return await self.commit.end(failure(FailureKind(exc.kind), exc.message,
+                                                 stderr_tail=stderr_tail))
         digest = payload_digest(output)
         try:
             if len(output) > PARSE_ON_LOOP_BYTES:
@@ -449,9 +423,9 @@ class JobSupervisor:
                                                    profile)
             del output  # a large result is held once, as the text sent to PostgreSQL
         except BadResult as exc:
-            return await self.commit.fail(failure(FailureKind(exc.kind), exc.message,
-                                                  stderr_tail=stderr_tail))
-        return await self.commit.succeed(result, digest, next_stage, stderr_tail)
+            return await self.commit.end(failure(FailureKind(exc.kind), exc.message,
+                                                 stderr_tail=stderr_tail))
+        return await self.commit.end(Succeeded(result, digest, next_stage, stderr_tail))
 
     def _output_digest(self, child: Child, sandbox: Sandbox) -> dict[str, Any] | None:
         """payload_digest of what the tool returned (its result file, else its stdout),

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from sidecar.model import LeaseProfile, Usage, tool_env_key
+from sidecar.model import LeaseProfile, NextStage, RawJson, Usage, tool_env_key
 from sidecar.vocabulary import LEASE_ENDINGS, RETRYABLE, FailureKind, StopReason
 
 # What a process refused memory under RLIMIT_AS typically writes last (lower case): the
@@ -52,15 +52,32 @@ class Commit:
 
 @dataclass(frozen=True)
 class Release:
-    """Shutdown stopped the tool: give the lease back, the attempt not spent."""
+    """Give the lease back, the attempt not spent: shutdown stopped the tool, or
+    (``reason`` "shortage", case F19) the host ran short of something before it ran."""
+
+    reason: str = "shutdown"
 
 
 @dataclass(frozen=True)
 class Reject:
     """The lease ended (``reason``: lease_lost, cancelled, local_deadline): nothing may be
-    committed; what the tool returned is only journaled (P6, P13)."""
+    committed; what the tool returned (``digest``: sha256 and size, None when nothing) is
+    only journaled (P6, P13)."""
 
     reason: StopReason
+    digest: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True)
+class Succeeded:
+    """A Commit verdict with the output checked (sidecar.results): the ``result`` to
+    store, its ``digest`` (sha256, bytes), the ``next_stage`` it names (P19) and the
+    tool's ``stderr_tail``."""
+
+    result: RawJson
+    digest: Mapping[str, Any]
+    next_stage: NextStage | None = None
+    stderr_tail: str | None = None
 
 
 @dataclass(frozen=True)
@@ -85,6 +102,9 @@ class Failure:
 
 
 Verdict = Commit | Release | Reject | Failure
+# What ends an attempt (sidecar.commit.FencedCommit.end): a verdict, with a Commit's
+# output checked into Succeeded.
+Ending = Succeeded | Release | Reject | Failure
 
 
 def failure(kind: FailureKind, message: str, **details: Any) -> Failure:

@@ -21,6 +21,7 @@ from sidecar import clock, db, health, metrics, retention
 from sidecar.cgroups import CgroupHost
 from sidecar.child import ProcessTable
 from sidecar.config import Settings
+from sidecar.context import WorkerContext
 from sidecar.errors import ConfigError
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
@@ -34,8 +35,8 @@ from sidecar.periodic import Periodic
 from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
 from sidecar.store import Store
-from sidecar.supervisor import JobSupervisor, WorkerContext
-from sidecar.vocabulary import AttemptId, FailureKind, Outcome
+from sidecar.supervisor import JobSupervisor
+from sidecar.vocabulary import AttemptId, FailureKind
 
 # An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
 # function skips places older than two minutes (migration 008).
@@ -371,7 +372,6 @@ class Worker:
             log.emit("supervisor_error", "error", job_id=str(attempt.job_id),
                      fencing_token=attempt.fencing_token, tool=self.profile.tool,
                      reason=f"{type(exc).__name__}: {exc}")
-            metrics.ATTEMPTS_FINISHED.labels(*self.labels, Outcome.ABANDONED).inc()
         self.wake.set()
 
     async def _drain_running(self) -> None:

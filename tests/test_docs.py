@@ -108,6 +108,14 @@ def _argument(call: ast.Call, name: str, index: int | None) -> ast.AST | None:
     return None
 
 
+def _outcome_reports(tree: ast.AST) -> list[tuple[str, str]]:
+    """(event, level) of each ``OutcomeReport("event", "level", ...)`` in a module."""
+    return [(call.args[0].value, call.args[1].value) for call in _calls(tree)
+            if _callee(call) == ("OutcomeReport", False) and len(call.args) >= 2
+            and isinstance(call.args[0], ast.Constant) and isinstance(call.args[0].value, str)
+            and isinstance(call.args[1], ast.Constant)]
+
+
 def _log_events() -> tuple[dict[str, set[str]], list[str]]:
     """{event: levels} of every ``.emit(...)`` call in sidecar/, and the places whose event
     name is computed (which this test cannot check)."""
@@ -126,6 +134,13 @@ def _log_events() -> tuple[dict[str, set[str]], list[str]]:
             if names is None and ast.unparse(call.args[0]) == "self.error_event" \
                     and path.name == "periodic.py":
                 names = given
+            if names is None and ast.unparse(call.args[0]) == "report.event" \
+                    and path.name == "commit.py":
+                # An attempt's outcome line: its event and level come from the one table,
+                # OUTCOME_REPORTS (sidecar.commit), read as written.
+                for event, level in _outcome_reports(tree):
+                    found.setdefault(event, set()).add(level)
+                continue
             if names is None:
                 unresolved.append(f"{path.relative_to(ROOT)}:{call.lineno}")
                 continue

@@ -1,0 +1,45 @@
+"""What every supervisor of one sidecar shares: its ``WorkerContext``. A module of its own
+so the supervisor and the fenced commit both import it, neither importing the other."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from sidecar.cgroups import CgroupHost
+from sidecar.child import ProcessTable
+from sidecar.config import Settings
+from sidecar.isolation import SparePool
+from sidecar.lease import LeaseKeeper
+from sidecar.model import LeaseProfile
+from sidecar.shortage import ClaimPause
+from sidecar.store import Store
+
+if TYPE_CHECKING:
+    from sidecar.guard import GuardServer
+
+
+@dataclass(frozen=True)
+class WorkerContext:
+    """What every supervisor of one sidecar shares."""
+
+    store: Store
+    keeper: LeaseKeeper
+    profile: LeaseProfile
+    owner_id: str
+    argv: list[str]
+    base_env: dict[str, str]
+    shutdown_kill: asyncio.Event
+    result_queued: Callable[[], None]
+    settings: Settings
+    guard: GuardServer | None = None
+    guard_url: str = ""
+    cgroup_host: CgroupHost = CgroupHost()
+    # Set by an attempt that met a shortage of the host; the claim loop waits it out (F19).
+    claim_pause: ClaimPause = field(default_factory=ClaimPause)
+    # The process table (the process's, from the Worker) and the Worker's kept work
+    # directories: every attempt's Child and Sandbox use these.
+    processes: ProcessTable = field(default_factory=ProcessTable)
+    spares: SparePool = field(default_factory=SparePool)

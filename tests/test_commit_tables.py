@@ -1,0 +1,49 @@
+"""The one ender of an attempt (sidecar.commit.FencedCommit.end): its two tables, checked
+without a database or a process. The fenced writes themselves are exercised end to end
+by test_ownership.py, test_lost_answers.py, test_db_faults.py and test_locks_and_settings.py."""
+
+from __future__ import annotations
+
+import random
+import typing
+
+from test_docs import _catalog
+
+from sidecar.commit import _ENDERS, OUTCOME_REPORTS, backoff_seconds
+from sidecar.model import LeaseProfile
+from sidecar.verdict import Ending
+from sidecar.vocabulary import Outcome
+
+
+def test_every_kind_of_ending_has_one_fenced_write():
+    """Every member of the Ending union is dispatched, and nothing else is."""
+    assert set(_ENDERS) == set(typing.get_args(Ending))
+
+
+def test_every_outcome_is_reported_by_the_one_table_and_the_catalog_knows_it():
+    """Each Outcome has one report; its log line and its journal row are events of the
+    catalog (docs/operations.md) at that level and place."""
+    assert set(OUTCOME_REPORTS) == set(Outcome)
+    catalog = _catalog()
+    for outcome, report in OUTCOME_REPORTS.items():
+        if report.event is not None:
+            levels, place = catalog[report.event]
+            assert place in ("log", "both") and report.level in levels, (outcome, report)
+        if report.journal is not None:
+            assert catalog[report.journal][1] in ("journal", "both"), (outcome, report)
+
+
+def _profile(base: float, cap: float) -> LeaseProfile:
+    fields = {f: None for f in LeaseProfile.__dataclass_fields__}
+    return LeaseProfile(**{**fields, "backoff_base_seconds": base, "backoff_max_seconds": cap})
+
+
+def test_backoff_is_full_jitter_under_the_capped_exponential():
+    """P16: attempt n waits a uniform draw in [0, min(cap, base x 2^(n-1))] seconds."""
+    random.seed(7)
+    profile = _profile(0.5, 10.0)
+    for attempt in range(1, 12):
+        bound = min(10.0, 0.5 * 2 ** (attempt - 1))
+        draws = [backoff_seconds(profile, attempt) for _ in range(200)]
+        assert all(0.0 <= d <= bound for d in draws)
+        assert max(draws) > 0.8 * bound  # the draw spans the range, not a fixed delay
