@@ -97,6 +97,33 @@ def journal_details(dsn: str, job_id, event: str) -> list:
         job_id, event)]
 
 
+def journal_rows(dsn: str, job_id, event: str) -> list:
+    """Every journal row of ``event`` for the job, oldest first: ``fencing_token``,
+    ``details`` and ``at`` of each."""
+    return query(dsn, "SELECT fencing_token, details, at FROM tool_job_events "
+                      "WHERE job_id = $1::uuid AND event = $2 ORDER BY id", str(job_id), event)
+
+
+def metric_value(text: str, name: str, **labels: str) -> float | None:
+    """The value of the sample ``name{labels...}`` in a Prometheus text exposition (the
+    first whose labels include all of ``labels``), None when there is none."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name + "{"):
+            continue
+        head, value = line.rsplit(" ", 1)
+        if all(f'{k}="{v}"' in head for k, v in labels.items()):
+            return float(value)
+    return None
+
+
+def scraped_metric(base: str, name: str, **labels: str) -> float | None:
+    """``metric_value`` of what ``base``/metrics serves now."""
+    import urllib.request
+
+    with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
+        return metric_value(response.read().decode(), name, **labels)
+
+
 def sidecar_backends(dsn: str) -> set[int]:
     """Server pids of the sessions sidecars hold on ``dsn``'s database now."""
     return {r[0] for r in query(

@@ -40,7 +40,7 @@ from pathlib import Path
 import asyncpg
 import pytest
 
-from kit import base_env, cli, enqueue, one_line_error, parse_events, query, run
+from kit import base_env, cli, enqueue, job_row, one_line_error, parse_events, query, run
 from sidecar.db import init_connection
 from sidecar.errors import NextStageConflict, UsageError
 from sidecar.model import NextStage, RawJson
@@ -56,10 +56,6 @@ AUDITED = {
     ("sql/fence.sql", "fence_claim_key"),
     ("sql/queries.sql", "register_idle_sidecar"),
 }
-
-
-def _job(dsn, job_id):
-    return query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0]
 
 
 def _insert_legacy_job(dsn, tool, key):
@@ -83,7 +79,7 @@ def test_a_stage_key_is_refused_at_enqueue_with_one_line(dsn, key):
 @pytest.mark.parametrize("key", ["K:stage", "K:stage:x", "K:stage:1:final", "stage:1"])
 def test_keys_outside_the_stage_namespace_are_accepted(dsn, key):
     job_id = enqueue(dsn, "report", {}, "--idempotency-key", key)
-    assert _job(dsn, job_id)["idempotency_key"] == key
+    assert job_row(dsn, job_id)["idempotency_key"] == key
 
 
 def test_the_store_refuses_a_stage_key_too(dsn):
@@ -108,7 +104,7 @@ def test_a_next_stage_whose_key_is_taken_fails_the_parent_loudly(dsn, sidecars):
     done = cli(dsn, "run", "--tool", "ocr", "--drain", "--", TOOL, env=env, timeout=90)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
 
-    row = _job(dsn, parent)
+    row = job_row(dsn, parent)
     assert row["state"] == "failed", row
     assert row["error"]["kind"] == "next_stage_conflict"
     assert "K:stage:1" in row["error"]["message"] and holder in row["error"]["message"]
@@ -123,7 +119,7 @@ def test_a_next_stage_whose_key_is_taken_fails_the_parent_loudly(dsn, sidecars):
     assert any(e.get("event") == "next_stage_conflict" and e.get("level") == "error"
                for e in logged), done.stderr.decode()[-2000:]
     # The unrelated job is untouched.
-    assert _job(dsn, holder)["state"] == "queued" and _job(dsn, holder)["parent_id"] is None
+    assert job_row(dsn, holder)["state"] == "queued" and job_row(dsn, holder)["parent_id"] is None
 
 
 def test_the_store_tells_its_own_stage_from_someone_elses(dsn):
@@ -162,7 +158,7 @@ def test_the_store_tells_its_own_stage_from_someone_elses(dsn):
     assert again is True
     assert len(query(dsn, "SELECT id FROM tool_jobs WHERE parent_id = $1", own_id)) == 1
     assert conflict.key == "other:stage:1" and str(conflict.holder_id) == holder
-    row = _job(dsn, other_id)
+    row = job_row(dsn, other_id)
     assert row["state"] == "running" and row["result"] is None  # rolled back whole
     assert query(dsn, "SELECT event FROM tool_job_events WHERE job_id = $1 AND "
                       "event = 'job_succeeded'", other_id) == []

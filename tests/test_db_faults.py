@@ -35,6 +35,7 @@ from kit import (
     base_env,
     cli,
     enqueue,
+    job_row,
     pid_alive,
     query,
     read_pids,
@@ -49,10 +50,6 @@ LOST_EVENTS = {"heartbeat_lost", "lease_abandoned", "lease_lost", "child_killed"
                "result_rejected", "worker_failed", "supervisor_error"}
 
 
-def _job(dsn, job_id):
-    return query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0]
-
-
 def _journal(dsn, job_id, token=None) -> list[str]:
     rows = query(dsn, "SELECT fencing_token, event FROM tool_job_events "
                       "WHERE job_id = $1 ORDER BY id", job_id)
@@ -60,7 +57,7 @@ def _journal(dsn, job_id, token=None) -> list[str]:
 
 
 def _state(dsn, job_id) -> str:
-    return _job(dsn, job_id)["state"]
+    return job_row(dsn, job_id)["state"]
 
 
 def _ts(event: dict) -> float:
@@ -90,7 +87,7 @@ def _wait_fresh_heartbeat(sidecar, job_id, timeout: float = 10.0) -> dict:
 
 
 def _assert_succeeded_first_attempt(dsn, job_id, tool_pid=None):
-    job = _job(dsn, job_id)
+    job = job_row(dsn, job_id)
     assert job["state"] == "succeeded", dict(job)
     assert job["attempt"] == 1 and job["fencing_token"] == 1, dict(job)
     assert job["result"]["ok"] is True and job["result"]["attempt"] == 1
@@ -198,7 +195,7 @@ def test_long_partition_kills_the_tree_before_the_lease_ends_then_recovers(
         claimed = sidecar.wait_event("job_claimed", timeout=1, job_id=second)
         assert _ts(claimed) - restored < 10
         _assert_succeeded_first_attempt(dsn, second)
-        first = _job(dsn, job_id)
+        first = job_row(dsn, job_id)
         assert first["state"] in ("running", "failed") and first["fencing_token"] == 1
     assert not {"job_succeeded", "job_retry_scheduled"} & set(_journal(dsn, job_id))
     assert sidecar.proc.poll() is None, "the sidecar must not exit (no restart)"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import orjson
 import pytest
 
-from kit import base_env, cli, enqueue, free_port, query, wait_until
+from kit import base_env, cli, enqueue, free_port, journal_rows, query, wait_until
 
 
 def _env(dsn, url, tool="echo-json", **extra):
@@ -16,11 +16,6 @@ def _env(dsn, url, tool="echo-json", **extra):
 
 def _outbox(dsn, job_id):
     return query(dsn, "SELECT * FROM tool_job_outbox WHERE job_id = $1", job_id)
-
-
-def _events(dsn, job_id, name):
-    return query(dsn, "SELECT fencing_token, details FROM tool_job_events "
-                      "WHERE job_id = $1 AND event = $2 ORDER BY id", job_id, name)
 
 
 def _run_drain(dsn, env, tool="echo-json", command=("cat",)):
@@ -43,7 +38,7 @@ def test_accepted_result_is_posted_once_with_key_and_fence(dsn, sink):
                             "attempt": 1, "result": {"answer": 42}}
     [row] = _outbox(dsn, job_id)
     assert row["state"] == "delivered" and row["attempts"] == 1 and row["last_status"] == 201
-    assert _events(dsn, job_id, "effect_forwarded")[0]["details"]["status"] == 201
+    assert journal_rows(dsn, job_id, "effect_forwarded")[0]["details"]["status"] == 201
     shown = orjson.loads(cli(dsn, "show", job_id, env=env).stdout)
     assert shown["forwarding"][0]["state"] == "delivered"
 
@@ -72,8 +67,8 @@ def test_permanent_refusal_dead_letters_with_the_reason(dsn, sink, status, body,
     assert len(server.requests) == 1  # never retried
     [row] = _outbox(dsn, job_id)
     assert row["state"] == "dead_lettered" and row["last_error"] == reason
-    assert _events(dsn, job_id, "effect_rejected")[0]["details"]["reason"] == reason
-    assert _events(dsn, job_id, "forward_dead_lettered")[0]["details"]["status"] == status
+    assert journal_rows(dsn, job_id, "effect_rejected")[0]["details"]["reason"] == reason
+    assert journal_rows(dsn, job_id, "forward_dead_lettered")[0]["details"]["status"] == status
     # The job's own outcome stands: the result was accepted before it was forwarded.
     assert query(dsn, "SELECT state FROM tool_jobs WHERE id = $1", job_id)[0]["state"] == \
         "succeeded"

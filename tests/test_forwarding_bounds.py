@@ -18,12 +18,19 @@ PostgreSQL.
 
 from __future__ import annotations
 
-import urllib.request
-
 import orjson
 import pytest
 
-from kit import base_env, cli, enqueue, one_line_error, query, wait_until
+from kit import (
+    base_env,
+    cli,
+    enqueue,
+    journal_rows,
+    one_line_error,
+    query,
+    scraped_metric,
+    wait_until,
+)
 from sidecar.config import load_settings
 
 TOOL = "echo-json"
@@ -38,11 +45,6 @@ def _outbox(dsn, job_id):
     return query(dsn, "SELECT * FROM tool_job_outbox WHERE job_id = $1", job_id)
 
 
-def _events(dsn, job_id, name):
-    return query(dsn, "SELECT details FROM tool_job_events WHERE job_id = $1 AND event = $2 "
-                      "ORDER BY id", job_id, name)
-
-
 def _drain(dsn, env):
     done = cli(dsn, "run", "--tool", TOOL, "--drain", "--", "cat", env=env, timeout=90)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
@@ -52,16 +54,6 @@ def _wait_state(dsn, job_id, state, timeout=30.0):
     wait_until(lambda: (_outbox(dsn, job_id) or [{}])[0].get("state") == state, timeout,
                what=f"outbox row {state}")
     return _outbox(dsn, job_id)[0]
-
-
-def _metric(base: str, name: str, **labels) -> float | None:
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
-        text = response.read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in
-                                               labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    return None
 
 
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
@@ -77,10 +69,10 @@ def test_a_redirect_is_never_a_delivery(dsn, sink, status):
     assert row["last_status"] == status
     assert "/page" in row["last_error"] and "redirect" in row["last_error"]
     assert [(r.method, r.path) for r in server.requests] == [("POST", "/hook")]
-    [dead] = _events(dsn, job_id, "forward_dead_lettered")
+    [dead] = journal_rows(dsn, job_id, "forward_dead_lettered")
     assert dead["details"]["kind"] == "redirect" and dead["details"]["location"] == "/page"
-    assert _events(dsn, job_id, "effect_forwarded") == []
-    assert _events(dsn, job_id, "effect_rejected") == []  # the receiver refused nothing
+    assert journal_rows(dsn, job_id, "effect_forwarded") == []
+    assert journal_rows(dsn, job_id, "effect_rejected") == []  # the receiver refused nothing
     shown = orjson.loads(cli(dsn, "show", job_id, env=env).stdout)
     assert shown["forwarding"][0]["state"] == "dead_lettered"
     assert "/page" in shown["forwarding"][0]["last_error"]
@@ -132,14 +124,15 @@ def test_retries_end_after_max_attempts_and_the_job_can_then_be_pruned(dsn, sink
 
     row = _wait_state(dsn, job_id, "dead_lettered")
     assert row["attempts"] == 3 and len(server.requests) == 3 and row["last_status"] == 500
-    [dead] = _events(dsn, job_id, "forward_dead_lettered")
+    [dead] = journal_rows(dsn, job_id, "forward_dead_lettered")
     assert dead["details"]["kind"] == "max_attempts" and dead["details"]["attempts"] == 3
-    assert _events(dsn, job_id, "effect_rejected") == []
+    assert journal_rows(dsn, job_id, "effect_rejected") == []
     logged = sc.wait_event("forward_dead_lettered", job_id=job_id)
     assert logged["kind"] == "max_attempts" and logged["level"] == "warning"
-    assert _metric(base, "sidecar_forward_dead_letters_total", tool=TOOL,
-                   kind="max_attempts") == 1
-    assert _metric(base, "sidecar_forward_dead_letters_total", tool=TOOL, kind="max_age") == 0
+    assert scraped_metric(base, "sidecar_forward_dead_letters_total", tool=TOOL,
+                          kind="max_attempts") == 1
+    assert scraped_metric(base, "sidecar_forward_dead_letters_total", tool=TOOL,
+                          kind="max_age") == 0
     shown = orjson.loads(cli(dsn, "show", job_id, env=env).stdout)
     assert shown["forwarding"][0]["state"] == "dead_lettered"
     assert "3 delivery attempts" in shown["forwarding"][0]["last_error"]
@@ -162,7 +155,7 @@ def test_retries_end_at_max_age(dsn, sink, sidecars):
 
     row = _wait_state(dsn, job_id, "dead_lettered")
     assert 1 < row["attempts"] < 10000 and row["last_status"] == 503
-    [dead] = _events(dsn, job_id, "forward_dead_lettered")
+    [dead] = journal_rows(dsn, job_id, "forward_dead_lettered")
     assert dead["details"]["kind"] == "max_age" and dead["details"]["age_s"] >= 2
     assert len(server.requests) == row["attempts"]
 
@@ -179,7 +172,7 @@ def test_retry_forwarding_delivers_a_dead_letter_again(dsn, sink, sidecars):
     assert orjson.loads(done.stdout)["count"] == 1
     row = _wait_state(dsn, job_id, "delivered")
     assert row["attempts"] == 1 and len(server.requests) == 3
-    [again] = _events(dsn, job_id, "forward_redelivery")
+    [again] = journal_rows(dsn, job_id, "forward_redelivery")
     assert again["details"]["previous_status"] == 500
     assert again["details"]["by"] == "sidecar retry --forwarding"
 

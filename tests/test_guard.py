@@ -19,7 +19,17 @@ import asyncpg
 import orjson
 import pytest
 
-from kit import FAST_PROFILE, TOOLS, base_env, cli, enqueue, query, run, wait_until_async
+from kit import (
+    FAST_PROFILE,
+    TOOLS,
+    base_env,
+    cli,
+    enqueue,
+    journal_rows,
+    query,
+    run,
+    wait_until_async,
+)
 from sidecar.clock import ownership_now
 from sidecar.config import load_settings
 from sidecar.db import init_connection
@@ -226,11 +236,6 @@ def test_guard_rejects_bad_bodies(dsn):
     run(go())
 
 
-def _events(dsn: str, job_id, event: str) -> list:
-    return query(dsn, "SELECT fencing_token, details FROM tool_job_events "
-                      "WHERE job_id = $1 AND event = $2 ORDER BY id", job_id, event)
-
-
 def test_checkpoint_is_saved_with_the_job_and_journaled(dsn):
     async def go():
         async with guarded(dsn) as h:
@@ -253,7 +258,7 @@ def test_checkpoint_is_saved_with_the_job_and_journaled(dsn):
     job_id = lease.job.id
     assert query(dsn, "SELECT checkpoint FROM tool_jobs WHERE id = $1", job_id)[0][0] \
         == {"page": 4, "cursor": "abd"}
-    events = _events(dsn, job_id, "checkpoint_saved")
+    events = journal_rows(dsn, job_id, "checkpoint_saved")
     assert len(events) == 4
     assert {e["fencing_token"] for e in events} == {lease.job.fencing_token}
     assert events[0]["details"] == {"bytes": len(first),
@@ -291,7 +296,7 @@ def test_checkpoint_limits_and_bad_json(dsn):
     lease = run(go())
     assert query(dsn, "SELECT checkpoint FROM tool_jobs WHERE id = $1", lease.job.id)[0][0] \
         is None
-    assert _events(dsn, lease.job.id, "checkpoint_saved") == []
+    assert journal_rows(dsn, lease.job.id, "checkpoint_saved") == []
 
 
 def test_checkpoint_is_refused_after_another_owner_took_the_job(dsn):
@@ -321,7 +326,7 @@ def test_checkpoint_is_refused_after_another_owner_took_the_job(dsn):
     lease, other = run(go())
     row = query(dsn, "SELECT checkpoint, owner_id FROM tool_jobs WHERE id = $1", lease.job.id)[0]
     assert row["checkpoint"] == {"page": 1} and row["owner_id"] == "w2"
-    assert [e["fencing_token"] for e in _events(dsn, lease.job.id, "checkpoint_saved")] == [1]
+    assert [e["fencing_token"] for e in journal_rows(dsn, lease.job.id, "checkpoint_saved")] == [1]
     assert query(dsn, "SELECT checkpoint FROM tool_jobs WHERE id = $1", other.job.id)[0][0] \
         is None
 
@@ -549,7 +554,7 @@ def test_sidecar_run_gives_the_tool_a_working_guard(dsn):
     assert job["result"]["guard"]["fencing_token"] == job["fencing_token"] == 1
     assert job["result"]["checkpoint"] == {"saved": True, "bytes": len('{"done":"publish"}')}
     assert job["checkpoint"] == {"done": "publish"}
-    [event] = _events(dsn, job_id, "checkpoint_saved")
+    [event] = journal_rows(dsn, job_id, "checkpoint_saved")
     assert event["fencing_token"] == 1
     assert b"SIDECAR_GUARD_TOKEN" not in done.stderr  # the secret is never logged
 

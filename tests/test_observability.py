@@ -12,7 +12,7 @@ import orjson
 import pytest
 from netproxy import BlackholeProxy, through, upstream_of
 
-from kit import base_env, cli, enqueue, query, wait_until
+from kit import base_env, cli, enqueue, metric_value, query, wait_until
 
 
 def _get(url: str) -> tuple[int, str]:
@@ -21,16 +21,6 @@ def _get(url: str) -> tuple[int, str]:
             return response.status, response.read().decode()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read().decode()
-
-
-def _metric(text: str, name: str, **labels) -> float | None:
-    for line in text.splitlines():
-        if line.startswith("#") or not line.startswith(name + "{"):
-            continue
-        head, value = line.rsplit(" ", 1)
-        if all(f'{k}="{v}"' in head for k, v in labels.items()):
-            return float(value)
-    return None
 
 
 def _addr(sc) -> str:
@@ -47,10 +37,10 @@ def test_metrics_start_at_zero_and_count_ownership_events(dsn, sidecars):
     assert status == 200
     labels = {"tool": "hang_tree.py", "provider": "acme"}
     # Known label sets exist before anything happened.
-    assert _metric(text, "sidecar_attempts_finished_total", outcome="failed", **labels) == 0
-    assert _metric(text, "sidecar_heartbeats_total", result="lost", **labels) == 0
-    assert _metric(text, "sidecar_child_kills_total", reason="stage_timeout", signal="SIGKILL",
-                   **labels) == 0
+    assert metric_value(text, "sidecar_attempts_finished_total", outcome="failed", **labels) == 0
+    assert metric_value(text, "sidecar_heartbeats_total", result="lost", **labels) == 0
+    assert metric_value(text, "sidecar_child_kills_total", reason="stage_timeout",
+                        signal="SIGKILL", **labels) == 0
     assert "job_id" not in text
 
     job_id = enqueue(dsn, "hang_tree.py", {"pidfile": "/dev/null"}, "--max-attempts", "1",
@@ -58,16 +48,16 @@ def test_metrics_start_at_zero_and_count_ownership_events(dsn, sidecars):
     wait_until(lambda: query(dsn, "SELECT state FROM tool_jobs WHERE id = $1", job_id)[0]
                ["state"] == "failed", 20, what="the stage timeout")
     _, text = _get(base + "/metrics")
-    assert _metric(text, "sidecar_jobs_claimed_total", **labels) == 1
-    assert _metric(text, "sidecar_attempts_finished_total", outcome="failed", **labels) == 1
-    assert _metric(text, "sidecar_child_kills_total", reason="stage_timeout", signal="SIGKILL",
-                   **labels) == 1
-    assert _metric(text, "sidecar_processes_left_after_kill_total", **labels) == 0
-    assert _metric(text, "sidecar_heartbeats_total", result="ok", **labels) >= 1
-    assert _metric(text, "sidecar_last_heartbeat_timestamp_seconds", **labels) > 1.7e9
-    assert _metric(text, "sidecar_lease_slack_seconds_count", **labels) >= 1
-    assert _metric(text, "sidecar_attempt_duration_seconds_count", **labels) == 1
-    assert _metric(text, "sidecar_queue_depth", **labels) == 0
+    assert metric_value(text, "sidecar_jobs_claimed_total", **labels) == 1
+    assert metric_value(text, "sidecar_attempts_finished_total", outcome="failed", **labels) == 1
+    assert metric_value(text, "sidecar_child_kills_total", reason="stage_timeout",
+                        signal="SIGKILL", **labels) == 1
+    assert metric_value(text, "sidecar_processes_left_after_kill_total", **labels) == 0
+    assert metric_value(text, "sidecar_heartbeats_total", result="ok", **labels) >= 1
+    assert metric_value(text, "sidecar_last_heartbeat_timestamp_seconds", **labels) > 1.7e9
+    assert metric_value(text, "sidecar_lease_slack_seconds_count", **labels) >= 1
+    assert metric_value(text, "sidecar_attempt_duration_seconds_count", **labels) == 1
+    assert metric_value(text, "sidecar_queue_depth", **labels) == 0
 
 
 def test_livez_and_readyz_and_draining(dsn, sidecars):

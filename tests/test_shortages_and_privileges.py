@@ -9,7 +9,6 @@ import os
 import resource
 import shutil
 import subprocess
-import urllib.request
 import uuid
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from kit import (
     kill_pid,
     pid_alive,
     python_for,
+    scraped_metric,
     short_root,
     wait_until,
 )
@@ -99,15 +99,6 @@ def test_spawn_without_descriptors_is_a_shortage_not_a_spawn_failure():
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     assert caught is not None and caught.errno_name == "EMFILE"
-
-
-def _metric(base: str, name: str, **labels: str) -> float:
-    with urllib.request.urlopen(base + "/metrics", timeout=5) as answer:
-        text = answer.read().decode()
-    for line in text.splitlines():
-        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
-            return float(line.rsplit(" ", 1)[1])
-    raise AssertionError(f"no {name} {labels} in /metrics")
 
 
 async def _spawn_joining(procs_file: str):
@@ -193,8 +184,8 @@ def test_pids_limit_reached_by_another_tool_releases_the_attempt_unspent(
         assert journaled and journaled[0]["errno"] == "EAGAIN"
         assert [d["reason"] for d in journal_details(dsn, late, "lease_released")][0] \
             == "shortage"
-        assert _metric(base, "sidecar_attempt_shortages_total", tool="fill",
-                       errno="EAGAIN") >= 1
+        assert scraped_metric(base, "sidecar_attempt_shortages_total", tool="fill",
+                              errno="EAGAIN") >= 1
     finally:
         release.touch()
     wait_until(lambda: job_row(dsn, filler)["state"] == "succeeded", 20,

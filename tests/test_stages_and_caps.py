@@ -6,7 +6,17 @@ from __future__ import annotations
 import asyncpg
 import orjson
 
-from kit import base_env, cli, enqueue, pid_alive, query, run, wait_until
+from kit import (
+    base_env,
+    cli,
+    enqueue,
+    job_row,
+    journal_rows,
+    pid_alive,
+    query,
+    run,
+    wait_until,
+)
 from sidecar.commit import backoff_seconds
 from sidecar.config import load_settings
 from sidecar.db import init_connection
@@ -14,15 +24,6 @@ from sidecar.model import NextStage, RawJson
 from sidecar.store import Store
 
 TOOL = "stage_tool.py"
-
-
-def _job(dsn, job_id):
-    return query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0]
-
-
-def _events(dsn, job_id, name):
-    return query(dsn, "SELECT fencing_token, details, at FROM tool_job_events "
-                      "WHERE job_id = $1 AND event = $2 ORDER BY id", job_id, name)
 
 
 def _drain(dsn, env, tool, command=(TOOL,)):
@@ -37,7 +38,7 @@ def test_a_result_naming_an_allowed_next_stage_creates_it_once(dsn):
     parent = enqueue(dsn, "fetch", {"mode": "first", "next": "publish"}, "--idempotency-key",
                      "report-7", env=env)
     _drain(dsn, env, "fetch")
-    row = _job(dsn, parent)
+    row = job_row(dsn, parent)
     assert row["state"] == "succeeded" and row["result"] == {"fetched": 3}
     [child] = query(dsn, "SELECT * FROM tool_jobs WHERE parent_id = $1", parent)
     assert child["tool"] == "publish" and child["stage"] == 1 and child["state"] == "queued"
@@ -47,7 +48,7 @@ def test_a_result_naming_an_allowed_next_stage_creates_it_once(dsn):
     assert [s["id"] for s in shown["next_stages"]] == [str(child["id"])]
 
     _drain(dsn, env, "publish")
-    done = _job(dsn, child["id"])
+    done = job_row(dsn, child["id"])
     assert done["state"] == "succeeded" and done["result"] == {"got": {"mode": "last", "n": 3}}
 
 
@@ -55,7 +56,7 @@ def test_a_next_stage_tool_not_in_the_profile_fails_stage_not_allowed(dsn):
     env = base_env(dsn, SIDECAR_PROFILE_FETCH_NEXT_TOOLS="publish")
     parent = enqueue(dsn, "fetch", {"mode": "first", "next": "rm-rf"}, env=env)
     _drain(dsn, env, "fetch")
-    row = _job(dsn, parent)
+    row = job_row(dsn, parent)
     assert row["state"] == "failed" and row["error"]["kind"] == "stage_not_allowed"
     assert row["attempt"] == 1 and "rm-rf" in row["error"]["message"]
     assert query(dsn, "SELECT id FROM tool_jobs WHERE parent_id = $1", parent) == []
@@ -96,8 +97,8 @@ def test_cancelling_a_parent_cancels_its_queued_stages(dsn):
     out = orjson.loads(done.stdout)
     assert out["cancelled"] is False and out["previous_state"] == "succeeded"
     assert out["cancelled_stages"] == [str(child["id"])]
-    assert _job(dsn, child["id"])["state"] == "cancelled"
-    assert _job(dsn, parent)["state"] == "succeeded"
+    assert job_row(dsn, child["id"])["state"] == "cancelled"
+    assert job_row(dsn, parent)["state"] == "succeeded"
 
 
 def test_lifetime_cap_kills_a_heartbeating_job(dsn, sidecars, tmp_path):
@@ -105,14 +106,14 @@ def test_lifetime_cap_kills_a_heartbeating_job(dsn, sidecars, tmp_path):
     job_id = enqueue(dsn, TOOL, {"mode": "idle"}, env=env)
     sc = sidecars(dsn, [TOOL], env=env)
     started = sc.wait_event("tool_request_started", job_id=job_id)
-    wait_until(lambda: _job(dsn, job_id)["state"] == "failed", 15, what="the lifetime cap")
-    row = _job(dsn, job_id)
+    wait_until(lambda: job_row(dsn, job_id)["state"] == "failed", 15, what="the lifetime cap")
+    row = job_row(dsn, job_id)
     assert row["error"]["kind"] == "max_lifetime_exceeded" and row["attempt"] == 1
     assert not pid_alive(started["pid"])
-    [killed] = _events(dsn, job_id, "child_killed")
+    [killed] = journal_rows(dsn, job_id, "child_killed")
     assert killed["details"]["reason"] == "max_lifetime_exceeded"
     # Heartbeats kept the lease alive all along: the cap, not the lease, ended it.
-    assert _events(dsn, job_id, "heartbeat_lost") == []
+    assert journal_rows(dsn, job_id, "heartbeat_lost") == []
     elapsed = (row["finished_at"] - row["first_claimed_at"]).total_seconds()
     assert 2 <= elapsed < 2 + 1 + 3  # cap + kill grace + slack
 
@@ -124,9 +125,9 @@ def test_lifetime_counts_from_the_first_claim_across_attempts(dsn, sidecars):
     query(dsn, "UPDATE tool_jobs SET first_claimed_at = now() - interval '10 seconds' "
                "WHERE id = $1", job_id)
     _drain(dsn, env, TOOL)
-    row = _job(dsn, job_id)
+    row = job_row(dsn, job_id)
     assert row["state"] == "failed" and row["error"]["kind"] == "max_lifetime_exceeded"
-    assert _events(dsn, job_id, "tool_request_started") == []
+    assert journal_rows(dsn, job_id, "tool_request_started") == []
 
 
 def test_idle_tool_is_killed_and_busy_one_spared(dsn):
@@ -135,10 +136,10 @@ def test_idle_tool_is_killed_and_busy_one_spared(dsn):
     busy = enqueue(dsn, TOOL, {"mode": "busy", "seconds": 4}, env=env)
     done = cli(dsn, "run", "--concurrency", "2", "--drain", "--", TOOL, env=env, timeout=60)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    idle_row, busy_row = _job(dsn, idle), _job(dsn, busy)
+    idle_row, busy_row = job_row(dsn, idle), job_row(dsn, busy)
     assert idle_row["state"] == "failed" and idle_row["error"]["kind"] == "idle_timeout"
     assert busy_row["state"] == "succeeded" and busy_row["result"] == {"spun": True}
-    assert _events(dsn, idle, "child_killed")[0]["details"]["reason"] == "idle_timeout"
+    assert journal_rows(dsn, idle, "child_killed")[0]["details"]["reason"] == "idle_timeout"
 
 
 def test_backoff_uses_full_jitter_within_the_cap():
@@ -154,11 +155,11 @@ def test_a_dead_lettered_job_keeps_every_attempt_in_the_journal(dsn):
     env = base_env(dsn)
     job_id = enqueue(dsn, "flaky", {}, "--max-attempts", "3", env=env)
     _drain(dsn, env, "flaky", command=("sh", "-c", "echo boom >&2; exit 3"))
-    row = _job(dsn, job_id)
+    row = job_row(dsn, job_id)
     assert row["state"] == "failed" and row["error"]["exit_code"] == 3
     assert "boom" in row["error"]["stderr_tail"]
-    summaries = [e["details"] for e in _events(dsn, job_id, "job_retry_scheduled")] + \
-        [e["details"] for e in _events(dsn, job_id, "job_failed")]
+    summaries = [e["details"] for e in journal_rows(dsn, job_id, "job_retry_scheduled")] + \
+        [e["details"] for e in journal_rows(dsn, job_id, "job_failed")]
     assert [(s["attempt"], s["kind"], s["exit_code"]) for s in summaries] == \
         [(1, "exit_code", 3), (2, "exit_code", 3), (3, "exit_code", 3)]
     assert all("duration_s" in s for s in summaries)
@@ -170,9 +171,9 @@ def test_a_checkpoint_reaches_the_next_attempt(dsn):
     env = base_env(dsn)
     job_id = enqueue(dsn, "resume_tool.py", {}, "--max-attempts", "2", env=env)
     _drain(dsn, env, "resume_tool.py", command=("resume_tool.py",))
-    row = _job(dsn, job_id)
+    row = job_row(dsn, job_id)
     assert row["state"] == "succeeded", row["error"]
     assert row["result"] == {"resumed_from": {"page": 7}, "attempt": 2}
     assert row["checkpoint"] == {"page": 7}
-    [saved] = _events(dsn, job_id, "checkpoint_saved")
+    [saved] = journal_rows(dsn, job_id, "checkpoint_saved")
     assert saved["fencing_token"] == 1 and saved["details"]["bytes"] == len('{"page": 7}')

@@ -20,7 +20,7 @@ import uuid
 
 from netproxy import through
 
-from kit import base_env, enqueue, pid_alive, query, wait_until
+from kit import base_env, enqueue, job_row, pid_alive, query, wait_until
 
 TOOL = "effect_tool.py"
 PROFILE = "SIDECAR_PROFILE_EFFECT_TOOL_PY_"
@@ -45,10 +45,6 @@ def _env(dsn: str, receiver: str, **extra: str) -> dict:
     return base_env(dsn, **{PROFILE + "RESULT_URL": receiver + "/effects"}, **extra)
 
 
-def _job(dsn, job_id):
-    return query(dsn, "SELECT * FROM tool_jobs WHERE id = $1", job_id)[0]
-
-
 def _journal(dsn, job_id, token=None):
     rows = query(dsn, "SELECT fencing_token, event, details FROM tool_job_events "
                       "WHERE job_id = $1 ORDER BY id", job_id)
@@ -70,12 +66,12 @@ def _start_job(dsn, receiver, tmp_path, work_w1: float, effect_w1: bool = True, 
 def _w2_finishes(dsn, receiver, sidecars, job_id):
     """W2, on a direct connection, claims with token 2 and completes the job."""
     w2 = sidecars(dsn, [TOOL], env=_env(dsn, receiver))
-    wait_until(lambda: _job(dsn, job_id)["state"] == "succeeded", 20, what="W2's success")
+    wait_until(lambda: job_row(dsn, job_id)["state"] == "succeeded", 20, what="W2's success")
     return w2
 
 
 def _assert_w1_fenced_out(dsn, receiver, job_id, entity, tmp_path, w1_tool_pid):
-    job = _job(dsn, job_id)
+    job = job_row(dsn, job_id)
     # W2's outcome stands: token 2, W2's result, nothing written by W1.
     assert job["state"] == "succeeded" and job["fencing_token"] == 2 and job["attempt"] == 2
     assert job["result"]["token"] == 2
@@ -179,4 +175,4 @@ def test_p25_result_finished_during_the_partition_is_never_committed(
     assert rejected["details"]["result"] == {"sha256": hashlib.sha256(w1_output).hexdigest(),
                                              "bytes": len(w1_output)}
     time.sleep(1)  # and nothing of W1's arrives later
-    assert _job(dsn, job_id)["result"]["token"] == 2
+    assert job_row(dsn, job_id)["result"]["token"] == 2
