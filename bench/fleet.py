@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-import urllib.request
 
 import asyncpg
 import psutil
@@ -29,6 +28,7 @@ from bench.common import (
     Sidecar,
     database_name,
     enqueue_many,
+    kit,
     ms,
     percentile,
     progress,
@@ -51,15 +51,9 @@ DATE = ["/bin/sh", "-c", f"read -r p; case $p in *slow*) sleep {LONG_JOB:g};; es
 
 def _counters(addr: str) -> dict[str, float]:
     """Sum of the sidecar's claim attempts and heartbeats so far, from its /metrics."""
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=10) as response:
-        page = response.read().decode()
-    out = {"claims": 0.0, "heartbeats": 0.0}
-    for line in page.splitlines():
-        if line.startswith("sidecar_claim_attempts_total{"):
-            out["claims"] += float(line.rsplit(" ", 1)[1])
-        elif line.startswith("sidecar_heartbeats_total{"):
-            out["heartbeats"] += float(line.rsplit(" ", 1)[1])
-    return out
+    page = kit.metrics_text(f"http://{addr}")
+    return {"claims": kit.metric_total(page, "sidecar_claim_attempts_total"),
+            "heartbeats": kit.metric_total(page, "sidecar_heartbeats_total")}
 
 
 async def _sum(addrs: list[str]) -> dict[str, float]:

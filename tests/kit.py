@@ -116,12 +116,28 @@ def metric_value(text: str, name: str, **labels: str) -> float | None:
     return None
 
 
-def scraped_metric(base: str, name: str, **labels: str) -> float | None:
-    """``metric_value`` of what ``base``/metrics serves now."""
+def metric_total(text: str, name: str, **labels: str) -> float:
+    """The sum of every sample ``name{...}`` whose labels include all of ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            head, value = line.rsplit(" ", 1)
+            if all(f'{k}="{v}"' in head for k, v in labels.items()):
+                total += float(value)
+    return total
+
+
+def metrics_text(base: str, timeout: float = 10.0) -> str:
+    """What ``base``/metrics serves now (``base``: ``http://host:port``)."""
     import urllib.request
 
-    with urllib.request.urlopen(base + "/metrics", timeout=10) as response:
-        return metric_value(response.read().decode(), name, **labels)
+    with urllib.request.urlopen(base + "/metrics", timeout=timeout) as response:
+        return response.read().decode()
+
+
+def scraped_metric(base: str, name: str, **labels: str) -> float | None:
+    """``metric_value`` of what ``base``/metrics serves now."""
+    return metric_value(metrics_text(base), name, **labels)
 
 
 def sidecar_backends(dsn: str) -> set[int]:

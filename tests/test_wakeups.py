@@ -6,22 +6,16 @@ from __future__ import annotations
 
 import sys
 import time
-import urllib.request
 
-from kit import base_env, enqueue, query, scalar, wait_until
+from kit import base_env, enqueue, metric_total, metrics_text, query, scalar, wait_until
 
 TOOL_OK = [sys.executable, "-c", "print('{\"ok\": true}')"]
 
 
 def _claims(addr: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as response:
-        page = response.read().decode()
-    out = {"claimed": 0.0, "empty": 0.0}
-    for line in page.splitlines():
-        if line.startswith("sidecar_claim_attempts_total{"):
-            outcome = line.split('outcome="')[1].split('"')[0]
-            out[outcome] += float(line.rsplit(" ", 1)[1])
-    return out
+    page = metrics_text(f"http://{addr}", timeout=5)
+    return {outcome: metric_total(page, "sidecar_claim_attempts_total", outcome=outcome)
+            for outcome in ("claimed", "empty")}
 
 
 def _start(dsn, sidecars, tool, count, poll):
