@@ -57,6 +57,20 @@ def worker_identity(worker_name: str) -> str:
     return f"{name}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
 
 
+def may_claim(running: int, concurrency: int, stopping: bool, pause_left: float) -> bool:
+    """The claim loop's rule for one more claim now: a free slot (``running`` attempts of
+    ``concurrency``), no stop asked (a stopping sidecar only drains, case F8), and no
+    claim pause after a shortage of the host (``pause_left`` seconds, case F19)."""
+    return running < concurrency and not stopping and pause_left <= 0.0
+
+
+def drained(running: int, unfinished: int, due_outbox: int) -> bool:
+    """``--drain``'s end: nothing of the tool runs here, none of its jobs is queued or
+    running anywhere (``unfinished``), and no accepted result still waits to be forwarded
+    within the drain time (``due_outbox``): the batch is done."""
+    return running == 0 and unfinished == 0 and due_outbox == 0
+
+
 class Worker:
     """Claims jobs of ``profile.tool`` and runs ``argv`` once per job, ``concurrency`` at once.
 
@@ -254,8 +268,8 @@ class Worker:
                     await self._settle_claims(store)
                 # ctx.claim_pause: an attempt met a shortage of the host (F19); its end
                 # wakes this loop.
-                while len(self.running) < self.concurrency and not self.stopping.is_set() \
-                        and not ctx.claim_pause.remaining():
+                while may_claim(len(self.running), self.concurrency, self.stopping.is_set(),
+                                ctx.claim_pause.remaining()):
                     sent = clock.ownership_now()  # the lease's local deadline (F20)
                     try:
                         job = await store.claim(tool, self.owner_id,
@@ -285,8 +299,9 @@ class Worker:
                         # itself): a wake-up sent to us would wait for a free slot.
                         self._idle_since = None
                         await store.unregister_idle(self.owner_id)
-                if self.drain and not self.running and await store.unfinished_jobs(tool) == 0 \
-                        and await store.due_outbox_rows(tool, self.settings.drain_seconds) == 0:
+                if self.drain and not self.running and drained(
+                        len(self.running), await store.unfinished_jobs(tool),
+                        await store.due_outbox_rows(tool, self.settings.drain_seconds)):
                     log.emit("drained", tool=tool, owner_id=self.owner_id)
                     return
             except db.DATABASE_ERRORS as exc:
