@@ -1,8 +1,8 @@
 """The fenced end of one attempt: ``FencedCommit.end(ending)`` is its only ender. The kind
 of ending (a verdict: Succeeded, Failure, Release, Reject) picks one fenced write
 (``_ENDERS``); every write goes through one retry policy (``_fenced``) while the lease's
-local deadline allows; and one table (``OUTCOME_REPORTS``) says how each outcome is logged
-and journaled, and it is counted in one place (sidecar_attempts_finished_total).
+local deadline allows; and one table (``ENDING_REPORTS``) says how each way of ending is
+logged and journaled; its outcome is counted in one place (sidecar_attempts_finished_total).
 
 A fenced write (``*_if_owner`` in sidecar.store) carries the job id, owner, token and
 ``lease_until > now()`` (P6). "Not accepted" means another owner holds the job: the
@@ -20,6 +20,7 @@ import random
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any, TypeVar
 
 import asyncpg
@@ -34,8 +35,9 @@ from sidecar.verdict import Ending, Failure, Reject, Release, Succeeded, failure
 from sidecar.vocabulary import FailureKind, Outcome, StopReason
 
 T = TypeVar("T")
-# What an ender returns: the outcome and the fields of its log line.
-Ended = tuple[Outcome, dict[str, Any]]
+# What an ender returns: the outcome (the metric's label), how it came about (the key of
+# ENDING_REPORTS) and the fields of its log line.
+Ended = tuple[Outcome, "How", dict[str, Any]]
 
 # What the outcome of an attempt is when its lease ended before anything was committed.
 LEASE_ENDING_OUTCOMES = {StopReason.LEASE_LOST: Outcome.LEASE_LOST,
@@ -118,23 +120,20 @@ class FencedCommit:
     async def end(self, ending: Ending) -> Outcome:
         """End this attempt by ``ending`` (a verdict; a Commit's output checked into
         Succeeded) with the one fenced write its kind calls for (``_ENDERS``), then
-        report the outcome once: its log line (``OUTCOME_REPORTS``), the attempt's
-        outcome and duration metrics. The only place an attempt's outcome is written,
-        logged and counted."""
-        outcome, fields = await _ENDERS[type(ending)](self, ending)
-        self._report(outcome, fields)
+        report it once: its log line (``ENDING_REPORTS``), the attempt's outcome and
+        duration metrics. The only place an attempt's outcome is written, logged and
+        counted."""
+        outcome, how, fields = await _ENDERS[type(ending)](self, ending)
+        report = ENDING_REPORTS[how]
+        if report.event is not None:
+            log.emit(report.event, report.level, **log_fields(self.job), **fields)
+        self._count(outcome)
         return outcome
 
     def crashed(self) -> None:
         """The supervisor raised before an outcome was written (a bug): counted as
         abandoned, as the lease expires by itself."""
         self._count(Outcome.ABANDONED)
-
-    def _report(self, outcome: Outcome, fields: dict[str, Any]) -> None:
-        report = OUTCOME_REPORTS[outcome]
-        if report.event is not None:
-            log.emit(report.event, report.level, **log_fields(self.job), **fields)
-        self._count(outcome)
 
     def _count(self, outcome: Outcome) -> None:
         labels = (self.job.tool, self.ctx.profile.provider)
@@ -182,11 +181,12 @@ class FencedCommit:
         if not accepted:
             self._give_back(earlier)
             await self.reject(digest, "not the owner at commit")
-            return Outcome.REJECTED, {}
+            return Outcome.REJECTED, How.REJECTED, {}
         if self.ctx.profile.result_url:
             self.ctx.result_queued()
-        return Outcome.SUCCEEDED, {"duration_s": details["duration_s"],
-                                   "next_tool": next_stage.tool if next_stage else None}
+        return Outcome.SUCCEEDED, How.COMMITTED, {
+            "duration_s": details["duration_s"],
+            "next_tool": next_stage.tool if next_stage else None}
 
     async def _fail(self, fault: Failure) -> Ended:
         """Record ``fault``: requeued after backoff while it is retryable and attempts
@@ -211,9 +211,9 @@ class FencedCommit:
             if run_after is None:
                 self._give_back(earlier)
                 await self.reject(None, "not the owner at requeue")
-                return Outcome.REJECTED, {}
-            return Outcome.REQUEUED, {"reason": error["kind"], "duration_s": duration,
-                                      "run_after": run_after}
+                return Outcome.REJECTED, How.REJECTED, {}
+            return Outcome.REQUEUED, How.REQUEUED, {
+                "reason": error["kind"], "duration_s": duration, "run_after": run_after}
         if fault.retryable:
             error["message"] += f"; attempt {job.attempt} of {job.max_attempts}, none left"
         earlier = await self._take_noted()
@@ -227,9 +227,9 @@ class FencedCommit:
         if not accepted:
             self._give_back(earlier)
             await self.reject(None, "not the owner at commit")
-            return Outcome.REJECTED, {}
-        return Outcome.FAILED, {"reason": error["kind"], "duration_s": duration,
-                                "exit_code": error.get("exit_code")}
+            return Outcome.REJECTED, How.REJECTED, {}
+        return Outcome.FAILED, How.FAILED, {
+            "reason": error["kind"], "duration_s": duration, "exit_code": error.get("exit_code")}
 
     async def _release(self, ending: Release) -> Ended:
         """Give the lease back without spending the attempt: at shutdown, or (reason
@@ -246,7 +246,9 @@ class FencedCommit:
         if not released:
             self._give_back(earlier)
             await self.journal(None, {})
-        return Outcome.RELEASED if released else Outcome.LEASE_LOST, {"reason": ending.reason}
+        if released:
+            return Outcome.RELEASED, How.RELEASED, {"reason": ending.reason}
+        return Outcome.LEASE_LOST, How.NOT_RELEASED, {"reason": ending.reason}
 
     async def _lease_ended(self, ending: Reject) -> Ended:
         """The lease ended before the outcome was written (P13): nothing is committed; a
@@ -255,8 +257,8 @@ class FencedCommit:
             await self.reject(dict(ending.digest), "lease lost before commit")
         elif self._noted or self._flush_timer is not None:
             await self.journal(None, {})  # what the attempt noted, on its own
-        return LEASE_ENDING_OUTCOMES[ending.reason], {"reason": str(ending.reason),
-                                                       "duration_s": self._duration()}
+        return LEASE_ENDING_OUTCOMES[ending.reason], How.LEASE_ENDED, {
+            "reason": str(ending.reason), "duration_s": self._duration()}
 
     async def reject(self, digest: dict[str, Any] | None, why: str) -> None:
         """P6: an outcome we may not commit goes to the journal as hash and size only
@@ -277,7 +279,7 @@ class FencedCommit:
         """The outcome could not be written before the local deadline: give the job up."""
         self.lease.lose(StopReason.LOCAL_DEADLINE)
         await self.reject(digest, "ownership unknown at commit")
-        return Outcome.ABANDONED, {
+        return Outcome.ABANDONED, How.ABANDONED_AT_COMMIT, {
             "reason": "outcome not written before the local deadline; ownership unknown"}
 
     async def _fenced(self, write: Callable[[], Awaitable[T]], event: str, *,
@@ -362,28 +364,41 @@ class FencedCommit:
                      kept_for_later=bool(self.lease.abandoned or not self.lease.lost.is_set()))
 
 
+class How(StrEnum):
+    """How an attempt ended, as its one report line tells it (``ENDING_REPORTS``)."""
+
+    COMMITTED = "committed"                 # the result is stored (Outcome.SUCCEEDED)
+    REQUEUED = "requeued"                   # a retryable failure, attempts left
+    FAILED = "failed"                       # for good (P16)
+    RELEASED = "released"                   # the lease given back, the attempt not spent
+    NOT_RELEASED = "not_released"           # the release found the job no longer ours
+    LEASE_ENDED = "lease_ended"             # lost, cancelled or given up before any write
+    ABANDONED_AT_COMMIT = "abandoned_at_commit"  # the write not done by the local deadline
+    REJECTED = "rejected"                   # the write found another owner
+
+
 @dataclass(frozen=True)
 class OutcomeReport:
-    """How one outcome is reported: its log line (``event`` at ``level``; None when the
-    rejection's own ``result_rejected`` line says it) and the fenced statement's journal
-    row (``journal``; None when nothing was written, the row being another's)."""
+    """How one way of ending is reported: its log line (``event`` at ``level``; None when
+    the rejection's own ``result_rejected`` line says it) and the fenced statement's
+    journal row (``journal``; None when nothing was written, the row being another's)."""
 
     event: str | None
     level: str
     journal: str | None
 
 
-# One table from an attempt's outcome to what is logged and journaled; every outcome is
-# also counted in sidecar_attempts_finished_total{outcome} (labels: tool, provider).
-OUTCOME_REPORTS: dict[Outcome, OutcomeReport] = {
-    Outcome.SUCCEEDED: OutcomeReport("job_succeeded", "info", "job_succeeded"),
-    Outcome.REQUEUED: OutcomeReport("job_retry_scheduled", "warning", "job_retry_scheduled"),
-    Outcome.FAILED: OutcomeReport("job_failed", "warning", "job_failed"),
-    Outcome.RELEASED: OutcomeReport("lease_released", "info", "lease_released"),
-    Outcome.LEASE_LOST: OutcomeReport("lease_lost", "warning", None),
-    Outcome.CANCELLED: OutcomeReport("lease_lost", "warning", None),
-    Outcome.ABANDONED: OutcomeReport("lease_abandoned", "error", "lease_abandoned"),
-    Outcome.REJECTED: OutcomeReport(None, "warning", "result_rejected"),
+# One table from how an attempt ended to what is logged and journaled; the outcome each
+# ender returns beside it is counted in sidecar_attempts_finished_total{outcome}.
+ENDING_REPORTS: dict[How, OutcomeReport] = {
+    How.COMMITTED: OutcomeReport("job_succeeded", "info", "job_succeeded"),
+    How.REQUEUED: OutcomeReport("job_retry_scheduled", "warning", "job_retry_scheduled"),
+    How.FAILED: OutcomeReport("job_failed", "warning", "job_failed"),
+    How.RELEASED: OutcomeReport("lease_released", "info", "lease_released"),
+    How.NOT_RELEASED: OutcomeReport("lease_lost", "warning", None),
+    How.LEASE_ENDED: OutcomeReport("lease_lost", "warning", None),
+    How.ABANDONED_AT_COMMIT: OutcomeReport("lease_abandoned", "error", None),
+    How.REJECTED: OutcomeReport(None, "warning", "result_rejected"),
 }
 
 # The one fenced write per kind of ending.

@@ -140,6 +140,19 @@ def scraped_metric(base: str, name: str, **labels: str) -> float | None:
     return metric_value(metrics_text(base), name, **labels)
 
 
+def wait_attempt_counted(dsn: str, job_id, timeout: float = 10.0) -> None:
+    """Wait until the job's current attempt counts (case F16): its owner renewed the lease
+    once, or its tool's start is in the journal. Before that, an owner that vanishes
+    (killed, frozen, cut off) has the attempt given back when its lease expires, so a test
+    of a takeover that expects the attempt spent waits for this first."""
+    sql = ("SELECT j.heartbeat_at > j.claimed_at OR EXISTS ("
+           " SELECT FROM tool_job_events e WHERE e.job_id = j.id"
+           " AND e.fencing_token = j.fencing_token AND e.event = 'tool_request_started')"
+           " AS counted FROM tool_jobs j WHERE j.id = $1::uuid")
+    wait_until(lambda: query(dsn, sql, str(job_id))[0]["counted"], timeout, interval=0.02,
+               what="the attempt to count (a renewal or its start journaled)")
+
+
 def sidecar_backends(dsn: str) -> set[int]:
     """Server pids of the sessions sidecars hold on ``dsn``'s database now."""
     return {r[0] for r in query(

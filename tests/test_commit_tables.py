@@ -9,10 +9,9 @@ import typing
 
 from test_docs import _catalog
 
-from sidecar.commit import _ENDERS, OUTCOME_REPORTS, backoff_seconds
+from sidecar.commit import _ENDERS, ENDING_REPORTS, How, backoff_seconds
 from sidecar.model import LeaseProfile
 from sidecar.verdict import Ending
-from sidecar.vocabulary import Outcome
 
 
 def test_every_kind_of_ending_has_one_fenced_write():
@@ -20,12 +19,12 @@ def test_every_kind_of_ending_has_one_fenced_write():
     assert set(_ENDERS) == set(typing.get_args(Ending))
 
 
-def test_every_outcome_is_reported_by_the_one_table_and_the_catalog_knows_it():
-    """Each Outcome has one report; its log line and its journal row are events of the
-    catalog (docs/operations.md) at that level and place."""
-    assert set(OUTCOME_REPORTS) == set(Outcome)
+def test_every_way_of_ending_is_reported_by_the_one_table_and_the_catalog_knows_it():
+    """Each way an attempt ends has one report; its log line and its journal row are
+    events of the catalog (docs/operations.md) at that level and place."""
+    assert set(ENDING_REPORTS) == set(How)
     catalog = _catalog()
-    for outcome, report in OUTCOME_REPORTS.items():
+    for outcome, report in ENDING_REPORTS.items():
         if report.event is not None:
             levels, place = catalog[report.event]
             assert place in ("log", "both") and report.level in levels, (outcome, report)

@@ -137,7 +137,7 @@ def _log_events() -> tuple[dict[str, set[str]], list[str]]:
             if names is None and ast.unparse(call.args[0]) == "report.event" \
                     and path.name == "commit.py":
                 # An attempt's outcome line: its event and level come from the one table,
-                # OUTCOME_REPORTS (sidecar.commit), read as written.
+                # ENDING_REPORTS (sidecar.commit), read as written.
                 for event, level in _outcome_reports(tree):
                     found.setdefault(event, set()).add(level)
                 continue

@@ -14,7 +14,17 @@ from pathlib import Path
 import orjson
 import pytest
 
-from kit import TOOLS, base_env, cli, enqueue, eventually, query, short_root, wait_until
+from kit import (
+    TOOLS,
+    base_env,
+    cli,
+    enqueue,
+    eventually,
+    query,
+    short_root,
+    wait_attempt_counted,
+    wait_until,
+)
 from kit import job_cgroup_dirs as _cgroup_dirs
 from kit import job_row as _row
 from kit import journal_details as _journal
@@ -313,6 +323,7 @@ def test_a_sigkilled_sidecars_job_cgroups_and_work_dir_are_swept_at_the_next_sta
                           what="the first attempt's tool"))
     cgroup_dirs = _cgroup_dirs(tool)
     assert len(cgroup_dirs) == 3, cgroup_dirs
+    wait_attempt_counted(dsn, job)  # else its expiry gives the attempt back (F16)
     first.proc.kill()
     first.proc.wait(5)
     wait_until(lambda: not _alive(tool), 5, what="the tool's death")

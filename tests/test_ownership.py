@@ -37,6 +37,7 @@ from kit import (
     run,
     scalar,
     sidecar_backends,
+    wait_attempt_counted,
     wait_until,
 )
 from sidecar.db import init_connection
@@ -203,9 +204,7 @@ def test_result_finished_while_frozen_is_rejected_after_takeover(dsn, sidecars, 
     job_id = enqueue(dsn, SINK_JOB, {"sink": str(sink), "sleep": 2, "secret": secret})
     started = wait_until(lambda: [ln for ln in sink_lines(sink) if ln[0] == "start"], 15,
                          interval=0.02, what="the tool to start")
-    # Frozen once the tool's start is in the journal: an attempt whose start is not
-    # there when its lease expires is given back, not spent (case F16).
-    wait_journal(dsn, job_id, "tool_request_started", timeout=5)
+    wait_attempt_counted(dsn, job_id)  # else its expiry gives the attempt back (F16)
     os.kill(sc.pid, signal.SIGSTOP)
     try:
         child_pid = int(started[0][2])
@@ -363,9 +362,7 @@ def test_f3_restarted_pod_with_same_name_gets_new_owner_and_waits_for_the_lease(
     first = sidecars(dsn, [SINK_JOB], env=env)
     job_id = enqueue(dsn, SINK_JOB, {"sink": str(sink), "sleep": 4})
     first.wait_event("tool_request_started", job_id=job_id)
-    # Killed once the tool's start is in the journal: an attempt whose start is not there
-    # when its lease expires is given back, not spent (case F16).
-    wait_journal(dsn, job_id, "tool_request_started", timeout=5)
+    wait_attempt_counted(dsn, job_id)  # else its expiry gives the attempt back (F16)
     wait_until(lambda: sink_lines(sink), 15, what="the first attempt to start")
     first_child = int(sink_lines(sink)[0][2])
 

@@ -20,7 +20,15 @@ import uuid
 
 from netproxy import through
 
-from kit import base_env, enqueue, job_row, pid_alive, query, wait_until
+from kit import (
+    base_env,
+    enqueue,
+    job_row,
+    pid_alive,
+    query,
+    wait_attempt_counted,
+    wait_until,
+)
 
 TOOL = "effect_tool.py"
 PROFILE = "SIDECAR_PROFILE_EFFECT_TOOL_PY_"
@@ -112,6 +120,7 @@ def test_p25_partitioned_owner_cannot_extend_commit_or_act_after_takeover(
     started = wait_until(lambda: (tmp_path / "started-1").exists(), 20, what="W1's tool")
     assert started
     w1_tool = int((tmp_path / "started-1").read_text())
+    wait_attempt_counted(dsn, job_id)  # else its expiry gives the attempt back (F16)
 
     proxy.blackhole()
     wait_until(lambda: _lease_expired(dsn, job_id), 20, what="the lease to expire by the DB clock")
@@ -160,6 +169,7 @@ def test_p25_result_finished_during_the_partition_is_never_committed(
     w1 = sidecars(w1_dsn, [TOOL], env=_env(w1_dsn, receiver.url, **slow))
     wait_until(lambda: (tmp_path / "started-1").exists(), 20, what="W1's tool")
     w1_tool = int((tmp_path / "started-1").read_text())
+    wait_attempt_counted(dsn, job_id)  # else its expiry gives the attempt back (F16)
     proxy.blackhole()
     wait_until(lambda: (tmp_path / "finished-1").exists(), 10, what="W1's tool to finish")
     w1.wait_event("lease_abandoned", timeout=15)
