@@ -110,11 +110,15 @@ class Host:
 def host_step(config: RunConfig, settings: Settings) -> Host:
     """Detect the cgroup host; refuse a profile it cannot enforce and an unusable work
     root; give the sidecar itself the tool's rlimits where it can (so tools start by
-    vfork). Raises ConfigError (exit 2) for what it refuses."""
+    vfork), and its soft RLIMIT_NOFILE raised to the hard limit (issue 25: the guard's
+    descriptor reserve is counted below it; tools inherit it unless the profile's
+    OPEN_FILES sets theirs). Raises ConfigError (exit 2) for what it refuses."""
     host = cgroups.detect(settings.cgroups)
     isolation.check_profile(config.profile, host)
     isolation.share_limits(config.profile)
-    return Host(host, isolation.check_work_dir(settings, config.profile))
+    work_root = isolation.check_work_dir(settings, config.profile)
+    linux.raise_open_files_limit()
+    return Host(host, work_root)
 
 
 def non_dumpable_step(settings: Settings) -> str:

@@ -43,6 +43,29 @@ Both: a missing, malformed, unknown or no longer registered secret gets ``401
 case: the caller learns nothing); a body not complete within ``body_timeout`` seconds
 gets ``408 {"error": "body_timeout"}``.
 
+The guard protects itself (issue 25): a tool that opens connections by the thousand must
+not take the descriptors another job's setup needs.
+
+- A connection's first request must carry a registered secret within
+  ``AUTH_SECONDS`` (3 s) of the accept; one that does not (no request in time, or a 401)
+  is closed. At most ``UNAUTHENTICATED_CONNECTIONS`` (32) connections wait for their
+  first request at once.
+- A secret binds its connection to the attempt: at most ``CONNECTIONS_PER_ATTEMPT`` (16)
+  per attempt. One more gets ``429 {"error": "too_many_connections", "limit": 16}``,
+  unread, and is closed. An attempt's connections are closed when it ends.
+- At most ``CONNECTIONS_PER_ATTEMPT x attempts + UNAUTHENTICATED_CONNECTIONS``
+  connections in total (``attempts``: the sidecar's concurrency).
+- An idle keep-alive connection is closed after ``IDLE_SECONDS`` (15 s); headers are at
+  most 16 KiB (431), bodies at most the limits above (413).
+- No connection is accepted into the process's descriptor reserve
+  (sidecar.httpserver.DESCRIPTOR_RESERVE, 128 below the soft RLIMIT_NOFILE).
+
+A connection over the total or unauthenticated cap is reset at once, before anything is
+read. Each refusal is counted (``sidecar_guard_connections_refused_total{reason}``) and
+logged once per episode: ``guard_connections_refused`` at the first refusal for a reason
+(and attempt), ``guard_refusals_ended`` with the count once none came for
+``EPISODE_GAP_SECONDS``.
+
 Every handler is a few dictionary lookups and at most one fenced statement: nothing blocks
 the event loop, and each connection is its own task, so a slow or hostile client holds
 only its own connection. Checkpoint writes take at most one connection of the store's
@@ -61,13 +84,20 @@ from dataclasses import dataclass
 import asyncpg
 import orjson
 
-from sidecar import clock, db, jsontext
-from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
+from sidecar import clock, db, jsontext, metrics
+from sidecar.httpserver import (
+    DESCRIPTORS,
+    BodyTooLarge,
+    ConnectionLimits,
+    HttpServer,
+    Request,
+    Response,
+)
 from sidecar.lease_state import Lease, guard_refusal
 from sidecar.log import log, log_fields, payload_digest
 from sidecar.model import LeaseProfile, RawJson
 from sidecar.store import Store
-from sidecar.vocabulary import AttemptId, GuardRefusal
+from sidecar.vocabulary import AttemptId, ConnectionRefusal, GuardRefusal
 
 GUARD_PATH = "/v1/guard"
 CHECKPOINT_PATH = "/v1/checkpoint"
@@ -77,6 +107,11 @@ MAX_REQUEST_ID = 200              # characters
 MAX_TOKEN_LENGTH = 256            # characters of a bearer token we bother to hash
 DEFAULT_BODY_TIMEOUT = 10.0       # seconds to receive a whole request body
 UNAUTHORIZED_LOG_PERIOD = 10.0    # seconds between two guard_unauthorized log lines
+CONNECTIONS_PER_ATTEMPT = 16      # connections one attempt's secret may hold at once
+UNAUTHENTICATED_CONNECTIONS = 32  # connections waiting for their first request, in total
+AUTH_SECONDS = 3.0                # from the accept to a first request with a valid secret
+IDLE_SECONDS = 15.0               # an idle keep-alive connection is closed after this
+EPISODE_GAP_SECONDS = 10.0        # a refusal episode ends after this long without one
 
 
 _UNAUTHORIZED_BODY = orjson.dumps({"error": "unauthorized"})
@@ -88,6 +123,10 @@ def _json(value: object, status: int = 200) -> Response:
 
 def _unauthorized() -> Response:
     return Response(401, _UNAUTHORIZED_BODY, headers=(("WWW-Authenticate", "Bearer"),))
+
+
+def _too_many_connections() -> Response:
+    return _json({"error": "too_many_connections", "limit": CONNECTIONS_PER_ATTEMPT}, 429)
 
 
 def _digest(token: str) -> bytes:
@@ -112,14 +151,20 @@ class GuardServer:
     is the least time (seconds) that must remain before a lease's local deadline for a 200.
     ``owner_id``: this sidecar's owner id, which fences the checkpoint writes.
     ``body_timeout``: seconds a client may take to send a request body (then 408).
+    ``attempts``: how many attempts may run at once (the sidecar's concurrency), for the
+    total cap on connections.
     """
 
     def __init__(self, store: Store, profile: LeaseProfile, owner_id: str, *,
-                 body_timeout: float = DEFAULT_BODY_TIMEOUT):
+                 body_timeout: float = DEFAULT_BODY_TIMEOUT, attempts: int = 1):
         self.store = store
         self.profile = profile
         self.owner_id = owner_id
         self.body_timeout = body_timeout
+        self.limits = ConnectionLimits(
+            total=CONNECTIONS_PER_ATTEMPT * max(1, attempts) + UNAUTHENTICATED_CONNECTIONS,
+            unbound=UNAUTHENTICATED_CONNECTIONS, per_key=CONNECTIONS_PER_ATTEMPT,
+            bind_seconds=AUTH_SECONDS)
         self.min_remaining = profile.heartbeat_seconds + profile.jitter_seconds
         self.url: str | None = None
         self._by_digest: dict[bytes, _Registration] = {}
@@ -128,6 +173,8 @@ class GuardServer:
         self._db_slot = asyncio.Semaphore(1)
         self._unauthorized = 0
         self._unauthorized_logged = float("-inf")
+        # Refusal episodes by (reason, attempt or None): [first, last, count, timer].
+        self._episodes: dict[tuple[str, AttemptId | None], list] = {}
 
     # --- lifecycle ----------------------------------------------------------
 
@@ -139,7 +186,8 @@ class GuardServer:
             raise RuntimeError("the guard server is already started")
         http = HttpServer({("POST", GUARD_PATH): self._guard,
                            ("POST", CHECKPOINT_PATH): self._checkpoint},
-                          keepalive_timeout=15.0, header_timeout=self.body_timeout)
+                          keepalive_timeout=IDLE_SECONDS, header_timeout=self.body_timeout,
+                          limits=self.limits, on_refuse=self._refused)
         _, port = await http.start("127.0.0.1", 0)
         self._http = http
         self.url = f"http://127.0.0.1:{port}"
@@ -152,8 +200,16 @@ class GuardServer:
         http, self._http = self._http, None
         self._by_digest.clear()
         self._by_attempt.clear()
+        for episode in self._episodes.values():
+            episode[3].cancel()
+        self._episodes.clear()
         if http is not None:
             await http.stop(grace=2.0)
+
+    @property
+    def connections(self) -> int:
+        """Connections to the guard open now."""
+        return self._http.connections if self._http is not None else 0
 
     # --- jobs ---------------------------------------------------------------
 
@@ -176,11 +232,60 @@ class GuardServer:
         registration = self._by_attempt.pop(attempt, None)
         if registration is not None:
             self._by_digest.pop(registration.digest, None)
+        if self._http is not None:
+            self._http.close_bound(attempt)
+
+    # --- refused connections ------------------------------------------------
+
+    def _refused(self, reason: str, attempt: AttemptId | None) -> None:
+        """The server refused a connection (or paused accepting): count it; log the
+        first of an episode, and its end with the count (``_episode_check``)."""
+        metrics.GUARD_CONNECTIONS_REFUSED.labels(self.profile.tool, self.profile.provider,
+                                                 reason).inc()
+        now = time.monotonic()
+        key = (reason, attempt)
+        episode = self._episodes.get(key)
+        if episode is not None:
+            episode[1] = now
+            episode[2] += 1
+            return
+        timer = asyncio.get_running_loop().call_later(EPISODE_GAP_SECONDS,
+                                                      self._episode_check, key)
+        self._episodes[key] = [now, now, 1, timer]
+        registration = self._by_attempt.get(attempt) if attempt is not None else None
+        fields = log_fields(registration.lease.job) if registration is not None \
+            else {"tool": self.profile.tool}
+        limit = {ConnectionRefusal.ATTEMPT_CAP: self.limits.per_key,
+                 ConnectionRefusal.TOTAL_CAP: self.limits.total,
+                 ConnectionRefusal.UNAUTHENTICATED_CAP: self.limits.unbound}.get(reason)
+        log.emit("guard_connections_refused", "warning", **fields, reason=reason,
+                 limit=limit, connections=self.connections,
+                 open_files=DESCRIPTORS.open_estimate(), open_files_limit=DESCRIPTORS.limit,
+                 reserve=DESCRIPTORS.reserve)
+
+    def _episode_check(self, key: tuple[str, AttemptId | None]) -> None:
+        episode = self._episodes.get(key)
+        if episode is None:
+            return
+        first, last, count, _ = episode
+        quiet = time.monotonic() - last
+        if quiet < EPISODE_GAP_SECONDS:
+            episode[3] = asyncio.get_running_loop().call_later(
+                EPISODE_GAP_SECONDS - quiet, self._episode_check, key)
+            return
+        del self._episodes[key]
+        reason, attempt = key
+        log.emit("guard_refusals_ended", tool=self.profile.tool, reason=reason,
+                 job_id=str(attempt.job_id) if attempt is not None else None,
+                 fencing_token=attempt.fencing_token if attempt is not None else None,
+                 refused=count, duration_s=round(last - first, 3))
 
     # --- requests -----------------------------------------------------------
 
-    def _authenticate(self, request: Request) -> _Registration | None:
-        """The registration the bearer secret names, or None (and a rate-limited log line)."""
+    def _authenticate(self, request: Request) -> _Registration | None | Response:
+        """The registration the bearer secret names, having bound the connection to its
+        attempt; None (and a rate-limited log line) for no valid secret; a 429 answer when
+        the attempt has its connections already."""
         values = request.header_values("authorization")
         registration = None
         if len(values) == 1:
@@ -192,6 +297,8 @@ class GuardServer:
                 found = self._by_digest.get(digest)
                 if found is not None and hmac.compare_digest(found.digest, digest):
                     registration = found
+                    if not request.bind(found.lease.job.attempt_id):
+                        return _too_many_connections()
         if registration is None:
             self._unauthorized += 1
             now = time.monotonic()
@@ -229,6 +336,8 @@ class GuardServer:
         registration = self._authenticate(request)
         if registration is None:
             return _unauthorized()
+        if isinstance(registration, Response):
+            return registration
         body = await self._read_body(request, GUARD_BODY_LIMIT,
                                      {"error": "body_too_large", "limit": GUARD_BODY_LIMIT})
         if isinstance(body, Response):
@@ -282,6 +391,8 @@ class GuardServer:
         registration = self._authenticate(request)
         if registration is None:
             return _unauthorized()
+        if isinstance(registration, Response):
+            return registration
         body = await self._read_body(request, CHECKPOINT_LIMIT,
                                      {"error": "checkpoint_too_large", "limit": CHECKPOINT_LIMIT})
         if isinstance(body, Response):

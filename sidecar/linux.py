@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import resource
 import signal
 import sys
 
@@ -103,6 +104,19 @@ def is_zombie(pid: int) -> bool:
     except OSError:
         return False
     return stat[stat.rfind(b")") + 2:][:1] == b"Z"
+
+
+def raise_open_files_limit() -> tuple[int, int]:
+    """Raise the soft RLIMIT_NOFILE of this process to its hard limit where the kernel
+    allows (issue 25): descriptors are what a flood of connections to the guard takes, and
+    a soft limit of 1024 under a hard one of 524288 (systemd's default) leaves most of
+    them unused. Returns (soft before, soft after); unchanged when refused."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == hard:
+        return soft, soft
+    with contextlib.suppress(OSError, ValueError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
 
 
 def set_child_subreaper() -> bool:

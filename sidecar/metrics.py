@@ -18,7 +18,13 @@ from __future__ import annotations
 from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 
 from sidecar.shortage import SHORTAGE_NAMES
-from sidecar.vocabulary import HeartbeatResult, KillSignal, Outcome, StopReason
+from sidecar.vocabulary import (
+    ConnectionRefusal,
+    HeartbeatResult,
+    KillSignal,
+    Outcome,
+    StopReason,
+)
 
 disable_created_metrics()  # before any metric exists: none gets a _created series
 
@@ -33,6 +39,7 @@ KILL_REASONS = tuple(reason for reason in StopReason if reason is not StopReason
 KILL_SIGNALS = tuple(KillSignal)
 PRUNED_TABLES = ("tool_jobs", "tool_job_events", "tool_job_outbox")
 CLAIM_OUTCOMES = ("claimed", "empty")
+GUARD_REFUSALS = tuple(ConnectionRefusal)
 
 JOBS_CLAIMED = Counter("sidecar_jobs_claimed", "Jobs claimed (P4).", _TP)
 CLAIM_ATTEMPTS = Counter("sidecar_claim_attempts",
@@ -80,6 +87,11 @@ FORWARD_DEAD_LETTERS = Counter("sidecar_forward_dead_letters",
                                "Forwarded results dead-lettered, by kind: refused (a 4xx), "
                                "redirect (a 3xx), max_attempts, max_age (case F21).",
                                (*_TP, "kind"))
+GUARD_CONNECTIONS_REFUSED = Counter(
+    "sidecar_guard_connections_refused",
+    "Connections to the guard refused by reason: attempt_cap, total_cap, "
+    "unauthenticated_cap (each connection), descriptor_reserve (each pause of accepting).",
+    (*_TP, "reason"))
 LOOP_LAG = Histogram("sidecar_event_loop_lag_seconds", "Event-loop lag of the sidecar.",
                      buckets=_FAST)
 # The periodic services (sidecar.periodic), by name.
@@ -110,6 +122,8 @@ def start_at_zero(tool: str, provider: str) -> None:
         FORWARD_DEAD_LETTERS.labels(tool, provider, kind)
     for result in HEARTBEAT_RESULTS:
         HEARTBEATS.labels(tool, provider, result)
+    for reason in GUARD_REFUSALS:
+        GUARD_CONNECTIONS_REFUSED.labels(tool, provider, reason)
     for name in SHORTAGE_NAMES:
         ATTEMPT_SHORTAGES.labels(tool, provider, name)
     for reason in KILL_REASONS:

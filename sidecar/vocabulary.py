@@ -126,6 +126,16 @@ class GuardRefusal(StrEnum):
     LEASE_ENDING = "lease_ending"  # too little of the lease left for the step
 
 
+class ConnectionRefusal(StrEnum):
+    """Why the guard's server refused a connection (sidecar.httpserver; the ``reason``
+    label of sidecar_guard_connections_refused_total)."""
+
+    ATTEMPT_CAP = "attempt_cap"                  # the attempt has its connections already
+    TOTAL_CAP = "total_cap"                      # the guard has its connections already
+    UNAUTHENTICATED_CAP = "unauthenticated_cap"  # too many connections not yet authenticated
+    DESCRIPTOR_RESERVE = "descriptor_reserve"    # accepting paused: the reserve is reached
+
+
 class HeartbeatResult(StrEnum):
     """One renewal's result (the heartbeat metric's ``result`` label)."""
 

@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import resource
 import signal
 import socket
 import tempfile
@@ -198,7 +199,7 @@ class Worker:
         # Any sidecar delivers any tool's rows; one whose tool forwards nothing leaves the
         # outage to claim_error instead of logging forward_error every poll (case F24).
         forwarder.log_errors = bool(self.profile.result_url)
-        guard = GuardServer(store, self.profile, self.owner_id)
+        guard = GuardServer(store, self.profile, self.owner_id, attempts=self.concurrency)
         guard_url = await guard.start()
         stack.push_async_callback(guard.stop)
         if self.adopt_orphans:  # the last sweep, once every tool is gone
@@ -211,7 +212,8 @@ class Worker:
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict(),
                  http_addr=http_addr, guard_url=guard_url,
-                 isolation=self.cgroup_host.describe())
+                 isolation=self.cgroup_host.describe(),
+                 open_files_limit=resource.getrlimit(resource.RLIMIT_NOFILE)[0])
         self._background = [
             asyncio.create_task(keeper.run(), name="heartbeat"),
             asyncio.create_task(self._listen(), name="listen"),
