@@ -163,3 +163,17 @@ def test_only_the_owner_and_the_granted_scaler_may_call_the_demand_function(dsn)
     finally:
         query(dsn, f'DROP OWNED BY "{role}"')
         query(dsn, f'DROP ROLE "{role}"')
+
+
+def test_a_worker_on_an_older_schema_exits_instead_of_migrating_it(dsn, roles):
+    """The workers' role cannot apply a migration: on a schema older than its release a
+    worker stops at start (its pod restarts until the migration Job has run), and the
+    schema is left as it was for the owner to migrate."""
+    latest = scalar(dsn, "SELECT max(version) FROM sidecar_schema_migrations")
+    query(dsn, "DELETE FROM sidecar_schema_migrations WHERE version = $1", latest)
+    worker = _as(dsn, roles[0])
+    done = cli(worker, "run", "--drain", "--", "cat", env=base_env(worker))
+    assert done.returncode == 1, done.stderr.decode()[-2000:]
+    assert "permission denied" in done.stderr.decode() or \
+        "must be owner" in done.stderr.decode(), done.stderr.decode()[-2000:]
+    assert scalar(dsn, "SELECT max(version) FROM sidecar_schema_migrations") == latest - 1
