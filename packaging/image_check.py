@@ -213,7 +213,11 @@ def run_check(server_dsn: str, tmp: Path) -> None:
         picture.chmod(0o444)
         job = host_sidecar(dsn, "enqueue", "ocr", "--payload",
                            json.dumps({"image": "/data/text.png"}))
-        sh([*base_run, "--read-only", "-v", f"{picture}:/data/text.png:ro", OCR_IMAGE,
+        # The recipe reads only under OCR_ROOT, passed through as the overlay's profile does.
+        sh([*base_run, "--read-only", "-v", f"{picture}:/data/text.png:ro",
+            "-e", "OCR_ROOT=/data",
+            "-e", "SIDECAR_PROFILE_OCR_ENV_PASSTHROUGH=PATH,HOME,LANG,LC_ALL,LC_CTYPE,TZ,OCR_ROOT",
+            OCR_IMAGE,
             "run", "--drain", "--tool", "ocr", "--", "/usr/local/bin/ocr"],
            env=env, timeout=300)
         row = db(dsn, "SELECT state, result FROM tool_jobs WHERE id = $1",

@@ -113,7 +113,11 @@ def cmd_migrate(args, settings: Settings) -> int:
         try:
             store = Store(pool, settings.db_timeout_seconds)
             applied = await store.migrate()
-            return {"applied": applied, "version": await store.schema_version()}
+            out = {"applied": applied, "version": await store.schema_version()}
+            if args.worker_role or args.scaler_role:
+                await store.grant_roles(args.worker_role, args.scaler_role)
+                out["granted"] = {"worker": args.worker_role, "scaler": args.scaler_role}
+            return out
         finally:
             await pool.close()
 
@@ -569,7 +573,13 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    add("migrate", cmd_migrate, "create or upgrade the schema")
+    p = add("migrate", cmd_migrate, "create or upgrade the schema; then, as its owner, "
+            "grant the worker's and the scaler's roles what they need and no more")
+    p.add_argument("--worker-role", metavar="ROLE",
+                   help="grant ROLE the workers' privileges: rows of the queue's tables, "
+                        "no DDL (docs/operations.md, 'Roles and Secrets')")
+    p.add_argument("--scaler-role", metavar="ROLE",
+                   help="grant ROLE EXECUTE on tool_job_demand only (KEDA's query)")
     p = add("enqueue", cmd_enqueue, "queue one job for TOOL; prints {id, created}")
     p.add_argument("tool", metavar="TOOL")
     p.add_argument("--payload", metavar="JSON")

@@ -165,6 +165,20 @@ class Store:
         except asyncpg.UndefinedTableError:
             return 0
 
+    async def grant_roles(self, worker: str | None, scaler: str | None) -> list[str]:
+        """Grant ``worker`` the worker's privileges and ``scaler`` EXECUTE on
+        tool_job_demand (sql/roles.sql), in one transaction; return the statements run.
+        Run as the schema owner after migrating; the roles themselves are the DBA's."""
+        done: list[str] = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            for name, role in (("worker_grants", worker), ("scaler_grants", scaler)):
+                if role is None:
+                    continue
+                for row in await conn.fetch(Q[name], role, timeout=self.timeout):
+                    await conn.execute(row[0], timeout=self.timeout)
+                    done.append(row[0])
+        return done
+
     # --- producers ----------------------------------------------------------
 
     async def enqueue(

@@ -2,17 +2,21 @@
 against the Kubernetes schemas (kubernetes-validate, strict) and KEDA's CRD schemas
 (kubernetes-models' generated validators, run by node), and holds what an operator relies
 on: restricted security contexts, no service-account token, probes on the sidecar's own
-port, the database URL from a mounted Secret that is not in the render, a grace period
-longer than drain plus kill grace, selectors that match, and a scaler query that counts
-the tool's demand on a real database (issue 16, point 5)."""
+port, the database URL from a mounted Secret that is not in the render, one Secret per
+database role mounted only where that role is needed, pinned images, a migration Job that
+a new image re-runs, a grace period that outlasts drain plus the stage deadline,
+selectors that match, and a scaler query that counts the tool's demand on a real database
+(issue 16, point 5; issue 25, point 5)."""
 
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import kubernetes_validate
 import pytest
@@ -25,6 +29,9 @@ K8S = ROOT / "k8s"
 OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 KEDA = Path(__file__).resolve().parent / "keda"
 KUBERNETES_VERSION = "1.32"  # the oldest release still maintained upstream in 2026
+# One Secret per database role (docs/operations.md "Roles and Secrets").
+OWNER_SECRET, WORKER_SECRET, SCALER_SECRET = ("sidecar-db-owner", "sidecar-db-worker",
+                                              "sidecar-db-scaler")
 
 
 def test_there_is_an_overlay_per_kind_of_tool_image():
@@ -194,7 +201,8 @@ def test_the_database_url_comes_from_a_mounted_secret_that_is_not_rendered(rende
             [mount] = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
             assert mount["readOnly"] is True
             secret = secrets[mount["name"]]
-            assert secret["secretName"] == "sidecar-db"
+            wanted = OWNER_SECRET if where.startswith("Job/") else WORKER_SECRET
+            assert secret["secretName"] == wanted, where
             assert secret["defaultMode"] & 0o007 == 0, "world-readable secret file"
             # Owner root, group fsGroup: only the group bit lets the sidecar read it.
             assert secret["defaultMode"] & 0o040, "the sidecar (fsGroup) cannot read it"
@@ -202,16 +210,118 @@ def test_the_database_url_comes_from_a_mounted_secret_that_is_not_rendered(rende
             assert pod["fsGroup"] == pod["runAsGroup"], where
     [auth] = _of(docs, "TriggerAuthentication")
     assert auth["spec"]["secretTargetRef"] == [
-        {"parameter": "connection", "name": "sidecar-db", "key": "url"}]
-    shown = yaml.safe_load((K8S / "secret.example.yaml").read_text())
-    assert shown["kind"] == "Secret" and shown["metadata"]["name"] == "sidecar-db"
+        {"parameter": "connection", "name": SCALER_SECRET, "key": "url"}]
+    shown = list(yaml.safe_load_all((K8S / "secret.example.yaml").read_text()))
+    assert {d["kind"] for d in shown} == {"Secret"}
+    assert [d["metadata"]["name"] for d in shown] == [OWNER_SECRET, WORKER_SECRET,
+                                                      SCALER_SECRET]
+    users = {urlsplit(d["stringData"]["url"]).username for d in shown}
+    assert len(users) == 3, "one database role per Secret"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_pod_mounts_only_its_own_roles_secret(rendered, overlay):
+    """The worker pod holds the worker role's Secret and no other (a tool that reads it
+    gets rows of the queue, not the schema owner's rights); the migration Job holds only
+    the owner's; KEDA gets the scaler's, which no pod mounts."""
+    docs = rendered[overlay]
+    for where, spec in _pod_specs(docs):
+        wanted = {OWNER_SECRET} if where.startswith("Job/") else {WORKER_SECRET}
+        assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} == wanted
+        projected = [v for v in spec["volumes"] if "projected" in v or "csi" in v]
+        assert not projected, where
+        for c in _containers(spec):
+            assert not any("secretRef" in s for s in c.get("envFrom", [])), where
+            assert not any("secretKeyRef" in e.get("valueFrom", {})
+                           for e in c.get("env", [])), where
+    [deployment] = _of(docs, "Deployment")
+    spec = deployment["spec"]["template"]["spec"]
+    secret_volumes = {v["name"] for v in spec["volumes"] if "secret" in v}
+    for c in _containers(spec):
+        mounted = {m["name"] for m in c.get("volumeMounts", [])} & secret_volumes
+        assert mounted == ({"db"} if c["name"] == "tool" else set()), c["name"]
+    [auth] = _of(docs, "TriggerAuthentication")
+    assert {r["name"] for r in auth["spec"]["secretTargetRef"]} == {SCALER_SECRET}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_migration_job_grants_the_worker_and_scaler_roles(rendered, overlay):
+    [job] = _of(rendered[overlay], "Job")
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    args = container["args"]
+    assert args[0] == "migrate"
+    options = dict(zip(args[1::2], args[2::2], strict=True))
+    assert set(options) == {"--worker-role", "--scaler-role"}
+    assert options["--worker-role"] != options["--scaler-role"]
+
+
+# A tag that names one build: a version of at least three numbers (0.1.0, 143.0.7445.3),
+# optionally with a suffix, never a moving tag; or a digest.
+PINNED_TAG = re.compile(r"^v?[0-9]+(\.[0-9]+){2,}([-+][0-9A-Za-z.-]+)?$")
+DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
+
+
+def _pinned(image: str) -> bool:
+    if DIGEST.search(image):
+        return True
+    name, _, tag = image.rpartition(":")
+    return bool(name) and "/" not in tag and bool(PINNED_TAG.match(tag))
+
+
+def test_the_pin_check_refuses_moving_and_missing_tags():
+    for image in ("docker.io/chromedp/headless-shell:stable", "registry.example.com/x:latest",
+                  "registry.example.com/x", "registry.example.com:5000/x", "x:1.0", "x:1",
+                  "x@sha256:abc"):
+        assert not _pinned(image), image
+    for image in ("registry.example.com/sidecar:0.1.0", "x:143.0.7445.3", "x:1.2.3-rc1",
+                  "registry.example.com:5000/x:1.2.3", "x@sha256:" + "0" * 64):
+        assert _pinned(image), image
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_image_is_pinned_and_a_new_one_reruns_the_migration(rendered, overlay):
+    """Every container's image is an exact tag or a digest; the migration Job's name ends
+    with its image's tag, so applying a new image creates (and runs) a new Job instead of
+    failing on an immutable pod template, and its name stays a valid label value."""
+    docs = rendered[overlay]
+    for where, spec in _pod_specs(docs):
+        for c in _containers(spec):
+            assert _pinned(c["image"]), f"{where} container {c['name']}: {c['image']}"
+    [job] = _of(docs, "Job")
+    [container] = job["spec"]["template"]["spec"]["containers"]
+    tag = container["image"].rpartition(":")[2]
+    name = job["metadata"]["name"]
+    assert name == f"{overlay}-migrate-{tag}", name
+    assert len(name) <= 63 and re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", name), name
+    assert job["spec"]["ttlSecondsAfterFinished"] > 0  # the previous image's Job goes away
+
+
+def test_a_new_sidecar_image_renders_a_new_migration_job(tmp_path):
+    """The name follows the image: an overlay on top that changes only the sidecar's tag
+    renders a Job of another name (kubectl apply creates it and it runs)."""
+    shutil.copytree(K8S, tmp_path / "k8s")
+    kustomization = tmp_path / "k8s" / "overlays" / "ocr" / "kustomization.yaml"
+    text = kustomization.read_text()
+    bumped = text.replace('{name: sidecar, newName: registry.example.com/sidecar, '
+                          'newTag: "0.1.0"}',
+                          '{name: sidecar, newName: registry.example.com/sidecar, '
+                          'newTag: "0.2.0"}')
+    assert bumped != text
+    kustomization.write_text(bumped)
+    done = subprocess.run([_kubectl(), "kustomize", str(kustomization.parent)],
+                          capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    [job] = [d for d in yaml.safe_load_all(done.stdout) if d and d["kind"] == "Job"]
+    assert job["metadata"]["name"] == "ocr-migrate-0.2.0"
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_lease_profile_is_valid_and_set_where_it_takes_effect(rendered, overlay,
                                                                   tmp_path):
     """The worker's environment passes `sidecar config` (P10 and every field), MAX_ATTEMPTS
-    is not in it (fixed at enqueue), and the grace period outlasts drain + kill grace."""
+    is not in it (fixed at enqueue), and the grace period outlasts the drain plus the
+    largest stage deadline the pod serves plus its kill grace, with the reason said beside
+    it: the kubelet's SIGKILL never ends an attempt."""
     deployment, tool, env = _worker(rendered[overlay])
     name = _run_args(tool)["--tool"]
     key = name.upper().replace("-", "_")
@@ -229,7 +339,18 @@ def test_the_lease_profile_is_valid_and_set_where_it_takes_effect(rendered, over
     assert profile["lease_seconds"] == float(env[f"SIDECAR_PROFILE_{key}_LEASE_SECONDS"])
     grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
     drain = float(env["SIDECAR_DRAIN_SECONDS"])
-    assert grace >= drain + float(profile["kill_grace_seconds"]) + 5, (grace, profile)
+    stage = float(profile["stage_timeout_seconds"])
+    assert grace >= drain + stage + float(profile["kill_grace_seconds"]) + 5, (grace, profile)
+    for path in (K8S / "base" / "deployment.yaml", K8S / "overlays" / overlay / "worker.yaml"):
+        lines = path.read_text().splitlines()
+        at = next(i for i, line in enumerate(lines) if "terminationGracePeriodSeconds:" in line)
+        above = []  # the comment lines just above the field
+        while at > 0 and lines[at - 1].strip().startswith("#"):
+            at -= 1
+            above.append(lines[at])
+        comment = " ".join(above)
+        assert "SIDECAR_DRAIN_SECONDS" in comment and "STAGE_TIMEOUT_SECONDS" in comment, path
+        assert "SIGKILL" in comment, path
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

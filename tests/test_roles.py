@@ -1,24 +1,49 @@
-"""A worker whose database role may not create anything (docs/operations.md, "What a
-tool can still read in these pods"): on a current schema it starts, runs, prunes and
-retries with only the grants the docs list, and the scaler's role reads the demand with
-SELECT on tool_jobs alone."""
+"""The three database roles of a deployment (docs/operations.md, "Roles and Secrets"): the
+schema owner migrates and, with `sidecar migrate --worker-role W --scaler-role K`, grants
+the worker role exactly the documented worker privileges and the scaler role EXECUTE on
+tool_job_demand alone. On a real PostgreSQL: the worker runs a job end to end and every
+command it needs, and can neither change the schema nor read what is not the queue's; the
+scaler reads the demand and nothing else (issue 25, point 5)."""
 
 from __future__ import annotations
 
 import uuid
 from urllib.parse import urlsplit, urlunsplit
 
+import asyncpg
 import pytest
 
-from kit import base_env, cli, enqueue, job_row, query, scalar
+from kit import base_env, cli, enqueue, job_row, query, run, scalar
 
-WORKER_GRANTS = """
-REVOKE CREATE ON SCHEMA public FROM PUBLIC;
-GRANT USAGE ON SCHEMA public TO {role};
-GRANT SELECT, INSERT, UPDATE, DELETE
-    ON tool_jobs, tool_job_events, tool_job_outbox, tool_idle_sidecars TO {role};
-GRANT SELECT ON sidecar_schema_migrations TO {role};
-GRANT USAGE ON ALL SEQUENCES IN SCHEMA public TO {role};
+# The worker's privileges as docs/operations.md lists them: (kind, object, privileges).
+WORKER_PRIVILEGES = {
+    ("schema", "public", "USAGE"),
+    *(("table", t, p) for t in ("tool_jobs", "tool_job_events", "tool_job_outbox",
+                                "tool_idle_sidecars")
+      for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
+    ("table", "sidecar_schema_migrations", "SELECT"),
+    ("sequence", "tool_job_events_id_seq", "USAGE"),
+    ("sequence", "tool_job_outbox_id_seq", "USAGE"),
+    ("function", "tool_job_expiry_refunded", "EXECUTE"),
+    ("function", "tool_job_journal_rows", "EXECUTE"),
+    ("function", "tool_job_still_needed", "EXECUTE"),
+    ("function", "tool_job_wake", "EXECUTE"),
+}
+SCALER_PRIVILEGES = {("schema", "public", "USAGE"), ("function", "tool_job_demand", "EXECUTE")}
+
+# Every privilege granted to one role by name (not through PUBLIC) in the database.
+GRANTED_TO = """
+SELECT 'schema' AS kind, n.nspname AS name, a.privilege_type AS privilege
+  FROM pg_namespace n, aclexplode(n.nspacl) a WHERE a.grantee = $1::regrole
+UNION ALL
+SELECT CASE c.relkind WHEN 'S' THEN 'sequence' ELSE 'table' END, c.relname, a.privilege_type
+  FROM pg_class c, aclexplode(c.relacl) a WHERE a.grantee = $1::regrole
+UNION ALL
+SELECT 'function', p.proname, a.privilege_type
+  FROM pg_proc p, aclexplode(p.proacl) a WHERE a.grantee = $1::regrole
+UNION ALL
+SELECT 'database', d.datname, a.privilege_type
+  FROM pg_database d, aclexplode(d.datacl) a WHERE a.grantee = $1::regrole
 """
 
 
@@ -29,40 +54,126 @@ def _as(dsn: str, role: str) -> str:
 
 
 @pytest.fixture
-def role(dsn):
-    """A login role of our own in the test's server, dropped afterwards."""
-    names = []
-
-    def make(grants: str) -> str:
-        name = f"sidecar_r_{uuid.uuid4().hex[:10]}"
+def roles(dsn):
+    """A worker and a scaler login role of our own, granted by the shipped command run as
+    the schema owner (the test's server user), dropped afterwards."""
+    suffix = uuid.uuid4().hex[:10]
+    worker, scaler = f"sidecar_w_{suffix}", f"sidecar_k_{suffix}"
+    for name in (worker, scaler):
         query(dsn, f'CREATE ROLE "{name}" LOGIN')
-        names.append(name)
-        for statement in grants.format(role=f'"{name}"').split(";"):
-            if statement.strip():
-                query(dsn, statement)
-        return name
+    # PostgreSQL 15 and later already keep PUBLIC from creating in schema public; older
+    # servers need this once (docs/operations.md says so).
+    query(dsn, "REVOKE CREATE ON SCHEMA public FROM PUBLIC")
+    done = cli(dsn, "migrate", "--worker-role", worker, "--scaler-role", scaler)
+    assert done.returncode == 0, done.stderr.decode()
+    try:
+        yield worker, scaler
+    finally:
+        for name in (worker, scaler):
+            query(dsn, f'DROP OWNED BY "{name}"')
+            query(dsn, f'DROP ROLE "{name}"')
 
-    yield make
-    for name in names:
-        query(dsn, f'DROP OWNED BY "{name}"')
-        query(dsn, f'DROP ROLE "{name}"')
+
+def _granted(dsn: str, role: str) -> set[tuple[str, str, str]]:
+    return {tuple(row) for row in query(dsn, GRANTED_TO, role)}
 
 
-def test_a_worker_without_ddl_rights_runs_on_a_current_schema(dsn, role):
-    worker = _as(dsn, role(WORKER_GRANTS))
+def test_the_shipped_grants_are_exactly_the_documented_ones(dsn, roles):
+    worker, scaler = roles
+    assert _granted(dsn, worker) == WORKER_PRIVILEGES
+    assert _granted(dsn, scaler) == SCALER_PRIVILEGES
+    # Granting again (the migration Job of the next release) changes nothing.
+    again = cli(dsn, "migrate", "--worker-role", worker, "--scaler-role", scaler)
+    assert again.returncode == 0, again.stderr.decode()
+    assert _granted(dsn, worker) == WORKER_PRIVILEGES
+
+
+def test_a_worker_runs_a_job_end_to_end_with_the_worker_grants(dsn, roles):
+    worker = _as(dsn, roles[0])
     env = base_env(worker)
-    assert scalar(dsn, "SELECT has_schema_privilege($1, 'public', 'CREATE')",
-                  urlsplit(worker).username) is False
     job = enqueue(worker, "cat", {"n": 1}, env=env)
     done = cli(worker, "run", "--drain", "--", "cat", env=env)
     assert done.returncode == 0, done.stderr.decode()[-2000:]
-    assert job_row(dsn, job)["state"] == "succeeded"
-    assert cli(worker, "prune", "--older-than", "1", env=env).returncode == 0
-    assert cli(worker, "retry", "--tool", "cat", env=env).returncode == 0
+    row = job_row(dsn, job)
+    assert row["state"] == "succeeded" and row["result"] == {"n": 1}
+    for args in (["show", job], ["events", job], ["jobs"], ["prune", "--older-than", "1"],
+                 ["retry", "--tool", "cat"]):
+        assert cli(worker, *args, env=env).returncode == 0, args
+    doomed = enqueue(worker, "cat", {"n": 2}, env=env)
+    assert cli(worker, "cancel", doomed, env=env).returncode == 0
 
 
-def test_the_scalers_role_needs_only_select_on_tool_jobs(dsn, role):
-    scaler = _as(dsn, role("GRANT USAGE ON SCHEMA public TO {role};"
-                           "GRANT SELECT ON tool_jobs TO {role}"))
+def _refused(dsn: str, sql: str) -> None:
+    with pytest.raises(asyncpg.InsufficientPrivilegeError):
+        query(dsn, sql)
+
+
+def test_a_worker_can_neither_change_the_schema_nor_read_beyond_the_queue(dsn, roles):
+    query(dsn, "CREATE SCHEMA other")
+    query(dsn, "CREATE TABLE other.accounts (password text)")
+    query(dsn, "CREATE TABLE public.app_secrets (password text)")
+    worker = _as(dsn, roles[0])
+    for sql in ("CREATE TABLE public.mine (x int)",
+                "CREATE SCHEMA mine",
+                "CREATE FUNCTION public.f() RETURNS int LANGUAGE sql AS 'SELECT 1'",
+                "ALTER TABLE tool_jobs ADD COLUMN x int",
+                "DROP TABLE tool_job_events",
+                "CREATE INDEX ON tool_jobs (tool)",
+                "TRUNCATE tool_jobs",
+                "INSERT INTO sidecar_schema_migrations (version, name) VALUES (999, 'x')",
+                "SELECT * FROM other.accounts",
+                "SELECT * FROM public.app_secrets",
+                "SELECT * FROM fence_effects",
+                "SELECT tool_job_demand('cat')"):
+        _refused(worker, sql)
+    assert scalar(worker, "SELECT count(*) FROM tool_jobs") == 0  # and it does read its own
+
+
+def test_the_scaler_can_only_call_the_demand_function(dsn, roles):
+    scaler = _as(dsn, roles[1])
     enqueue(dsn, "ocr", {})
     assert scalar(scaler, "SELECT tool_job_demand('ocr')") == 1
+    for table in ("tool_jobs", "tool_job_events", "tool_job_outbox", "tool_idle_sidecars",
+                  "sidecar_schema_migrations", "fence_effects"):
+        _refused(scaler, f"SELECT * FROM {table}")
+    _refused(scaler, "UPDATE tool_jobs SET state = 'cancelled'")
+    _refused(scaler, "SELECT tool_job_wake('ocr', 1)")  # PUBLIC's EXECUTE, no table rights
+    _refused(scaler, "CREATE TABLE public.mine (x int)")
+    # Its search_path cannot put a table of its own before the function's (migration 013).
+    async def shadowed():
+        conn = await asyncpg.connect(scaler)
+        try:
+            await conn.execute("CREATE TEMP TABLE tool_jobs (tool text)")  # pg_temp: allowed
+            await conn.execute("INSERT INTO tool_jobs SELECT 'ocr' FROM generate_series(1, 5)")
+            await conn.execute("SET search_path = pg_temp, public")
+            return await conn.fetchval("SELECT tool_job_demand('ocr')")
+        finally:
+            await conn.close()
+
+    assert run(shadowed()) == 1
+
+
+def test_only_the_owner_and_the_granted_scaler_may_call_the_demand_function(dsn):
+    role = f"sidecar_x_{uuid.uuid4().hex[:10]}"
+    query(dsn, f'CREATE ROLE "{role}" LOGIN')
+    try:
+        query(dsn, f'GRANT USAGE ON SCHEMA public TO "{role}"')
+        query(dsn, f'GRANT SELECT ON tool_jobs TO "{role}"')
+        _refused(_as(dsn, role), "SELECT tool_job_demand('ocr')")  # no EXECUTE by PUBLIC
+    finally:
+        query(dsn, f'DROP OWNED BY "{role}"')
+        query(dsn, f'DROP ROLE "{role}"')
+
+
+def test_a_worker_on_an_older_schema_exits_instead_of_migrating_it(dsn, roles):
+    """The workers' role cannot apply a migration: on a schema older than its release a
+    worker stops at start (its pod restarts until the migration Job has run), and the
+    schema is left as it was for the owner to migrate."""
+    latest = scalar(dsn, "SELECT max(version) FROM sidecar_schema_migrations")
+    query(dsn, "DELETE FROM sidecar_schema_migrations WHERE version = $1", latest)
+    worker = _as(dsn, roles[0])
+    done = cli(worker, "run", "--drain", "--", "cat", env=base_env(worker))
+    assert done.returncode == 1, done.stderr.decode()[-2000:]
+    assert "permission denied" in done.stderr.decode() or \
+        "must be owner" in done.stderr.decode(), done.stderr.decode()[-2000:]
+    assert scalar(dsn, "SELECT max(version) FROM sidecar_schema_migrations") == latest - 1

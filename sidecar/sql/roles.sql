@@ -1,0 +1,39 @@
+-- The grants of the two roles that do not own the schema (docs/operations.md, "Roles and
+-- Secrets"), as statements for the schema owner to run: `sidecar migrate --worker-role
+-- ROLE --scaler-role ROLE` runs them after migrating, so every release's migration Job
+-- grants what its own migrations created. format()'s %I quotes the role and schema names;
+-- the schema is the one the migrations just wrote to (current_schema()). Loaded by
+-- sidecar/queries.py; run only from sidecar/store.py.
+
+-- name: worker_grants
+-- What a worker uses and nothing more: the queue's four tables (rows only: no DDL, no
+-- TRUNCATE, no REFERENCES or TRIGGER), the migration ledger read to check the schema, the
+-- two sequences its inserts draw from, and the queue's own functions but tool_job_demand
+-- (the scaler's). The fence_* tables belong to the reference receiver, not the workers.
+SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
+UNION ALL
+SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_jobs, %I.tool_job_events, '
+              '%I.tool_job_outbox, %I.tool_idle_sidecars TO %I', current_schema(),
+              current_schema(), current_schema(), current_schema(), $1::text)
+UNION ALL
+SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations TO %I', current_schema(),
+              $1::text)
+UNION ALL
+SELECT format('GRANT USAGE ON SEQUENCE %s, %s TO %I',
+              pg_get_serial_sequence(format('%I.tool_job_events', current_schema()), 'id'),
+              pg_get_serial_sequence(format('%I.tool_job_outbox', current_schema()), 'id'),
+              $1::text)
+UNION ALL
+(SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, $1::text)
+ FROM pg_proc p
+ WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
+   AND p.proname LIKE 'tool\_job\_%' AND p.proname <> 'tool_job_demand'
+ ORDER BY p.proname);
+
+-- name: scaler_grants
+-- KEDA's role: the schema's name lookup and the demand function (SECURITY DEFINER since
+-- migration 013, so it needs no right on the tables it reads).
+SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
+UNION ALL
+SELECT format('GRANT EXECUTE ON FUNCTION %I.tool_job_demand(text) TO %I', current_schema(),
+              $1::text);
