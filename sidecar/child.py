@@ -39,6 +39,10 @@ from sidecar.errors import SidecarError, one_line
 from sidecar.shortage import shortage_errno
 
 STDERR_TAIL_BYTES = 4096
+# Kept beyond the tail, so that a secret that straddles the tail's start is scrubbed whole
+# before the tail is cut (sidecar.results.stderr_tail_text): longer than any DSN.
+STDERR_TAIL_MARGIN = 4096
+_STDERR_KEPT = STDERR_TAIL_BYTES + STDERR_TAIL_MARGIN
 STDERR_LINE_BYTES = 4096
 _READ_CHUNK = 65536
 _READS_PER_WAKEUP = 4  # bounds the time one flooding pipe holds the event loop
@@ -521,7 +525,7 @@ class Child:
         self.stdout = bytearray()
         self.stdout_bytes = 0
         self.stdout_overflow = False
-        self.stderr_tail = b""
+        self.stderr_tail = b""  # the last _STDERR_KEPT bytes, unscrubbed: never shown as is
         self.stderr_bytes = 0
         self._stderr_partial = b""
         self._on_stderr_line = on_stderr_line
@@ -732,7 +736,7 @@ class Child:
                 self._stderr_partial = b""
             return
         self.stderr_bytes += len(chunk)
-        self.stderr_tail = (self.stderr_tail + chunk)[-STDERR_TAIL_BYTES:]
+        self.stderr_tail = (self.stderr_tail + chunk)[-_STDERR_KEPT:]
         *lines, self._stderr_partial = (self._stderr_partial + chunk).split(b"\n")
         if len(self._stderr_partial) > STDERR_LINE_BYTES:
             lines.append(self._stderr_partial)

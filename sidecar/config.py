@@ -15,8 +15,10 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import unquote
 
 from sidecar.errors import ConfigError, SidecarError
+from sidecar.masking import url_secrets
 from sidecar.model import PROFILE_FIELD_NAMES, LeaseProfile, tolerated_silence, tool_env_key
 
 PREFIX = "SIDECAR_"
@@ -443,6 +445,30 @@ def _read_dsn_file(path: str, url_also_set: bool) -> str:
     if not dsn:
         raise ConfigError(f"{var}: the file is empty; put the server's URL in it")
     return dsn
+
+
+def secret_values(settings: Settings, dsn: str) -> dict[str, list[str]]:
+    """Every secret value these settings hold, by the label ``masking.SECRETS`` shows for
+    it (issue 25; the worker registers them): ``database_url``, the DSN in use (``dsn``:
+    SIDECAR_DATABASE_URL, SIDECAR_DATABASE_URL_FILE's content, or the embedded server's)
+    whole; ``database_password``, its credentials (``masking.url_secrets``: the userinfo
+    password and secret query values such as ``?password=``), as written and
+    percent-decoded; ``result_url_credential``, the same pieces of the RESULT_URL of the
+    defaults and of every profile. Those are the only secret settings: the other
+    variables, SIDECAR_DATABASE_URL_FILE's path included, name no credential."""
+    found: dict[str, list[str]] = {"database_url": [dsn] if dsn else []}
+    found["database_password"] = _decoded(url_secrets(dsn)) if dsn else []
+    urls = [settings.defaults["RESULT_URL"][0],
+            *(o["RESULT_URL"][0] for o in settings.overrides.values() if "RESULT_URL" in o)]
+    found["result_url_credential"] = [piece for url in urls if url
+                                      for piece in _decoded(url_secrets(str(url)))]
+    return {label: values for label, values in found.items() if values}
+
+
+def _decoded(pieces: list[str]) -> list[str]:
+    """Each piece as written and, where it differs, percent-decoded (what a tool that
+    reads the password from elsewhere would print)."""
+    return list(dict.fromkeys(p for piece in pieces for p in (piece, unquote(piece))))
 
 
 def set_variables(env: Mapping[str, str]) -> dict[str, str]:

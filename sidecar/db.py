@@ -24,14 +24,21 @@ import asyncpg
 from sidecar import jsontext
 from sidecar.config import POOLER_MODES, Settings, default_data_dir
 from sidecar.errors import DatabaseUnavailable, UsageError
-from sidecar.masking import mask_text, mask_url
+from sidecar.masking import SECRETS, mask_text, mask_url
 from sidecar.model import RawJson
 
 
 def _encode_json(value) -> str:
+    """A jsonb/json parameter as JSON text: RawJson as it is (a result, a checkpoint,
+    a payload: checked where it came in), anything else (a job's ``error``, journal
+    details) written by jsontext with every secret the sidecar knows scrubbed from its
+    strings (``masking.SECRETS``, issue 25): the one path to the database for both."""
     if isinstance(value, RawJson):
         return value
-    return jsontext.dumps(value).decode()
+    text = jsontext.dumps(value)
+    if SECRETS.holds(text):
+        text = jsontext.dumps(SECRETS.scrub_value(value))
+    return text.decode()
 
 
 # TCP keepalive and user timeout on every TCP connection to PostgreSQL (P14b): a silently

@@ -35,8 +35,11 @@ characters: the id of the external request the tool is about to send):
   the job no longer ours (then every later guard call answers ``lease_lost`` too).
 - ``413 {"error": "checkpoint_too_large", "limit": 65536}``; ``400 {"error": "bad_json"}``
   for a body that is not one JSON value (or that PostgreSQL's jsonb refuses, e.g.
-  ``\\u0000``); ``503 {"error": "database_unavailable"}`` when the database fails or does
-  not answer within the store's timeout (nothing was saved unless a retry says so).
+  ``\\u0000``); ``400 {"error": "secret_in_output", "secrets": [...]}`` for a body that
+  holds a secret the sidecar knows (the database URL or password, a guard token: nothing
+  is saved, ``secret_in_output`` is logged with its sha256 and size); ``503 {"error":
+  "database_unavailable"}`` when the database fails or does not answer within the store's
+  timeout (nothing was saved unless a retry says so).
 
 Both: a missing, malformed, unknown or no longer registered secret gets ``401
 {"error": "unauthorized"}`` with ``WWW-Authenticate: Bearer`` (the same answer for every
@@ -95,6 +98,7 @@ from sidecar.httpserver import (
 )
 from sidecar.lease_state import Lease, guard_refusal
 from sidecar.log import log, log_fields, payload_digest
+from sidecar.masking import SECRETS
 from sidecar.model import LeaseProfile, RawJson
 from sidecar.store import Store
 from sidecar.vocabulary import AttemptId, ConnectionRefusal, GuardRefusal
@@ -198,8 +202,8 @@ class GuardServer:
         """Close the listener and every connection (in-flight requests get up to 2 s) and
         forget every secret. Safe to call twice, or without start()."""
         http, self._http = self._http, None
-        self._by_digest.clear()
-        self._by_attempt.clear()
+        for attempt in list(self._by_attempt):
+            self.unregister(attempt)
         for episode in self._episodes.values():
             episode[3].cancel()
         self._episodes.clear()
@@ -218,13 +222,21 @@ class GuardServer:
         (``secrets.token_urlsafe(32)``: 43 URL-safe characters) for ``SIDECAR_GUARD_TOKEN``.
         Only its sha256 is kept. Registrations are keyed by attempt (job id, token), never
         by job id alone (case F14): a later attempt of the same job has its own. May be
-        called before start()."""
+        called before start(). The token is a secret of the sidecar's until unregister:
+        scrubbed from what leaves the process, refused in a result (``masking.SECRETS``,
+        issue 25)."""
         self.unregister(lease.job.attempt_id)
         token = secrets.token_urlsafe(32)
         registration = _Registration(lease, _digest(token))
         self._by_digest[registration.digest] = registration
         self._by_attempt[lease.job.attempt_id] = registration
+        SECRETS.add(self._secret_key(lease.job.attempt_id), "guard_token", [token])
         return token
+
+    def _secret_key(self, attempt: AttemptId) -> tuple[str, int, AttemptId]:
+        """The attempt's key in masking.SECRETS (this guard's own: two in one process
+        never drop each other's)."""
+        return ("guard_token", id(self), attempt)
 
     def unregister(self, attempt: AttemptId) -> None:
         """Forget the attempt's secret: its requests get 401 from now on. Another attempt
@@ -232,6 +244,7 @@ class GuardServer:
         registration = self._by_attempt.pop(attempt, None)
         if registration is not None:
             self._by_digest.pop(registration.digest, None)
+            SECRETS.discard(self._secret_key(attempt))
         if self._http is not None:
             self._http.close_bound(attempt)
 
@@ -408,6 +421,11 @@ class GuardServer:
         if lease.lost.is_set() or lease.settling or registration.fenced_out:
             return _json({"reason": GuardRefusal.LEASE_LOST}, 409)
         digest = payload_digest(body)
+        labels = SECRETS.labels_in(body)
+        if labels:  # stored, it would be shown by `sidecar show` (issue 25)
+            log.emit("secret_in_output", "error", **log_fields(job), reason="checkpoint",
+                     result=digest, secrets=labels)
+            return _json({"error": "secret_in_output", "secrets": labels}, 400)
         fields = log_fields(job)
         try:
             async with asyncio.timeout(self.store.timeout):

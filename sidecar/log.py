@@ -4,7 +4,9 @@ Every line has ``ts``, ``level`` and ``event`` first, then the job fields that
 apply (``job_id``, ``tool``, ``fencing_token``, ``attempt``, ``lease_until``,
 ``reason``, ``duration_s``), then the rest. Payloads, results and stderr content
 never appear in an event except the child's own stderr lines as ``tool_stderr``
-(P23: only ids, hashes, sizes, durations and error kinds).
+(P23: only ids, hashes, sizes, durations and error kinds). Every secret value the
+sidecar knows (``masking.SECRETS``) is replaced by ``[secret]`` in any field before the
+line is written (issue 25).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 
 import orjson
 
-from sidecar.masking import mask_text
+from sidecar.masking import SECRETS, mask_text
 
 _LEVELS = {"debug": 10, "info": 20, "warning": 30, "error": 40}
 _ORDER = ("job_id", "tool", "fencing_token", "attempt", "lease_until", "reason", "duration_s")
@@ -56,17 +58,36 @@ class EventLog:
             if value is not None:
                 record[key] = value
         record.update((k, v) for k, v in fields.items() if v is not None)
-        if self.fmt == "json":
-            line = orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE, default=str)
-        else:
-            head = f"{record.pop('ts')} {record.pop('level').upper():7} {record.pop('event')}"
-            rest = " ".join(f"{k}={_text(v)}" for k, v in record.items())
-            line = (head + (" " + rest if rest else "") + "\n").encode("utf-8", "replace")
+        line = self._line(record)
+        if SECRETS.holds(line):  # a secret the sidecar knows, in any field (issue 25)
+            line = self._line(SECRETS.scrub_value(_plain(record)))
         try:
             self.stream.write(line)
             self.stream.flush()
         except (BrokenPipeError, ValueError):
             pass
+
+
+    def _line(self, record: dict[str, Any]) -> bytes:
+        """One event as the bytes of one line, in this log's format."""
+        if self.fmt == "json":
+            return orjson.dumps(record, option=orjson.OPT_APPEND_NEWLINE, default=str)
+        record = dict(record)
+        head = f"{record.pop('ts')} {record.pop('level').upper():7} {record.pop('event')}"
+        rest = " ".join(f"{k}={_text(v)}" for k, v in record.items())
+        return (head + (" " + rest if rest else "") + "\n").encode("utf-8", "replace")
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every object orjson would write with ``str`` (an exception, a path)
+    already made a string, so scrub_value reaches its text too."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    if value is None or isinstance(value, str | int | float | bool | _dt.datetime):
+        return value
+    return str(value)
 
 
 def _text(value: Any) -> str:

@@ -19,6 +19,7 @@ import asyncpg
 
 from sidecar import db
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
+from sidecar.masking import SECRETS
 from sidecar.model import ClaimedJob, JobState, NextStage, RawJson
 from sidecar.queries import Q, migrations
 from sidecar.vocabulary import AttemptId
@@ -502,7 +503,7 @@ class Store:
         also journaled as ``effect_rejected``; ``redirect``, ``max_attempts``, ``max_age``,
         case F21) and ``details``; False if the row was not ours."""
         return await self.db.fetchrow(Q["outbox_dead_letter_if_owner"], row_id, owner_id,
-                                        status, reason, kind, details or {},
+                                        status, SECRETS.scrub(reason), kind, details or {},
                                         timeout=self.timeout) is not None
 
     async def outbox_redeliver(self, job_id: uuid.UUID, by: str) -> list[int]:
@@ -514,9 +515,12 @@ class Store:
 
     async def outbox_retry_later(self, row_id: int, owner_id: str, delay_seconds: float,
                                  status: int | None, error: str) -> bool:
-        """Give the row back for another try after ``delay_seconds``."""
+        """Give the row back for another try after ``delay_seconds``. ``error`` (the
+        receiver's answer or the connection error) is stored scrubbed, as every text
+        column a message reaches (``masking.SECRETS``); jsonb values are scrubbed by
+        sidecar.db's encoder."""
         return await self.db.fetchrow(Q["outbox_retry_later_if_owner"], row_id, owner_id,
-                                        delay_seconds, status, error,
+                                        delay_seconds, status, SECRETS.scrub(error),
                                         timeout=self.timeout) is not None
 
     async def due_outbox_rows(self, tool: str, within_seconds: float) -> int:

@@ -17,6 +17,8 @@ import psutil
 
 from sidecar import clock, metrics
 from sidecar.child import (
+    STDERR_LINE_BYTES,
+    STDERR_TAIL_BYTES,
     Child,
     SpawnFailed,
     SpawnSetupFailed,
@@ -30,8 +32,16 @@ from sidecar.isolation import TMPDIR_VARIABLES, Sandbox, child_environment
 from sidecar.lease import Lease
 from sidecar.leftovers import job_name, work_dir_prefix
 from sidecar.log import log, log_fields, payload_digest
+from sidecar.masking import SECRETS
 from sidecar.model import ClaimedJob, LeaseProfile, NextStage, RawJson, Usage
-from sidecar.results import BadResult, parse_result, scrub_text, split_next_stage
+from sidecar.results import (
+    BadResult,
+    SecretInOutput,
+    check_no_secret,
+    parse_result,
+    split_next_stage,
+    stderr_tail_text,
+)
 from sidecar.shortage import shortage_errno
 from sidecar.verdict import (
     Commit,
@@ -96,6 +106,7 @@ class _StderrRelay:
         self.dropped = 0
         self.lines = 0
         self.bytes = 0
+        self.cut = False  # the last line was cut at STDERR_LINE_BYTES: the next one starts cut
 
     def summary(self) -> None:
         """The end-of-attempt event: how much the tool wrote to stderr."""
@@ -117,8 +128,12 @@ class _StderrRelay:
         if self.count > _STDERR_LINES_PER_SECOND:
             self.dropped += 1
             return
+        # A line longer than STDERR_LINE_BYTES comes in pieces: a secret cut there is
+        # masked in both (the log scrubs whole secrets in every event anyway).
+        cut_start, self.cut = self.cut, len(line) >= STDERR_LINE_BYTES
         log.emit("tool_stderr", **log_fields(self.job),
-                 line=line.decode("utf-8", "replace").rstrip("\r"))
+                 line=SECRETS.scrub(line.decode("utf-8", "replace").rstrip("\r"),
+                                    cut_start=cut_start, cut_end=self.cut))
 
     def flush(self) -> None:
         if self.dropped:
@@ -367,7 +382,11 @@ class JobSupervisor:
         self.lease.settle()
         if self.lease.lost.is_set():  # lost during the kill too: ownership first (P13)
             reason = self._lease_ending()
-        stderr_tail = scrub_text(child.stderr_tail.decode("utf-8", "replace")) or None
+        # Scrubbed before it goes anywhere (issue 25): a tool that echoes the mounted
+        # database Secret or its guard token leaves "[secret]" in the tail.
+        stderr_tail = stderr_tail_text(child.stderr_tail,
+                                       child.stderr_bytes > len(child.stderr_tail),
+                                       STDERR_TAIL_BYTES)
         seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
                         child.stdout_bytes, usage, stderr_tail,
                         sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)
@@ -422,10 +441,25 @@ class JobSupervisor:
                 result, next_stage = _parse_output(output, source, self.ctx.settings,
                                                    profile)
             del output  # a large result is held once, as the text sent to PostgreSQL
+        except SecretInOutput as exc:
+            return await self._refuse_secret(exc, digest, source, stderr_tail)
         except BadResult as exc:
             return await self.commit.end(failure(FailureKind(exc.kind), exc.message,
                                                  stderr_tail=stderr_tail))
         return await self.commit.end(Succeeded(result, digest, next_stage, stderr_tail))
+
+    async def _refuse_secret(self, exc: SecretInOutput, digest: dict[str, Any], source: str,
+                             stderr_tail: str | None) -> Outcome:
+        """The output holds a secret (issue 25): nothing of it is stored; the attempt fails
+        ``secret_in_output`` (not retried), journaled with the output's sha256 and size and
+        the kinds of secret found, never the value."""
+        details = {"result": digest, "source": source, "secrets": exc.labels}
+        log.emit("secret_in_output", "error", **log_fields(self.job), reason=exc.message,
+                 result=digest, secrets=exc.labels)
+        self.commit.note("secret_in_output", details)
+        return await self.commit.end(failure(FailureKind.SECRET_IN_OUTPUT, exc.message,
+                                             stderr_tail=stderr_tail, secrets=exc.labels,
+                                             result=digest))
 
     def _output_digest(self, child: Child, sandbox: Sandbox) -> dict[str, Any] | None:
         """payload_digest of what the tool returned (its result file, else its stdout),
@@ -442,7 +476,9 @@ def _parse_output(output: bytearray, source: str, settings: Settings,
                   profile: LeaseProfile) -> tuple[RawJson, NextStage | None]:
     """The tool's output checked (parse_result) and split into the result's JSON text and
     the next stage (split_next_stage); the parsed value is dropped here, in whichever
-    thread runs this. Raises BadResult."""
+    thread runs this. Raises BadResult (SecretInOutput first, for output that holds a
+    secret the sidecar knows: result and next-stage payload alike, issue 25)."""
+    check_no_secret(output, source)
     value, text = parse_result(output, source)
     return split_next_stage(value, text, settings, profile)
 

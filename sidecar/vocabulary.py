@@ -83,6 +83,9 @@ class FailureKind(StrEnum):
     COMMIT_TIMEOUT = "commit_timeout"
     # The next stage's key is held by another job (case F22): the completion wrote nothing.
     NEXT_STAGE_CONFLICT = "next_stage_conflict"
+    # The result or a next stage's payload holds a secret the sidecar knows (the database
+    # URL or password, a guard token; issue 25): nothing of it was stored.
+    SECRET_IN_OUTPUT = "secret_in_output"
     # Written by SQL, never by a supervisor: the lease expired on the last attempt, and an
     # operator's cancel.
     MAX_ATTEMPTS_EXCEEDED = "max_attempts_exceeded"
@@ -111,6 +114,9 @@ RETRYABLE: dict[FailureKind, bool] = {
     # (its side effects too); raise the timeout and `sidecar retry` the job.
     FailureKind.COMMIT_TIMEOUT: False,
     FailureKind.NEXT_STAGE_CONFLICT: False,
+    # Not retried: the same input makes the tool echo the same secret again (a page or a
+    # file that names the Secret's path); the journal keeps only the output's digest.
+    FailureKind.SECRET_IN_OUTPUT: False,
     FailureKind.MAX_ATTEMPTS_EXCEEDED: False,
     FailureKind.CANCELLED: False,
 }

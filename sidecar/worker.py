@@ -21,7 +21,7 @@ import uuid
 from sidecar import clock, db, health, metrics, retention
 from sidecar.cgroups import CgroupHost
 from sidecar.child import ProcessTable
-from sidecar.config import Settings
+from sidecar.config import Settings, secret_values
 from sidecar.context import WorkerContext
 from sidecar.errors import ConfigError
 from sidecar.forwarder import Forwarder
@@ -31,6 +31,7 @@ from sidecar.isolation import SparePool
 from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock, sweep_dead_owners
 from sidecar.log import log
+from sidecar.masking import SECRETS
 from sidecar.model import ClaimedJob, LeaseProfile
 from sidecar.periodic import Periodic
 from sidecar.queries import migrations
@@ -121,6 +122,12 @@ class Worker:
         self.readiness = Readiness(expected_schema=migrations()[-1].version,
                                    db_fresh_seconds=max(10.0, 3 * settings.poll_seconds),
                                    draining=self.stopping.is_set)
+        # The secrets this sidecar knows, scrubbed from all it writes from now on and
+        # refused in results (issue 25); the guard adds each attempt's token.
+        self._secret_keys = []
+        for label, values in secret_values(settings, dsn).items():
+            self._secret_keys.append(("worker", self.owner_id, label))
+            SECRETS.add(self._secret_keys[-1], label, values)
 
     def request_stop(self, reason: str = "requested") -> None:
         """First call: stop claiming and drain, logged as ``stop_requested`` with
@@ -144,17 +151,21 @@ class Worker:
         tasks. Whatever fails, at start or later, what was started is torn down in reverse
         order. Raises OSError when the work root is unusable, ConfigError when the HTTP
         address is taken, DatabaseUnavailable when the database cannot be reached."""
-        async with contextlib.AsyncExitStack() as stack:
-            await self._start(stack)
-            try:
-                await self._claim_loop(self._store, self._ctx)
-                await self._drain_running()
-                await asyncio.gather(*self._writes, return_exceptions=True)
-            finally:
-                await self._stop_background()
-        log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
-                 reason=repr(self.failure) if self.failure else None,
-                 stop_reason=self.stop_reason or ("drained" if self.drain else None))
+        try:
+            async with contextlib.AsyncExitStack() as stack:
+                await self._start(stack)
+                try:
+                    await self._claim_loop(self._store, self._ctx)
+                    await self._drain_running()
+                    await asyncio.gather(*self._writes, return_exceptions=True)
+                finally:
+                    await self._stop_background()
+            log.emit("worker_stopped", tool=self.profile.tool, owner_id=self.owner_id,
+                     reason=repr(self.failure) if self.failure else None,
+                     stop_reason=self.stop_reason or ("drained" if self.drain else None))
+        finally:
+            for key in self._secret_keys:
+                SECRETS.discard(key)
         return 1 if self.failure else 0
 
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:

@@ -13,8 +13,9 @@ then prints the counts again with how many of its connections were still open.
 Counts: ``served`` (got 200 or 409 and stayed open), ``too_many`` (got 429), ``reset``
 (reset or closed before any answer), ``other`` (any other status), ``bare_open`` and
 ``bare_refused`` (the silent connections still open, or reset or closed, half a second
-after the last was opened), ``connect_failed`` (connect() itself failed or timed out; ``connect_<ERRNO>`` by errno),
-``served_open_at_end`` (served connections still open at the release).
+after the last was opened), ``connect_failed`` (connect() itself failed or timed out;
+``connect_<ERRNO>`` by errno), ``served_open_at_end`` (served connections still open at
+the release).
 
 An ordinary job prints {"guard": STATUS, "tries": N} of one POST /v1/guard, asked again
 for up to 10 s while its connection is refused.

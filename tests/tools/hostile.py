@@ -62,7 +62,9 @@ elif mode == "inspect":
     with open("/proc/self/cgroup") as f:
         cgroup = f.read()
     print(json.dumps({
-        "env": dict(os.environ),
+        # The guard token is a secret of the sidecar's: echoed in a result it fails the
+        # attempt (secret_in_output, issue 25); its presence is what is reported.
+        "env": {k: "(set)" if k == "SIDECAR_GUARD_TOKEN" else v for k, v in os.environ.items()},
         "fds": fds,
         "cwd": os.getcwd(),
         "uid": os.getuid(), "gid": os.getgid(), "groups": os.getgroups(),
