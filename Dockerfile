@@ -44,7 +44,7 @@ COPY --from=build /bundle/sidecar /sidecar
 FROM ${PYTHON_IMAGE}
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends tini \
+    && apt-get install -y --no-install-recommends tini bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
     python3 -m venv /opt/sidecar-venv \

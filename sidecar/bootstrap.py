@@ -101,10 +101,13 @@ def check_run_args(command: list[str], tool: str | None, concurrency: int, drain
 
 @dataclass(frozen=True)
 class Host:
-    """What the cgroup step found: the cgroup host and the work root (a directory)."""
+    """What the cgroup step found: the cgroup host and the work root (a directory), and
+    the sandbox each attempt runs in (None: none, ``sandbox_off`` says why)."""
 
     cgroups: cgroups.CgroupHost
     work_root: str
+    sandbox: isolation.SandboxPlan | None = None
+    sandbox_off: str = ""
 
 
 def host_step(config: RunConfig, settings: Settings) -> Host:
@@ -112,13 +115,21 @@ def host_step(config: RunConfig, settings: Settings) -> Host:
     root; give the sidecar itself the tool's rlimits where it can (so tools start by
     vfork), and its soft RLIMIT_NOFILE raised to the hard limit (issue 25: the guard's
     descriptor reserve is counted below it; tools inherit it unless the profile's
-    OPEN_FILES sets theirs). Raises ConfigError (exit 2) for what it refuses."""
+    OPEN_FILES sets theirs); probe the bubblewrap sandbox once (``SANDBOX``: ``auto`` goes
+    on without it and warns ``sandbox_unavailable`` with the reason). Raises ConfigError
+    (exit 2) for what it refuses, ``SANDBOX=required`` where the sandbox cannot work
+    included."""
     host = cgroups.detect(settings.cgroups)
     isolation.check_profile(config.profile, host)
     isolation.share_limits(config.profile)
     work_root = isolation.check_work_dir(settings, config.profile)
     linux.raise_open_files_limit()
-    return Host(host, work_root)
+    plan, off = isolation.check_sandbox(settings, config.profile, work_root, config.argv)
+    if plan is None and config.profile.sandbox == "auto":
+        log.emit("sandbox_unavailable", "warning", tool=config.tool, reason=off,
+                 effect="attempts run without the namespace sandbox: they see what the "
+                        "sidecar's user sees (docs/isolation.md)")
+    return Host(host, work_root, plan, off)
 
 
 def non_dumpable_step(settings: Settings) -> str:
@@ -178,7 +189,7 @@ def worker_step(config: RunConfig, settings: Settings, host: Host, dsn: str,
 
     worker = Worker(settings, config.profile, dsn, config.argv, config.concurrency,
                     config.drain, adopt_orphans=processes.subreaper, serve_http=True,
-                    cgroup_host=host.cgroups, processes=processes)
+                    cgroup_host=host.cgroups, processes=processes, sandbox=host.sandbox)
     swept = leftovers.sweep_dead_owners(host.work_root, host.cgroups.parents)
     if swept:
         log.emit("leftovers_removed", tool=config.tool, count=swept,

@@ -22,6 +22,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import errno
+import json
 import os
 import resource
 import signal
@@ -417,10 +418,18 @@ def read_setup_report(report_r: int) -> PreexecFailed | None:
 
 def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: str | None,
                     make_preexec: Callable[[int, int], Callable[[], None]] | None,
-                    join: JobCgroup | None, processes: ProcessTable):
+                    join: JobCgroup | None,
+                    wrap: Callable[[list[str], int], list[str]] | None,
+                    processes: ProcessTable):
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
+    # The sandbox's status pipe: bwrap writes its JSON status to the write end, which only
+    # bwrap itself inherits (it is not passed on to the tool).
+    status_r, status_w = os.pipe() if wrap else (-1, -1)
+    if wrap:
+        os.set_inheritable(status_w, True)
+        argv = wrap(argv, status_w)
     # The preexec_fn's report of a failed step (errno and step), so a shortage met between
     # fork and exec is told from a tool's exit status (case F19).
     report_r, report_w = os.pipe() if make_preexec else (-1, -1)
@@ -434,6 +443,7 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
                     argv, stdin=in_r, stdout=out_w, stderr=err_w, env=env, close_fds=True,
                     cwd=cwd, start_new_session=True, restore_signals=True,
                     preexec_fn=make_preexec(parent_pid, report_w) if make_preexec else None,
+                    pass_fds=(status_w,) if wrap else (),
                 )
             except subprocess.SubprocessError:
                 # Popen has reaped the child; its preexec_fn said why, if it could.
@@ -446,11 +456,12 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
                 raise
             processes.manage(popen.pid)
     except BaseException:
-        for fd in (in_w, out_r, err_r):
-            os.close(fd)
+        for fd in (in_w, out_r, err_r, status_r):
+            if fd >= 0:
+                os.close(fd)
         raise
     finally:
-        for fd in (in_r, out_w, err_w, report_r, report_w):
+        for fd in (in_r, out_w, err_w, report_r, report_w, status_w):
             if fd >= 0:
                 os.close(fd)
     if join is not None:
@@ -466,10 +477,11 @@ def _spawn_blocking(argv: list[str], env: dict[str, str], parent_pid: int, cwd: 
             with contextlib.suppress(subprocess.TimeoutExpired):
                 popen.wait(5)
             processes.unmanage(popen.pid)
-            for fd in (in_w, out_r, err_r):
-                os.close(fd)
+            for fd in (in_w, out_r, err_r, status_r):
+                if fd >= 0:
+                    os.close(fd)
             raise CgroupJoinFailed(exc.errno, exc.strerror, exc.filename) from None
-    return popen, in_w, out_r, err_r
+    return popen, in_w, out_r, err_r, status_r
 
 
 def _spawn_failure(program: str, exc: OSError) -> SpawnFailed | SpawnSetupFailed:
@@ -507,13 +519,21 @@ class Child:
     ``returncode`` is then set (negative = killed by that signal), or stays None with
     ``status_lost`` True when the exit status could not be collected (case F9: someone
     else reaped it): an unknown status is never taken for exit 0.
+
+    Sandboxed (``status_fd``, the read end of bwrap's JSON status pipe): ``pid`` is
+    bwrap's, and ``returncode`` the tool's as bwrap reports it (sidecar.isolation.
+    decode_sandbox_status); ``sandbox_failed`` is True when bwrap exited without ever
+    starting the tool (its stderr says why).
     """
 
     def __init__(self, popen: subprocess.Popen, stdin_fd: int, stdout_fd: int, stderr_fd: int,
                  payload: bytes, max_stdout: int, on_stderr_line: Callable[[bytes], None],
                  cookie: dict[str, str], cgroup: JobCgroup | None = None,
-                 processes: ProcessTable | None = None):
+                 processes: ProcessTable | None = None, status_fd: int = -1):
         self.loop = asyncio.get_running_loop()
+        self.status_fd = status_fd
+        self.sandboxed = status_fd >= 0
+        self.sandbox_failed = False
         self.processes = processes if processes is not None else ProcessTable()
         self.cgroup = cgroup
         # The child's own resource use (wait4), its reaped descendants included.
@@ -557,7 +577,8 @@ class Child:
                     cwd: str | None = None,
                     make_preexec: Callable[[int, int], Callable[[], None]] | None = None,
                     cgroup: JobCgroup | None = None, new_privileges: bool = False,
-                    processes: ProcessTable | None = None) -> Child:
+                    processes: ProcessTable | None = None,
+                    wrap: Callable[[list[str], int], list[str]] | None = None) -> Child:
         """Start ``argv`` in a new session with ``env`` in ``cwd``; write ``payload`` to its
         stdin. No file descriptor but stdin, stdout and stderr is inherited. The tool gets
         ``no_new_privs`` (case F23) unless ``new_privileges`` (a profile's
@@ -577,15 +598,19 @@ class Child:
         sidecar.shortage).
         ``processes`` is the process table of the sidecar (sidecar run: the one of the
         process); None gives the child a table of its own.
+        ``wrap(argv, status_fd)`` gives the command line that runs ``argv`` in the
+        attempt's sandbox (sidecar.isolation.SandboxPlan.argv), ``status_fd`` the
+        descriptor bwrap reports its status on; None runs ``argv`` as is.
         """
         loop = asyncio.get_running_loop()
         if processes is None:
             processes = ProcessTable()
         processes.spawn_begun()  # counted down by _spawn_counted once the pid is recorded
         try:
-            popen, in_w, out_r, err_r = await loop.run_in_executor(
+            popen, in_w, out_r, err_r, status_r = await loop.run_in_executor(
                 processes.spawn_thread(new_privileges), _spawn_counted, processes, argv, env,
-                os.getpid(), cwd, make_preexec, cgroup if make_preexec is None else None)
+                os.getpid(), cwd, make_preexec, cgroup if make_preexec is None else None,
+                wrap)
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError):  # from submit: _spawn_counted never ran
                 processes.spawn_done()
@@ -602,7 +627,7 @@ class Child:
         except subprocess.SubprocessError as exc:
             raise SpawnFailed(f"cannot start {argv[0]}: {exc}", 126) from None
         return cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie, cgroup,
-                   processes)
+                   processes, status_r)
 
     # --- exit ---------------------------------------------------------------
 
@@ -620,6 +645,37 @@ class Child:
 
         self.loop.add_reader(pidfd, on_exit)
 
+    def _read_sandbox_status(self) -> None:
+        """bwrap has exited: take the tool's exit status from its JSON status (the
+        ``exit-code`` document, written before bwrap exits), decoded by
+        isolation.decode_sandbox_status. No such document while bwrap exited by itself:
+        the tool never started (``sandbox_failed``). bwrap killed by a signal (the tree
+        kill) keeps that signal as the status."""
+        from sidecar.isolation import decode_sandbox_status
+
+        data = b""
+        with contextlib.suppress(OSError):
+            os.set_blocking(self.status_fd, False)
+            while chunk := os.read(self.status_fd, 4096):
+                data += chunk
+                if len(data) > 65536:
+                    break
+        with contextlib.suppress(OSError):
+            os.close(self.status_fd)
+        self.status_fd = -1
+        code = None
+        for line in data.decode("utf-8", "replace").splitlines():
+            try:
+                document = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(document, dict) and isinstance(document.get("exit-code"), int):
+                code = document["exit-code"]
+        if code is not None:
+            self.returncode = decode_sandbox_status(code)
+        elif self.returncode is not None and self.returncode >= 0:
+            self.sandbox_failed = True
+
     async def _poll_exit(self) -> None:
         while not self._try_reap():
             await asyncio.sleep(0.05)
@@ -636,6 +692,8 @@ class Child:
             return False
         if status is not None:
             self.returncode = os.waitstatus_to_exitcode(status)
+            if self.sandboxed:
+                self._read_sandbox_status()
         # Popen must never wait on the pid again: it may already belong to someone else.
         self.popen.returncode = self.returncode if status is not None else -signal.SIGKILL
         self.processes.unmanage(self.pid)
@@ -753,6 +811,10 @@ class Child:
             await asyncio.wait(pending, timeout=timeout)
         for fd in list(self._open_fds):
             self._close_fd(fd)
+        if self.status_fd >= 0:  # a status never read (it was lost): let go of the pipe
+            with contextlib.suppress(OSError):
+                os.close(self.status_fd)
+            self.status_fd = -1
         if self._stdin_task is not None:
             if not self._stdin_task.done():
                 self._stdin_task.cancel()
@@ -783,7 +845,12 @@ class Child:
         procs = _remember(members, procs)
         if procs:
             report.signal = signal.SIGTERM
-            self._signal(procs, signal.SIGTERM, report)
+            # Sandboxed: SIGTERM to the tool's processes only. bwrap itself would die of
+            # it, and its init (PID 1 of the namespace, bound to it by
+            # --die-with-parent) would take the whole namespace down with SIGKILL at once,
+            # before the tool had its grace; SIGKILL to its init ends the namespace.
+            wrappers = self._sandbox_wrappers()
+            self._signal([p for p in procs if p.pid not in wrappers], signal.SIGTERM, report)
             await self._wait_gone(procs, grace)
         for _ in range(5):
             procs = _remember(members, await self._scan())
@@ -808,6 +875,13 @@ class Child:
             # still count against the RUN_AS user's RLIMIT_NPROC for the next attempt.
             await self.loop.run_in_executor(None, self.processes.reap_adopted)
         return report
+
+    def _sandbox_wrappers(self) -> set[int]:
+        """bwrap's own processes of a sandboxed child: bwrap (our child) and the
+        namespace's init, its child. Empty when not sandboxed or once bwrap is reaped."""
+        if not self.sandboxed or self.exited.done():
+            return set()
+        return {self.pid, *_children(self.pid)}
 
     def _uncount(self) -> None:
         if self._counted:

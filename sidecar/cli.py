@@ -411,7 +411,12 @@ def cmd_config(args, settings: Settings) -> int:
                    if "env_key" in entry else settings.default_profile())
         try:
             isolation.check_profile(profile, host)
-            isolation.check_work_dir(settings, profile, create=False)
+            root = isolation.check_work_dir(settings, profile, create=False)
+            # The same probe `run` makes (a `true` in a sandbox; nothing stays).
+            plan, off = isolation.check_sandbox(settings, profile, root)
+            entry["sandbox"] = {"mode": profile.sandbox, "active": plan is not None}
+            if plan is None:
+                entry["sandbox"]["reason"] = off
         except SidecarError as exc:
             entry["isolation_error"] = str(exc)
             refused.append(str(exc))

@@ -181,6 +181,60 @@ def _home(text: str) -> str:
     raise _Invalid("use job (a private HOME per attempt), inherit, or an absolute path")
 
 
+SANDBOX_MODES = ("auto", "required", "off")
+NETWORK_MODES = ("host", "none")
+
+
+def _sandbox_mode(text: str) -> str:
+    """``auto``, ``required`` or ``off`` (the ``SANDBOX`` profile field)."""
+    value = text.strip().lower()
+    if value not in SANDBOX_MODES:
+        raise _Invalid("use auto (a bubblewrap sandbox where this host allows one), "
+                       "required (refuse to start without it) or off")
+    return value
+
+
+def _network_mode(text: str) -> str:
+    """``host`` or ``none`` (the ``NETWORK`` profile field)."""
+    value = text.strip().lower()
+    if value not in NETWORK_MODES:
+        raise _Invalid("use host (the pod's network) or none (an empty network namespace)")
+    return value
+
+
+# Where an extra bind would undo the sandbox itself: its own /proc, /dev and /tmp.
+_EXTRA_PATH_REFUSED = ("/", "/proc", "/dev", "/tmp")
+
+
+def _extra_paths(text: str) -> tuple[tuple[str, str], ...]:
+    """``EXTRA_PATHS``: comma-separated ``PATH[:ro|:rw]`` (``ro`` when no suffix), e.g.
+    ``/usr/share/tessdata,/srv/out:rw`` -> ``(("/usr/share/tessdata", "ro"),
+    ("/srv/out", "rw"))``. Each PATH is absolute and is bound at the same path inside the
+    sandbox; the path itself must not hold a comma. Raises _Invalid for a relative path,
+    an unknown suffix, ``/``, ``/proc``, ``/dev`` or ``/tmp`` (the sandbox's own), or a
+    path named twice."""
+    out: dict[str, str] = {}
+    for part in (piece.strip() for piece in text.split(",")):
+        if not part:
+            continue
+        path, mode = part, "ro"
+        head, sep, tail = part.rpartition(":")
+        if sep and tail in ("ro", "rw"):
+            path, mode = head, tail
+        elif sep and "/" not in tail:
+            raise _Invalid(f"{part!r}: the suffix after ':' is ro or rw")
+        if not os.path.isabs(path) or "\0" in path:
+            raise _Invalid(f"{part!r}: use an absolute path, e.g. /srv/data:ro")
+        path = os.path.normpath(path)
+        if path in _EXTRA_PATH_REFUSED or path.startswith(("/proc/", "/dev/")):
+            raise _Invalid(f"{path}: the sandbox makes its own {path}; name a "
+                           "directory below it instead")
+        if path in out:
+            raise _Invalid(f"{path} is named twice")
+        out[path] = mode
+    return tuple(out.items())
+
+
 def _exit_codes(text: str) -> frozenset[int]:
     codes = frozenset(int(part) for part in _names(text))
     if any(not 1 <= code <= 255 for code in codes):
@@ -248,6 +302,17 @@ PROFILE_FIELDS: dict[str, _Field] = {
                    "the tool's HOME and XDG base directories: job (private to each attempt, "
                    "in its work directory), inherit (the sidecar's, if ENV_PASSTHROUGH "
                    "passes HOME), or an absolute path"),
+    # The per-attempt namespace sandbox (bubblewrap; docs/isolation.md).
+    "SANDBOX": _Field(_sandbox_mode, "auto", "mode",
+                      "auto: each attempt in its own bubblewrap sandbox where this host "
+                      "allows it (else a sandbox_unavailable warning at start); required: "
+                      "refuse to start without it; off"),
+    "NETWORK": _Field(_network_mode, "host", "mode",
+                      "the sandboxed tool's network: host (the pod's) or none (an empty "
+                      "network namespace; the guard is then a Unix socket)"),
+    "EXTRA_PATHS": _Field(_extra_paths, "", "paths",
+                          "more paths bound into the sandbox at the same place: "
+                          "PATH[:ro|:rw], comma-separated, ro by default"),
 }
 
 # Every profile field is one field of model.LeaseProfile, in its order (as_dict's order).

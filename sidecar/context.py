@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 from sidecar.cgroups import CgroupHost
 from sidecar.child import ProcessTable
 from sidecar.config import Settings
-from sidecar.isolation import SparePool
+from sidecar.isolation import SandboxPlan, SparePool
 from sidecar.lease import LeaseKeeper
 from sidecar.model import LeaseProfile
 from sidecar.shortage import ClaimPause
@@ -43,3 +43,6 @@ class WorkerContext:
     # directories: every attempt's Child and Sandbox use these.
     processes: ProcessTable = field(default_factory=ProcessTable)
     spares: SparePool = field(default_factory=SparePool)
+    # How each attempt is wrapped in bubblewrap (sidecar.isolation.check_sandbox at
+    # start); None: attempts run unsandboxed (SANDBOX=off, or auto where it cannot work).
+    sandbox: SandboxPlan | None = None

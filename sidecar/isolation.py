@@ -6,12 +6,15 @@ the child; docs/isolation.md states what is contained and what is not.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import pwd
 import resource
+import shutil
 import signal
 import stat
+import subprocess
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -85,6 +88,216 @@ def check_profile(profile: LeaseProfile, host: CgroupHost, euid: int | None = No
             f"({'; '.join(host.notes) or 'none'}) and without one only RLIMIT_NPROC is left, "
             "which needs the tool to run as its own user: set "
             f"{var}_RUN_AS=uid[:gid], or give the sidecar a writable cgroup")
+
+
+# --- the namespace sandbox (bubblewrap) -------------------------------------------------
+
+# Where bwrap is looked for when it is not on the sidecar's PATH (Debian's bubblewrap).
+BWRAP_PATHS = ("/usr/bin/bwrap", "/usr/local/bin/bwrap")
+# The sandbox's own tmpfs mounts: what the tool sees there is its own, empty at the start.
+SANDBOX_TMPFS = ("/tmp",)
+# Inside a NETWORK=none sandbox the guard is this Unix socket (bound from the sidecar's).
+GUARD_SOCKET_IN_SANDBOX = "/tmp/sidecar-guard.sock"
+# The longest the start-up probe of the sandbox may take (seconds).
+PROBE_TIMEOUT_SECONDS = 10.0
+# bwrap reports a tool killed by signal N as exit status 128 + N (bash's convention);
+# signals are 1..64 on Linux.
+_SIGNAL_EXIT_BASE = 128
+_MAX_SIGNAL = 64
+
+
+def find_bwrap() -> str | None:
+    """The bubblewrap executable: ``bwrap`` on PATH, else one of BWRAP_PATHS; None when
+    there is none."""
+    found = shutil.which("bwrap")
+    if found:
+        return os.path.realpath(found)
+    return next((path for path in BWRAP_PATHS if os.access(path, os.X_OK)), None)
+
+
+def secret_files(settings: Settings) -> list[str]:
+    """The files holding secrets the sidecar reads: every ``SIDECAR_*_FILE`` setting of
+    sidecar.config's GLOBAL_FIELDS that is set (today ``SIDECAR_DATABASE_URL_FILE``)."""
+    from sidecar.config import GLOBAL_FIELDS
+
+    out = []
+    for name in GLOBAL_FIELDS:
+        value = getattr(settings, name.lower(), "") if name.endswith("_FILE") else ""
+        if value:
+            out.append(value)
+    return out
+
+
+def decode_sandbox_status(code: int) -> int:
+    """The tool's exit status as ``subprocess`` reports it (negative: the signal that
+    killed it) from the ``exit-code`` bwrap reports (``--json-status-fd``): bwrap turns
+    a death by signal N into 128 + N (its ``propagate_exit_status``), so 129..192 are
+    read back as -1..-64. A tool that itself exits with 129..192 is therefore reported
+    as killed by that signal, as bash reports it (docs/isolation.md)."""
+    if _SIGNAL_EXIT_BASE < code <= _SIGNAL_EXIT_BASE + _MAX_SIGNAL:
+        return -(code - _SIGNAL_EXIT_BASE)
+    return code
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    """How every attempt of one sidecar is wrapped in bubblewrap (docs/isolation.md).
+
+    ``bwrap``: the executable (absolute path). ``work_root``: the real path of
+    ``SIDECAR_WORK_DIR``, hidden (an empty tmpfs) but for the attempt's own directory.
+    ``hidden_dirs``: directories replaced by an empty tmpfs (those of every
+    ``*_FILE`` secret); ``hidden_files``: secret files directly under ``/``, covered by
+    ``/dev/null``. ``network``: ``host`` or ``none`` (a new, empty network namespace).
+    ``extra_paths``: ``(path, "ro"|"rw")`` bound at the same place. ``guard_socket``:
+    the sidecar's guard Unix socket (NETWORK=none), bound at GUARD_SOCKET_IN_SANDBOX."""
+
+    bwrap: str
+    work_root: str
+    hidden_dirs: tuple[str, ...] = ()
+    hidden_files: tuple[str, ...] = ()
+    network: str = "host"
+    extra_paths: tuple[tuple[str, str], ...] = ()
+    guard_socket: str = ""
+
+    def argv(self, command: list[str], job_dir: str | None = None,
+             status_fd: int | None = None) -> list[str]:
+        """The bwrap command line that runs ``command`` in the attempt's sandbox: user,
+        mount, PID, IPC and UTS namespaces (and network with ``none``), no capabilities,
+        no further user namespaces, a new session, SIGKILL when the sidecar's spawning
+        thread dies; ``/`` read-only, its own ``/dev``, ``/proc`` and ``/tmp``, the
+        secrets' directories and the work root hidden, ``job_dir`` (its work directory,
+        HOME and TMPDIR) read-write and its current directory. ``status_fd``: a
+        descriptor the child inherits, where bwrap writes its JSON status (the
+        ``exit-code`` line tells a tool that ran from a sandbox that failed to start)."""
+        args = [self.bwrap, "--unshare-user", "--unshare-pid", "--unshare-ipc",
+                "--unshare-uts"]
+        if self.network == "none":
+            args.append("--unshare-net")
+        args += ["--disable-userns", "--die-with-parent", "--new-session",
+                 "--cap-drop", "ALL",
+                 "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc"]
+        for path in SANDBOX_TMPFS:
+            args += ["--tmpfs", path]
+        for path in self.hidden_dirs:
+            args += ["--tmpfs", path]
+        for path in self.hidden_files:
+            args += ["--ro-bind", "/dev/null", path]
+        if self.work_root not in SANDBOX_TMPFS:
+            args += ["--tmpfs", self.work_root]
+        if job_dir:
+            args += ["--bind", job_dir, job_dir]
+        for path, mode in self.extra_paths:
+            args += ["--bind" if mode == "rw" else "--ro-bind", path, path]
+        if self.guard_socket:
+            args += ["--bind", self.guard_socket, GUARD_SOCKET_IN_SANDBOX]
+        if job_dir:
+            args += ["--chdir", job_dir]
+        if status_fd is not None:
+            args += ["--json-status-fd", str(status_fd)]
+        return [*args, "--", *command]
+
+
+def _under(path: str, parent: str) -> bool:
+    return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+def plan_sandbox(settings: Settings, profile: LeaseProfile, work_root: str, bwrap: str,
+                 ids: tuple[int, int] | None = None) -> SandboxPlan:
+    """The SandboxPlan of ``profile``'s attempts under ``work_root``. Each secret file's
+    directory is hidden (both the one named and the one its links lead to, as a mounted
+    Kubernetes Secret's ``..data`` links do) unless the tool's user (``ids``, RUN_AS)
+    cannot even reach it. Raises ConfigError (one line) for an ``EXTRA_PATHS`` entry that
+    does not exist, or that would show a hidden directory or the work root."""
+    var = profile.sources.get("EXTRA_PATHS", "SIDECAR_EXTRA_PATHS")
+    hidden_dirs: dict[str, None] = {}
+    hidden_files: dict[str, None] = {}
+    for secret in secret_files(settings):
+        for path in dict.fromkeys((os.path.abspath(secret), os.path.realpath(secret))):
+            parent = os.path.dirname(path)
+            if ids is not None and _unsearchable_ancestor(parent, *ids):
+                continue  # the tool's user cannot reach it anyway (nor could bwrap mount)
+            if parent == "/":
+                hidden_files[path] = None
+            elif not any(_under(parent, tmp) for tmp in SANDBOX_TMPFS):
+                hidden_dirs[parent] = None
+    root = os.path.realpath(work_root)
+    for path, _mode in profile.extra_paths:
+        if not os.path.exists(path):
+            raise ConfigError(f"{var}: {path} does not exist, so no attempt could be "
+                              "sandboxed; make it or remove it from the list")
+        # A path inside the work root is allowed (the default root is /tmp); one that
+        # holds it, or touches a secret's directory, is not.
+        for hidden in [*hidden_dirs, *hidden_files, root]:
+            if _under(hidden, path) or (hidden != root and _under(path, hidden)):
+                raise ConfigError(f"{var}: {path} would show {hidden} to the tool, which "
+                                  "the sandbox hides (a secret's directory or the work "
+                                  "root); bind another path")
+    return SandboxPlan(bwrap, root, tuple(hidden_dirs), tuple(hidden_files),
+                       profile.network, profile.extra_paths)
+
+
+def probe_sandbox(plan: SandboxPlan, ids: tuple[int, int] | None = None) -> str | None:
+    """Run ``true`` once in a sandbox of ``plan`` (as the tool's user ``ids``, RUN_AS):
+    None when it works, else why not (bwrap's own last line of error, e.g. no
+    unprivileged user namespaces). Blocks up to PROBE_TIMEOUT_SECONDS."""
+    true = shutil.which("true") or "/bin/true"
+    kwargs: dict[str, object] = {}
+    if ids is not None:
+        kwargs = {"user": ids[0], "group": ids[1], "extra_groups": []}
+    try:
+        done = subprocess.run(plan.argv([os.path.realpath(true)]), stdin=subprocess.DEVNULL,
+                              capture_output=True, timeout=PROBE_TIMEOUT_SECONDS,
+                              close_fds=True, cwd="/", **kwargs)
+    except subprocess.TimeoutExpired:
+        return f"{plan.bwrap} did not finish within {PROBE_TIMEOUT_SECONDS:g} s"
+    except OSError as exc:
+        return f"cannot run {plan.bwrap}: {exc.strerror or exc}"
+    if done.returncode != 0:
+        lines = done.stderr.decode(errors="replace").strip().splitlines()
+        return (lines[-1] if lines else f"{plan.bwrap} exited with {done.returncode}")[:300]
+    return None
+
+
+def check_sandbox(settings: Settings, profile: LeaseProfile, work_root: str,
+                  command: list[str] | None = None) -> tuple[SandboxPlan | None, str]:
+    """Decide, once at start, whether ``profile``'s attempts run sandboxed: returns
+    ``(plan, "")`` when they do, ``(None, reason)`` when they do not (``SANDBOX=off``, or
+    ``auto`` where bwrap or unprivileged user namespaces do not work here: the caller
+    warns ``sandbox_unavailable`` with the reason). Raises ConfigError (exit 2, one line)
+    for ``SANDBOX=required`` where the sandbox cannot work, for a bad ``EXTRA_PATHS``,
+    and for a ``command`` the sandbox would hide (under /tmp or the work root)."""
+    var = profile.sources.get("SANDBOX", "SIDECAR_SANDBOX")
+    if profile.sandbox == "off":
+        return None, f"{var}=off"
+    ids = run_as_ids(profile.run_as)
+    bwrap = find_bwrap()
+    if bwrap is None:
+        reason = ("bwrap (bubblewrap) is not installed: not on PATH nor in "
+                  f"{', '.join(BWRAP_PATHS)}; install Debian's bubblewrap package")
+    else:
+        plan = plan_sandbox(settings, profile, work_root, bwrap, ids)
+        if command:
+            program = os.path.realpath(command[0])
+            for hidden in (*SANDBOX_TMPFS, plan.work_root, *plan.hidden_dirs):
+                if _under(program, hidden) and not any(
+                        _under(program, extra) for extra, _ in plan.extra_paths):
+                    raise ConfigError(
+                        f"{var}={profile.sandbox}: the command {program} is under {hidden}, "
+                        "which the sandbox hides from the tool; install it elsewhere, bind "
+                        "its directory with EXTRA_PATHS, or set SANDBOX=off")
+        probe = plan
+        if not os.path.isdir(plan.work_root):  # `sidecar config`: not made yet
+            existing = plan.work_root
+            while not os.path.isdir(existing):
+                existing = os.path.dirname(existing)
+            probe = dataclasses.replace(plan, work_root=existing)
+        failed = probe_sandbox(probe, ids)
+        if failed is None:
+            return plan, ""
+        reason = f"{bwrap} cannot make a sandbox here: {failed}"
+    if profile.sandbox == "required":
+        raise ConfigError(f"{var}=required: {reason}; or set it to auto or off")
+    return None, reason
 
 
 def check_work_dir(settings: Settings, profile: LeaseProfile | None = None,

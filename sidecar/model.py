@@ -154,6 +154,9 @@ class LeaseProfile:
     run_as: str
     env_passthrough: frozenset[str]
     home: str
+    sandbox: str
+    network: str
+    extra_paths: tuple[tuple[str, str], ...]
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:
@@ -165,6 +168,7 @@ class LeaseProfile:
         for name in PROFILE_FIELD_NAMES:
             value = getattr(self, name)
             out[name] = sorted(value) if isinstance(value, frozenset) else value
+        out["extra_paths"] = [f"{path}:{mode}" for path, mode in self.extra_paths]
         if self.result_url:
             out["result_url"] = mask_url(self.result_url)
         return out

@@ -254,7 +254,10 @@ class JobSupervisor:
             if files:
                 env["SIDECAR_CHECKPOINT_FILE"] = os.path.join(sandbox.job_dir,
                                                               CHECKPOINT_FILE_NAME)
-            if self.ctx.guard is not None:
+            # A tool in an empty network namespace (NETWORK=none) cannot reach the
+            # loopback guard: it gets neither its URL nor a secret (docs/isolation.md).
+            if self.ctx.guard is not None and (self.ctx.sandbox is None
+                                               or self.ctx.sandbox.network != "none"):
                 env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
                 env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease)
             return await self._supervise(env, payload, sandbox)
@@ -277,7 +280,8 @@ class JobSupervisor:
                                       make_preexec=sandbox.preexec if sandbox.needs_preexec
                                       else None, cgroup=sandbox.cgroup,
                                       new_privileges=profile.allow_new_privs,
-                                      processes=self.ctx.processes)
+                                      processes=self.ctx.processes,
+                                      wrap=self._sandbox_wrap(sandbox))
             child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
         except SpawnShortage as exc:
             return await self._short_before_spawn("spawn", exc.errno_name, exc.message)
@@ -313,6 +317,15 @@ class JobSupervisor:
             ("oom_kills", usage.oom_kills or None),
             ("process_limit_hits", usage.process_limit_hits or None)) if v is not None}
         return await self._settle(reason, child, sandbox, usage)
+
+    def _sandbox_wrap(self, sandbox: Sandbox):
+        """The wrapper of the tool's command line in this attempt's bubblewrap sandbox
+        (sidecar.isolation.SandboxPlan.argv over its work directory), or None when
+        attempts run unsandboxed."""
+        plan = self.ctx.sandbox
+        if plan is None:
+            return None
+        return lambda argv, status_fd: plan.argv(argv, sandbox.job_dir, status_fd)
 
     def _killed(self, reason: StopReason, report) -> None:
         """Log, count and journal one tree kill."""
@@ -387,6 +400,14 @@ class JobSupervisor:
         stderr_tail = stderr_tail_text(child.stderr_tail,
                                        child.stderr_bytes > len(child.stderr_tail),
                                        STDERR_TAIL_BYTES)
+        if child.sandbox_failed and reason is StopReason.EXITED:
+            # bwrap exited without starting the tool: the sandbox's failure, not the
+            # tool's exit status (retried, as any sandbox_failed).
+            last = (stderr_tail or "").strip().splitlines()[-1:] or ["no message"]
+            log.emit("sandbox_failed", "error", **log_fields(self.job), reason=last[0])
+            return await self.commit.end(failure(
+                FailureKind.SANDBOX_FAILED, f"the sandbox (bwrap) did not start the tool: "
+                f"{last[0]}", stderr_tail=stderr_tail))
         seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
                         child.stdout_bytes, usage, stderr_tail,
                         sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)

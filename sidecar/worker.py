@@ -27,7 +27,7 @@ from sidecar.errors import ConfigError
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
 from sidecar.health import Readiness
-from sidecar.isolation import SparePool
+from sidecar.isolation import SandboxPlan, SparePool
 from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock, sweep_dead_owners
 from sidecar.log import log
@@ -82,15 +82,19 @@ class Worker:
     ``processes``: the process table of this process (``sidecar run``'s bootstrap makes
     the one that knows the subreaper and the guardian); None makes one of the Worker's
     own, no subreaper. The Worker owns its pool of kept work directories (``spares``),
-    closed at its stop.
+    closed at its stop. ``sandbox``: how each attempt is wrapped in bubblewrap
+    (sidecar.isolation.check_sandbox); None runs the tools unsandboxed.
     """
 
     def __init__(self, settings: Settings, profile: LeaseProfile, dsn: str, argv: list[str],
                  concurrency: int = 1, drain: bool = False, adopt_orphans: bool = False,
                  owner_id: str | None = None, serve_http: bool = False,
                  cgroup_host: CgroupHost | None = None,
-                 processes: ProcessTable | None = None):
+                 processes: ProcessTable | None = None,
+                 sandbox: SandboxPlan | None = None):
         self.settings = settings
+        # Each attempt's bubblewrap sandbox (bootstrap's check_sandbox); None: none.
+        self.sandbox = sandbox
         # Where job cgroups go; the default (none) leaves rlimits and the psutil tree kill.
         self.cgroup_host = cgroup_host or CgroupHost(notes=("not detected",))
         self.profile = profile
@@ -219,12 +223,14 @@ class Worker:
                                   dict(os.environ), self.shutdown_kill, forwarder.wake,
                                   self.settings, guard, guard_url, self.cgroup_host,
                                   ClaimPause(on_end=self.wake.set),
-                                  processes=self.processes, spares=self.spares)
+                                  processes=self.processes, spares=self.spares,
+                                  sandbox=self.sandbox)
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict(),
                  http_addr=http_addr, guard_url=guard_url,
                  isolation=self.cgroup_host.describe(),
-                 open_files_limit=resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+                 open_files_limit=resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+                 sandbox="bwrap" if self.sandbox is not None else "off")
         self._background = [
             asyncio.create_task(keeper.run(), name="heartbeat"),
             asyncio.create_task(self._listen(), name="listen"),

@@ -49,6 +49,11 @@ FAST_PROFILE = {
     "SIDECAR_DRAIN_SECONDS": "5",
     "SIDECAR_DB_TIMEOUT_SECONDS": "2",
     "SIDECAR_HTTP_ADDR": "127.0.0.1:0",  # many sidecars at once: any free port
+    # The suite's tools write reports to the test's temporary directory and print their
+    # own pids for the test to check: both need the host's view, so the bubblewrap
+    # sandbox (the product's default, SANDBOX=auto) is off here; tests/test_containment.py
+    # runs it.
+    "SIDECAR_SANDBOX": "off",
 }
 
 

@@ -1,0 +1,123 @@
+"""The child-process contract through the bubblewrap sandbox (SANDBOX=auto, issue 25
+point 1): exit status and signal as the tool's own, the SIGTERM grace before the
+namespace is killed, stdin and stdout, a writable HOME, TMPDIR and work directory on a
+read-only system, its own PID namespace, the guard reachable (NETWORK=host), no network
+and no guard with NETWORK=none, a sandbox that cannot start failing sandbox_failed, and
+`sidecar config` saying whether the sandbox is on."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from urllib.parse import urlsplit
+
+import orjson
+import pytest
+
+from kit import TOOLS, base_env, cli, enqueue, job_row, wait_until
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/usr/bin/bwrap"), reason="needs bubblewrap (docs/development.md)")
+
+TOOL = [sys.executable, str(TOOLS / "sandbox_probe.py")]
+
+
+def _env(dsn: str, **extra: str) -> dict[str, str]:
+    env = base_env(dsn, SIDECAR_SANDBOX="required", SIDECAR_MAX_ATTEMPTS="1", **extra)
+    return env
+
+
+def _ended(dsn: str, job: str, timeout: float = 30) -> dict:
+    wait_until(lambda: job_row(dsn, job)["state"] in ("succeeded", "failed"), timeout,
+               what=f"job {job} to end")
+    row = job_row(dsn, job)
+    for key in ("result", "error"):
+        if isinstance(row[key], str | bytes):
+            row[key] = orjson.loads(row[key])
+    return row
+
+
+def test_exit_status_and_signal_pass_through_the_sandbox(dsn, sidecars):
+    """bwrap reports a death by signal N as 128 + N; the sidecar reads it back, so a
+    SIGSEGV is kind ``signal`` 11 and an exit 3 is ``exit_code`` 3, as without it."""
+    sc = sidecars(dsn, TOOL, "--tool", "sbx", "--concurrency", "2", env=_env(dsn))
+    code = enqueue(dsn, "sbx", {"mode": "exit", "code": 3})
+    segv = enqueue(dsn, "sbx", {"mode": "signal", "signal": int(signal.SIGSEGV)})
+    error = _ended(dsn, code)["error"]
+    assert (error["kind"], error["exit_code"]) == ("exit_code", 3), error
+    error = _ended(dsn, segv)["error"]
+    assert (error["kind"], error["signal"]) == ("signal", int(signal.SIGSEGV)), error
+    assert sc.events("worker_started")[0]["sandbox"] == "bwrap"
+
+
+def test_a_stage_timeout_gives_the_sandboxed_tool_its_sigterm_grace(dsn, sidecars):
+    """The tree kill sends SIGTERM to the tool's processes, not to bwrap (whose death
+    would SIGKILL the namespace at once): the tool's handler runs within the grace."""
+    sidecars(dsn, TOOL, "--tool", "sbx",
+             env=_env(dsn, SIDECAR_STAGE_TIMEOUT_SECONDS="1", SIDECAR_LEASE_SECONDS="10",
+                      SIDECAR_KILL_GRACE_SECONDS="3"))
+    job = enqueue(dsn, "sbx", {"mode": "term_trap"})
+    error = _ended(dsn, job)["error"]
+    assert error["kind"] == "stage_timeout", error
+    assert "got SIGTERM" in (error.get("stderr_tail") or ""), error
+
+
+def test_inside_the_sandbox_the_contract_holds(dsn, sidecars):
+    """Payload on stdin, result on stdout; its own PID namespace (it is PID 2, under
+    bwrap's init); HOME, TMPDIR and the work directory writable, /usr not; the guard
+    answers over the loopback (NETWORK=host)."""
+    sidecars(dsn, TOOL, "--tool", "sbx", env=_env(dsn))
+    job = enqueue(dsn, "sbx", {"mode": "inside", "n": 12345678901234567890})
+    row = _ended(dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    seen = row["result"]
+    assert seen["payload"]["n"] == 12345678901234567890
+    assert seen["pid"] == 2 and max(seen["pids"]) < 10, seen
+    assert (seen["home"], seen["tmpdir"], seen["job_dir"], seen["usr"]) == (
+        True, True, True, False), seen
+    # It answers (200, or 409 lease_ending with the suite's 3 s lease): it is reachable.
+    assert seen["guard_status"] in (200, "409"), seen
+
+
+def test_network_none_has_no_network_and_no_guard(dsn, sidecars):
+    """NETWORK=none: an empty network namespace, so not even the database's port on the
+    loopback answers; the tool gets no guard URL or secret (it could not reach them)."""
+    parts = urlsplit(dsn)
+    port = parts.port or 5432
+    sidecars(dsn, TOOL, "--tool", "sbx", env=_env(dsn, SIDECAR_NETWORK="none"))
+    job = enqueue(dsn, "sbx", {"mode": "inside", "connect": f"127.0.0.1:{port}"})
+    row = _ended(dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    assert row["result"]["connect"] != "connected"
+    assert row["result"]["guard_url"] is None
+
+
+def test_a_sandbox_that_cannot_start_fails_sandbox_failed(dsn, sidecars, tmp_path):
+    """An EXTRA_PATHS directory removed after the start: bwrap cannot bind it and exits
+    before the tool runs. That is ``sandbox_failed`` with bwrap's line, not the tool's
+    exit status 1."""
+    extra = tmp_path / "extra"
+    extra.mkdir()
+    sc = sidecars(dsn, TOOL, "--tool", "sbx", env=_env(dsn, SIDECAR_EXTRA_PATHS=str(extra)))
+    sc.wait_event("worker_started", 30)
+    extra.rmdir()
+    job = enqueue(dsn, "sbx", {"mode": "exit", "code": 0})
+    error = _ended(dsn, job)["error"]
+    assert error["kind"] == "sandbox_failed", error
+    assert "bwrap" in error["message"], error
+
+
+def test_config_shows_the_sandbox_and_refuses_a_bad_extra_path(dsn, tmp_path):
+    """`sidecar config` runs the start-up probe: the default profile's sandbox is on here;
+    an EXTRA_PATHS entry that does not exist is one line and exit 2."""
+    env = base_env(dsn)
+    del env["SIDECAR_SANDBOX"]
+    done = cli(dsn, "config", env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    assert orjson.loads(done.stdout)["defaults"]["sandbox"] == {"mode": "auto",
+                                                                 "active": True}
+    env["SIDECAR_EXTRA_PATHS"] = str(tmp_path / "missing") + ":rw"
+    done = cli(dsn, "config", env=env)
+    assert done.returncode == 2
+    assert "SIDECAR_EXTRA_PATHS" in done.stderr.decode()

@@ -1,0 +1,69 @@
+#!/usr/bin/env python3
+"""Test tool for the guarantees that hold through the bubblewrap sandbox
+(tests/test_sandbox.py). Payload ``{"mode": M, ...}``:
+
+- ``exit``: exit with ``code``; ``signal``: kill itself with signal ``signal``;
+- ``term_trap``: wait; on SIGTERM write "got SIGTERM" to stderr and exit 3;
+- ``inside``: print what it sees: its pid, the pids in /proc, whether HOME, TMPDIR and
+  the work directory are writable and /usr is not, the payload it read, and the guard's
+  answer (or the error reaching it), plus whether it can connect to ``connect`` (a
+  host:port).
+"""
+import json
+import os
+import signal
+import socket
+import sys
+import time
+import urllib.request
+
+payload = json.load(sys.stdin)
+mode = payload["mode"]
+if mode == "exit":
+    sys.exit(payload["code"])
+if mode == "signal":
+    signal.signal(payload["signal"], signal.SIG_DFL)
+    os.kill(os.getpid(), payload["signal"])
+    time.sleep(5)
+if mode == "term_trap":
+    def on_term(signum, frame):
+        sys.stderr.write("got SIGTERM\n")
+        sys.stderr.flush()
+        os._exit(3)
+    signal.signal(signal.SIGTERM, on_term)
+    sys.stderr.write("ready\n")
+    sys.stderr.flush()
+    while True:
+        time.sleep(0.1)
+
+
+def writable(path):
+    try:
+        with open(os.path.join(path, f".w{os.getpid()}"), "w") as f:
+            f.write("x")
+        return True
+    except OSError:
+        return False
+
+
+out = {"pid": os.getpid(), "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
+       "home": writable(os.environ["HOME"]), "tmpdir": writable(os.environ["TMPDIR"]),
+       "job_dir": writable(os.environ["SIDECAR_JOB_DIR"]), "usr": writable("/usr"),
+       "payload": payload, "guard_url": os.environ.get("SIDECAR_GUARD_URL")}
+if out["guard_url"]:
+    request = urllib.request.Request(
+        out["guard_url"] + "/v1/guard", data=b"{}", method="POST",
+        headers={"Authorization": "Bearer " + os.environ["SIDECAR_GUARD_TOKEN"]})
+    try:
+        with urllib.request.urlopen(request, timeout=5) as response:
+            out["guard_status"] = response.status
+    except OSError as exc:
+        out["guard_status"] = str(getattr(exc, "code", exc))
+if payload.get("connect"):
+    host, port = payload["connect"].rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), 2).close()
+        out["connect"] = "connected"
+    except OSError as exc:
+        out["connect"] = type(exc).__name__
+print(json.dumps(out))
