@@ -141,12 +141,16 @@ def _remove_short_links():
 
 @pytest.fixture
 def public_dir():
-    """Factory of directories under /tmp with the given mode (a RUN_AS tool can reach them;
-    pytest's tmp_path sits under a 0700 directory); removed at the end of the test."""
+    """Factory of directories with the given mode (a RUN_AS tool can reach them; pytest's
+    tmp_path sits under a 0700 directory), owned by ``uid``, under ``parent`` (/tmp by
+    default; /var/tmp for a sandboxed tool, whose /tmp is its own); removed at the end of
+    the test."""
     made: list[Path] = []
 
-    def make(mode: int = 0o755) -> Path:
-        where = Path(tempfile.mkdtemp(prefix="sidecar-public-"))
+    def make(mode: int = 0o755, uid: int = 0, parent: str | None = None) -> Path:
+        where = Path(tempfile.mkdtemp(prefix="sidecar-public-", dir=parent))
+        if uid:
+            os.chown(where, uid, uid)
         where.chmod(mode)
         made.append(where)
         return where

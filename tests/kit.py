@@ -554,6 +554,18 @@ class PgBouncer:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+def sandbox_extra_paths() -> str:
+    """The EXTRA_PATHS value a sandboxed test tool needs to see the test tools and this
+    interpreter's environment: the project's checkout and the venv when they lie under
+    /tmp, which the sandbox replaces with an empty one (a clean clone may live there);
+    "" when nothing needs binding."""
+    project = Path(__file__).resolve().parent.parent
+    paths = {project, Path(sys.prefix).resolve()}
+    under_tmp = sorted(p for p in paths if p.is_relative_to("/tmp") and p != Path("/tmp"))
+    kept = [p for p in under_tmp if not any(p != q and p.is_relative_to(q) for q in under_tmp)]
+    return ",".join(f"{p}:ro" for p in kept)
+
+
 def python_for(uid: int) -> tuple[str, dict[str, str]]:
     """An interpreter user ``uid`` can run the sidecar with, and the environment it needs:
     this one when that user may execute it; else the system's ``python3.X`` of the same

@@ -15,16 +15,23 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import orjson
 import psutil
 import pytest
 
-from kit import TOOLS, base_env, enqueue, job_row, python_for, short_root, wait_until
+from kit import (
+    TOOLS,
+    base_env,
+    enqueue,
+    job_row,
+    python_for,
+    sandbox_extra_paths,
+    short_root,
+    wait_until,
+)
 
 NON_ROOT_UID = 10001  # the manifests' uid
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "isolation.md"
@@ -34,21 +41,10 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0,
 
 
 @pytest.fixture
-def var_tmp():
-    """Factory of directories under /var/tmp owned by ``uid`` (mode 0700, or ``mode``);
-    removed at the end of the test."""
-    made: list[Path] = []
-
-    def make(uid: int = 0, mode: int = 0o700) -> Path:
-        where = Path(tempfile.mkdtemp(prefix="sc-contain-", dir="/var/tmp"))
-        os.chown(where, uid, uid)
-        where.chmod(mode)
-        made.append(where)
-        return where
-
-    yield make
-    for where in made:
-        shutil.rmtree(where, ignore_errors=True)
+def var_tmp(public_dir):
+    """Directories under /var/tmp (a sandboxed tool's /tmp is its own) owned by ``uid``,
+    mode 0700 or ``mode``."""
+    return lambda uid, mode=0o700: public_dir(mode, uid, "/var/tmp")
 
 
 def _start(dsn, proxy, sidecars, var_tmp, uid: int, sandbox: str | None):
@@ -74,6 +70,8 @@ def _start(dsn, proxy, sidecars, var_tmp, uid: int, sandbox: str | None):
     env.pop("SIDECAR_SANDBOX", None)
     if sandbox is not None:
         env["SIDECAR_SANDBOX"] = sandbox
+    if sandbox_extra_paths():  # a checkout under /tmp: the tool and its Python stay visible
+        env["SIDECAR_EXTRA_PATHS"] = sandbox_extra_paths()
     python, launcher = sys.executable, None
     if uid != 0:
         python, python_env = python_for(uid)

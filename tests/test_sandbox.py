@@ -15,7 +15,7 @@ from urllib.parse import urlsplit
 import orjson
 import pytest
 
-from kit import TOOLS, base_env, cli, enqueue, job_row, wait_until
+from kit import TOOLS, base_env, cli, enqueue, job_row, sandbox_extra_paths, wait_until
 
 pytestmark = pytest.mark.skipif(
     not os.path.exists("/usr/bin/bwrap"), reason="needs bubblewrap (docs/development.md)")
@@ -24,7 +24,11 @@ TOOL = [sys.executable, str(TOOLS / "sandbox_probe.py")]
 
 
 def _env(dsn: str, **extra: str) -> dict[str, str]:
+    binds = ",".join(p for p in (sandbox_extra_paths(), extra.pop("SIDECAR_EXTRA_PATHS", ""))
+                     if p)
     env = base_env(dsn, SIDECAR_SANDBOX="required", SIDECAR_MAX_ATTEMPTS="1", **extra)
+    if binds:
+        env["SIDECAR_EXTRA_PATHS"] = binds
     return env
 
 
