@@ -277,14 +277,18 @@ def check_sandbox(settings: Settings, profile: LeaseProfile, work_root: str,
     else:
         plan = plan_sandbox(settings, profile, work_root, bwrap, ids)
         if command:
-            program = os.path.realpath(command[0])
-            for hidden in (*SANDBOX_TMPFS, plan.work_root, *plan.hidden_dirs):
-                if _under(program, hidden) and not any(
-                        _under(program, extra) for extra, _ in plan.extra_paths):
-                    raise ConfigError(
-                        f"{var}={profile.sandbox}: the command {program} is under {hidden}, "
-                        "which the sandbox hides from the tool; install it elsewhere, bind "
-                        "its directory with EXTRA_PATHS, or set SANDBOX=off")
+            # bwrap executes the path as given, so it and the file it links to must both
+            # be visible inside (a venv's bin/python under /tmp links out of /tmp).
+            given = os.path.abspath(shutil.which(command[0]) or command[0])
+            for program in dict.fromkeys((given, os.path.realpath(given))):
+                for hidden in (*SANDBOX_TMPFS, plan.work_root, *plan.hidden_dirs):
+                    if _under(program, hidden) and not any(
+                            _under(program, extra) for extra, _ in plan.extra_paths):
+                        raise ConfigError(
+                            f"{var}={profile.sandbox}: the command {program} is under "
+                            f"{hidden}, which the sandbox hides from the tool; install it "
+                            "elsewhere, bind its directory with EXTRA_PATHS, or set "
+                            "SANDBOX=off")
         probe = plan
         if not os.path.isdir(plan.work_root):  # `sidecar config`: not made yet
             existing = plan.work_root

@@ -8,8 +8,11 @@ and no guard with NETWORK=none, a sandbox that cannot start failing sandbox_fail
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import orjson
@@ -125,3 +128,22 @@ def test_config_shows_the_sandbox_and_refuses_a_bad_extra_path(dsn, tmp_path):
     done = cli(dsn, "config", env=env)
     assert done.returncode == 2
     assert "SIDECAR_EXTRA_PATHS" in done.stderr.decode()
+
+
+def test_a_command_the_sandbox_would_hide_is_refused_at_start_even_through_a_link(
+        dsn, tmp_path):
+    """bwrap executes the command's path as given: a link under /tmp (a venv's
+    bin/python in a checkout under /tmp) to a program outside it vanished inside the
+    sandbox, and every attempt failed `sandbox_failed` until the job's attempts were gone.
+    `sidecar run` checks the path as given and the file it links to, and refuses at start:
+    exit 2, one line naming SANDBOX."""
+    link = Path(tempfile.mkdtemp(prefix="sidecar-link-", dir="/tmp")) / "python"
+    try:
+        link.symlink_to(os.path.realpath(sys.executable))
+        done = cli(dsn, "run", "--tool", "sbx", "--drain", "--", str(link), "-c", "pass",
+                   env=base_env(dsn, SIDECAR_SANDBOX="required"))
+        assert done.returncode == 2, done.stderr.decode()
+        err = done.stderr.decode().strip()
+        assert "\n" not in err and "SANDBOX" in err and str(link) in err, err
+    finally:
+        shutil.rmtree(link.parent, ignore_errors=True)
