@@ -186,3 +186,17 @@ def test_a_fenced_end_whose_answer_was_lost_is_settled_from_the_journal(
     assert not [n for n in names if n[0] == "result_rejected"], names
     assert not sc.events("result_rejected")
     assert runs.read_text().split() == (["1"] if exit_code == 0 else ["1", "2"])
+
+
+def test_a_lease_claimed_before_the_refund_rule_expires_as_before(dsn, sidecars, tmp_path):
+    """Migration 012 adds claimed_at; a row claimed by an older release has none. Its
+    expired lease is spent as it always was (never given back, never stuck between the
+    sweep and the claim): with no attempt left the sweep fails it."""
+    job_id = enqueue(dsn, COUNTER, {"log": str(tmp_path / "runs")}, "--max-attempts", "1")
+    [row] = query(dsn, Q["claim_job"], COUNTER, "older-release", 1.0, None)
+    query(dsn, "UPDATE tool_jobs SET claimed_at = NULL WHERE id = $1", row["id"])
+    sidecars(dsn, [COUNTER], env=base_env(dsn))
+    wait_until(lambda: job_row(dsn, job_id)["state"] == "failed", 20,
+               what="the exhausted job to fail")
+    assert job_row(dsn, job_id)["error"]["kind"] == "max_attempts_exceeded"
+    assert not (tmp_path / "runs").exists()

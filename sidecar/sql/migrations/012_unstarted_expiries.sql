@@ -17,7 +17,7 @@ ALTER TABLE tool_jobs ADD COLUMN unstarted_expiries integer NOT NULL DEFAULT 0,
 -- tool_job_events_job_idx, and only for rows under an expired lease.
 CREATE FUNCTION tool_job_expiry_refunded(j tool_jobs) RETURNS boolean
 LANGUAGE sql STABLE AS $$
-    SELECT j.heartbeat_at = j.claimed_at
+    SELECT coalesce(j.heartbeat_at = j.claimed_at, false)  -- claimed before 012: spent
        AND j.unstarted_expiries < j.max_attempts
        AND NOT EXISTS (SELECT FROM tool_job_events e
                        WHERE e.job_id = j.id AND e.fencing_token = j.fencing_token
