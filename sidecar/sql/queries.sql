@@ -120,7 +120,9 @@ WITH expired AS (
         heartbeat_at = now(),
         claimed_at = now(),  -- heartbeat_at = claimed_at: not renewed yet (migration 012)
         fencing_token = j.fencing_token + 1,
-        attempt = j.attempt + CASE WHEN candidate.refunded THEN 0 ELSE 1 END,
+        -- P4's bump; the expired attempt it takes over is given back when its tool never
+        -- started (F16), as release_if_owner gives one back (attempt - 1)
+        attempt = j.attempt + 1 - candidate.refunded::int,
         unstarted_expiries = j.unstarted_expiries + candidate.refunded::int,
         first_claimed_at = coalesce(j.first_claimed_at, now())
     FROM candidate
