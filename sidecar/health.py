@@ -95,6 +95,16 @@ def make_routes(readiness: Readiness) -> dict[tuple[str, str], Handler]:
 
 
 DEFAULT_PORT_TRIES = 10  # with SIDECAR_HTTP_ADDR unset: 9180, else 9181 ... 9189
+# Connections open at once on the health server (probes and scrapes need a few): a tool
+# that floods the port is refused past it, so it never takes the descriptors the guard
+# and other jobs' setup need (issue 25); an idle keep-alive connection closes after
+# HEALTH_KEEPALIVE_SECONDS.
+HEALTH_MAX_CONNECTIONS = 64
+HEALTH_KEEPALIVE_SECONDS = 5.0
+
+
+def _count_refusal(reason: str, _key) -> None:
+    metrics.HEALTH_CONNECTIONS_REFUSED.labels(reason).inc()
 
 
 async def serve(readiness: Readiness, addr: str, *,
@@ -107,7 +117,9 @@ async def serve(readiness: Readiness, addr: str, *,
     port = int(port_text)
     tries = DEFAULT_PORT_TRIES if next_free and port else 1
     for offset in range(tries):
-        server = HttpServer(make_routes(readiness))
+        server = HttpServer(make_routes(readiness), max_connections=HEALTH_MAX_CONNECTIONS,
+                            keepalive_timeout=HEALTH_KEEPALIVE_SECONDS,
+                            on_refuse=_count_refusal)
         try:
             bound_host, bound_port = await server.start(host.strip("[]") or None,
                                                         port + offset)

@@ -261,17 +261,21 @@ class HttpServer:
     TCP address. ``start`` binds; ``stop`` closes the listener and every connection.
 
     ``limits``: the ConnectionLimits of this server, or None (no caps, no binding; the
-    descriptor reserve holds anyway). ``on_refuse(reason, key)`` is called for every
-    connection refused over a cap (``key``: the key of an ``attempt_cap`` refusal, else
-    None) and once each time accepting pauses for the descriptor reserve (reasons:
-    ConnectionRefusal). ``budget``: the process's DescriptorBudget."""
+    descriptor reserve holds anyway). ``max_connections``: a cap on connections open at
+    once for a server whose connections bind to no key (the health server), None: none.
+    ``on_refuse(reason, key)`` is called for every connection refused over a cap
+    (``key``: the key of an ``attempt_cap`` refusal, else None) and once each time
+    accepting pauses for the descriptor reserve (reasons: ConnectionRefusal).
+    ``budget``: the process's DescriptorBudget."""
 
     def __init__(self, routes: dict[tuple[str, str], Handler], *,
                  keepalive_timeout: float = 15.0, header_timeout: float = 10.0,
                  server_name: str = "sidecar", limits: ConnectionLimits | None = None,
+                 max_connections: int | None = None,
                  on_refuse: Callable[[str, Hashable | None], None] | None = None,
                  budget: DescriptorBudget = DESCRIPTORS):
         self.routes = routes
+        self.max_connections = max_connections
         self.keepalive_timeout = keepalive_timeout
         self.header_timeout = header_timeout
         self.server_name = server_name.encode()
@@ -397,6 +401,8 @@ class HttpServer:
 
     def _cap_reached(self) -> str | None:
         """The cap a new connection would go over, or None."""
+        if self.max_connections is not None and len(self._tasks) >= self.max_connections:
+            return REFUSED_TOTAL
         limits = self.limits
         if limits is None:
             return None

@@ -92,6 +92,11 @@ GUARD_CONNECTIONS_REFUSED = Counter(
     "Connections to the guard refused by reason: attempt_cap, total_cap, "
     "unauthenticated_cap (each connection), descriptor_reserve (each pause of accepting).",
     (*_TP, "reason"))
+HEALTH_CONNECTIONS_REFUSED = Counter(
+    "sidecar_health_connections_refused",
+    "Connections to the health server (/metrics, /livez, /readyz) refused by reason: "
+    "total_cap (over its 64 open at once), descriptor_reserve (each pause of accepting).",
+    ("reason",))
 LOOP_LAG = Histogram("sidecar_event_loop_lag_seconds", "Event-loop lag of the sidecar.",
                      buckets=_FAST)
 # The periodic services (sidecar.periodic), by name.

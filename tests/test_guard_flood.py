@@ -146,3 +146,57 @@ def test_a_tool_flooding_the_guard_fails_no_other_job(dsn, sidecars, tmp_path):
     episodes = [(e["reason"], e.get("job_id")) for e in refused]
     assert len(episodes) == len(set(episodes)), episodes
     assert ("attempt_cap", flood) in episodes
+
+
+@pytest.mark.skipif(shutil.which("prlimit") is None, reason="needs prlimit (util-linux)")
+def test_a_flood_of_the_health_port_is_capped_and_jobs_still_run(dsn, sidecars):
+    """The health server is reachable by a tool too (NETWORK=host): 600 connections held
+    open to it leave at most HEALTH_MAX_CONNECTIONS in the sidecar, the rest reset at
+    once and counted; a job asking the guard meanwhile succeeds on its first attempt."""
+    import socket
+
+    from sidecar.health import HEALTH_MAX_CONNECTIONS
+
+    env = base_env(dsn, SIDECAR_STAGE_TIMEOUT_SECONDS="60")
+    sidecar = sidecars(dsn, [str(TOOLS / "guard_flood.py")], "--tool", TOOL,
+                       "--concurrency", "2", env=env,
+                       launcher=["prlimit", f"--nofile={LIMIT}:{LIMIT}"])
+    started = sidecar.wait_event("worker_started", 30)
+    host, port = started["http_addr"].rsplit(":", 1)
+    watch = FdWatch(sidecar.pid, f"http://{started['http_addr']}")
+    held: list[socket.socket] = []
+    reset_at_connect = 0
+    try:
+        for _ in range(600):
+            try:
+                held.append(socket.create_connection((host, int(port)), 5))
+            except ConnectionResetError:
+                reset_at_connect += 1  # reset before connect() even returned
+
+        # Past the cap the server resets a connection at once, unread.
+        def reset_count():
+            gone = reset_at_connect
+            for sock in held:
+                sock.setblocking(False)
+                try:
+                    gone += sock.recv(1) == b""
+                except BlockingIOError:
+                    pass
+                except ConnectionResetError:
+                    gone += 1
+            return gone
+        gone = wait_until(lambda: (n := reset_count()) >= 600 - HEALTH_MAX_CONNECTIONS and n,
+                          15, what="the connections past the cap to be reset")
+        other = enqueue(dsn, TOOL, {"connections": 0})
+        done = wait_until(lambda: (row := job_row(dsn, other))["state"] in
+                          ("succeeded", "failed") and row, 30, what="the job's end")
+        assert done["state"] == "succeeded" and done["attempt"] == 1, done["error"]
+        assert watch.current < 300
+    finally:
+        for sock in held:
+            sock.close()
+        watch.stop()
+    text = wait_until(lambda: metrics_text(f"http://{started['http_addr']}"), 15,
+                      what="the health server to answer again")
+    refused = metric_value(text, "sidecar_health_connections_refused_total", reason="total_cap")
+    assert refused is not None and refused >= gone - HEALTH_MAX_CONNECTIONS, (refused, gone)
