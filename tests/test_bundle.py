@@ -195,3 +195,19 @@ def test_install_into_an_existing_directory_of_another_user_succeeds(bundle, tmp
         assert version.returncode == 0 and b"sidecar" in version.stdout
     finally:
         shutil.rmtree(public, ignore_errors=True)
+
+
+def test_the_bundle_carries_bwrap_with_its_own_libraries(bundle):
+    """The sandbox needs bwrap, which a tool image (the browser overlay's) may not have:
+    the bundle carries it, and every library it needs beyond glibc resolves inside the
+    bundle (its own run path), so it starts with an empty environment. In an image
+    without bubblewrap the bundled sidecar uses it (packaging/image_check.py)."""
+    bwrap = bundle / "bwrap" / "bwrap"
+    done = subprocess.run([str(bwrap), "--version"], env={}, capture_output=True)
+    assert done.returncode == 0 and done.stdout.startswith(b"bubblewrap"), done
+    resolved = subprocess.run(["ldd", str(bwrap)], capture_output=True, text=True,
+                              check=True).stdout
+    for line in resolved.splitlines():
+        name, _, path = line.strip().partition(" => ")
+        if path and not name.startswith(("libc.so", "ld-linux")):
+            assert path.startswith(str(bundle / "bwrap")), line
