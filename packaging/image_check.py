@@ -11,9 +11,18 @@
 5. the init-container pattern of k8s/overlays/browser: the image's bundle installed into
    a volume by ``/opt/sidecar/sidecar install`` as the image's non-root user, then run as
    PID 1 of the Python-less image with a read-only root, for one more job, whose tool
-   reports its parent's pid (1);
+   reports its parent's pid (1); then once more with ``SANDBOX=required`` and an
+   unmasked /proc, the tool sandboxed by the bwrap the bundle carries (that image has no
+   bubblewrap) and the Secret's directory hidden from it;
 6. the OCR tool image of k8s/overlays/ocr built FROM it, with a read-only root, reading
-   the text of a real PNG with tesseract.
+   the text of a real PNG with tesseract;
+7. the hostile-tool suite (issue 25; tests/containment_suite.py, the driver
+   tests/test_containment.py uses on the host) in the image, with a read-only root and
+   the runtime's default seccomp profile, as the image's user 10001 and as root: with the
+   /proc a pod's ``procMount: Unmasked`` gives, ``SANDBOX=required`` starts and the
+   probe reaches nothing outside its attempt; with the runtime's masked /proc, ``auto``
+   warns ``sandbox_unavailable`` naming the fix and still runs the job, and
+   ``required`` refuses to start (exit 2, one line).
 
 Usage: python packaging/image_check.py --dsn postgresql://USER@HOST:PORT/DB
 Exit 0 when every step passed; 1 with the step and its output otherwise. Images are kept
@@ -37,6 +46,10 @@ from pathlib import Path
 
 import asyncpg
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from containment_suite import TOOL as PROBE_TOOL  # noqa: E402
+from containment_suite import probe_beside_held, reached  # noqa: E402
+
 ROOT = Path(__file__).resolve().parent.parent
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
 BASE = f"localhost/sidecar-base:{SUITE}"          # Debian + python3 (for the Dockerfile)
@@ -44,6 +57,17 @@ NO_PYTHON = f"localhost/debian-minbase:{SUITE}"   # Debian without Python (for t
 IMAGE = "localhost/sidecar:check"
 OCR_IMAGE = "localhost/ocr-with-sidecar:check"
 WITH_PYTHON = "python3,python3-venv,libpython3.11,ca-certificates"
+
+
+# Prints the sha256 of every .py file of the importable sidecar package, by relative path.
+SOURCE_DIGEST = """
+import hashlib, pathlib, sidecar
+root = pathlib.Path(sidecar.__file__).parent
+h = hashlib.sha256()
+for f in sorted(root.rglob("*.py")):
+    h.update(str(f.relative_to(root)).encode() + b"\\0" + f.read_bytes())
+print(h.hexdigest())
+"""
 
 
 class CheckFailed(RuntimeError):
@@ -154,6 +178,14 @@ def run_check(server_dsn: str, tmp: Path) -> None:
         sh(["podman", "build", "--network", "host", "--build-arg", f"PYTHON_IMAGE={BASE}",
             "-t", IMAGE, str(ROOT)], env=env, timeout=1800)
         print(f"   built {IMAGE} in {time.monotonic() - started:.0f} s", flush=True)
+        # The image must run this checkout's code, not a layer cached from an earlier one.
+        inside = sh(["podman", "run", "--rm", "--network", "none", "--entrypoint",
+                     "/opt/sidecar-venv/bin/python", IMAGE, "-c", SOURCE_DIGEST],
+                    env=env).stdout.decode().strip()
+        here = sh([sys.executable, "-c", SOURCE_DIGEST]).stdout.decode().strip()
+        if inside != here:
+            raise CheckFailed(f"the image's sidecar package ({inside[:12]}) is not this "
+                              f"checkout's ({here[:12]}): a stale build layer")
         user = sh(["podman", "image", "inspect", "--format", "{{.Config.User}}", IMAGE],
                   env=env).stdout.decode().strip()
         if user != "10001:10001":
@@ -202,6 +234,23 @@ def run_check(server_dsn: str, tmp: Path) -> None:
         if row["state"] != "succeeded" or result != {"ppid": 1}:
             raise CheckFailed(f"the bundle's job ended {dict(row)} (ppid 1 expected: the "
                               "bundle is PID 1 and spawns the tool itself)")
+        step("the same bundle sandboxes its tool with the bwrap it carries (the image "
+             "has no bubblewrap)")
+        job = host_sidecar(dsn, "enqueue", "bundle-sandboxed", "--payload", "{}")
+        tool = ('cat >/dev/null; if [ -e /etc/sidecar/db/url ]; then s=visible; '
+                'else s=hidden; fi; printf \'{"secret": "%s"}\\n\' "$s"')
+        sh(["podman", "run", "--rm", "--network", "host", "--read-only", *UNMASKED_PROC,
+            "--user", "10001:10001", "-e", "HOME=/tmp", "-e", "SIDECAR_HTTP_ADDR=off", *mount,
+            "-e", "SIDECAR_SANDBOX=required", "-v", f"{volume}:/sidecar:ro",
+            "--entrypoint", "/sidecar/sidecar", NO_PYTHON,
+            "run", "--drain", "--tool", "bundle-sandboxed", "--", "/bin/sh", "-c", tool],
+           env=env, timeout=300)
+        row = db(dsn, "SELECT state, result FROM tool_jobs WHERE id = $1",
+                 uuid.UUID(job["id"]))[0]
+        result = json.loads(row["result"]) if row["result"] else None
+        if row["state"] != "succeeded" or result != {"secret": "hidden"}:
+            raise CheckFailed(f"the bundle's sandboxed job ended {dict(row)}")
+
         step("the OCR tool image of k8s/overlays/ocr, built on it, reads a real image")
         sh(["podman", "build", "--network", "host", "--build-arg", f"SIDECAR_IMAGE={IMAGE}",
             "-f", str(ROOT / "k8s/overlays/ocr/Dockerfile"), "-t", OCR_IMAGE, str(ROOT)],
@@ -225,12 +274,92 @@ def run_check(server_dsn: str, tmp: Path) -> None:
         text = json.loads(row["result"])["text"] if row["result"] else ""
         if row["state"] != "succeeded" or "SIDECAR OCR 2026" not in text:
             raise CheckFailed(f"the OCR job ended {dict(row)}")
+
+        for user in ("10001:10001", "0:0"):
+            step(f"the hostile-tool suite in the image as {user.split(':')[0]} "
+                 "(read-only root, default seccomp)")
+            hostile_suite(dsn, tmp, env, [*base_run, "--read-only", "--tmpfs", "/tmp"], user)
         print("   every step passed", flush=True)
     finally:
         sh(["podman", "volume", "rm", "-f", volume], env=env, check=False)
         # The tagged images stay for the next run; the layers a rebuild left untagged go.
         sh(["podman", "image", "prune", "-f"], env=env, check=False)
         db(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+PROBE = ROOT / "tests" / "tools" / "containment_probe.py"
+UNMASKED_PROC = ["--security-opt", "unmask=/proc/*"]  # what procMount: Unmasked gives
+
+
+def _container_pids(name: str, env: dict) -> tuple[int, int]:
+    """(sidecar pid, guardian pid) in the container's PID namespace, from ``podman top``."""
+    table = sh(["podman", "top", name, "pid", "args"], env=env).stdout.decode().splitlines()
+    sidecar = guardian = 0
+    for line in table[1:]:
+        pid, _, args = line.strip().partition(" ")
+        if "sidecar.guardian" in args:
+            guardian = int(pid)
+        elif " run " in f" {args} " and "tini" not in args:
+            sidecar = int(pid)
+    if not sidecar or not guardian:
+        raise CheckFailed(f"no sidecar and guardian in the container:\n{table}")
+    return sidecar, guardian
+
+
+def hostile_suite(dsn: str, tmp: Path, env: dict, run: list[str], user: str) -> None:
+    """The containment probe beside a held attempt in the image as ``user``: sandboxed
+    (unmasked /proc, SANDBOX=required) it reaches nothing; under the runtime's masked /proc
+    ``auto`` falls back with the warning and ``required`` refuses to start."""
+    uid = int(user.split(":")[0])
+    work = tmp / f"work-{uid}"
+    work.mkdir()
+    os.chown(work, uid, uid)
+    tool = ["/usr/bin/python3", "/probe/containment_probe.py"]
+    mounts = ["-v", f"{PROBE}:/probe/containment_probe.py:ro", "-v", f"{work}:/work",
+              "-e", "SIDECAR_WORK_DIR=/work", "-e", "SIDECAR_KILL_GRACE_SECONDS=0.5"]
+    name = f"sidecar-hostile-{uuid.uuid4().hex[:8]}"
+    sh([*run, "-d", "--name", name, "--user", user, *UNMASKED_PROC, *mounts,
+        "-e", "SIDECAR_SANDBOX=required", IMAGE, "run", "--tool", PROBE_TOOL,
+        "--concurrency", "2", "--", *tool], env=env)
+    try:
+        try:
+            report, other = probe_beside_held(
+                dsn, work, ["/etc/sidecar/db/url"], lambda: _container_pids(name, env),
+                lambda path: "/work/" + path.relative_to(work).as_posix())
+        except AssertionError as exc:
+            logs = sh(["podman", "logs", name], env=env, check=False)
+            raise CheckFailed(f"{exc}\n{logs.stderr.decode(errors='replace')[-3000:]}"
+                              ) from None
+        if reached(report) or (other / "planted.txt").exists():
+            raise CheckFailed(f"the sandboxed probe as {user} reached "
+                              f"{sorted(reached(report))}: {report}")
+        print(f"   sandboxed as {user}: {len(report)} checks, none reached", flush=True)
+    finally:
+        sh(["podman", "stop", "-t", "10", name], env=env, check=False)
+        sh(["podman", "rm", "-f", name], env=env, check=False)
+
+    # The runtime's own masked /proc: auto falls back (one warning naming the fix) ...
+    job = host_sidecar(dsn, "enqueue", PROBE_TOOL, "--payload", '{"mode": "hold"}')
+    fallback = sh([*run, "--user", user, *mounts, "-e", "SIDECAR_SANDBOX=auto",
+                   IMAGE, "run", "--drain",
+                   "--tool", PROBE_TOOL, "--", "/bin/sh", "-c",
+                   'cat >/dev/null; echo \'{"held": true}\''], env=env, timeout=300)
+    row = db(dsn, "SELECT state FROM tool_jobs WHERE id = $1", uuid.UUID(job["id"]))[0]
+    said = fallback.stderr.decode(errors="replace")
+    if row["state"] != "succeeded" or "sandbox_unavailable" not in said \
+            or "procMount: Unmasked" not in said:
+        raise CheckFailed(f"auto under a masked /proc: job {row['state']}, stderr:\n"
+                          f"{said[-2000:]}")
+    # ... and required refuses to start, one line, exit 2.
+    refused = sh([*run, "--user", user, *mounts, "-e", "SIDECAR_SANDBOX=required",
+                  IMAGE, "run", "--drain", "--tool", PROBE_TOOL, "--", *tool],
+                 env=env, check=False, timeout=120)
+    lines = refused.stderr.decode(errors="replace").strip().splitlines()
+    if refused.returncode != 2 or len(lines) != 1 or "SANDBOX=required" not in lines[0]:
+        raise CheckFailed(f"required under a masked /proc exited {refused.returncode}: "
+                          f"{lines}")
+    print(f"   masked /proc as {user}: auto fell back with the warning, required "
+          "refused (exit 2)", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -247,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="sidecar-image-", dir="/var/tmp"))
     try:
         run_check(args.dsn, tmp)
-    except (CheckFailed, subprocess.TimeoutExpired) as exc:
+    except (CheckFailed, AssertionError, subprocess.TimeoutExpired) as exc:
         print(f"image check failed: {exc}", file=sys.stderr)
         return 1
     finally:

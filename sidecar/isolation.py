@@ -15,6 +15,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import threading
 from dataclasses import dataclass, field
@@ -98,6 +99,13 @@ BWRAP_PATHS = ("/usr/bin/bwrap", "/usr/local/bin/bwrap")
 SANDBOX_TMPFS = ("/tmp",)
 # Inside a NETWORK=none sandbox the guard is this Unix socket (bound from the sidecar's).
 GUARD_SOCKET_IN_SANDBOX = "/tmp/sidecar-guard.sock"
+# Why bwrap cannot mount the attempt's own /proc in a container, and the fix: the runtime
+# masks parts of the container's /proc, and the kernel then refuses a new proc mount in a
+# user namespace (it would reveal what the mask hides). docs/isolation.md, "In a container".
+MASKED_PROC_HINT = ("the container runtime masks /proc: run the container with an unmasked "
+                    "/proc (Kubernetes: securityContext.procMount: Unmasked with "
+                    "hostUsers: false; podman: --security-opt unmask=/proc/*; docker: "
+                    "--security-opt systempaths=unconfined)")
 # The longest the start-up probe of the sandbox may take (seconds).
 PROBE_TIMEOUT_SECONDS = 10.0
 # bwrap reports a tool killed by signal N as exit status 128 + N (bash's convention);
@@ -107,12 +115,17 @@ _MAX_SIGNAL = 64
 
 
 def find_bwrap() -> str | None:
-    """The bubblewrap executable: ``bwrap`` on PATH, else one of BWRAP_PATHS; None when
-    there is none."""
+    """The bubblewrap executable: ``bwrap`` on PATH, else one of BWRAP_PATHS, else the
+    one the relocatable bundle carries (``bwrap/bwrap`` beside the frozen executable,
+    packaging/build_bundle.py); None when there is none."""
     found = shutil.which("bwrap")
     if found:
         return os.path.realpath(found)
-    return next((path for path in BWRAP_PATHS if os.access(path, os.X_OK)), None)
+    candidates = list(BWRAP_PATHS)
+    if getattr(sys, "frozen", False):
+        candidates.append(os.path.join(os.path.dirname(os.path.realpath(sys.executable)),
+                                       "bwrap", "bwrap"))
+    return next((path for path in candidates if os.access(path, os.X_OK)), None)
 
 
 def secret_files(settings: Settings) -> list[str]:
@@ -299,6 +312,8 @@ def check_sandbox(settings: Settings, profile: LeaseProfile, work_root: str,
         if failed is None:
             return plan, ""
         reason = f"{bwrap} cannot make a sandbox here: {failed}"
+        if "mount proc" in failed:
+            reason += f" ({MASKED_PROC_HINT})"
     if profile.sandbox == "required":
         raise ConfigError(f"{var}=required: {reason}; or set it to auto or off")
     return None, reason

@@ -18,15 +18,13 @@ import re
 import sys
 from pathlib import Path
 
-import orjson
 import psutil
 import pytest
+from containment_suite import probe_beside_held, reached
 
 from kit import (
     TOOLS,
     base_env,
-    enqueue,
-    job_row,
     python_for,
     sandbox_extra_paths,
     short_root,
@@ -85,39 +83,14 @@ def _start(dsn, proxy, sidecars, var_tmp, uid: int, sandbox: str | None):
 
 
 def _probe(dsn, sc, secret: Path, work: Path) -> tuple[dict, Path]:
-    """Hold one attempt, then run the probe beside it; return the probe's report and the
-    held attempt's work directory (checked afterwards by the caller)."""
-    held = enqueue(dsn, "probe", {"mode": "hold"})
+    """The shared driver (tests/containment_suite.py) against this host's sidecar."""
+    def pids():
+        sidecar = psutil.Process(sc.pid)
+        guardian = next(p.pid for p in sidecar.children()
+                        if "sidecar.guardian" in " ".join(p.cmdline()))
+        return sc.pid, guardian
 
-    def held_dir():
-        for entry in work.iterdir():
-            if (entry / "token.txt").exists():
-                return entry
-        return None
-
-    other = wait_until(held_dir, 30, what="the held attempt's token.txt")
-    sidecar = psutil.Process(sc.pid)
-    guardian = next(p.pid for p in sidecar.children()
-                    if "sidecar.guardian" in " ".join(p.cmdline()))
-    probe = enqueue(dsn, "probe", {
-        "mode": "probe", "secrets": [str(secret)], "sidecar_pid": sc.pid,
-        "guardian_pid": guardian, "other_dir": str(other)})
-    wait_until(lambda: job_row(dsn, probe)["state"] in ("succeeded", "failed"), 40,
-               what="the probe to end")
-    row = job_row(dsn, probe)
-    assert row["state"] == "succeeded", row["error"]
-    report = row["result"]
-    report = orjson.loads(report) if isinstance(report, str | bytes) else report
-    (other / "release").touch()
-    wait_until(lambda: job_row(dsn, held)["state"] == "succeeded", 30,
-               what="the held attempt to end")
-    return report, other
-
-
-def _reached(report: dict) -> set[str]:
-    """The checks the probe reached, secrets named ``secret``."""
-    return {("secret" if key.startswith("secret:") else key)
-            for key, value in report.items() if value == "reached"}
+    return probe_beside_held(dsn, work, [str(secret)], pids)
 
 
 @pytest.mark.parametrize("uid", [0, NON_ROOT_UID], ids=["root", "non-root"])
@@ -130,7 +103,7 @@ def test_sandboxed_tool_reaches_nothing_outside_its_attempt(
     its own directory is not followed by the sidecar's removal."""
     sc, secret, work = _start(dsn, proxy, sidecars, var_tmp, uid, None)
     report, other = _probe(dsn, sc, secret, work)
-    assert _reached(report) == set(), report
+    assert reached(report) == set(), report
     assert report[f"secret:{secret}"] != "reached"
     assert not sc.events("sandbox_unavailable")
     assert not (other / "planted.txt").exists()
@@ -164,5 +137,5 @@ def test_unsandboxed_tool_reaches_what_the_docs_list(dsn, proxy, sidecars, var_t
     sc, secret, work = _start(dsn, proxy, sidecars, var_tmp, uid, "off")
     report, _other = _probe(dsn, sc, secret, work)
     column = "root" if uid == 0 else "non-root"
-    assert _reached(report) == _documented_off()[column], report
+    assert reached(report) == _documented_off()[column], report
     assert secret.read_text().strip()

@@ -421,3 +421,17 @@ def test_the_scalers_query_counts_the_tools_demand(rendered, overlay, dsn):
     query(dsn, "UPDATE tool_jobs SET state = 'running', attempt = max_attempts, "
                "lease_until = now() - interval '1 minute' WHERE id = $1", ids[4])
     assert scalar(dsn, sql) == 3  # ids[2] running, ids[3] reclaimable, ids[5] queued
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_tools_attempts_can_be_sandboxed(rendered, overlay):
+    """Every overlay's tool reads untrusted input, so its pod takes the sandbox component
+    (k8s/components/sandbox): a user namespace of its own and an unmasked /proc, without
+    which SANDBOX=auto falls back to unsandboxed attempts (packaging/image_check.py shows
+    both); and nothing turns the sandbox off."""
+    deployment, tool, env = _worker(rendered[overlay])
+    spec = deployment["spec"]["template"]["spec"]
+    assert spec["hostUsers"] is False
+    assert tool["securityContext"]["procMount"] == "Unmasked"
+    assert tool["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert not any(name.endswith("SANDBOX") and value == "off" for name, value in env.items())
