@@ -1,0 +1,148 @@
+"""The guarantees that held before the sandbox, held through it (issue 25, point 1): with
+SANDBOX=required, a SIGKILLed sidecar still takes its tool's whole tree down (the
+guardian kills bwrap, whose namespace dies with it), a stage deadline kills a tree that
+ignores SIGTERM and escapes its session, the per-job cgroups still limit and account a
+memory hog and a fork bomb (bwrap's own two processes counted), and RUN_AS still runs the
+tool as that user. Processes are found by the job id in their environment
+(``kit.job_processes``): pids a sandboxed tool reports are its namespace's, not ours."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import orjson
+import pytest
+
+from kit import (
+    TOOLS,
+    base_env,
+    cli,
+    enqueue,
+    job_processes,
+    job_row,
+    journal_details,
+    sandbox_extra_paths,
+    short_root,
+    wait_until,
+)
+from sidecar.cgroups import detect
+
+pytestmark = pytest.mark.skipif(
+    not os.path.exists("/usr/bin/bwrap"), reason="needs bubblewrap (docs/development.md)")
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="per-job cgroups and RUN_AS need root")
+
+HANG_TREE = [sys.executable, str(TOOLS / "hang_tree.py")]
+MIB = 1024 * 1024
+
+
+@pytest.fixture
+def public_root():
+    """A directory every user can reach, outside /tmp (a sandboxed tool's /tmp is its
+    own); removed afterwards."""
+    where = Path(tempfile.mkdtemp(prefix="sidecar-sbx-", dir="/var/tmp"))
+    where.chmod(0o755)
+    yield where
+    shutil.rmtree(where, ignore_errors=True)
+
+
+def _env(dsn: str, work: Path, **extra: str) -> dict[str, str]:
+    env = base_env(dsn, SIDECAR_SANDBOX="required", SIDECAR_WORK_DIR=str(short_root(work)),
+                   SIDECAR_MAX_ATTEMPTS="1", **extra)
+    if sandbox_extra_paths():
+        env["SIDECAR_EXTRA_PATHS"] = sandbox_extra_paths()
+    return env
+
+
+def _row(dsn: str, job: str) -> dict:
+    row = job_row(dsn, job)
+    for key in ("result", "error"):
+        if isinstance(row[key], str | bytes):
+            row[key] = orjson.loads(row[key])
+    return row
+
+
+def _tree_started(job: str, at_least: int) -> list[int]:
+    return wait_until(lambda: (pids := job_processes(job)) and len(pids) >= at_least and pids,
+                      30, what=f"the sandboxed tree of job {job}")
+
+
+def test_a_sigkilled_sidecar_takes_the_sandboxed_tree_down(dsn, sidecars, public_root):
+    """kill -9 of the sidecar: the tool, its double-forked and its setsid descendants
+    (all ignoring SIGTERM) and bwrap's processes are gone within seconds."""
+    env = _env(dsn, public_root / "work", SIDECAR_STAGE_TIMEOUT_SECONDS="120")
+    sc = sidecars(dsn, HANG_TREE, "--tool", "doomed", env=env)
+    sc.wait_event("worker_started", 30)
+    job = enqueue(dsn, "doomed", {"pidfile": "/dev/null", "tree": True})
+    # bwrap and its namespace's init, the tool, and its three descendants.
+    before = _tree_started(job, 6)
+    sc.proc.kill()
+    sc.proc.wait(5)
+    wait_until(lambda: job_processes(job) == [], 10,
+               what=f"the guardian's kill of the sandboxed tree {before}")
+
+
+def test_a_stage_deadline_kills_the_whole_sandboxed_tree(dsn, sidecars, public_root):
+    """SIGTERM ignored by every process of the tree: after the grace the namespace is
+    SIGKILLed; the journal's kill reports no survivor and nothing of the job is left."""
+    env = _env(dsn, public_root / "work", SIDECAR_STAGE_TIMEOUT_SECONDS="2",
+               SIDECAR_KILL_GRACE_SECONDS="0.5")
+    sc = sidecars(dsn, HANG_TREE, "--tool", "stuck", env=env)
+    sc.wait_event("worker_started", 30)
+    job = enqueue(dsn, "stuck", {"pidfile": "/dev/null", "tree": True})
+    _tree_started(job, 6)
+    wait_until(lambda: job_row(dsn, job)["state"] == "failed", 30, what="the stage deadline")
+    assert _row(dsn, job)["error"]["kind"] == "stage_timeout"
+    killed = journal_details(dsn, job, "child_killed")
+    assert killed and killed[-1]["survivors"] == 0, killed
+    assert job_processes(job) == []
+
+
+@needs_root
+def test_cgroup_limits_and_accounting_hold_in_the_sandbox(dsn, public_root):
+    """As root with per-job cgroups: a memory hog is OOM-killed at MEMORY_BYTES with its
+    peak accounted, a fork bomb stops at PROCESSES (bwrap's processes count too)."""
+    host = detect()
+    assert host.memory and host.pids, f"no memory/pids cgroup to test with: {host.notes}"
+    env = _env(dsn, public_root / "work", SIDECAR_STAGE_TIMEOUT_SECONDS="20",
+               SIDECAR_PROFILE_HOG_MEMORY_BYTES=str(64 * MIB),
+               SIDECAR_PROFILE_BOMB_PROCESSES="16")
+    hog = enqueue(dsn, "hog", {"mode": "memory_hog"}, env=env)
+    bomb = enqueue(dsn, "bomb", {"mode": "fork_bomb"}, env=env)
+    for tool in ("hog", "bomb"):
+        done = cli(dsn, "run", "--tool", tool, "--drain", "--", str(TOOLS / "hostile.py"),
+                   env=env, timeout=90)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        assert b'"sandbox":"bwrap"' in done.stderr.replace(b" ", b"")
+
+    row = _row(dsn, hog)
+    assert row["state"] == "failed" and row["error"]["kind"] == "memory_limit", row["error"]
+    [summary] = journal_details(dsn, hog, "job_failed")
+    assert summary["oom_kills"] >= 1 and 32 * MIB < summary["peak_memory_bytes"] <= 65 * MIB
+
+    row = _row(dsn, bomb)
+    assert row["state"] == "failed" and row["error"]["kind"] == "process_limit", row["error"]
+    [summary] = journal_details(dsn, bomb, "job_failed")
+    assert summary["process_limit_hits"] >= 1
+    assert job_processes(hog) == [] and job_processes(bomb) == []
+
+
+@needs_root
+def test_run_as_runs_the_sandboxed_tool_as_that_user(dsn, public_root):
+    """RUN_AS=65534:65534 with the sandbox: bwrap itself runs as that user (unprivileged),
+    the tool sees that uid and gid and no supplementary group, and writes its HOME."""
+    tool = public_root / "hostile.py"
+    shutil.copy(TOOLS / "hostile.py", tool)
+    tool.chmod(0o755)
+    env = _env(dsn, public_root / "work", SIDECAR_PROFILE_LOOK_RUN_AS="65534:65534")
+    job = enqueue(dsn, "look", {"mode": "inspect"}, env=env)
+    done = cli(dsn, "run", "--tool", "look", "--drain", "--", "/usr/bin/python3", str(tool),
+               env=env, timeout=90)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    row = _row(dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    seen = row["result"]
+    assert (seen["uid"], seen["gid"], seen["groups"]) == (65534, 65534, []), seen
