@@ -257,7 +257,7 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "TOLERATED_MISSES": _Field(_integer, "1", "count", "consecutive missed heartbeats R (P10)"),
     "JITTER_SECONDS": _Field(_number, "20", "s", "allowance J for network jitter and pauses (P10)"),
     "STAGE_TIMEOUT_SECONDS": _Field(_number, "600", "s", "stage deadline of one attempt (P8)"),
-    "MAX_ATTEMPTS": _Field(_integer, "3", "count", "attempts per job, set at enqueue (P16)"),
+    "MAX_ATTEMPTS": _Field(_integer, "3", "count", "attempts per job the enqueue gave none for (P16)"),
     "KILL_GRACE_SECONDS": _Field(_number, "5", "s", "SIGTERM to SIGKILL grace"),
     "NON_RETRYABLE_EXIT_CODES": _Field(_exit_codes, "64,65", "codes", "exit codes failed at once"),
     "BACKOFF_BASE_SECONDS": _Field(_number, "2", "s", "first retry delay, doubled per attempt"),
