@@ -22,7 +22,7 @@ from typing import Any
 
 import orjson
 
-from sidecar import __version__, db, jsontext, linux
+from sidecar import __version__, db, enqueue_args, jsontext, linux
 from sidecar import log as log_mod
 from sidecar.config import (
     GLOBAL_FIELDS,
@@ -158,14 +158,21 @@ def _read_payload(args, limit: int) -> tuple[Any, bytes]:
                          "for example --payload '{\"path\": \"/etc/hosts\"}'") from None
 
 
+def _tags(args) -> dict[str, str] | None:
+    """The ``--tag KEY=VALUE`` filters of a group action, None when none is given."""
+    return enqueue_args.parse_tags(args.tag) or None if args.tag else None
+
+
 def cmd_enqueue(args, settings: Settings) -> int:
     tool = validate_tool_name(args.tool)
-    profile = settings.profile(tool)
+    options = enqueue_args.enqueue_options(args.priority, args.run_after, args.expires_in,
+                                           args.tag, args.traceparent, args.tracestate)
     payload, raw = _read_payload(args, settings.max_payload_bytes)
     if args.max_attempts is not None and not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
         raise UsageError(f"--max-attempts {args.max_attempts}: must be from 1 to "
                          f"{MAX_ATTEMPTS_LIMIT}")
-    max_attempts = args.max_attempts or profile.max_attempts
+    # None: the profile (MAX_ATTEMPTS) of the sidecar that claims the job decides.
+    max_attempts = args.max_attempts
     if args.idempotency_key is not None:
         key = args.idempotency_key
         if not key.strip() or len(key) > 512 or not key.isprintable():
@@ -184,7 +191,8 @@ def cmd_enqueue(args, settings: Settings) -> int:
     async def go():
         async with open_store(settings) as store:
             return await store.enqueue(tool, None if payload is None else text,
-                                       args.idempotency_key, max_attempts, {})
+                                       args.idempotency_key, max_attempts,
+                                       {"by": "sidecar enqueue"}, options)
 
     job_id, created = run_async(settings, go())
     _print_json({"id": job_id, "created": created})
@@ -225,17 +233,18 @@ def cmd_show(args, settings: Settings) -> int:
 def cmd_jobs(args, settings: Settings) -> int:
     if args.limit < 1:
         raise UsageError(f"--limit {args.limit}: must be 1 or more")
+    tags = _tags(args)
 
     async def go():
         async with open_store(settings) as store:
-            return await store.list_jobs(args.state, args.tool, args.limit)
+            return await store.list_jobs(args.state, args.tool, args.limit, tags)
 
     lines = []
     for row in run_async(settings, go()):
         when = (row["finished_at"] or row["created_at"]).isoformat(timespec="seconds")
         lease = row["lease_until"].isoformat(timespec="seconds") if row["lease_until"] else "-"
         lines.append(f"{row['id']}  {row['tool']:<16} {row['state']:<9} "
-                     f"attempt {row['attempt']}/{row['max_attempts']}  "
+                     f"attempt {row['attempt']}/{row['max_attempts'] or '-'}  "
                      f"token {row['fencing_token']}  lease_until {lease}  "
                      f"{row['error_kind'] or ''}  {when}".rstrip())
     _print_lines(lines)
@@ -243,6 +252,11 @@ def cmd_jobs(args, settings: Settings) -> int:
 
 
 def cmd_cancel(args, settings: Settings) -> int:
+    if (args.job_id is None) == (not args.tag):
+        raise UsageError("give one JOB_ID, or --tag KEY=VALUE (repeatable) for every queued "
+                         "or running job with those tags")
+    if args.tag:
+        return _cancel_tagged(args, settings)
     job_id = _job_id(args.job_id)
 
     async def go():
@@ -264,17 +278,39 @@ def cmd_cancel(args, settings: Settings) -> int:
     return 0
 
 
+def _cancel_tagged(args, settings: Settings) -> int:
+    """``sidecar cancel --tag K=V...``: every queued or running job whose tags include all
+    those given, and their later stages; a running one's tree is killed by its owner at
+    its next heartbeat. Prints ``{"cancelled", "count", "previous_states"}``; none is 0."""
+    tags = _tags(args)
+
+    async def go():
+        async with open_store(settings) as store:
+            return await store.cancel(None, tags)
+
+    cancelled = run_async(settings, go())
+    _print_json({"cancelled": [str(i) for i in cancelled], "count": len(cancelled),
+                 "previous_states": dict(sorted(
+                     (state, sum(1 for s in cancelled.values() if s == state))
+                     for state in set(cancelled.values())))})
+    return 0
+
+
 def cmd_retry(args, settings: Settings) -> int:
     if args.forwarding:
+        if args.tag:
+            raise UsageError("--forwarding takes one JOB_ID (no --tag)")
         return _retry_forwarding(args, settings)
-    if (args.job_id is None) == (args.tool is None):
-        raise UsageError("give one JOB_ID, or --tool TOOL (with --state) for every failed or "
-                         "cancelled job of a tool")
+    if (args.job_id is None) == (args.tool is None and not args.tag):
+        raise UsageError("give one JOB_ID, or --tool TOOL and/or --tag KEY=VALUE (with "
+                         "--state) for every failed or cancelled job of a tool or tags")
     if args.job_id is not None and args.state is not None:
-        raise UsageError("--state selects jobs of a --tool; a JOB_ID is one job already")
+        raise UsageError("--state selects jobs of a --tool or --tag; a JOB_ID is one job "
+                         "already")
     job_id = _job_id(args.job_id) if args.job_id is not None else None
     if args.tool is not None:
         validate_tool_name(args.tool)
+    tags = _tags(args)
 
     async def go():
         async with open_store(settings) as store:
@@ -284,8 +320,9 @@ def cmd_retry(args, settings: Settings) -> int:
             # read before each retry, so an acknowledgement between the two is not missed.
             started, rows = time.monotonic(), []
             while True:
-                pending = await store.unacknowledged_cancels(job_id, args.state, args.tool)
-                rows += await store.retry(job_id, args.state, args.tool, "sidecar retry")
+                pending = await store.unacknowledged_cancels(job_id, args.state, args.tool,
+                                                             tags)
+                rows += await store.retry(job_id, args.state, args.tool, "sidecar retry", tags)
                 if not pending:
                     break
                 wait = max(row["wait_seconds"] for row in pending)
@@ -592,7 +629,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--idempotency-key", metavar="KEY",
                    help="the same key returns the existing job instead of a second one")
     p.add_argument("--max-attempts", type=_int_from(1, MAX_ATTEMPTS_LIMIT),
-                   metavar="N")
+                   metavar="N", help="default: MAX_ATTEMPTS of the profile of the sidecar "
+                                     "that claims the job")
+    p.add_argument("--priority", type=_int_from(0, 9), metavar="N",
+                   help="0 (claimed first, the default) to 9")
+    p.add_argument("--run-after", metavar="DURATION|TIMESTAMP",
+                   help="not claimed before: a delay (90, 30m, 12h) or an ISO 8601 time "
+                        "with its offset")
+    p.add_argument("--expires-in", metavar="DURATION",
+                   help="no attempt starts later than this after enqueue; a job still "
+                        "queued then ends failed, kind expired")
+    p.add_argument("--tag", action="append", metavar="KEY=VALUE",
+                   help="repeatable; for jobs, cancel and retry --tag")
+    p.add_argument("--traceparent", metavar="TRACEPARENT",
+                   help="W3C trace context, given to the tool as TRACEPARENT")
+    p.add_argument("--tracestate", metavar="TRACESTATE",
+                   help="W3C tracestate, given to the tool as TRACESTATE")
     p = add("run", cmd_run, "claim jobs of TOOL and run COMMAND once per job")
     p.add_argument("--tool", metavar="TOOL", help="default: the basename of COMMAND")
     p.add_argument("--concurrency", type=_int_from(1, CONCURRENCY_MAX),
@@ -606,12 +658,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--state", choices=STATES)
     p.add_argument("--tool")
     p.add_argument("--limit", type=_int_from(1, LIMIT_MAX), default=50)
-    p = add("cancel", cmd_cancel, "cancel a queued or running job")
-    p.add_argument("job_id", metavar="JOB_ID")
+    p.add_argument("--tag", action="append", metavar="KEY=VALUE",
+                   help="only jobs with this tag (repeatable: all of them)")
+    p = add("cancel", cmd_cancel, "cancel a queued or running job, or every one with tags")
+    p.add_argument("job_id", metavar="JOB_ID", nargs="?")
+    p.add_argument("--tag", action="append", metavar="KEY=VALUE",
+                   help="every queued or running job with this tag (repeatable: all of "
+                        "them); prints {cancelled, count, previous_states}")
     p = add("retry", cmd_retry, "requeue a failed or cancelled job (or every one of a tool) "
             "with fresh attempts; prints {retried, count}")
     p.add_argument("job_id", metavar="JOB_ID", nargs="?")
     p.add_argument("--tool", metavar="TOOL", help="every failed or cancelled job of TOOL")
+    p.add_argument("--tag", action="append", metavar="KEY=VALUE",
+                   help="every failed or cancelled job with this tag (repeatable: all)")
     p.add_argument("--state", choices=(JobState.FAILED.value, JobState.CANCELLED.value),
                    help="only jobs in this state")
     p.add_argument("--forwarding", action="store_true",

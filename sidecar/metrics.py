@@ -79,6 +79,9 @@ COMPLETIONS_REJECTED = Counter("sidecar_completions_rejected",
                                "Outcomes not committed because the lease was not ours (P6).",
                                _TP)
 QUEUE_DEPTH = Gauge("sidecar_queue_depth", "Jobs of the tool claimable now (sampled).", _TP)
+JOBS_EXPIRED = Counter("sidecar_jobs_expired",
+                       "Jobs this sidecar's sweep ended failed because no attempt started "
+                       "before their expiry (--expires-in), by the job's tool.", ("tool",))
 PRUNED_ROWS = Counter("sidecar_pruned_rows",
                       "Rows retention deleted: finished jobs, their journal events and outbox "
                       "rows.", ("table",))
@@ -118,6 +121,7 @@ def start_at_zero(tool: str, provider: str) -> None:
         CLAIM_ATTEMPTS.labels(tool, provider, outcome)
     for table in PRUNED_TABLES:
         PRUNED_ROWS.labels(table)
+    JOBS_EXPIRED.labels(tool)
     for service in SERVICES:
         for result in SERVICE_RESULTS:
             SERVICE_RUNS.labels(service, result)

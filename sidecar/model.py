@@ -59,6 +59,8 @@ class ClaimedJob:
     ``checkpoint_text`` is the last checkpoint the tool saved (JSON text) or None;
     ``stage`` counts the stages before this one (0 for a producer's job);
     ``lifetime_remaining`` is seconds left of MAX_LIFETIME_SECONDS (P12), None without a cap.
+    ``traceparent``/``tracestate``: the W3C trace context given at enqueue (issue 26), the
+    tool's TRACEPARENT/TRACESTATE; None when none was.
     """
 
     id: uuid.UUID
@@ -74,6 +76,8 @@ class ClaimedJob:
     checkpoint_text: str | None = None
     stage: int = 0
     lifetime_remaining: float | None = None
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @property
     def attempt_id(self) -> AttemptId:

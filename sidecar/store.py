@@ -18,11 +18,18 @@ from typing import Any
 import asyncpg
 
 from sidecar import db
+from sidecar.enqueue_args import EnqueueOptions
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
 from sidecar.masking import SECRETS
 from sidecar.model import ClaimedJob, JobState, NextStage, RawJson
 from sidecar.queries import Q, migrations
 from sidecar.vocabulary import AttemptId
+
+# A claim's max_attempts for a job enqueued without one, when the caller names no profile
+# value (the default of SIDECAR_MAX_ATTEMPTS).
+DEFAULT_MAX_ATTEMPTS = 3
+# Jobs one expiry sweep ends at most (fail_expired).
+EXPIRY_BATCH = 500
 
 # Key of the transaction-scoped advisory lock that serialises migrations.
 MIGRATION_LOCK_KEY = 0x5DECA4_0001
@@ -183,75 +190,77 @@ class Store:
     # --- producers ----------------------------------------------------------
 
     async def enqueue(
-        self, tool: str, payload: Any, idempotency_key: str | None, max_attempts: int,
-        details: dict[str, Any],
+        self, tool: str, payload: Any, idempotency_key: str | None, max_attempts: int | None,
+        details: dict[str, Any], options: EnqueueOptions | None = None,
+        max_payload_bytes: int | None = None,
     ) -> tuple[uuid.UUID, bool]:
         """Insert a queued job; return ``(id, created)``. ``payload`` is any JSON-able value,
-        or RawJson text kept exactly as given (big integers, decimals).
+        or RawJson text kept exactly as given (big integers, decimals). ``max_attempts``
+        None leaves it to the profile of the sidecar that claims the job (migration 014);
+        ``options``: priority, schedule, expiry, tags and trace context (issue 26);
+        ``max_payload_bytes``: the limit on the payload as stored, None when the caller
+        checked it already. ``details`` go into the ``job_enqueued`` journal row.
 
-        The same idempotency key returns the existing job and inserts nothing, also
-        under concurrent calls. Raises IdempotencyConflict when the key already
-        names a job of another tool or with another payload, and UsageError for a key in
-        the namespace of next stages (``...:stage:N``, case F22).
-
-        The insert is skipped when the key exists; a skipped insert is never taken as done:
-        the holder of the key is read and compared, and when it vanished in between (a
-        pruned job) the insert is tried again.
+        One statement, tool_job_enqueue (migration 014), the implementation the SQL
+        function sidecar_enqueue shares: the same idempotency key returns the existing job
+        and inserts nothing, also under concurrent calls. Raises IdempotencyConflict when
+        the key already names a job of another tool or with another payload, and
+        UsageError for a key in the namespace of next stages (``...:stage:N``, case F22)
+        or any value the database refuses (SQLSTATE 22023, the message names the field).
         """
-        job_id = uuid.uuid4()
-        key = check_producer_key(idempotency_key) if idempotency_key else str(job_id)
+        key = check_producer_key(idempotency_key) if idempotency_key else None
         value = RawJson("null") if payload is None else payload
-        for _ in range(3):
-            try:
-                row = await self.db.fetchrow(Q["enqueue_job"], job_id, tool, key, value,
-                                             max_attempts, details, timeout=self.timeout)
-            except asyncpg.DataError as exc:  # e.g. \u0000 in a string: valid JSON, not jsonb
-                message = exc.args[0] if exc.args else str(exc)
-                detail = getattr(exc, "detail", None)
-                raise UsageError(f"the payload cannot be stored as jsonb: {message}"
-                                 + (f"; {detail}" if detail else "")) from None
-            if row is not None:
-                return row["id"], True
-            existing = await self.db.fetchrow(Q["find_job_by_idempotency_key"], key, value,
-                                              timeout=self.timeout)
-            if existing is not None:
-                break
-        else:
-            raise IdempotencyConflict(
-                f"--idempotency-key {key!r}: the job holding it kept vanishing while it was "
-                "read (retention pruning it?); try again")
-        if existing["tool"] != tool or not existing["same_payload"]:
-            raise IdempotencyConflict(
-                f"--idempotency-key {key!r} already names job {existing['id']} with a different "
-                "tool or payload; use a new key for a different operation"
-            )
-        return existing["id"], False
+        o = options or EnqueueOptions()
+        try:
+            row = await self.db.fetchrow(
+                Q["enqueue_job"], tool, value, key, o.priority, o.run_after, o.run_in,
+                o.expires_in, o.tags, max_attempts, o.traceparent, o.tracestate,
+                max_payload_bytes, details, timeout=self.timeout)
+        except asyncpg.InvalidParameterValueError as exc:  # 22023: the field is named
+            raise UsageError(exc.args[0] if exc.args else str(exc)) from None
+        except asyncpg.UniqueViolationError as exc:  # the key names another operation
+            raise IdempotencyConflict(exc.args[0] if exc.args else str(exc)) from None
+        except asyncpg.SerializationError as exc:  # the key's holder kept vanishing
+            raise IdempotencyConflict(exc.args[0] if exc.args else str(exc)) from None
+        except asyncpg.DataError as exc:  # e.g. \u0000 in a string: valid JSON, not jsonb
+            message = exc.args[0] if exc.args else str(exc)
+            detail = getattr(exc, "detail", None)
+            raise UsageError(f"the payload cannot be stored as jsonb: {message}"
+                             + (f"; {detail}" if detail else "")) from None
+        return row["id"], row["created"]
 
-    async def cancel(self, job_id: uuid.UUID) -> dict[uuid.UUID, str]:
-        """Cancel a job and its later stages that are still queued or running; return
-        ``{id: previous state}`` of every job cancelled (empty when none was)."""
-        rows = await self.db.fetch(Q["cancel_job"], job_id, timeout=self.timeout)
+    async def cancel(self, job_id: uuid.UUID | None,
+                     tags: dict[str, str] | None = None) -> dict[uuid.UUID, str]:
+        """Cancel a job (``job_id``), or every queued or running job whose tags include
+        all of ``tags``, and their later stages that are still queued or running; return
+        ``{id: previous state}`` of every job cancelled (empty when none was). A running
+        one's owner kills its tree at its next heartbeat."""
+        rows = await self.db.fetch(Q["cancel_job"], job_id, tags or None,
+                                   timeout=self.timeout)
         return {row["id"]: row["previous_state"] for row in rows}
 
     async def retry(self, job_id: uuid.UUID | None, state: str | None, tool: str | None,
-                    by: str) -> list[asyncpg.Record]:
+                    by: str, tags: dict[str, str] | None = None) -> list[asyncpg.Record]:
         """Requeue failed or cancelled jobs with fresh attempts (journaled ``job_retried``
         with ``by``, the operator's description): the one ``job_id``, or every one of
-        ``tool`` (in ``state`` when given). Returns ``id, tool, previous_state`` of each.
+        ``tool`` and/or whose tags include all of ``tags`` (in ``state`` when given).
+        Returns ``id, tool, previous_state`` of each.
 
         A job cancelled while it ran is left alone until its owner acknowledged the
         cancel (its tree is dead) or the lease it held then has ended (by then the owner
         gave it up by its local deadline): see ``unacknowledged_cancels`` (case F14)."""
-        return await self.db.fetch(Q["retry_jobs"], job_id, state, tool, by,
+        return await self.db.fetch(Q["retry_jobs"], job_id, state, tool, by, tags or None,
                                    timeout=self.timeout)
 
     async def unacknowledged_cancels(self, job_id: uuid.UUID | None, state: str | None,
-                                     tool: str | None) -> list[asyncpg.Record]:
+                                     tool: str | None,
+                                     tags: dict[str, str] | None = None
+                                     ) -> list[asyncpg.Record]:
         """Cancelled jobs ``retry`` would take but must not yet (case F14): ``id``,
         ``owner_id``, ``fencing_token`` and ``wait_seconds`` (until the cancelled lease
         ends by the database's clock, the longest the owner may still run the tree)."""
         return await self.db.fetch(Q["unacknowledged_cancels"], job_id, state, tool,
-                                   timeout=self.timeout)
+                                   tags or None, timeout=self.timeout)
 
     async def acknowledge_cancel_if_owner(self, job: ClaimedJob, owner_id: str,
                                           details: dict[str, Any]) -> bool:
@@ -272,15 +281,24 @@ class Store:
         """Expired running jobs of ``tool`` with no attempt left -> failed (P16)."""
         return await self.db.fetch(Q["fail_exhausted_leases"], tool, timeout=self.timeout)
 
+    async def fail_expired(self, limit: int = EXPIRY_BATCH) -> list[asyncpg.Record]:
+        """Up to ``limit`` jobs of any tool whose expiry passed before an attempt could
+        start (queued, or under an expired lease) -> failed, kind ``expired``, journaled
+        ``job_expired`` (issue 26). Returns ``id, tool, fencing_token, attempt`` of each."""
+        return await self.db.fetch(Q["fail_expired_jobs"], limit, timeout=self.timeout)
+
     async def claim(self, tool: str, owner_id: str, lease_seconds: float,
-                    max_lifetime_seconds: float | None = None) -> ClaimedJob | None:
+                    max_lifetime_seconds: float | None = None,
+                    max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> ClaimedJob | None:
         """Claim one job of ``tool`` (P4) or return None when none is eligible.
 
         ``max_lifetime_seconds`` (P12) makes the claim also return how much of the job's
-        lifetime is left, counted from its first claim by the database's clock."""
+        lifetime is left, counted from its first claim by the database's clock.
+        ``max_attempts`` (the profile's MAX_ATTEMPTS) is written on a job enqueued
+        without one (migration 014)."""
         row = await self.db.fetchrow(
             Q["claim_job"], tool, owner_id, lease_seconds, max_lifetime_seconds,
-            timeout=self.timeout
+            max_attempts, timeout=self.timeout
         )
         if row is None:
             return None
@@ -292,6 +310,7 @@ class Store:
             reclaimed=row["previous_state"] == JobState.RUNNING,
             checkpoint_text=row["checkpoint_text"], stage=row["stage"],
             lifetime_remaining=row["lifetime_remaining"],
+            traceparent=row["traceparent"], tracestate=row["tracestate"],
         )
 
     async def release_unheld_claims(self, tool: str, owner_id: str,
@@ -543,7 +562,9 @@ class Store:
         return await self.db.fetch(Q["job_events"], job_id, timeout=self.timeout)
 
     async def list_jobs(
-        self, state: str | None, tool: str | None, limit: int
+        self, state: str | None, tool: str | None, limit: int,
+        tags: dict[str, str] | None = None,
     ) -> list[asyncpg.Record]:
-        """Newest jobs first, filtered by state and tool."""
-        return await self.db.fetch(Q["list_jobs"], state, tool, limit, timeout=self.timeout)
+        """Newest jobs first, filtered by state, tool and tags (all of them)."""
+        return await self.db.fetch(Q["list_jobs"], state, tool, limit, tags or None,
+                                   timeout=self.timeout)

@@ -87,6 +87,11 @@ def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
         SIDECAR_JOB_DIR=sandbox.job_dir,
         SIDECAR_RESULT_FILE=sandbox.result_file,
     )
+    # The caller's trace context, by OpenTelemetry's environment-carrier convention.
+    if job.traceparent:
+        variables["TRACEPARENT"] = job.traceparent
+        if job.tracestate:
+            variables["TRACESTATE"] = job.tracestate
     variables.update(dict.fromkeys(TMPDIR_VARIABLES, sandbox.job_dir))
     variables.update(sandbox.home_variables())
     return variables

@@ -90,6 +90,9 @@ class FailureKind(StrEnum):
     # operator's cancel.
     MAX_ATTEMPTS_EXCEEDED = "max_attempts_exceeded"
     CANCELLED = "cancelled"
+    # Written by SQL (fail_expired_jobs): no attempt started before the job's expiry, the
+    # caller's --expires-in (issue 26).
+    EXPIRED = "expired"
 
 
 # Whether another attempt may help (P16): a transient fault is retried with backoff while
@@ -119,6 +122,7 @@ RETRYABLE: dict[FailureKind, bool] = {
     FailureKind.SECRET_IN_OUTPUT: False,
     FailureKind.MAX_ATTEMPTS_EXCEEDED: False,
     FailureKind.CANCELLED: False,
+    FailureKind.EXPIRED: False,
 }
 
 

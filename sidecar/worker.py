@@ -278,6 +278,12 @@ class Worker:
                         log.emit("job_failed", "warning", job_id=str(row["id"]), tool=tool,
                                  fencing_token=row["fencing_token"],
                                  reason=FailureKind.MAX_ATTEMPTS_EXCEEDED)
+                    # Any tool's: a job whose tool has no sidecar running expires too.
+                    for row in await store.fail_expired():
+                        metrics.JOBS_EXPIRED.labels(row["tool"]).inc()
+                        log.emit("job_expired", "warning", job_id=str(row["id"]),
+                                 tool=row["tool"], fencing_token=row["fencing_token"],
+                                 attempt=row["attempt"], reason=FailureKind.EXPIRED)
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(
                         await store.claimable_jobs(tool))
                     self.readiness.db_ok_at = time.monotonic()
@@ -293,7 +299,8 @@ class Worker:
                     try:
                         job = await store.claim(tool, self.owner_id,
                                                 self.profile.lease_seconds,
-                                                self.profile.max_lifetime_seconds or None)
+                                                self.profile.max_lifetime_seconds or None,
+                                                self.profile.max_attempts)
                     except db.UNAVAILABLE_ERRORS:
                         self._claim_unsettled = True  # it may have committed (F16)
                         raise

@@ -34,7 +34,8 @@ def _nodes(plan: dict):
 
 
 def _claim_plan(dsn: str, tool: str) -> dict:
-    [[text]] = query(dsn, "EXPLAIN (FORMAT JSON) " + Q["claim_job"], tool, "owner", 30.0, None)
+    [[text]] = query(dsn, "EXPLAIN (FORMAT JSON) " + Q["claim_job"], tool, "owner", 30.0, None,
+                         3)
     return (orjson.loads(text) if isinstance(text, str) else text)[0]["Plan"]
 
 

@@ -283,19 +283,29 @@ def test_explicit_max_attempts_is_stored(dsn):
                   uuid.UUID(job_id)) == 9
 
 
-def test_default_max_attempts_is_3(dsn):
+def test_max_attempts_not_given_is_left_to_the_claiming_profile(dsn):
+    """Issue 26: a job enqueued without --max-attempts keeps NULL until a sidecar claims
+    it; a value given at enqueue is stored as given."""
     job_id = enqueue(dsn, "ocr", {})
+    explicit = enqueue(dsn, "ocr", {"x": 1}, "--max-attempts", "2")
     assert scalar(dsn, "SELECT max_attempts FROM tool_jobs WHERE id = $1",
-                  uuid.UUID(job_id)) == 3
+                  uuid.UUID(job_id)) is None
+    assert scalar(dsn, "SELECT max_attempts FROM tool_jobs WHERE id = $1",
+                  uuid.UUID(explicit)) == 2
 
 
 def test_default_max_attempts_comes_from_global_and_tool_profile(dsn):
+    """The claiming sidecar's profile decides: its tool's, else the global one; a value
+    given at enqueue wins over both."""
     env = base_env(dsn, SIDECAR_MAX_ATTEMPTS="7", SIDECAR_PROFILE_OCR_MAX_ATTEMPTS="5",
                    SIDECAR_PROFILE_OCR_FAST_MAX_ATTEMPTS="4")
-    ocr = enqueue(dsn, "ocr", {}, env=env)
-    pdf = enqueue(dsn, "pdf", {}, env=env)
-    ocr_fast = enqueue(dsn, "ocr-fast", {}, env=env)
-    explicit = enqueue(dsn, "ocr", {"x": 1}, "--max-attempts", "2", env=env)
+    ocr = enqueue(dsn, "ocr", {})
+    pdf = enqueue(dsn, "pdf", {})
+    ocr_fast = enqueue(dsn, "ocr-fast", {})
+    explicit = enqueue(dsn, "ocr", {"x": 1}, "--max-attempts", "2")
+    for tool in ("ocr", "pdf", "ocr-fast"):
+        done = cli(dsn, "run", "--tool", tool, "--drain", "--", "cat", env=env, timeout=90)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
     got = {str(r["id"]): r["max_attempts"]
            for r in query(dsn, "SELECT id, max_attempts FROM tool_jobs")}
     assert got == {ocr: 5, pdf: 7, ocr_fast: 4, explicit: 2}
@@ -340,7 +350,7 @@ def test_show_prints_the_job_with_its_events(dsn):
     assert job["state"] == "queued"
     assert job["payload"] == {"path": "/tmp/x.png"}
     assert job["idempotency_key"] == "show-1"
-    assert job["attempt"] == 0 and job["max_attempts"] == 3
+    assert job["attempt"] == 0 and job["max_attempts"] is None  # the claim's profile decides
     assert isinstance(job["events"], list) and job["events"]
     assert job["events"][0]["event"] == "job_enqueued"
 

@@ -11,11 +11,12 @@ detected and handled. The audit of every ``ON CONFLICT`` in sidecar/sql and side
 (``test_every_on_conflict_is_audited`` fails when one is added or removed without
 updating this list):
 
-- ``queries.sql`` ``enqueue_job``: ``ON CONFLICT (idempotency_key) DO NOTHING``. On a skip
-  ``Store.enqueue`` reads the holder: same tool and payload -> the existing job,
-  ``created: false`` (the idempotent replay); another tool or payload ->
-  IdempotencyConflict (exit 2); the holder gone in between (pruned) -> the insert is
-  tried again, never a crash or a silent "done".
+- ``migrations/014_caller_options.sql`` ``tool_job_enqueue`` (behind ``queries.sql``
+  ``enqueue_job`` and ``sidecar_enqueue``): ``ON CONFLICT (idempotency_key) DO NOTHING``.
+  On a skip the function reads the holder: same tool and payload -> the existing job,
+  ``created: false`` (the idempotent replay); another tool or payload -> SQLSTATE 23505,
+  IdempotencyConflict in ``Store.enqueue`` (exit 2); the holder gone in between (pruned)
+  -> the insert is tried again, never a crash or a silent "done".
 - ``queries.sql`` ``finish_job_if_owner`` (next stage): no ``ON CONFLICT`` any more. The
   insert skips only the parent's own stage (``NOT EXISTS`` a row with the same key,
   parent and stage: a repeated completion, idempotent); a key held by anything else raises
@@ -51,7 +52,7 @@ ROOT = Path(__file__).resolve().parent.parent / "sidecar"
 
 # Every ON CONFLICT of the package: (file, statement name) -> what a skip does (above).
 AUDITED = {
-    ("sql/queries.sql", "enqueue_job"),
+    ("sql/migrations/014_caller_options.sql", "?"),  # tool_job_enqueue
     ("sql/fence.sql", "fence_lock_entity"),
     ("sql/fence.sql", "fence_claim_key"),
     ("sql/queries.sql", "register_idle_sidecar"),

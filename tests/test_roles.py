@@ -28,6 +28,8 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_journal_rows", "EXECUTE"),
     ("function", "tool_job_still_needed", "EXECUTE"),
     ("function", "tool_job_wake", "EXECUTE"),
+    ("function", "tool_job_enqueue", "EXECUTE"),
+    ("function", "sidecar_enqueue", "EXECUTE"),
 }
 SCALER_PRIVILEGES = {("schema", "public", "USAGE"), ("function", "tool_job_demand", "EXECUTE")}
 
@@ -101,6 +103,11 @@ def test_a_worker_runs_a_job_end_to_end_with_the_worker_grants(dsn, roles):
         assert cli(worker, *args, env=env).returncode == 0, args
     doomed = enqueue(worker, "cat", {"n": 2}, env=env)
     assert cli(worker, "cancel", doomed, env=env).returncode == 0
+    # A producer may run as the worker role: the SQL function too (migration 014).
+    from_sql = scalar(worker, "SELECT sidecar_enqueue('cat', '{\"n\": 3}', tags => "
+                              "'{\"run\": \"r1\"}')")
+    assert job_row(dsn, from_sql)["tags"] == {"run": "r1"}
+    assert cli(worker, "cancel", "--tag", "run=r1", env=env).returncode == 0
 
 
 def _refused(dsn: str, sql: str) -> None:

@@ -37,21 +37,14 @@ FROM sidecar_schema_migrations;
 SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
 
 -- name: enqueue_job
--- Inserts unless the idempotency key exists; wakes one idle sidecar of the tool.
--- The journal keeps the payload's sha256 and size as the tool will receive it (P23).
-WITH inserted AS (
-    INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts)
-    VALUES ($1, $2, $3, $4, $5)
-    ON CONFLICT (idempotency_key) DO NOTHING
-    RETURNING id, tool, payload::text AS payload_text
-), journal AS (
-    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, 0, 'job_enqueued', $6::jsonb || jsonb_build_object('payload', jsonb_build_object(
-               'sha256', encode(sha256(convert_to(payload_text, 'UTF8')), 'hex'),
-               'bytes', octet_length(payload_text)))
-    FROM inserted
-)
-SELECT id, tool_job_wake(tool, 1) FROM inserted;
+-- One job through tool_job_enqueue (migration 014), the implementation sidecar_enqueue
+-- shares: validated, inserted unless the idempotency key exists (then that job, or 23505
+-- when it differs), journaled and, when due now, one idle sidecar of the tool woken.
+-- $1 tool, $2 payload, $3 key, $4 priority, $5 run_after, $6 run_in, $7 expires_in,
+-- $8 tags, $9 max_attempts (NULL: the claiming profile's), $10 traceparent,
+-- $11 tracestate, $12 payload limit (NULL: checked by the caller), $13 journal details.
+SELECT enqueued_id AS id, created
+FROM tool_job_enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13);
 
 -- name: find_job_by_idempotency_key
 -- jsonb equality: the same payload whatever its key order or spacing.
@@ -84,6 +77,40 @@ WITH exhausted AS (
 )
 SELECT id, fencing_token FROM exhausted;
 
+-- name: fail_expired_jobs
+-- Issue 26: no attempt starts after a job's expires_at (the claim skips it). Up to $1 jobs
+-- of any tool whose expiry has passed while they were queued (a first attempt or a
+-- retry), or running under an expired lease (no attempt runs), end failed with kind
+-- "expired", journaled job_expired. A running attempt under a live lease is not touched:
+-- it ends as it would have. Read through tool_jobs_expiry_idx; SKIP LOCKED, so sidecars
+-- sweeping at once share the work.
+WITH doomed AS (
+    SELECT id, state AS previous_state FROM tool_jobs
+    WHERE state IN ('queued', 'running') AND expires_at <= now()
+      AND (state = 'queued' OR lease_until < now())
+    ORDER BY expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+), expired AS (
+    UPDATE tool_jobs j
+    SET state = 'failed', finished_at = now(), lease_until = NULL,
+        error = jsonb_build_object(
+            'kind', 'expired',
+            'message', format('no attempt started before the job''s expiry (%s, %s after '
+                              'enqueue); %s attempt(s) ran', j.expires_at,
+                              j.expires_at - j.created_at, j.attempt))
+    FROM doomed
+    WHERE j.id = doomed.id
+    RETURNING j.id, j.tool, j.fencing_token, j.attempt, j.expires_at, doomed.previous_state
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'job_expired',
+           jsonb_build_object('expires_at', expires_at, 'attempts', attempt,
+                              'previous_state', previous_state)
+    FROM expired
+)
+SELECT id, tool, fencing_token, attempt FROM expired;
+
 -- name: claim_job
 -- P4: one statement picks a running job whose lease expired or, when there is none, the
 -- oldest due queued job, and takes it, bumping fencing_token and attempt. Each part is an
@@ -91,21 +118,26 @@ SELECT id, fencing_token FROM exhausted;
 -- part reads tool_jobs_queued_order_idx in claim order (migration 005) and runs only when
 -- the expired part found nothing (a one-time filter). Case F16: an expired attempt whose
 -- tool never started is given back (migration 012): the claim keeps its attempt number
--- and counts the refund, so it is never what exhausts max_attempts.
+-- and counts the refund, so it is never what exhausts max_attempts. Migration 014: the
+-- queued part reads priority first (0 first) from the same index, no attempt starts once
+-- a job's expires_at has passed (fail_expired_jobs ends it), and a job enqueued without
+-- max_attempts gets this claim's profile value ($5) on its row.
 WITH expired AS (
     SELECT id, 'running'::text AS previous_state, tool_job_expiry_refunded(j) AS refunded
     FROM tool_jobs j
     WHERE tool = $1 AND state = 'running' AND lease_until < now()
-      AND (attempt < max_attempts OR tool_job_expiry_refunded(j))
-    ORDER BY run_after, created_at, id
+      AND (attempt < coalesce(max_attempts, $5::int) OR tool_job_expiry_refunded(j))
+      AND (expires_at IS NULL OR expires_at > now())
+    ORDER BY priority, run_after, created_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), queued AS (
     SELECT id, 'queued'::text AS previous_state, false AS refunded
     FROM tool_jobs
     WHERE tool = $1 AND state = 'queued' AND run_after <= now()
+      AND (expires_at IS NULL OR expires_at > now())
       AND NOT EXISTS (SELECT FROM expired)
-    ORDER BY run_after, created_at, id
+    ORDER BY priority, run_after, created_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
 ), candidate AS (
@@ -124,13 +156,14 @@ WITH expired AS (
         -- started (F16), as release_if_owner gives one back (attempt - 1)
         attempt = j.attempt + 1 - candidate.refunded::int,
         unstarted_expiries = j.unstarted_expiries + candidate.refunded::int,
-        first_claimed_at = coalesce(j.first_claimed_at, now())
+        first_claimed_at = coalesce(j.first_claimed_at, now()),
+        max_attempts = coalesce(j.max_attempts, $5::int)
     FROM candidate
     WHERE j.id = candidate.id
     RETURNING j.id, j.tool, j.payload::text AS payload_text, j.fencing_token, j.attempt, j.max_attempts,
               j.lease_until, j.idempotency_key, candidate.previous_state, candidate.refunded,
               extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining,
-              j.checkpoint::text AS checkpoint_text, j.stage,
+              j.checkpoint::text AS checkpoint_text, j.stage, j.traceparent, j.tracestate,
               -- P12: seconds left of the job's lifetime cap ($4, NULL = none), counted
               -- from its first claim by the database's clock
               extract(epoch FROM j.first_claimed_at + $4::float8 * interval '1 second'
@@ -203,20 +236,25 @@ WITH finished AS (
     SET state = $4, result = $5, error = $6, finished_at = now(), lease_until = NULL
     WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
       AND state = 'running' AND lease_until > now()
-    RETURNING id, tool, fencing_token, attempt, result, idempotency_key, stage
+    RETURNING id, tool, fencing_token, attempt, result, idempotency_key, stage, priority,
+              tags, traceparent, tracestate
 ), next_stage AS (
-    INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, parent_id, stage)
+    -- inherits the parent's priority, tags (group actions reach it) and trace context
+    INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, parent_id, stage,
+                           priority, tags, traceparent, tracestate)
     SELECT $13::uuid, $10::text, f.idempotency_key || ':stage:' || (f.stage + 1), $11::jsonb,
-           $12::int, f.id, f.stage + 1
+           $12::int, f.id, f.stage + 1, f.priority, f.tags, f.traceparent, f.tracestate
     FROM finished f
     WHERE $10::text IS NOT NULL
       AND NOT EXISTS (SELECT FROM tool_jobs own
                       WHERE own.idempotency_key = f.idempotency_key || ':stage:' || (f.stage + 1)
                         AND own.parent_id = f.id AND own.stage = f.stage + 1)
-    RETURNING id, tool, parent_id, stage
+    RETURNING id, tool, parent_id, stage, tags, traceparent
 ), next_journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, 0, 'job_enqueued', jsonb_build_object('parent_id', parent_id, 'stage', stage)
+    SELECT id, 0, 'job_enqueued', jsonb_strip_nulls(jsonb_build_object(
+               'parent_id', parent_id, 'stage', stage, 'traceparent', traceparent,
+               'tags', CASE WHEN tags <> '{}'::jsonb THEN tags END))
     FROM next_stage
 ), journal AS (
     -- the attempt's earlier events ($14, migration 006) first, then its final one
@@ -310,12 +348,19 @@ WHERE job_id = $1 AND fencing_token = $2 AND event = $3
 ORDER BY id DESC LIMIT 1;
 
 -- name: cancel_job
--- Cancels the job and every later stage of it still queued or running. A running job
--- keeps its owner, token and lease end: its owner may still run the tree until it notices
+-- Cancels the job $1, or every queued or running job whose tags contain $2 (jsonb, e.g.
+-- {"run": "42"}; read through tool_jobs_tags_idx), and every later stage of them still
+-- queued or running. A running job keeps its owner, token and lease end: its owner may
+-- still run the tree until it notices at its next heartbeat (zero rows) and kills it
 -- (acknowledge_cancel_if_owner) or, at the latest, until that lease ends, and retry_jobs
--- waits for one of the two (case F14).
+-- waits for one of the two (case F14). A cancelled job's completion is refused by its
+-- fence, so it creates no next stage.
 WITH RECURSIVE chain AS (
     SELECT id FROM tool_jobs WHERE id = $1
+    UNION
+    SELECT id FROM tool_jobs
+    WHERE $2::jsonb IS NOT NULL AND tags @> $2::jsonb AND tags <> '{}'::jsonb
+      AND state IN ('queued', 'running')
     UNION ALL
     SELECT c.id FROM tool_jobs c JOIN chain ON c.parent_id = chain.id
 ), target AS (
@@ -340,8 +385,9 @@ WITH RECURSIVE chain AS (
 SELECT id, previous_state FROM cancelled;
 
 -- name: retry_jobs
--- An operator's re-run: failed or cancelled jobs, one ($1) or every one of a tool ($3,
--- optionally only in state $2), back to queued with fresh attempts and lifetime. The
+-- An operator's re-run: failed or cancelled jobs, one ($1) or every one of a tool ($3)
+-- and/or of a tag set ($5, jsonb), optionally only in state $2, back to queued with fresh
+-- attempts and lifetime, and a fresh expiry as long as the one given at enqueue. The
 -- fencing token is kept, so the next claim's token is still higher than any before (P7).
 WITH target AS (
     SELECT id, state AS previous_state, attempt AS previous_attempts, error->>'kind' AS kind
@@ -350,6 +396,7 @@ WITH target AS (
       AND ($1::uuid IS NULL OR id = $1)
       AND ($2::text IS NULL OR state = $2)
       AND ($3::text IS NULL OR tool = $3)
+      AND ($5::jsonb IS NULL OR (tags @> $5::jsonb AND tags <> '{}'::jsonb))
       -- F14: not a cancel whose owner may still run the tree (see cancel_job)
       AND (state <> 'cancelled' OR lease_until IS NULL OR lease_until <= now())
     FOR UPDATE
@@ -357,7 +404,8 @@ WITH target AS (
     UPDATE tool_jobs j
     SET state = 'queued', attempt = 0, run_after = now(), owner_id = NULL,
         lease_until = NULL, heartbeat_at = NULL, error = NULL, finished_at = NULL,
-        first_claimed_at = NULL
+        first_claimed_at = NULL,
+        expires_at = now() + (j.expires_at - j.created_at)  -- NULL stays NULL
     FROM target
     WHERE j.id = target.id
     RETURNING j.id, j.tool, j.fencing_token, target.previous_state, target.previous_attempts,
@@ -374,7 +422,7 @@ SELECT r.id, r.tool, r.previous_state FROM retried r,
     LATERAL (SELECT tool_job_wake(r.tool, 1)) AS woken;
 
 -- name: unacknowledged_cancels
--- Cancelled jobs retry_jobs leaves alone for now (same selection, $1-$3): the owner of the
+-- Cancelled jobs retry_jobs leaves alone for now (same selection, $1-$3, tags $4): the owner of the
 -- cancelled attempt has not acknowledged it and its lease has not ended (case F14).
 SELECT id, owner_id, fencing_token,
        extract(epoch FROM lease_until - now())::float8 AS wait_seconds
@@ -383,6 +431,7 @@ WHERE state = 'cancelled' AND lease_until > now()
   AND ($1::uuid IS NULL OR id = $1)
   AND ($2::text IS NULL OR state = $2)
   AND ($3::text IS NULL OR tool = $3)
+  AND ($4::jsonb IS NULL OR (tags @> $4::jsonb AND tags <> '{}'::jsonb))
 ORDER BY id;
 
 -- name: acknowledge_cancel_if_owner
@@ -428,7 +477,8 @@ SELECT state, owner_id, fencing_token FROM tool_jobs WHERE id = $1;
 -- name: get_job
 SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, attempt,
        max_attempts, idempotency_key, payload, result, error, run_after, created_at,
-       first_claimed_at, finished_at, parent_id, stage, checkpoint
+       first_claimed_at, finished_at, parent_id, stage, checkpoint, priority, expires_at, tags,
+       traceparent, tracestate
 FROM tool_jobs WHERE id = $1;
 
 -- name: job_events
@@ -438,10 +488,12 @@ SELECT fencing_token, event, at, details FROM tool_job_events WHERE job_id = $1 
 SELECT id, tool, state, stage FROM tool_jobs WHERE parent_id = $1 ORDER BY created_at, id;
 
 -- name: list_jobs
+-- $4: only jobs whose tags contain it (jsonb, read through tool_jobs_tags_idx).
 SELECT id, tool, state, attempt, max_attempts, fencing_token, owner_id, lease_until,
        created_at, finished_at, error->>'kind' AS error_kind
 FROM tool_jobs
 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR tool = $2)
+  AND ($4::jsonb IS NULL OR (tags @> $4::jsonb AND tags <> '{}'::jsonb))
 ORDER BY created_at DESC, id
 LIMIT $3;
 

@@ -9,7 +9,8 @@
 -- What a worker uses and nothing more: the queue's four tables (rows only: no DDL, no
 -- TRUNCATE, no REFERENCES or TRIGGER), the migration ledger read to check the schema, the
 -- two sequences its inserts draw from, and the queue's own functions but tool_job_demand
--- (the scaler's). The fence_* tables belong to the reference receiver, not the workers.
+-- (the scaler's), sidecar_enqueue included (migration 014: a producer may run as this
+-- role). The fence_* tables belong to the reference receiver, not the workers.
 SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_jobs, %I.tool_job_events, '
@@ -27,7 +28,8 @@ UNION ALL
 (SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, $1::text)
  FROM pg_proc p
  WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
-   AND p.proname LIKE 'tool\_job\_%' AND p.proname <> 'tool_job_demand'
+   AND (p.proname LIKE 'tool\_job\_%' OR p.proname = 'sidecar_enqueue')
+   AND p.proname <> 'tool_job_demand'
  ORDER BY p.proname);
 
 -- name: scaler_grants

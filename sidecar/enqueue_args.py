@@ -1,0 +1,185 @@
+"""The caller's options at enqueue, parsed and bounded (issue 26): when a job may start
+(``--priority``, ``--run-after``, ``--expires-in``), its tags (``--tag KEY=VALUE``) and its
+W3C trace context (``--traceparent``, ``--tracestate``). Pure: no I/O, so the CLI checks
+its arguments before it connects, and tests sweep the rules without a database.
+
+The database checks the same rules again, with the same limits, in ``tool_job_enqueue``
+(migration 014), the one implementation behind ``sidecar enqueue`` and ``sidecar_enqueue``
+(tests/test_caller_options.py feeds both the same bad values). Every error is a
+UsageError (exit 2) whose one line names the option and the form it wants.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from sidecar.errors import UsageError
+
+PRIORITY_MIN, PRIORITY_MAX = 0, 9  # 0 is claimed first
+# The farthest ahead a job may be scheduled (--run-after) or given to start (--expires-in).
+HORIZON = dt.timedelta(days=366)
+MAX_TAGS = 16
+MAX_TAG_VALUE_CHARS = 256
+TAG_KEY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:/-]{0,62}")
+# Characters no tag value or idempotency key may hold (C0 and C1 controls, DEL): the
+# database's check (migration 014) is this same class.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+# W3C Trace Context, level 1: version-traceid-parentid-flags, lower-case hex.
+TRACEPARENT = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
+MAX_TRACESTATE_CHARS = 512
+MAX_TRACESTATE_MEMBERS = 32
+_TRACESTATE_MEMBER = re.compile(
+    r"(?P<key>[a-z0-9][a-z0-9_*/-]{0,240}@[a-z][a-z0-9_*/-]{0,13}|[a-z][a-z0-9_*/-]{0,255})"
+    r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")
+_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+_FORM = "seconds, or a number with s, m, h or d (e.g. 90, 30m, 12h)"
+
+
+@dataclass(frozen=True)
+class EnqueueOptions:
+    """What a caller may say about one job besides tool, payload and key (issue 26):
+    ``priority`` 0-9 (0 first); ``run_in`` (a delay, counted by the database's clock) or
+    ``run_after`` (a time), not both; ``expires_in``: no attempt starts later than this
+    after enqueue; ``tags`` (string to string); ``traceparent``/``tracestate`` (W3C). The
+    defaults change nothing."""
+
+    priority: int = 0
+    run_in: dt.timedelta | None = None
+    run_after: dt.datetime | None = None
+    expires_in: dt.timedelta | None = None
+    tags: dict[str, str] = field(default_factory=dict)
+    traceparent: str | None = None
+    tracestate: str | None = None
+
+
+def parse_duration(text: str, what: str) -> dt.timedelta:
+    """``text`` as a duration: seconds, or a number with s, m, h or d (``90``, ``30m``,
+    ``12h``); at most HORIZON. UsageError names ``what`` (the option)."""
+    match = _DURATION.fullmatch(text.strip().lower())
+    if not match:
+        raise UsageError(f"{what} {text[:40]!r}: use {_FORM}")
+    value = dt.timedelta(seconds=float(match.group(1)) * _UNITS[match.group(2)])
+    if value > HORIZON:
+        raise UsageError(f"{what} {text[:40]!r}: at most 366 days")
+    return value
+
+
+def parse_run_after(text: str) -> dt.timedelta | dt.datetime:
+    """``--run-after``: a duration from now (``parse_duration``) or a time in ISO 8601
+    with its UTC offset (``2030-01-02T03:04:05Z``). A time already past means now."""
+    stripped = text.strip()
+    if _DURATION.fullmatch(stripped.lower()):
+        return parse_duration(stripped, "--run-after")
+    try:
+        when = dt.datetime.fromisoformat(stripped)
+    except ValueError:
+        raise UsageError(f"--run-after {text[:40]!r}: use a duration ({_FORM}) or an ISO "
+                         "8601 time with its offset, e.g. 2030-01-02T03:04:05Z") from None
+    if when.tzinfo is None:
+        raise UsageError(f"--run-after {text[:40]!r}: give the time's UTC offset, e.g. "
+                         f"{stripped}Z or {stripped}+02:00")
+    return when
+
+
+def parse_expires_in(text: str) -> dt.timedelta:
+    """``--expires-in``: a duration, more than 0 and at most 366 days."""
+    value = parse_duration(text, "--expires-in")
+    if value <= dt.timedelta(0):
+        raise UsageError(f"--expires-in {text[:40]!r}: must be more than 0")
+    return value
+
+
+def check_priority(value: int) -> int:
+    """``value`` if it is a priority (0 claimed first, to 9); else UsageError."""
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise UsageError(f"--priority {value}: must be from {PRIORITY_MIN} (claimed first) "
+                         f"to {PRIORITY_MAX}")
+    return value
+
+
+def check_tags(tags: dict[str, Any]) -> dict[str, str]:
+    """``tags`` if every key and value is allowed (at most MAX_TAGS; keys as TAG_KEY,
+    values strings of 1-256 printable characters); else UsageError naming the tag."""
+    if len(tags) > MAX_TAGS:
+        raise UsageError(f"--tag: at most {MAX_TAGS} tags per job, {len(tags)} given")
+    for key, value in tags.items():
+        if not isinstance(key, str) or not TAG_KEY.fullmatch(key):
+            raise UsageError(f"--tag {str(key)[:70]!r}: a key is 1-63 letters, digits, '_', "
+                             "'.', ':', '/' or '-', starting with a letter or digit")
+        if not isinstance(value, str) or not 1 <= len(value) <= MAX_TAG_VALUE_CHARS \
+                or _CONTROL.search(value):
+            raise UsageError(f"--tag {key}: the value must be 1-{MAX_TAG_VALUE_CHARS} "
+                             "printable characters")
+    return dict(tags)
+
+
+def parse_tags(items: Iterable[str] | None) -> dict[str, str]:
+    """``--tag KEY=VALUE`` options (repeatable; each key once) as a dict, checked by
+    ``check_tags``."""
+    tags: dict[str, str] = {}
+    for item in items or ():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--tag {item[:70]!r}: use KEY=VALUE, e.g. --tag run=42")
+        if key in tags:
+            raise UsageError(f"--tag {key}: given twice; a job has one value per key")
+        tags[key] = value
+    return check_tags(tags)
+
+
+def check_traceparent(value: str) -> str:
+    """``value`` if it is a W3C traceparent (version 00's layout, a version other than ff,
+    trace and parent ids not all zeros); else UsageError."""
+    if not TRACEPARENT.fullmatch(value) or value[:2] == "ff" \
+            or value[3:35] == "0" * 32 or value[36:52] == "0" * 16:
+        raise UsageError(f"--traceparent {value[:80]!r}: not a W3C traceparent "
+                         "(version-traceid-parentid-flags in lower-case hex, e.g. "
+                         "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01)")
+    return value
+
+
+def check_tracestate(value: str) -> str:
+    """``value`` if it is a W3C tracestate: at most 512 characters and 32 list members
+    ``key=value`` (blank members skipped), each key once; else UsageError."""
+    if len(value) > MAX_TRACESTATE_CHARS:
+        raise UsageError(f"--tracestate: at most {MAX_TRACESTATE_CHARS} characters")
+    keys: list[str] = []
+    for member in value.split(","):
+        member = member.strip(" \t")
+        if not member:
+            continue
+        match = _TRACESTATE_MEMBER.fullmatch(member)
+        if match is None or match.group("key") in keys:
+            raise UsageError(f"--tracestate: member {member[:80]!r} is not a W3C list member "
+                             "(key=value, each key once)")
+        keys.append(match.group("key"))
+    if len(keys) > MAX_TRACESTATE_MEMBERS:
+        raise UsageError(f"--tracestate: at most {MAX_TRACESTATE_MEMBERS} list members")
+    return value
+
+
+def enqueue_options(priority: int | None = None, run_after: str | None = None,
+                    expires_in: str | None = None, tags: Iterable[str] | None = None,
+                    traceparent: str | None = None,
+                    tracestate: str | None = None) -> EnqueueOptions:
+    """The command line's options (text as given, None when absent) as EnqueueOptions,
+    every one checked; UsageError for the first that is not allowed."""
+    when = parse_run_after(run_after) if run_after is not None else None
+    expiry = parse_expires_in(expires_in) if expires_in is not None else None
+    if tracestate is not None and traceparent is None:
+        raise UsageError("--tracestate needs a --traceparent")
+    if expiry is not None and isinstance(when, dt.timedelta) and when >= expiry:
+        raise UsageError(f"--expires-in {expires_in}: the job would expire before its "
+                         f"--run-after {run_after}")
+    return EnqueueOptions(
+        priority=check_priority(priority) if priority is not None else 0,
+        run_in=when if isinstance(when, dt.timedelta) else None,
+        run_after=when if isinstance(when, dt.datetime) else None,
+        expires_in=expiry, tags=parse_tags(tags),
+        traceparent=check_traceparent(traceparent) if traceparent is not None else None,
+        tracestate=check_tracestate(tracestate) if tracestate is not None else None)
