@@ -24,8 +24,10 @@ WORKER_PRIVILEGES = {
     ("table", "sidecar_schema_migrations", "SELECT"),
     ("sequence", "tool_job_events_id_seq", "USAGE"),
     ("sequence", "tool_job_outbox_id_seq", "USAGE"),
+    ("function", "tool_job_channel", "EXECUTE"),
     ("function", "tool_job_expiry_refunded", "EXECUTE"),
     ("function", "tool_job_journal_rows", "EXECUTE"),
+    ("function", "tool_job_notify_end", "EXECUTE"),
     ("function", "tool_job_still_needed", "EXECUTE"),
     ("function", "tool_job_wake", "EXECUTE"),
 }
