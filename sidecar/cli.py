@@ -1,7 +1,9 @@
 """The ``sidecar`` command: argument parsing, and errors mapped to one line and an exit code.
 
 Data goes to stdout as JSON; messages and events go to stderr. Exit codes: 0 success,
-1 environment problem (database unreachable, job not found), 2 bad input or configuration.
+1 environment problem (database unreachable, job not found), 2 bad input or configuration;
+``wait`` (and ``enqueue --wait``) also 3 when a job waited for ended failed or cancelled,
+4 when the timeout passed first.
 """
 
 from __future__ import annotations
@@ -42,6 +44,11 @@ from sidecar.store import Store, check_producer_key
 STATES = tuple(state.value for state in JobState)
 # How often `retry` looks again for the acknowledgement of a cancel (case F14).
 RETRY_ACK_POLL_SECONDS = 0.2
+# `wait`: a job waited for ended failed or cancelled; the timeout passed first.
+EXIT_JOB_FAILED = 3
+EXIT_TIMEOUT = 4
+# `wait`: the pause before connecting again after the waiter's connection failed.
+WAIT_RECONNECT_SECONDS = 1.0
 
 
 class OutputClosed(SidecarError):
@@ -188,15 +195,97 @@ def cmd_enqueue(args, settings: Settings) -> int:
     # through Python floats would not (12345678901234567890123 stays an integer).
     text = RawJson(raw.decode("utf-8"))
 
+    timeout = _wait_timeout(args)
+    if timeout is not None and not args.wait:
+        raise UsageError("--timeout bounds --wait; give --wait too")
+
     async def go():
         async with open_store(settings) as store:
-            return await store.enqueue(tool, None if payload is None else text,
-                                       args.idempotency_key, max_attempts,
-                                       {"by": "sidecar enqueue"}, options)
+            job_id, created = await store.enqueue(
+                tool, None if payload is None else text, args.idempotency_key,
+                max_attempts, {"by": "sidecar enqueue"}, options)
+            _print_json({"id": job_id, "created": created})
+            if not args.wait:
+                return 0
+            return await _wait(settings, store, [job_id], timeout=timeout)
 
-    job_id, created = run_async(settings, go())
-    _print_json({"id": job_id, "created": created})
-    return 0
+    return run_async(settings, go())
+
+
+def _wait_timeout(args) -> float | None:
+    """``--timeout DURATION`` in seconds (more than 0), None when not given."""
+    if args.timeout is None:
+        return None
+    from sidecar.config import parse_duration
+
+    seconds = parse_duration(args.timeout, "--timeout")
+    if seconds <= 0:
+        raise UsageError(f"--timeout {args.timeout!r}: must be more than 0")
+    return seconds
+
+
+def cmd_wait(args, settings: Settings) -> int:
+    """``sidecar wait JOB_ID...``: block until the jobs end (the first with ``--any``),
+    printing each as one JSON line; exit 0, EXIT_JOB_FAILED or EXIT_TIMEOUT."""
+    job_ids = list(dict.fromkeys(_job_id(text) for text in args.job_id))
+    timeout = _wait_timeout(args)
+
+    async def go():
+        async with open_store(settings) as store:
+            return await _wait(settings, store, job_ids, timeout=timeout, first=args.any,
+                               progress=args.progress)
+
+    return run_async(settings, go())
+
+
+async def _wait(settings: Settings, store: Store, job_ids: list[uuid.UUID], *,
+                timeout: float | None, first: bool = False, progress: bool = False) -> int:
+    """Wait for ``job_ids`` (sidecar.waiting.watch) on a connection of its own, printing
+    each end on stdout as it comes and, with ``progress``, each progress report on stderr;
+    connect again after a failure, bounded by ``timeout`` seconds. Returns the exit code."""
+    from sidecar import waiting
+
+    pooled = settings.database_pooler == "transaction"
+    if pooled:
+        log_mod.log.emit("listen_disabled", reason="SIDECAR_DATABASE_POOLER=transaction: "
+                         f"wait reads the jobs every {waiting.POLL_SECONDS:g} s instead of "
+                         "LISTEN")
+    dsn = db.resolve_dsn(settings)
+    pending, failed = list(job_ids), False
+    try:
+        async with asyncio.timeout(timeout):
+            while pending:
+                conn = None
+                try:
+                    conn = await db.connect(dsn, settings.db_timeout_seconds)
+                    async for event in waiting.watch(
+                            conn, pending, listen=not pooled,
+                            statement_timeout=settings.db_timeout_seconds):
+                        if isinstance(event, waiting.JobProgress):
+                            if progress:
+                                sys.stderr.buffer.write(jsontext.dumps(
+                                    event.as_json(), option=orjson.OPT_APPEND_NEWLINE))
+                                sys.stderr.buffer.flush()
+                            continue
+                        _print_json(event.as_json())
+                        pending.remove(event.id)
+                        failed = failed or not event.succeeded
+                        if first:
+                            return EXIT_JOB_FAILED if failed else 0
+                except (*db.UNAVAILABLE_ERRORS, *db.TIMEOUT_ERRORS) as exc:
+                    log_mod.log.emit("wait_reconnecting", "warning",
+                                     reason=db.describe_error(exc), jobs=len(pending))
+                    await asyncio.sleep(WAIT_RECONNECT_SECONDS)
+                finally:
+                    if conn is not None:
+                        conn.terminate()
+    except TimeoutError:
+        shown = ", ".join(str(job_id) for job_id in pending[:5])
+        more = f" and {len(pending) - 5} more" if len(pending) > 5 else ""
+        print(f"sidecar: error: timed out after {timeout:g} s; still unfinished: "
+              f"{shown}{more}", file=sys.stderr)
+        return EXIT_TIMEOUT
+    return EXIT_JOB_FAILED if failed else 0
 
 
 def cmd_run(args, settings: Settings) -> int:
@@ -645,6 +734,20 @@ def build_parser() -> argparse.ArgumentParser:
                    help="W3C trace context, given to the tool as TRACEPARENT")
     p.add_argument("--tracestate", metavar="TRACESTATE",
                    help="W3C tracestate, given to the tool as TRACESTATE")
+    p.add_argument("--wait", action="store_true",
+                   help="then wait for the job to end, as `sidecar wait` (exit 0, 3, 4)")
+    p.add_argument("--timeout", metavar="DURATION",
+                   help="with --wait: give up after DURATION (seconds, or e.g. 90s, 5m): "
+                        "exit 4")
+    p = add("wait", cmd_wait, "block until the jobs end; print each as one JSON line "
+            "{id, state, result|error, attempt}; exit 0 all succeeded, 3 one failed or was "
+            "cancelled, 4 timeout")
+    p.add_argument("job_id", metavar="JOB_ID", nargs="+")
+    p.add_argument("--any", action="store_true", help="return when the first one ends")
+    p.add_argument("--timeout", metavar="DURATION",
+                   help="give up after DURATION (seconds, or e.g. 90s, 5m): exit 4")
+    p.add_argument("--progress", action="store_true",
+                   help="print each progress report of the jobs as a JSON line on stderr")
     p = add("run", cmd_run, "claim jobs of TOOL and run COMMAND once per job")
     p.add_argument("--tool", metavar="TOOL", help="default: the basename of COMMAND")
     p.add_argument("--concurrency", type=_int_from(1, CONCURRENCY_MAX),

@@ -41,7 +41,19 @@ characters: the id of the external request the tool is about to send):
   "database_unavailable"}`` when the database fails or does not answer within the store's
   timeout (nothing was saved unless a retry says so).
 
-Both: a missing, malformed, unknown or no longer registered secret gets ``401
+``POST /v1/progress``, body ``{"progress": 0..1 or null, "message": "..." or null}`` (at
+most 4096 bytes, a message of at most 1000 printable characters; sidecar.progress): the
+tool's progress, stored on the job row by a write fenced on this attempt's token, sent to
+the job's waiters, and counted as activity by the idle watchdog:
+
+- ``200 {"stored": true}``; ``202 {"stored": false, "write_in_s": S}`` when the attempt's
+  last write was less than a second ago: kept, and written (the latest report wins) then.
+- ``409 {"reason": "lease_lost" | "cancelled"}``: the attempt no longer owns the job
+  (locally known, or the fenced write found it so): nothing stored.
+- ``400 {"error": "bad_json" | "bad_request" | "secret_in_output", "message"}``; ``413
+  {"error": "body_too_large", "limit": 4096}``; ``503 {"error": "database_unavailable"}``.
+
+All three: a missing, malformed, unknown or no longer registered secret gets ``401
 {"error": "unauthorized"}`` with ``WWW-Authenticate: Bearer`` (the same answer for every
 case: the caller learns nothing); a body not complete within ``body_timeout`` seconds
 gets ``408 {"error": "body_timeout"}``.
@@ -100,11 +112,20 @@ from sidecar.lease_state import Lease, guard_refusal
 from sidecar.log import log, log_fields, payload_digest
 from sidecar.masking import SECRETS
 from sidecar.model import LeaseProfile, RawJson
+from sidecar.progress import (
+    PROGRESS_BODY_LIMIT,
+    BadProgress,
+    NotOwner,
+    ProgressReporter,
+    parse_report,
+    report_answer,
+)
 from sidecar.store import Store
-from sidecar.vocabulary import AttemptId, ConnectionRefusal, GuardRefusal
+from sidecar.vocabulary import AttemptId, ConnectionRefusal, GuardRefusal, StopReason
 
 GUARD_PATH = "/v1/guard"
 CHECKPOINT_PATH = "/v1/checkpoint"
+PROGRESS_PATH = "/v1/progress"
 CHECKPOINT_LIMIT = 65536          # bytes of one checkpoint body
 GUARD_BODY_LIMIT = 4096           # bytes of a guard request body
 MAX_REQUEST_ID = 200              # characters
@@ -145,6 +166,7 @@ class _Registration:
     digest: bytes
     refused: str | None = None       # the last refusal logged, so a polling tool logs once
     fenced_out: bool = False         # a fenced checkpoint write found the job not ours
+    progress: ProgressReporter | None = None  # the attempt's progress (POST /v1/progress)
 
 
 class GuardServer:
@@ -189,7 +211,8 @@ class GuardServer:
         if self._http is not None:
             raise RuntimeError("the guard server is already started")
         http = HttpServer({("POST", GUARD_PATH): self._guard,
-                           ("POST", CHECKPOINT_PATH): self._checkpoint},
+                           ("POST", CHECKPOINT_PATH): self._checkpoint,
+                           ("POST", PROGRESS_PATH): self._progress},
                           keepalive_timeout=IDLE_SECONDS, header_timeout=self.body_timeout,
                           limits=self.limits, on_refuse=self._refused)
         _, port = await http.start("127.0.0.1", 0)
@@ -217,9 +240,10 @@ class GuardServer:
 
     # --- jobs ---------------------------------------------------------------
 
-    def register(self, lease: Lease) -> str:
+    def register(self, lease: Lease, progress: ProgressReporter | None = None) -> str:
         """Accept requests for ``lease``'s attempt from now on; return its new secret
         (``secrets.token_urlsafe(32)``: 43 URL-safe characters) for ``SIDECAR_GUARD_TOKEN``.
+        ``progress``: where the attempt's ``POST /v1/progress`` reports go (None: 404).
         Only its sha256 is kept. Registrations are keyed by attempt (job id, token), never
         by job id alone (case F14): a later attempt of the same job has its own. May be
         called before start(). The token is a secret of the sidecar's until unregister:
@@ -227,7 +251,7 @@ class GuardServer:
         issue 25)."""
         self.unregister(lease.job.attempt_id)
         token = secrets.token_urlsafe(32)
-        registration = _Registration(lease, _digest(token))
+        registration = _Registration(lease, _digest(token), progress=progress)
         self._by_digest[registration.digest] = registration
         self._by_attempt[lease.job.attempt_id] = registration
         SECRETS.add(self._secret_key(lease.job.attempt_id), "guard_token", [token])
@@ -453,3 +477,42 @@ class GuardServer:
         if log.enabled("debug"):
             log.emit("checkpoint_saved", "debug", **fields, bytes=digest["bytes"])
         return _json({"saved": True, "bytes": digest["bytes"]})
+
+    async def _progress(self, request: Request) -> Response:
+        registration = self._authenticate(request)
+        if registration is None:
+            return _unauthorized()
+        if isinstance(registration, Response):
+            return registration
+        body = await self._read_body(request, PROGRESS_BODY_LIMIT,
+                                     {"error": "body_too_large", "limit": PROGRESS_BODY_LIMIT})
+        if isinstance(body, Response):
+            return body
+        try:
+            value, message = parse_report(body)
+        except BadProgress as exc:
+            return _json({"error": exc.error, "message": str(exc)}, 400)
+        reporter, lease = registration.progress, registration.lease
+        if reporter is None:
+            return _json({"error": "not_found", "message": "no progress for this attempt"},
+                         404)
+        labels = SECRETS.labels_in(body)
+        if labels:  # stored, it would be shown by `sidecar show` (issue 25)
+            log.emit("secret_in_output", "error", **log_fields(lease.job), reason="progress",
+                     result=payload_digest(body), secrets=labels)
+            return _json({"error": "secret_in_output", "secrets": labels}, 400)
+        if registration.fenced_out or reporter.lost:
+            cancelled = lease.lost.is_set() and lease.reason is StopReason.CANCELLED
+            return _json({"reason": GuardRefusal.CANCELLED if cancelled
+                          else GuardRefusal.LEASE_LOST}, 409)
+        try:
+            waited = await reporter.report(value, message, "http")
+        except NotOwner:
+            registration.fenced_out = reporter.fenced_out or registration.fenced_out
+            return _json({"reason": GuardRefusal.LEASE_LOST}, 409)
+        except db.DATABASE_ERRORS as exc:
+            log.emit("progress_failed", "warning", **log_fields(lease.job),
+                     reason=f"{type(exc).__name__}: {exc}"[:200])
+            return _json({"error": "database_unavailable"}, 503)
+        status, answer = report_answer(waited)
+        return _json(answer, status)

@@ -259,3 +259,39 @@ def remove_held_path(path: str, fd: int) -> bool:
         return remove_held(parent_fd, name, fd)
     finally:
         os.close(parent_fd)
+
+
+def read_small_file(dir_fd: int, name: str, max_bytes: int,
+                    owner_uid: int | None = None) -> tuple[bytes, int] | None:
+    """The content and ``st_mtime_ns`` of the regular file ``name`` in ``dir_fd``, which a
+    tool may rewrite at any time (its progress file); None when there is none. Opened with
+    ``O_NOFOLLOW`` (a symlink is refused, never followed) and ``O_NONBLOCK`` (a FIFO in its
+    place cannot block); at most ``max_bytes`` bytes are read. Raises ValueError with the
+    reason for a symlink, anything but a regular file, a hard link, a file of another user
+    than ``owner_uid`` (RUN_AS), or one larger than ``max_bytes``; OSError otherwise."""
+    try:
+        fd = os.open(_name(name), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=dir_fd)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise ValueError("it is a symlink; write a regular file") from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ValueError("it is not a regular file")
+        if info.st_nlink != 1:
+            raise ValueError("it is a hard link to another file; write a new file")
+        if owner_uid is not None and info.st_uid != owner_uid:
+            raise ValueError(f"it belongs to uid {info.st_uid}, not to the tool's uid "
+                             f"{owner_uid}")
+        if info.st_size > max_bytes:
+            raise ValueError(f"it holds {info.st_size} bytes, more than {max_bytes}")
+        data = os.read(fd, max_bytes + 1)
+        if len(data) > max_bytes:
+            raise ValueError(f"it holds more than {max_bytes} bytes")
+        return data, info.st_mtime_ns
+    finally:
+        os.close(fd)

@@ -437,6 +437,29 @@ class Store:
             details, timeout=self.timeout)
         return row is not None
 
+    async def report_progress_if_owner(
+        self, job: ClaimedJob, owner_id: str, progress: dict[str, Any],
+        details: dict[str, Any], journal: bool,
+    ) -> bool:
+        """Store a tool's progress report (``progress``: ``{"value": 0..1 or None,
+        "message": str or None}``) on the job row with the database's time and the attempt,
+        and NOTIFY the job's waiters (issue 26); journaled as ``job_progress`` (with
+        ``details``) only when ``journal``. False, nothing stored or sent, when this attempt
+        no longer owns the lease (P5/P6)."""
+        row = await self.db.fetchrow(
+            Q["report_progress_if_owner"], job.id, owner_id, job.fencing_token, progress,
+            details, journal, timeout=self.timeout)
+        return row is not None
+
+    @staticmethod
+    async def jobs_to_wait_for(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID],
+                               timeout: float) -> list[asyncpg.Record]:
+        """``id, state, attempt, result, error, progress`` of each job of ``job_ids`` that
+        exists, on the caller's own connection (the waiter's, which LISTENs first:
+        sidecar.waiting). Bounded by ``timeout`` seconds."""
+        ids = [str(job_id) for job_id in job_ids]
+        return await db.run(conn, "fetch", Q["jobs_to_wait_for"], ids, timeout=timeout)
+
     async def record_event(
         self, job_id: uuid.UUID, token: int | None, event: str, details: dict[str, Any]
     ) -> None:

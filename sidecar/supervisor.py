@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
 import psutil
@@ -34,6 +34,7 @@ from sidecar.leftovers import job_name, work_dir_prefix
 from sidecar.log import log, log_fields, payload_digest
 from sidecar.masking import SECRETS
 from sidecar.model import ClaimedJob, LeaseProfile, NextStage, RawJson, Usage
+from sidecar.progress import PROGRESS_FILE_NAME, ProgressReporter
 from sidecar.results import (
     BadResult,
     SecretInOutput,
@@ -86,6 +87,7 @@ def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
         SIDECAR_OWNER_ID=owner_id,
         SIDECAR_JOB_DIR=sandbox.job_dir,
         SIDECAR_RESULT_FILE=sandbox.result_file,
+        SIDECAR_PROGRESS_FILE=os.path.join(sandbox.job_dir, PROGRESS_FILE_NAME),
     )
     # The caller's trace context, by OpenTelemetry's environment-carrier convention.
     if job.traceparent:
@@ -165,6 +167,8 @@ class JobSupervisor:
         self.started = time.monotonic()
         self.claimed_at = clock.ownership_now()  # the lifetime cap's origin (F20)
         self.commit = FencedCommit(ctx, job, lease, self.started)
+        # The tool's progress reports (guard and SIDECAR_PROGRESS_FILE, issue 26).
+        self.progress = ProgressReporter(ctx.store, ctx.owner_id, job, lease)
 
     async def run(self) -> Outcome:
         """Supervise the job; return how the attempt ended."""
@@ -264,9 +268,11 @@ class JobSupervisor:
             if self.ctx.guard is not None and (self.ctx.sandbox is None
                                                or self.ctx.sandbox.network != "none"):
                 env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
-                env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease)
+                env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease,
+                                                                     self.progress)
             return await self._supervise(env, payload, sandbox)
         finally:
+            self.progress.close()
             if self.ctx.guard is not None:
                 self.ctx.guard.unregister(job.attempt_id)
             left = [] if sandbox.close_kept() else \
@@ -304,7 +310,14 @@ class JobSupervisor:
             "pid": child.pid, "argv0": self.ctx.argv[0], "payload": self.payload_digest})
         log.emit("tool_request_started", **log_fields(self.job), pid=child.pid)
 
-        reason = await self._race(child, sandbox)
+        # SIDECAR_PROGRESS_FILE, read once per heartbeat period while the tool runs.
+        progress_file = asyncio.ensure_future(self.progress.watch_file(
+            sandbox.dir_lock, sandbox.ids[0] if sandbox.ids else None,
+            profile.heartbeat_seconds))
+        try:
+            reason = await self._race(child, sandbox)
+        finally:
+            progress_file.cancel()
         if reason is not StopReason.EXITED:
             self.lease.stop(reason)  # the guard refuses from now on ("deadline")
         report = await child.kill_tree(profile.kill_grace_seconds)
@@ -372,7 +385,8 @@ class JobSupervisor:
         }
         if profile.idle_timeout_seconds > 0:
             waiters[asyncio.ensure_future(
-                watch_idle(child, profile.idle_timeout_seconds))] = StopReason.IDLE_TIMEOUT
+                watch_idle(child, profile.idle_timeout_seconds,
+                           lambda: self.progress.reports))] = StopReason.IDLE_TIMEOUT
         if profile.cpu_seconds > 0:
             waiters[asyncio.ensure_future(
                 watch_cpu(child, sandbox, profile.cpu_seconds))] = StopReason.CPU_LIMIT
@@ -523,8 +537,10 @@ async def watch_deadline(deadline: float) -> None:
         await asyncio.sleep(min(left, DEADLINE_CHECK_SECONDS))
 
 
-async def watch_idle(child: Child, idle_seconds: float) -> None:
-    """Return once the child's tree has shown no CPU time, no I/O and no output for
+async def watch_idle(child: Child, idle_seconds: float,
+                     reports: Callable[[], int] = lambda: 0) -> None:
+    """Return once the child's tree has shown no CPU time, no I/O, no output and no
+    progress report (``reports()``: how many it made so far, issue 26) for
     ``idle_seconds``: hung, although the sidecar itself is healthy and heartbeating."""
     loop = asyncio.get_running_loop()
     period = min(1.0, idle_seconds / 4)
@@ -532,7 +548,7 @@ async def watch_idle(child: Child, idle_seconds: float) -> None:
     while True:
         await asyncio.sleep(period)
         sample = (await loop.run_in_executor(None, tree_activity, child.pid),
-                  child.stdout_bytes, child.stderr_bytes)
+                  child.stdout_bytes, child.stderr_bytes, reports())
         now = time.monotonic()
         if sample != last_sample:
             last_sample, last_progress = sample, now

@@ -461,6 +461,35 @@ WITH saved AS (
 )
 SELECT id FROM saved;
 
+-- name: report_progress_if_owner
+-- A tool's progress report (issue 26): $4 is {value, message}; stored with the database's
+-- time and the attempt only while this owner holds the lease (the four conditions of P5/P6),
+-- journaled as job_progress when the caller says so ($6: its throttle, $5: details), and
+-- sent to the job's waiters on its own channel (migration 015), at commit.
+WITH reported AS (
+    UPDATE tool_jobs
+    SET progress = $4::jsonb || jsonb_build_object('at', now(), 'attempt', attempt)
+    WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
+      AND state = 'running' AND lease_until > now()
+    RETURNING id, fencing_token, progress
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'job_progress', progress || $5::jsonb
+    FROM reported
+    WHERE $6::boolean
+)
+SELECT id, pg_notify(tool_job_channel(id), jsonb_build_object(
+           'id', id, 'state', 'running', 'progress', progress)::text)
+FROM reported;
+
+-- name: jobs_to_wait_for
+-- the waiter's read (sidecar.waiting): the jobs $1 names (a jsonb array of ids as text:
+-- no uuid[] parameter, see extend_leases_if_owner), as they are now. A job missing from
+-- the answer does not exist (or was pruned).
+SELECT j.id, j.state, j.attempt, j.result, j.error, j.progress
+FROM jsonb_array_elements_text($1::jsonb) AS wanted(id)
+JOIN tool_jobs j ON j.id = wanted.id::uuid;
+
 -- name: record_event
 INSERT INTO tool_job_events (job_id, fencing_token, event, details) VALUES ($1, $2, $3, $4);
 
@@ -478,7 +507,7 @@ SELECT state, owner_id, fencing_token FROM tool_jobs WHERE id = $1;
 SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, attempt,
        max_attempts, idempotency_key, payload, result, error, run_after, created_at,
        first_claimed_at, finished_at, parent_id, stage, checkpoint, priority, expires_at, tags,
-       traceparent, tracestate
+       traceparent, tracestate, progress
 FROM tool_jobs WHERE id = $1;
 
 -- name: job_events
