@@ -170,6 +170,10 @@ def _tags(args) -> dict[str, str] | None:
     return enqueue_args.parse_tags(args.tag) or None if args.tag else None
 
 
+def _tags_text(tags: dict[str, str]) -> str:
+    return " ".join(f"{key}={value}" for key, value in tags.items())
+
+
 def cmd_enqueue(args, settings: Settings) -> int:
     tool = validate_tool_name(args.tool)
     options = enqueue_args.enqueue_options(args.priority, args.run_after, args.expires_in,
@@ -224,15 +228,36 @@ def _wait_timeout(args) -> float | None:
     return seconds
 
 
+# ``wait --tag``: the most jobs one waiter follows (each is one LISTEN on its connection).
+MAX_WAIT_JOBS = 1000
+
+
 def cmd_wait(args, settings: Settings) -> int:
-    """``sidecar wait JOB_ID...``: block until the jobs end (the first with ``--any``),
-    printing each as one JSON line; exit 0, EXIT_JOB_FAILED or EXIT_TIMEOUT."""
+    """``sidecar wait JOB_ID...|--tag K=V``: block until the jobs end (the first with
+    ``--any``), printing each as one JSON line; exit 0, EXIT_JOB_FAILED or EXIT_TIMEOUT.
+    ``--tag`` waits for every job carrying all the tags when the command starts (at most
+    MAX_WAIT_JOBS: more is a UsageError; none is JobNotFound, exit 1)."""
+    if bool(args.job_id) == bool(args.tag):
+        raise UsageError("give JOB_ID..., or --tag KEY=VALUE (repeatable) for every job "
+                         "with those tags")
     job_ids = list(dict.fromkeys(_job_id(text) for text in args.job_id))
+    tags = _tags(args)
     timeout = _wait_timeout(args)
 
     async def go():
         async with open_store(settings) as store:
-            return await _wait(settings, store, job_ids, timeout=timeout, first=args.any,
+            ids = job_ids
+            if tags:
+                rows = await store.list_jobs(None, None, MAX_WAIT_JOBS + 1, tags)
+                if not rows:
+                    from sidecar.waiting import JobNotFound
+
+                    raise JobNotFound(f"no job has the tags {_tags_text(tags)}")
+                if len(rows) > MAX_WAIT_JOBS:
+                    raise UsageError(f"--tag {_tags_text(tags)}: more than "
+                                     f"{MAX_WAIT_JOBS} jobs; wait on a narrower tag")
+                ids = [row["id"] for row in rows]
+            return await _wait(settings, store, ids, timeout=timeout, first=args.any,
                                progress=args.progress)
 
     return run_async(settings, go())
@@ -742,7 +767,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("wait", cmd_wait, "block until the jobs end; print each as one JSON line "
             "{id, state, result|error, attempt}; exit 0 all succeeded, 3 one failed or was "
             "cancelled, 4 timeout")
-    p.add_argument("job_id", metavar="JOB_ID", nargs="+")
+    p.add_argument("job_id", metavar="JOB_ID", nargs="*")
+    p.add_argument("--tag", action="append", metavar="KEY=VALUE",
+                   help="every job with these tags (repeatable: all of them), instead of ids")
     p.add_argument("--any", action="store_true", help="return when the first one ends")
     p.add_argument("--timeout", metavar="DURATION",
                    help="give up after DURATION (seconds, or e.g. 90s, 5m): exit 4")

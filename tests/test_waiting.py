@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
@@ -114,6 +115,30 @@ def test_wait_exit_codes_any_and_bad_input(dsn, sidecars):
     assert done.returncode == 1 and f"no job {missing}" in done.stderr.decode()
     assert cli(dsn, "wait", ok, "--timeout", "soon").returncode == 2
     assert cli(dsn, "wait", "not-a-uuid").returncode == 2
+
+
+def test_wait_tag_waits_for_every_job_of_the_tag(dsn, sidecars):
+    """``wait --tag`` follows every job carrying the tags when it starts (issue 26 point
+    4): it returns once all ended, exit 3 when one of them failed; an unknown tag is
+    exit 1, ids and --tag together exit 2."""
+    run = f"run={os.urandom(4).hex()}"
+    ok = enqueue(dsn, TOOL, {"steps": []}, "--tag", run)
+    failing = enqueue(dsn, TOOL, {"exit": 65}, "--max-attempts", "1", "--tag", run,
+                      "--tag", "kind=bad")
+    other = enqueue(dsn, TOOL, {"steps": [{"sleep": 120}]})  # not of the tag: never awaited
+    sidecars(dsn, COMMAND, "--tool", TOOL, "--concurrency", "3")
+
+    done = cli(dsn, "wait", "--tag", run, "--timeout", "30s")
+    assert done.returncode == 3, done.stderr.decode()
+    ended = {line["id"]: line["state"] for line in _lines(done.stdout)}
+    assert ended == {ok: "succeeded", failing: "failed"}
+
+    done = cli(dsn, "wait", "--tag", run, "--tag", "kind=bad", "--timeout", "30s")
+    assert done.returncode == 3 and [x["id"] for x in _lines(done.stdout)] == [failing]
+    done = cli(dsn, "wait", "--tag", f"{run}-nobody", "--timeout", "5s")
+    assert done.returncode == 1 and "no job has the tags" in done.stderr.decode()
+    assert cli(dsn, "wait", ok, "--tag", run).returncode == 2
+    assert cli(dsn, "cancel", other).returncode == 0
 
 
 def test_enqueue_wait_enqueues_and_waits_in_one_command(dsn, sidecars):
