@@ -235,6 +235,33 @@ def test_sidecar_enqueue_from_psql_rolled_back_leaves_nothing_committed_runs(dsn
     sc.stop()
 
 
+def test_psql_enqueues_and_waits_for_the_end_without_polling(dsn, sidecars):
+    """Any language, as docs/callers.md says: psql enqueues with sidecar_enqueue and
+    LISTENs on the job's channel (tool_job_channel) in the same transaction, so the end
+    cannot slip in between; the end arrives as one notification whose payload says
+    succeeded, while psql only sleeps (nothing read from tool_jobs)."""
+    sidecars(dsn, ["cat"], "--tool", "cat", env=base_env(dsn, SIDECAR_POLL_SECONDS="60"))
+    wait_until(lambda: scalar(dsn, "SELECT count(*) FROM tool_idle_sidecars") == 1, 20,
+               what="the sidecar to be idle and listening")
+    script = ("BEGIN;\n"
+              "SELECT sidecar_enqueue('cat', '{\"n\": 7}') AS id \\gset\n"
+              "SELECT tool_job_channel(:'id') AS chan \\gset\n"
+              "LISTEN :chan;\n"
+              "COMMIT;\n"
+              "\\echo enqueued :id\n"
+              + "SELECT pg_sleep(0.2);\n" * 50)  # 10 s: the end comes within one
+    done = subprocess.run(["psql", "-X", "-q", "-v", "ON_ERROR_STOP=1", "-At", "-d", dsn],
+                          input=script.encode(), capture_output=True, timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    out = done.stdout.decode()
+    job = out.split("enqueued ", 1)[1].split()[0]
+    heard = [line for line in out.splitlines() if line.startswith("Asynchronous notification")]
+    assert len(heard) == 1, out[-2000:]
+    payload = orjson.loads(heard[0].split(' with payload "', 1)[1].rsplit('" received', 1)[0])
+    assert payload == {"id": job, "state": "succeeded"}
+    assert job_row(dsn, job)["result"] == {"n": 7}
+
+
 def test_sidecar_enqueue_refuses_bad_input_with_22023_naming_the_field(dsn):
     done = _psql(dsn, "SELECT sidecar_enqueue('cat', '{}', tags => '{\"run\": 1}');")
     assert done.returncode != 0
