@@ -39,8 +39,9 @@ async def _one(conn: asyncpg.Connection, tool: str, notify: bool) -> float:
     job_id = uuid.uuid4()
     sent = time.time()
     if notify:  # exactly what `sidecar enqueue` runs
-        await conn.fetchrow(Q["enqueue_job"], job_id, tool, str(job_id), RawJson("{}"), 1,
-                            {"payload": {"bytes": 2}})
+        job_id = (await conn.fetchrow(Q["enqueue_job"], tool, RawJson("{}"), None, 0, None,
+                                      None, None, None, 1, None, None, None,
+                                      {"payload": {"bytes": 2}}))["id"]
     else:       # a NOTIFY that never arrived
         await conn.execute(INSERT_QUIETLY, job_id, tool)
 
