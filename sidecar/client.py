@@ -43,7 +43,7 @@ from sidecar.config import (
     load_settings,
     validate_tool_name,
 )
-from sidecar.errors import SidecarError, UsageError
+from sidecar.errors import UsageError, one_line
 from sidecar.model import RawJson
 from sidecar.store import Store, check_producer_key
 from sidecar.waiting import JobEnd, JobNotFound, JobProgress
@@ -71,7 +71,7 @@ class JobRef:
 JobId = uuid.UUID | str | JobRef
 
 
-class JobFailed(SidecarError):
+class JobFailed(Exception):
     """A job called ended ``failed`` or ``cancelled``: ``job_id``, ``state``, ``error``
     (the row's error object, e.g. ``{"kind": "exit_code", "message": "..."}``; ``kind``
     and ``message`` are its two fields) and the ``attempt`` that ended it."""
@@ -81,8 +81,8 @@ class JobFailed(SidecarError):
         self.state: str = end.state
         self.error: dict[str, Any] = end.error if isinstance(end.error, dict) else {}
         self.attempt: int = end.attempt
-        super().__init__(f"job {end.id} {end.state} on attempt {end.attempt}: "
-                         f"{self.kind or 'unknown'}: {self.message or ''}"[:1000])
+        super().__init__(one_line(f"job {end.id} {end.state} on attempt {end.attempt}: "
+                                  f"{self.kind or 'unknown'}: {self.message or ''}"[:1000]))
 
     @property
     def kind(self) -> str | None:
