@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import select
 import shutil
@@ -47,8 +48,6 @@ RETRY_ACK_POLL_SECONDS = 0.2
 # `wait`: a job waited for ended failed or cancelled; the timeout passed first.
 EXIT_JOB_FAILED = 3
 EXIT_TIMEOUT = 4
-# `wait`: the pause before connecting again after the waiter's connection failed.
-WAIT_RECONNECT_SECONDS = 1.0
 
 
 class OutputClosed(SidecarError):
@@ -185,14 +184,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
     # None: the profile (MAX_ATTEMPTS) of the sidecar that claims the job decides.
     max_attempts = args.max_attempts
     if args.idempotency_key is not None:
-        key = args.idempotency_key
-        if not key.strip() or len(key) > 512 or not key.isprintable():
-            raise UsageError("--idempotency-key must be 1-512 printable characters, "
-                             "e.g. invoice-42:capture")
-        try:
-            key.encode("utf-8")
-        except UnicodeEncodeError:
-            raise UsageError("--idempotency-key is not valid UTF-8") from None
+        key = enqueue_args.check_idempotency_key(args.idempotency_key)
         check_producer_key(key)  # ':stage:N' keys belong to next stages (case F22)
 
     # The text as given, validated: jsonb keeps every number exactly, where a round trip
@@ -277,33 +269,27 @@ async def _wait(settings: Settings, store: Store, job_ids: list[uuid.UUID], *,
                          "LISTEN")
     dsn = db.resolve_dsn(settings)
     pending, failed = list(job_ids), False
+
+    def reconnecting(exc: BaseException, jobs: int) -> None:
+        log_mod.log.emit("wait_reconnecting", "warning", reason=db.describe_error(exc),
+                         jobs=jobs)
+
     try:
-        async with asyncio.timeout(timeout):
-            while pending:
-                conn = None
-                try:
-                    conn = await db.connect(dsn, settings.db_timeout_seconds)
-                    async for event in waiting.watch(
-                            conn, pending, listen=not pooled,
-                            statement_timeout=settings.db_timeout_seconds):
-                        if isinstance(event, waiting.JobProgress):
-                            if progress:
-                                sys.stderr.buffer.write(jsontext.dumps(
-                                    event.as_json(), option=orjson.OPT_APPEND_NEWLINE))
-                                sys.stderr.buffer.flush()
-                            continue
-                        _print_json(event.as_json())
-                        pending.remove(event.id)
-                        failed = failed or not event.succeeded
-                        if first:
-                            return EXIT_JOB_FAILED if failed else 0
-                except (*db.UNAVAILABLE_ERRORS, *db.TIMEOUT_ERRORS) as exc:
-                    log_mod.log.emit("wait_reconnecting", "warning",
-                                     reason=db.describe_error(exc), jobs=len(pending))
-                    await asyncio.sleep(WAIT_RECONNECT_SECONDS)
-                finally:
-                    if conn is not None:
-                        conn.terminate()
+        async with asyncio.timeout(timeout), contextlib.aclosing(waiting.follow(
+                dsn, job_ids, db_timeout=settings.db_timeout_seconds, listen=not pooled,
+                on_reconnect=reconnecting)) as events:
+            async for event in events:
+                if isinstance(event, waiting.JobProgress):
+                    if progress:
+                        sys.stderr.buffer.write(jsontext.dumps(
+                            event.as_json(), option=orjson.OPT_APPEND_NEWLINE))
+                        sys.stderr.buffer.flush()
+                    continue
+                _print_json(event.as_json())
+                pending.remove(event.id)
+                failed = failed or not event.succeeded
+                if first:
+                    return EXIT_JOB_FAILED if failed else 0
     except TimeoutError:
         shown = ", ".join(str(job_id) for job_id in pending[:5])
         more = f" and {len(pending) - 5} more" if len(pending) > 5 else ""

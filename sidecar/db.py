@@ -28,7 +28,7 @@ from sidecar.masking import SECRETS, mask_text, mask_url
 from sidecar.model import RawJson
 
 
-def _encode_json(value) -> str:
+def encode_json(value) -> str:
     """A jsonb/json parameter as JSON text: RawJson as it is (a result, a checkpoint,
     a payload: checked where it came in), anything else (a job's ``error``, journal
     details) written by jsontext with every secret the sidecar knows scrubbed from its
@@ -73,7 +73,7 @@ async def init_connection(conn: asyncpg.Connection) -> None:
     set_keepalive(conn)
     for name in ("jsonb", "json"):
         await conn.set_type_codec(
-            name, schema="pg_catalog", encoder=_encode_json, decoder=jsontext.loads, format="text"
+            name, schema="pg_catalog", encoder=encode_json, decoder=jsontext.loads, format="text"
         )
 
 

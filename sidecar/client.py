@@ -1,0 +1,509 @@
+"""The caller's half of a tool call, from Python (issue 26, point 5): ``Client``.
+
+```python
+from sidecar.client import Client, JobFailed
+
+async with Client() as sidecar:            # the DSN as the CLI resolves it
+    result = await sidecar.call("ocr", {"file": "/data/scan.png"}, timeout=300)
+```
+
+A thin layer over what the CLI uses, with no second implementation: the DSN resolved as
+the CLI does (``SIDECAR_DATABASE_URL``, ``SIDECAR_DATABASE_URL_FILE``, else the embedded
+PostgreSQL: sidecar.config.load_settings, sidecar.db.resolve_dsn), the options checked by
+sidecar.enqueue_args and then by the database in ``tool_job_enqueue`` (Store.enqueue, the
+statement ``sidecar enqueue`` and ``sidecar_enqueue`` run), the waiter of ``sidecar wait``
+(sidecar.waiting.follow: LISTEN on each job's own channel, or, with
+``SIDECAR_DATABASE_POOLER=transaction``, a read of the unfinished jobs every
+waiting.POLL_SECONDS). It imports nothing of the worker (tests/test_import_graph.py), and
+``sidecar run`` does not import it. docs/callers.md#from-python has the whole story.
+
+Errors: bad input raises sidecar.errors.UsageError (or ConfigError for a bad tool name or
+environment), one line naming the argument, before anything is written; an unreachable
+database raises DatabaseUnavailable; a statement raises what asyncpg raises.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from sidecar import db, enqueue_args, jsontext, waiting
+from sidecar.config import (
+    MAX_ATTEMPTS_LIMIT,
+    POOLER_MODES,
+    Settings,
+    load_settings,
+    validate_tool_name,
+)
+from sidecar.errors import UsageError, one_line
+from sidecar.model import RawJson
+from sidecar.store import Store, check_producer_key
+from sidecar.waiting import JobEnd, JobNotFound, JobProgress
+
+__all__ = ["Client", "Job", "JobEnd", "JobFailed", "JobNotFound", "JobProgress", "JobRef",
+           "JobTimeout"]
+
+# What the client's journal row (job_enqueued) says enqueued the job.
+ENQUEUED_BY = "sidecar.client"
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """One enqueued job: its ``id``, and ``created`` (False when the idempotency key named
+    a job that existed already, whose id this is). Accepted wherever a job id is;
+    ``str()`` is the id."""
+
+    id: uuid.UUID
+    created: bool
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+
+JobId = uuid.UUID | str | JobRef
+
+
+class JobFailed(Exception):
+    """A job called ended ``failed`` or ``cancelled``: ``job_id``, ``state``, ``error``
+    (the row's error object, e.g. ``{"kind": "exit_code", "message": "..."}``; ``kind``
+    and ``message`` are its two fields) and the ``attempt`` that ended it."""
+
+    def __init__(self, end: JobEnd):
+        self.job_id: uuid.UUID = end.id
+        self.state: str = end.state
+        self.error: dict[str, Any] = end.error if isinstance(end.error, dict) else {}
+        self.attempt: int = end.attempt
+        super().__init__(one_line(f"job {end.id} {end.state} on attempt {end.attempt}: "
+                                  f"{self.kind or 'unknown'}: {self.message or ''}"[:1000]))
+
+    @property
+    def kind(self) -> str | None:
+        """The error's kind (``exit_code``, ``timeout``, ``expired``, ``cancelled``...)."""
+        return self.error.get("kind")
+
+    @property
+    def message(self) -> str | None:
+        """The error's message."""
+        text = self.error.get("message")
+        return text if isinstance(text, str) else None
+
+
+class JobTimeout(TimeoutError):
+    """The timeout of a ``wait`` or ``call`` passed before the jobs ended. ``job_ids``: the
+    jobs still unfinished (``job_id`` the first of them); ``ended``: the JobEnd of those
+    that ended meanwhile. The jobs go on: ``Client.cancel`` stops them."""
+
+    def __init__(self, job_ids: list[uuid.UUID], timeout: float,
+                 ended: Iterable[JobEnd] = ()):
+        self.job_ids = list(job_ids)
+        self.timeout = timeout
+        self.ended = list(ended)
+        shown = ", ".join(str(job_id) for job_id in self.job_ids[:5])
+        more = f" and {len(self.job_ids) - 5} more" if len(self.job_ids) > 5 else ""
+        super().__init__(f"timed out after {timeout:g} s; still unfinished: {shown}{more}")
+
+    @property
+    def job_id(self) -> uuid.UUID:
+        return self.job_ids[0]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job's row as ``sidecar show`` reads it (docs/protocol.md names every column).
+    Times are timezone-aware datetimes; ``payload``, ``result``, ``error``, ``checkpoint``
+    and ``progress`` (``{"value", "message", "at", "attempt"}``) are decoded JSON."""
+
+    id: uuid.UUID
+    tool: str
+    state: str
+    attempt: int
+    max_attempts: int | None
+    priority: int
+    tags: dict[str, str]
+    payload: Any
+    result: Any
+    error: dict[str, Any] | None
+    progress: dict[str, Any] | None
+    idempotency_key: str
+    run_after: dt.datetime | None
+    expires_at: dt.datetime | None
+    created_at: dt.datetime
+    first_claimed_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    parent_id: uuid.UUID | None
+    stage: int
+    traceparent: str | None
+    tracestate: str | None
+    owner_id: str | None
+    lease_until: dt.datetime | None
+    fencing_token: int
+    heartbeat_at: dt.datetime | None
+    checkpoint: Any
+
+    @property
+    def finished(self) -> bool:
+        """Succeeded, failed or cancelled."""
+        return self.state in ("succeeded", "failed", "cancelled")
+
+
+_JOB_FIELDS = tuple(field.name for field in dataclasses.fields(Job))
+
+
+def _job_id(value: JobId) -> uuid.UUID:
+    if isinstance(value, JobRef):
+        return value.id
+    try:
+        return uuid.UUID(str(value))
+    except ValueError:
+        raise UsageError(f"job id {str(value)[:60]!r} is not a UUID") from None
+
+
+def _seconds(value: float | dt.timedelta | None, what: str) -> float | None:
+    """A timeout in seconds (more than 0), None when None; UsageError otherwise."""
+    if value is None:
+        return None
+    seconds = value.total_seconds() if isinstance(value, dt.timedelta) else value
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+        raise UsageError(f"{what} {value!r}: give seconds (more than 0) or a timedelta")
+    return float(seconds)
+
+
+def _duration(value: float | dt.timedelta, what: str) -> dt.timedelta:
+    """``value`` (seconds or a timedelta) as a timedelta from 0 to enqueue_args.HORIZON."""
+    if isinstance(value, dt.timedelta):
+        span = value
+    elif isinstance(value, int | float) and not isinstance(value, bool):
+        span = dt.timedelta(seconds=value)
+    else:
+        raise UsageError(f"{what} {value!r}: give seconds, a timedelta or an aware datetime")
+    if span < dt.timedelta(0) or span > enqueue_args.HORIZON:
+        raise UsageError(f"{what} {value!r}: must be from 0 to 366 days")
+    return span
+
+
+def _moment(value: dt.datetime, what: str) -> dt.datetime:
+    if value.tzinfo is None:
+        raise UsageError(f"{what} {value.isoformat()}: give a timezone-aware datetime "
+                         "(e.g. datetime.now(UTC) + ...)")
+    return value
+
+
+def enqueue_options(*, priority: int = 0,
+                    run_after: dt.datetime | dt.timedelta | float | None = None,
+                    expires_in: dt.datetime | dt.timedelta | float | None = None,
+                    tags: Mapping[str, str] | None = None, traceparent: str | None = None,
+                    tracestate: str | None = None) -> enqueue_args.EnqueueOptions:
+    """The client's options as EnqueueOptions, checked by the rules of sidecar.enqueue_args
+    (the CLI's): ``run_after`` an aware datetime (not claimed before) or a delay (seconds
+    or timedelta, counted by the database's clock); ``expires_in`` a duration (more than
+    0) or an aware datetime (no attempt starts after it). UsageError for the first that is
+    not allowed."""
+    if isinstance(priority, bool) or not isinstance(priority, int):
+        raise UsageError(f"priority {priority!r}: must be an integer from 0 to 9")
+    run_in = when = None
+    if isinstance(run_after, dt.datetime):
+        when = _moment(run_after, "run_after")
+    elif run_after is not None:
+        run_in = _duration(run_after, "run_after")
+    expiry = expires_at = None
+    if isinstance(expires_in, dt.datetime):
+        expires_at = _moment(expires_in, "expires_in")
+    elif expires_in is not None:
+        expiry = _duration(expires_in, "expires_in")
+        if expiry <= dt.timedelta(0):
+            raise UsageError(f"expires_in {expires_in!r}: must be more than 0")
+    if expiry is not None and run_in is not None and run_in >= expiry:
+        raise UsageError(f"expires_in {expires_in!r}: the job would expire before its "
+                         f"run_after {run_after!r}")
+    if tracestate is not None and traceparent is None:
+        raise UsageError("tracestate needs a traceparent")
+    if tags is not None and not isinstance(tags, Mapping):
+        raise UsageError("tags: give a dict of strings, e.g. {'run': '42'}")
+    return enqueue_args.EnqueueOptions(
+        priority=enqueue_args.check_priority(priority), run_in=run_in, run_after=when,
+        expires_in=expiry, expires_at=expires_at,
+        tags=enqueue_args.check_tags(dict(tags or {})),
+        traceparent=None if traceparent is None else enqueue_args.check_traceparent(
+            traceparent),
+        tracestate=None if tracestate is None else enqueue_args.check_tracestate(tracestate))
+
+
+class Client:
+    """A caller of the sidecar's tools: enqueue, wait, call, cancel, progress, get.
+
+    ``dsn``: a PostgreSQL URL; None resolves it as the CLI does (``SIDECAR_DATABASE_URL``,
+    ``SIDECAR_DATABASE_URL_FILE``, else the embedded PostgreSQL in ``SIDECAR_DATA_DIR``,
+    started if needed). ``settings``: default ``load_settings()`` of the environment
+    (ConfigError for a bad ``SIDECAR_*`` variable); from them come the statement bound
+    (``SIDECAR_DB_TIMEOUT_SECONDS``), the payload limit (``SIDECAR_MAX_PAYLOAD_BYTES``)
+    and the pooler (``SIDECAR_DATABASE_POOLER``; ``pooler`` overrides it: ``transaction``
+    behind PgBouncer in transaction mode, where waiting polls every
+    waiting.POLL_SECONDS instead of LISTEN). ``max_connections``: the pool's size (each
+    wait opens one connection more, of its own, for as long as it waits).
+
+    Use it as ``async with Client() as client:`` or ``client = await Client.connect()``
+    (then ``await client.close()``). Opening migrates the schema if needed, as every
+    CLI command does (only a read when it is current)."""
+
+    def __init__(self, dsn: str | None = None, *, settings: Settings | None = None,
+                 pooler: str | None = None, max_connections: int = 4):
+        if max_connections < 1:
+            raise UsageError(f"max_connections {max_connections}: must be at least 1")
+        self._dsn_given = dsn
+        self._settings_given = settings
+        self._pooler_given = pooler
+        self._max_connections = max_connections
+        self._pool: asyncpg.Pool | None = None
+        self._store: Store | None = None
+        self.dsn: str | None = None
+        self.settings: Settings | None = None
+        self.pooler = "none"
+
+    @classmethod
+    async def connect(cls, dsn: str | None = None, **options: Any) -> Client:
+        """A Client already open (``options`` as the constructor's)."""
+        client = cls(dsn, **options)
+        await client.open()
+        return client
+
+    async def open(self) -> None:
+        """Resolve the DSN, open the pool and migrate; DatabaseUnavailable when the
+        database cannot be reached. Calling it again does nothing."""
+        if self._store is not None:
+            return
+        settings = self._settings_given or load_settings()
+        if self._dsn_given is not None:
+            settings = dataclasses.replace(settings, database_url=self._dsn_given)
+        # The embedded server may take seconds to start: not on the event loop.
+        dsn = await asyncio.to_thread(db.resolve_dsn, settings)
+        pooler = self._pooler_given or settings.database_pooler
+        if pooler not in POOLER_MODES:
+            raise UsageError(f"pooler {pooler!r}: use none or transaction")
+        pool = await db.create_pool(dsn, settings.db_timeout_seconds, self._max_connections,
+                                    pooler=pooler)
+        try:
+            store = Store(pool, settings.db_timeout_seconds)
+            await store.migrate()
+        except BaseException:
+            pool.terminate()
+            raise
+        self.dsn, self.settings, self.pooler = dsn, settings, pooler
+        self._pool, self._store = pool, store
+
+    async def close(self) -> None:
+        """Close the pool (bounded by the statement bound; then its connections are
+        terminated)."""
+        pool, self._pool, self._store = self._pool, None, None
+        if pool is None:
+            return
+        try:
+            await asyncio.wait_for(pool.close(), self._timeout)
+        except (TimeoutError, *db.DATABASE_ERRORS):
+            pool.terminate()
+
+    async def __aenter__(self) -> Client:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def _timeout(self) -> float:
+        return self.settings.db_timeout_seconds if self.settings else 10.0
+
+    def _opened(self) -> Store:
+        if self._store is None:
+            raise RuntimeError("the Client is not open: use 'async with Client() as c' or "
+                               "'await Client.connect()'")
+        return self._store
+
+    # --- enqueue --------------------------------------------------------------
+
+    async def enqueue(self, tool: str, payload: Any = None, *,
+                      idempotency_key: str | None = None, priority: int = 0,
+                      run_after: dt.datetime | dt.timedelta | float | None = None,
+                      expires_in: dt.datetime | dt.timedelta | float | None = None,
+                      tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
+                      traceparent: str | None = None, tracestate: str | None = None,
+                      connection: asyncpg.Connection | None = None) -> JobRef:
+        """Queue one call of ``tool`` with ``payload`` (any JSON value, None is ``{}``; a
+        sidecar.model.RawJson is sent as the JSON text it is) and return its JobRef.
+
+        ``idempotency_key``: the same key returns the existing job (``created`` False)
+        when tool and payload are the same, and raises IdempotencyConflict otherwise.
+        ``priority`` 0 (claimed first) to 9. ``run_after``: an aware datetime, or a delay
+        in seconds or as a timedelta. ``expires_in``: seconds or a timedelta (no attempt
+        starts later than that after enqueue), or an aware datetime. ``tags``: at most 16
+        ``{key: value}`` strings (``cancel(tag=...)`` acts on them). ``max_attempts``
+        1-1000, None: the profile's MAX_ATTEMPTS. ``traceparent``/``tracestate``: W3C
+        trace context, given to the tool as TRACEPARENT/TRACESTATE.
+
+        ``connection``: your own asyncpg connection, in a transaction you opened: the job
+        is written in it and exists only if that transaction commits; the wake-up of an
+        idle sidecar is a NOTIFY, sent at commit (none on rollback). Without it the job is
+        written and committed at once on the client's pool.
+
+        Raises UsageError (or ConfigError for the tool name) for bad input, with nothing
+        written; IdempotencyConflict; DatabaseUnavailable or asyncpg errors."""
+        store = self._opened()
+        assert self.settings is not None
+        tool = validate_tool_name(tool)
+        options = enqueue_options(priority=priority, run_after=run_after,
+                                  expires_in=expires_in, tags=tags, traceparent=traceparent,
+                                  tracestate=tracestate)
+        if max_attempts is not None and (isinstance(max_attempts, bool)
+                                         or not isinstance(max_attempts, int)
+                                         or not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT):
+            raise UsageError(f"max_attempts {max_attempts!r}: must be from 1 to "
+                             f"{MAX_ATTEMPTS_LIMIT}")
+        if idempotency_key is not None:
+            if not isinstance(idempotency_key, str):
+                raise UsageError("idempotency_key must be a string")
+            check_producer_key(enqueue_args.check_idempotency_key(idempotency_key))
+        text = _payload_text({} if payload is None else payload,
+                             self.settings.max_payload_bytes)
+        job_id, created = await store.enqueue(tool, text, idempotency_key, max_attempts,
+                                              {"by": ENQUEUED_BY}, options, conn=connection)
+        return JobRef(uuid.UUID(str(job_id)), bool(created))
+
+    # --- waiting ----------------------------------------------------------------
+
+    def _follow(self, job_ids: list[uuid.UUID]) -> AsyncIterator[JobEnd | JobProgress]:
+        self._opened()
+        assert self.dsn is not None
+        return waiting.follow(self.dsn, job_ids, db_timeout=self._timeout,
+                              listen=self.pooler != "transaction", pooler=self.pooler)
+
+    async def wait(self, jobs: JobId | Iterable[JobId], *,
+                   timeout: float | dt.timedelta | None = None,
+                   any: bool = False) -> JobEnd | list[JobEnd]:  # noqa: A002 - as the CLI's
+        """Wait until the jobs end, without polling (a NOTIFY on each job's channel; behind
+        a transaction pooler a read every waiting.POLL_SECONDS).
+
+        ``jobs``: one id (a UUID, its text or a JobRef): returns its JobEnd; or several:
+        returns their JobEnd in the order given (a repeated id counts once), or with
+        ``any`` a list of the first one to end. A JobEnd has ``id``, ``state``
+        (``succeeded``, ``failed`` or ``cancelled``), ``result`` or ``error`` and
+        ``attempt``; a failed job does not raise here (``call`` does). ``timeout``:
+        seconds or a timedelta, None waits for as long as it takes.
+
+        Raises JobTimeout (a TimeoutError) when the timeout passes first, JobNotFound when
+        a job does not exist, DatabaseUnavailable when no connection can be made (a
+        connection that fails while waiting is made again, nothing missed)."""
+        single = isinstance(jobs, uuid.UUID | str | JobRef)
+        ids = list(dict.fromkeys(_job_id(job) for job in ([jobs] if single else jobs)))
+        if not ids:
+            raise UsageError("wait: give at least one job id")
+        seconds = _seconds(timeout, "timeout")
+        ended: dict[uuid.UUID, JobEnd] = {}
+        try:
+            async with asyncio.timeout(seconds), \
+                    contextlib.aclosing(self._follow(ids)) as events:
+                async for event in events:
+                    if isinstance(event, JobEnd):
+                        ended[event.id] = event
+                        if any:
+                            break
+        except TimeoutError:
+            if len(ended) == len(ids) or (any and ended):
+                pass  # ended just as the timeout passed
+            else:
+                raise JobTimeout([j for j in ids if j not in ended], seconds or 0.0,
+                                 ended.values()) from None
+        if single:
+            return ended[ids[0]]
+        return [ended[j] for j in ids if j in ended]
+
+    async def call(self, tool: str, payload: Any = None, *,
+                   timeout: float | dt.timedelta | None,
+                   idempotency_key: str | None = None, priority: int = 0,
+                   run_after: dt.datetime | dt.timedelta | float | None = None,
+                   expires_in: dt.datetime | dt.timedelta | float | None = None,
+                   tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
+                   traceparent: str | None = None, tracestate: str | None = None) -> Any:
+        """Enqueue ``tool`` with ``payload`` (options as ``enqueue``'s; no ``connection``:
+        a job in an open transaction could not run before it commits) and wait for it;
+        return its result (the JSON the tool printed, decoded).
+
+        ``timeout``: seconds or a timedelta for the wait (None: no bound; say so). Raises
+        JobFailed (``job_id``, ``state``, ``error`` with ``kind`` and ``message``,
+        ``attempt``) when the job ends failed or cancelled, JobTimeout (a TimeoutError,
+        ``job_id``) when the timeout passes first (the job goes on: ``cancel`` it if it
+        should not), and what ``enqueue`` raises."""
+        seconds = _seconds(timeout, "timeout")
+        ref = await self.enqueue(tool, payload, idempotency_key=idempotency_key,
+                                 priority=priority, run_after=run_after,
+                                 expires_in=expires_in, tags=tags, max_attempts=max_attempts,
+                                 traceparent=traceparent, tracestate=tracestate)
+        end = await self.wait(ref, timeout=seconds)
+        assert isinstance(end, JobEnd)
+        if not end.succeeded:
+            raise JobFailed(end)
+        return end.result
+
+    async def progress(self, job_id: JobId) -> AsyncIterator[JobProgress]:
+        """The progress reports of a job as they come (the latest one first when it has
+        one), until it ends; then the iteration stops (``wait`` gives its end at once).
+        A JobProgress has ``value`` (0..1 or None), ``message``, ``at`` (ISO 8601, the
+        database's time) and ``attempt``. Behind a transaction pooler a report replaced
+        within one poll is not seen. Bound it with ``asyncio.timeout`` if needed; raises
+        JobNotFound for a job that does not exist."""
+        async with contextlib.aclosing(self._follow([_job_id(job_id)])) as events:
+            async for event in events:
+                if isinstance(event, JobProgress):
+                    yield event
+
+    # --- acting on jobs ---------------------------------------------------------
+
+    async def cancel(self, job_id: JobId | None = None, *,
+                     tag: Mapping[str, str] | None = None) -> dict[uuid.UUID, str]:
+        """Cancel one job, or with ``tag`` (``{key: value, ...}``) every queued or running
+        job whose tags include all of them; their later stages too. A running job's tree
+        is killed by its sidecar at its next heartbeat. Returns ``{id: previous state}``
+        of every job cancelled, empty when none was (already finished, or no such job).
+        UsageError unless exactly one of ``job_id`` and ``tag`` is given."""
+        store = self._opened()
+        if (job_id is None) == (not tag):
+            raise UsageError("cancel: give one job_id, or tag={key: value} for every "
+                             "queued or running job with those tags")
+        if tag:
+            if not isinstance(tag, Mapping):
+                raise UsageError("tag: give a dict of strings, e.g. {'run': '42'}")
+            return await store.cancel(None, enqueue_args.check_tags(dict(tag)))
+        return await store.cancel(_job_id(job_id))
+
+    async def get(self, job_id: JobId) -> Job:
+        """The job's row as a Job; JobNotFound when there is none (never enqueued, or
+        pruned)."""
+        wanted = _job_id(job_id)
+        row = await self._opened().get_job(wanted)
+        if row is None:
+            raise JobNotFound(f"no job {wanted}")
+        return Job(**{name: row[name] for name in _JOB_FIELDS})
+
+
+def _payload_text(payload: Any, limit: int) -> RawJson:
+    """The payload as JSON text, at most ``limit`` bytes (0: any), as the CLI checks it;
+    UsageError otherwise."""
+    if isinstance(payload, RawJson):
+        text = payload.encode()
+    else:
+        try:
+            text = jsontext.dumps(payload)
+        except TypeError as exc:
+            raise UsageError(f"payload is not JSON ({exc}); pass dicts, lists, strings, "
+                             "numbers, booleans and None") from None
+    if limit and len(text) > limit:
+        raise UsageError(f"payload: {len(text)} bytes, larger than SIDECAR_MAX_PAYLOAD_BYTES="
+                         f"{limit} bytes; pass a reference (a URL or object key) instead, "
+                         "or raise that limit")
+    return RawJson(text.decode())
