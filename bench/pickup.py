@@ -39,9 +39,9 @@ async def _one(conn: asyncpg.Connection, tool: str, notify: bool) -> float:
     job_id = uuid.uuid4()
     sent = time.time()
     if notify:  # exactly what `sidecar enqueue` runs
-        job_id = (await conn.fetchrow(Q["enqueue_job"], tool, RawJson("{}"), None, 0, None,
+        job_id = (await conn.fetchrow(Q["enqueue_job"], tool, "{}", None, 0, None,
                                       None, None, None, 1, None, None, None,
-                                      {"payload": {"bytes": 2}}))["id"]
+                                      '{"payload": {"bytes": 2}}', None))["id"]
     else:       # a NOTIFY that never arrived
         await conn.execute(INSERT_QUIETLY, job_id, tool)
 

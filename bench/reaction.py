@@ -38,7 +38,6 @@ from bench.common import (
     until,
 )
 from bench.report import Row
-from sidecar.model import RawJson
 from sidecar.queries import Q
 
 TREE = ["/bin/sh", "-c", "sleep 600 & sleep 600 & wait"]
@@ -101,8 +100,8 @@ async def _running_tree(sc: Sidecar) -> list[int]:
 
 
 async def _enqueue(conn: asyncpg.Connection, tool: str, max_attempts: int = 1) -> uuid.UUID:
-    row = await conn.fetchrow(Q["enqueue_job"], tool, RawJson("{}"), None, 0, None, None,
-                              None, None, max_attempts, None, None, None, {})
+    row = await conn.fetchrow(Q["enqueue_job"], tool, "{}", None, 0, None, None,
+                              None, None, max_attempts, None, None, None, "{}", None)
     return row["id"]
 
 
