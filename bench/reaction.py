@@ -32,13 +32,13 @@ from bench.common import (
     BenchError,
     Context,
     Sidecar,
+    enqueue_one,
     ms,
     percentile,
     progress,
     until,
 )
 from bench.report import Row
-from sidecar.model import RawJson
 from sidecar.queries import Q
 
 TREE = ["/bin/sh", "-c", "sleep 600 & sleep 600 & wait"]
@@ -101,10 +101,7 @@ async def _running_tree(sc: Sidecar) -> list[int]:
 
 
 async def _enqueue(conn: asyncpg.Connection, tool: str, max_attempts: int = 1) -> uuid.UUID:
-    job_id = uuid.uuid4()
-    await conn.fetchrow(Q["enqueue_job"], job_id, tool, str(job_id), RawJson("{}"),
-                        max_attempts, {})
-    return job_id
+    return await enqueue_one(conn, tool, max_attempts=max_attempts, details={})
 
 
 async def _idle(sc: Sidecar) -> None:
@@ -125,7 +122,7 @@ async def lease_lost(conn: asyncpg.Connection, sc: Sidecar, how: str) -> float:
                 "UPDATE tool_jobs SET owner_id = 'bench-thief', fencing_token = fencing_token "
                 "+ 1, lease_until = now() + interval '1 hour' WHERE id = $1", job_id)
         else:
-            await conn.fetch(Q["cancel_job"], job_id)
+            await conn.fetch(Q["cancel_job"], job_id, None)
         t0 = time.monotonic()
         dead = await asyncio.wait_for(watch.dead, H + GRACE + 10)
     finally:
@@ -184,7 +181,7 @@ async def reclaim(ctx: Context, conn: asyncpg.Connection, pair: list[Sidecar],
             "AND event = 'job_claimed' AND (details->>'reclaimed')::bool", job_id)
 
     at = await until(reclaimed, L + 30, interval=0.02, what="the job re-claimed")
-    await conn.fetch(Q["cancel_job"], job_id)
+    await conn.fetch(Q["cancel_job"], job_id, None)
     await _idle(survivor)
     killed_db = killed_wall + ctx.clock_offset
     return dead - killed, at - killed_db, lease_until - killed_db, survivor
