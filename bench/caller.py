@@ -172,6 +172,8 @@ async def round_trips(ctx: Context) -> dict[str, list[float]]:
                     took = await real_call(store, waiter, tool, n)
                 if n >= WARM_UP:
                     out[side].append(took)
+        ctx.notes.append("11: where a round trip's time goes, p50 by the database's clock "
+                         "from the enqueue: " + await _phases(enq))
     finally:
         worker.cancel()
         with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -183,6 +185,29 @@ async def round_trips(ctx: Context) -> dict[str, list[float]]:
             await sc.stop()
     ctx.count("caller round trips (two sidecars and the bare loop)", 3 * (WARM_UP + calls))
     return out
+
+
+PHASES = """
+SELECT j.tool, e.event,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY extract(epoch FROM e.at - j.created_at))
+           AS seconds
+FROM tool_jobs j JOIN tool_job_events e ON e.job_id = j.id
+WHERE j.tool = ANY($1::text[])
+  AND e.event IN ('job_claimed', 'tool_request_started', 'job_succeeded')
+GROUP BY 1, 2 ORDER BY 1, 3
+"""
+
+
+async def _phases(conn: asyncpg.Connection) -> str:
+    """The journal's times of claim, tool start and committed end after the enqueue."""
+    names = {"caller-noop": "sidecar", "caller-nocg": "sidecar with SIDECAR_CGROUPS=off",
+             "caller-bare": "bare loop"}
+    parts: dict[str, list[str]] = {}
+    for row in await conn.fetch(PHASES, list(names)):
+        event = {"job_claimed": "claimed", "tool_request_started": "tool started",
+                 "job_succeeded": "end committed"}[row["event"]]
+        parts.setdefault(names[row["tool"]], []).append(f"{event} {ms(row['seconds'])}")
+    return "; ".join(f"{who}: {', '.join(what)}" for who, what in parts.items())
 
 
 # --- 2. fan-out ------------------------------------------------------------------
