@@ -1,6 +1,8 @@
 """The benchmark's quick mode (what CI runs of it): `python -m bench --quick` against the test
 database server exits 0, prints one markdown table with every section, and writes it with
-the machine's description. Figures are not asserted: it is a benchmark, not a timed test."""
+the machine's description. Figures are not asserted: it is a benchmark, not a timed test.
+Section 11 (the caller's half) has a test of its own, so the run of sections 1-10 keeps
+within its time limit."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def test_quick_bench_runs_every_section_and_prints_the_table(server_dsn, tmp_pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--dsn", server_dsn, "--output", str(output)],
+        [sys.executable, "-m", "bench", "--quick", "--dsn", server_dsn, "--output", str(output),
+         "--only", ",".join(str(n) for n in range(1, 11))],
         cwd=ROOT, env=env, capture_output=True, timeout=160)
     elapsed = time.monotonic() - started
     stderr = done.stderr.decode(errors="replace")
@@ -34,7 +37,7 @@ def test_quick_bench_runs_every_section_and_prints_the_table(server_dsn, tmp_pat
     assert re.fullmatch(r"\|(---\|)+", lines[1])
     rows = [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[2:]]
     assert all(len(row) == 7 for row in rows), lines
-    assert sorted({row[0] for row in rows}, key=int) == [str(n) for n in range(1, 12)]
+    assert sorted({row[0] for row in rows}, key=int) == [str(n) for n in range(1, 11)]
     assert not [row for row in rows if "not measured" in row[1]]
     # Where a target is given, the table says whether it is met (n/a: the peers are not
     # installed, so there is nothing to compare with).
