@@ -13,6 +13,7 @@ import traceback
 from pathlib import Path
 
 from bench import (
+    caller,
     fleet,
     footprint,
     health,
@@ -49,6 +50,7 @@ SECTIONS = {
     "8": ("host scale", hostscale),
     "9": ("fleet", fleet),
     "10": ("soak", soak),
+    "11": ("caller round trip", caller),
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "RESULTS.md"
 

@@ -54,6 +54,9 @@ class Mode:
     lag_jobs: int               # flooding jobs for the event-loop lag
     idle_window: float          # seconds of idle CPU measurement
     health_jobs: int            # jobs through tool_jobs before the queue-health snapshot
+    caller_calls: int           # caller round trips measured (and as many bare ones)
+    caller_waiters: int         # callers waiting at once, each on its own job
+    bouncer_calls: int          # caller round trips behind PgBouncer (polling waiter)
 
 
 SHAPES = ((1, 1), (1, 8), (2, 8), (4, 8))
@@ -61,13 +64,16 @@ SHAPES = ((1, 1), (1, 8), (2, 8), (4, 8))
 MODES = {
     "quick": Mode("quick", jobs=60, shapes=((1, 8),), pickup_samples=12, poll_samples=4,
                   poll_seconds=0.5, hb_window=1.0, reaction_trials=1, kill_trials=1,
-                  lag_jobs=16, idle_window=1.5, health_jobs=400),
+                  lag_jobs=16, idle_window=1.5, health_jobs=400, caller_calls=12,
+                  caller_waiters=20, bouncer_calls=3),
     "medium": Mode("medium", jobs=3000, shapes=SHAPES, pickup_samples=100, poll_samples=20,
                    poll_seconds=2.0, hb_window=8.0, reaction_trials=6, kill_trials=2,
-                   lag_jobs=48, idle_window=10.0, health_jobs=100_000),
+                   lag_jobs=48, idle_window=10.0, health_jobs=100_000,
+                   caller_calls=200, caller_waiters=100, bouncer_calls=12),
     "full": Mode("full", jobs=10_000, shapes=SHAPES, pickup_samples=200, poll_samples=40,
                  poll_seconds=2.0, hb_window=10.0, reaction_trials=10, kill_trials=3,
-                 lag_jobs=80, idle_window=10.0, health_jobs=100_000),
+                 lag_jobs=80, idle_window=10.0, health_jobs=100_000,
+                 caller_calls=400, caller_waiters=100, bouncer_calls=20),
 }
 
 # The short lease profile of the pickup, heartbeat and reaction sidecars (keeps P10:
@@ -344,6 +350,23 @@ async def enqueue_many(conn: asyncpg.Connection, tool: str, count: int, payload:
                            max_attempts, delay_seconds)
         if notify:  # as the enqueue statement does: wake idle sidecars of the tool
             await conn.execute("SELECT tool_job_wake($1, $2)", tool, count)
+
+
+async def enqueue_one(conn: asyncpg.Connection, tool: str, payload: str = "{}",
+                      max_attempts: int | None = 1,
+                      details: dict[str, Any] | None = None) -> uuid.UUID:
+    """One queued job of ``tool`` by the statement ``sidecar enqueue`` runs (enqueue_job:
+    tool_job_enqueue, its journal row, one idle sidecar of the tool woken); its id."""
+    import orjson
+
+    from sidecar.queries import Q
+
+    # The query's JSON parameters are text ($2, $8, $13); $14 an expiry time (none).
+    row = await conn.fetchrow(Q["enqueue_job"], tool, payload, None, None, None,
+                              None, None, None, max_attempts, None, None, None,
+                              orjson.dumps(details if details is not None
+                                           else {"by": "bench"}).decode(), None)
+    return row["id"]
 
 
 async def measure_clock_offset(conn: asyncpg.Connection) -> float:

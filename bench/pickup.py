@@ -17,7 +17,17 @@ import uuid
 
 import asyncpg
 
-from bench.common import SHORT_PROFILE, Context, Sidecar, connect, ms, percentile, progress, until
+from bench.common import (
+    SHORT_PROFILE,
+    Context,
+    Sidecar,
+    connect,
+    enqueue_one,
+    ms,
+    percentile,
+    progress,
+    until,
+)
 from bench.report import Row
 from sidecar.model import JobState, RawJson
 from sidecar.queries import Q
@@ -36,13 +46,11 @@ SELECT id, 0, 'job_enqueued', '{}'::jsonb FROM ins
 
 
 async def _one(conn: asyncpg.Connection, tool: str, notify: bool) -> float:
-    job_id = uuid.uuid4()
     sent = time.time()
     if notify:  # exactly what `sidecar enqueue` runs
-        job_id = (await conn.fetchrow(Q["enqueue_job"], tool, "{}", None, 0, None,
-                                      None, None, None, 1, None, None, None,
-                                      '{"payload": {"bytes": 2}}', None))["id"]
+        job_id = await enqueue_one(conn, tool, details={"payload": {"bytes": 2}})
     else:       # a NOTIFY that never arrived
+        job_id = uuid.uuid4()
         await conn.execute(INSERT_QUIETLY, job_id, tool)
 
     async def result():

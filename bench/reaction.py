@@ -32,6 +32,7 @@ from bench.common import (
     BenchError,
     Context,
     Sidecar,
+    enqueue_one,
     ms,
     percentile,
     progress,
@@ -100,9 +101,7 @@ async def _running_tree(sc: Sidecar) -> list[int]:
 
 
 async def _enqueue(conn: asyncpg.Connection, tool: str, max_attempts: int = 1) -> uuid.UUID:
-    row = await conn.fetchrow(Q["enqueue_job"], tool, "{}", None, 0, None, None,
-                              None, None, max_attempts, None, None, None, "{}", None)
-    return row["id"]
+    return await enqueue_one(conn, tool, max_attempts=max_attempts, details={})
 
 
 async def _idle(sc: Sidecar) -> None:

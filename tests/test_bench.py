@@ -1,6 +1,8 @@
 """The benchmark's quick mode (what CI runs of it): `python -m bench --quick` against the test
 database server exits 0, prints one markdown table with every section, and writes it with
-the machine's description. Figures are not asserted: it is a benchmark, not a timed test."""
+the machine's description. Figures are not asserted: it is a benchmark, not a timed test.
+Section 11 (the caller's half) has a test of its own, so the run of sections 1-10 keeps
+within its time limit."""
 
 from __future__ import annotations
 
@@ -23,7 +25,8 @@ def test_quick_bench_runs_every_section_and_prints_the_table(server_dsn, tmp_pat
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-m", "bench", "--quick", "--dsn", server_dsn, "--output", str(output)],
+        [sys.executable, "-m", "bench", "--quick", "--dsn", server_dsn, "--output", str(output),
+         "--only", ",".join(str(n) for n in range(1, 11))],
         cwd=ROOT, env=env, capture_output=True, timeout=160)
     elapsed = time.monotonic() - started
     stderr = done.stderr.decode(errors="replace")
@@ -46,3 +49,46 @@ def test_quick_bench_runs_every_section_and_prints_the_table(server_dsn, tmp_pat
     for what in ("## Machine", "- CPU:", "- memory:", "- Python:", "- PostgreSQL:"):
         assert what in written
     print(f"python -m bench --quick took {elapsed:.0f} s")
+
+
+def _run_bench(dsn: str, output: Path, *args: str, timeout: float) -> list[list[str]]:
+    """``python -m bench --quick ARGS``: the table's rows (cells), after exit 0."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--dsn", dsn, "--output", str(output),
+         *args], cwd=ROOT, env=env, capture_output=True, timeout=timeout)
+    stderr = done.stderr.decode(errors="replace")
+    assert done.returncode == 0, f"exit {done.returncode}:\n{stderr[-4000:]}"
+    lines = done.stdout.decode().strip().splitlines()
+    assert lines[0] == HEADER, done.stdout.decode()
+    return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[2:]]
+
+
+@pytest.mark.timeout(120)
+def test_quick_caller_section_measures_round_trips_fan_out_and_pgbouncer(server_dsn,
+                                                                           tmp_path):
+    """Section 11 (issue 26, point 8) alone, small: a caller's round trip against the bare
+    loop (cgroups on and off), the notifications per job waited for, and the round trip
+    behind PgBouncer each come out as a row with figures and a verdict on its target."""
+    output = tmp_path / "RESULTS.md"
+    rows = _run_bench(server_dsn, output, "--only", "11", timeout=110)
+    assert rows and all(row[0] == "11" for row in rows)
+    assert not [row for row in rows if "not measured" in row[1]], rows
+    number = re.compile(r"\d+(\.\d+)?")
+    trips = [row for row in rows if row[1].startswith("caller round trip p")]
+    assert len(trips) == 4, rows  # p50 and p99, with job cgroups and without
+    for row in trips:
+        assert re.fullmatch(r"[\d.]+ ms", row[2]), row
+        assert "bare asyncpg loop" in row[3] and number.search(row[3]), row
+        assert re.fullmatch(r"[\d.]+ × bare", row[4]), row
+        assert row[6] in ("yes", "**NO**"), row
+    fan = [row for row in rows if row[1].startswith("notifications received by")]
+    assert len(fan) == 1, rows
+    assert re.match(r"[\d.]+ \(\d+ in all\)", fan[0][2]) and fan[0][5] == "≤ 2 per job"
+    assert fan[0][6] in ("yes", "**NO**")
+    bouncer = [row for row in rows if "behind PgBouncer" in row[1]]
+    assert len(bouncer) == 1, rows
+    assert re.fullmatch(r"[\d.]+ ms / [\d.]+ ms", bouncer[0][2]), bouncer
+    assert "bound:" in bouncer[0][3] and bouncer[0][6] in ("yes", "**NO**")
+    written = output.read_text()
+    assert "- 11: tool `/bin/cat`" in written  # the section's settings are written down
