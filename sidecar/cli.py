@@ -35,7 +35,12 @@ from sidecar.config import (
     load_settings,
     validate_tool_name,
 )
-from sidecar.errors import DatabaseUnavailable, SidecarError, UsageError
+from sidecar.errors import (
+    DatabaseUnavailable,
+    IdempotencyConflict,
+    SidecarError,
+    UsageError,
+)
 from sidecar.loop import run_async
 from sidecar.masking import mask_url
 from sidecar.model import FINISHED_STATES, JobState, RawJson, tool_env_key
@@ -197,9 +202,14 @@ def cmd_enqueue(args, settings: Settings) -> int:
 
     async def go():
         async with open_store(settings) as store:
-            job_id, created = await store.enqueue(
-                tool, None if payload is None else text, args.idempotency_key,
-                max_attempts, {"by": "sidecar enqueue"}, options)
+            try:
+                job_id, created = await store.enqueue(
+                    tool, None if payload is None else text, args.idempotency_key,
+                    max_attempts, {"by": "sidecar enqueue"}, options)
+            except IdempotencyConflict as exc:
+                # The database names its argument; the user gave the option.
+                raise IdempotencyConflict(str(exc).replace(
+                    "idempotency_key ", "--idempotency-key ", 1)) from None
             _print_json({"id": job_id, "created": created})
             if not args.wait:
                 return 0

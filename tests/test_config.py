@@ -397,9 +397,14 @@ def test_cli_fractions_are_accepted(dsn):
 
 
 def test_cli_per_tool_override_beats_the_global(dsn):
+    """MAX_ATTEMPTS of the profile of the sidecar that claims a job (issue 26: not the
+    producer's): the per-tool value for ocr, the global one for pdf."""
     env = plain_env(dsn, SIDECAR_MAX_ATTEMPTS="7", SIDECAR_PROFILE_OCR_MAX_ATTEMPTS="5")
-    ocr = enqueue(dsn, "ocr", {}, env=env)
-    pdf = enqueue(dsn, "pdf", {}, env=env)
+    ocr = enqueue(dsn, "ocr", {})
+    pdf = enqueue(dsn, "pdf", {})
+    for tool in ("ocr", "pdf"):
+        done = cli(dsn, "run", "--tool", tool, "--drain", "--", "cat", env=env, timeout=60)
+        assert done.returncode == 0, done.stderr.decode(errors="replace")
     assert scalar(dsn, "SELECT max_attempts FROM tool_jobs WHERE id = $1", uuid.UUID(ocr)) == 5
     assert scalar(dsn, "SELECT max_attempts FROM tool_jobs WHERE id = $1", uuid.UUID(pdf)) == 7
 

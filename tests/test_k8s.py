@@ -414,11 +414,12 @@ def test_the_scalers_query_counts_the_tools_demand(rendered, overlay, dsn):
           ids[0])
     query(dsn, "UPDATE tool_jobs SET run_after = now() + interval '1 hour' WHERE id = $1",
           ids[1])
-    query(dsn, "UPDATE tool_jobs SET state = 'running', attempt = 1, "
+    # A claim writes max_attempts (its profile's, when the producer gave none: issue 26).
+    query(dsn, "UPDATE tool_jobs SET state = 'running', attempt = 1, max_attempts = 3, "
                "lease_until = now() + interval '1 minute' WHERE id = $1", ids[2])
-    query(dsn, "UPDATE tool_jobs SET state = 'running', attempt = 1, "
+    query(dsn, "UPDATE tool_jobs SET state = 'running', attempt = 1, max_attempts = 3, "
                "lease_until = now() - interval '1 minute' WHERE id = $1", ids[3])
-    query(dsn, "UPDATE tool_jobs SET state = 'running', attempt = max_attempts, "
+    query(dsn, "UPDATE tool_jobs SET state = 'running', attempt = 3, max_attempts = 3, "
                "lease_until = now() - interval '1 minute' WHERE id = $1", ids[4])
     assert scalar(dsn, sql) == 3  # ids[2] running, ids[3] reclaimable, ids[5] queued
 

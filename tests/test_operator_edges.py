@@ -534,7 +534,10 @@ def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn,
     script = (f"env -i {_shell_env(b_env)} {run} --tool idle -- true & "
               f"env -i {_shell_env(a_env)} {run} -- hang_tree.py & wait")
     log = open(tmp_path / "ns.log", "wb")  # noqa: SIM115 - closed below
-    outer = subprocess.Popen(["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c", script],
+    # --kill-child: when the test stops unshare, its child (the namespace's PID 1) is
+    # SIGKILLed, and the kernel kills the whole namespace, sidecar B included.
+    outer = subprocess.Popen(["unshare", "--pid", "--kill-child", "--mount-proc", "sh", "-c",
+                              script],
                              stdout=subprocess.DEVNULL, stderr=log)
     try:
         read_pids(pidfile, 4, 30)  # pids inside the namespace: the tree is up
@@ -544,6 +547,9 @@ def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn,
         inside = psutil.Process(outer.pid).children(recursive=True)
         sidecar_a = [p for p in inside if p.cmdline()[-1:] == ["hang_tree.py"]]
         assert len(sidecar_a) == 1, [p.cmdline() for p in inside]
+        sidecar_b = [p.pid for p in inside if p.cmdline()[-4:] == ["--tool", "idle", "--",
+                                                                   "true"]]
+        assert len(sidecar_b) == 1, [p.cmdline() for p in inside]
         sidecar_a = sidecar_a[0]
         guardian = [p for p in sidecar_a.children()
                     if "sidecar.guardian" in " ".join(p.cmdline())]
@@ -564,6 +570,8 @@ def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn,
         stop_process(outer, 10)
         log.close()
         shutil.rmtree(work, ignore_errors=True)
+    # Nothing of the namespace outlives the test (B once did, idle, for ever).
+    wait_until(lambda: not pid_alive(sidecar_b[0]), 10, what="sidecar B gone with unshare")
 
 
 def _shell_env(env: dict[str, str]) -> str:
