@@ -47,6 +47,9 @@ _STDERR_KEPT = STDERR_TAIL_BYTES + STDERR_TAIL_MARGIN
 STDERR_LINE_BYTES = 4096
 _READ_CHUNK = 65536
 _READS_PER_WAKEUP = 4  # bounds the time one flooding pipe holds the event loop
+# A sandboxed tool exited: how long its namespace's init may take to exit after bwrap did
+# (seconds) before what is left counts as orphaned descendants to kill.
+SANDBOX_SETTLE_SECONDS = 1.0
 
 class ProcessTable:
     """The children of this process that the sidecar starts and reaps itself, and what a
@@ -836,6 +839,12 @@ class Child:
         report = KillReport()
         members: dict[psutil.Process, None] = {}
         procs = await self._scan()
+        if procs and self.sandboxed and self.exited.done():
+            # bwrap exits as soon as its namespace's init reports the tool's exit, while
+            # init itself (now ours, as subreaper) is still on its way out, taking with it
+            # whatever the tool left in the namespace: not an orphan to kill.
+            await self._wait_gone(procs, SANDBOX_SETTLE_SECONDS)
+            procs = await self._scan()
         if not procs and self.exited.done() and self.run_as_uid is None:
             # The usual end: the tool exited and left nothing. No second scan, and adopted
             # zombies (if any) wait for the periodic sweep (under RUN_AS they are reaped
