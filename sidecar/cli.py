@@ -199,6 +199,8 @@ def cmd_enqueue(args, settings: Settings) -> int:
     timeout = _wait_timeout(args)
     if timeout is not None and not args.wait:
         raise UsageError("--timeout bounds --wait; give --wait too")
+    if args.progress and not args.wait:
+        raise UsageError("--progress prints the reports --wait follows; give --wait too")
 
     async def go():
         async with open_store(settings) as store:
@@ -213,7 +215,8 @@ def cmd_enqueue(args, settings: Settings) -> int:
             _print_json({"id": job_id, "created": created})
             if not args.wait:
                 return 0
-            return await _wait(settings, store, [job_id], timeout=timeout)
+            return await _wait(settings, store, [job_id], timeout=timeout,
+                               progress=args.progress)
 
     return run_async(settings, go())
 
@@ -269,7 +272,9 @@ async def _wait(settings: Settings, store: Store, job_ids: list[uuid.UUID], *,
                 timeout: float | None, first: bool = False, progress: bool = False) -> int:
     """Wait for ``job_ids`` (sidecar.waiting.watch) on a connection of its own, printing
     each end on stdout as it comes and, with ``progress``, each progress report on stderr;
-    connect again after a failure, bounded by ``timeout`` seconds. Returns the exit code."""
+    connect again after a failure, bounded by ``timeout`` seconds. Returns the exit code:
+    0 all succeeded, EXIT_JOB_FAILED when one ended failed or cancelled (also when others
+    then timed out), else EXIT_TIMEOUT."""
     from sidecar import waiting
 
     pooled = settings.database_pooler == "transaction"
@@ -305,7 +310,8 @@ async def _wait(settings: Settings, store: Store, job_ids: list[uuid.UUID], *,
         more = f" and {len(pending) - 5} more" if len(pending) > 5 else ""
         print(f"sidecar: error: timed out after {timeout:g} s; still unfinished: "
               f"{shown}{more}", file=sys.stderr)
-        return EXIT_TIMEOUT
+        # A job that ended failed is known for good; it wins over the ones not yet ended.
+        return EXIT_JOB_FAILED if failed else EXIT_TIMEOUT
     return EXIT_JOB_FAILED if failed else 0
 
 
@@ -343,6 +349,8 @@ def cmd_show(args, settings: Settings) -> int:
 def cmd_jobs(args, settings: Settings) -> int:
     if args.limit < 1:
         raise UsageError(f"--limit {args.limit}: must be 1 or more")
+    if args.tool is not None:
+        validate_tool_name(args.tool)
     tags = _tags(args)
 
     async def go():
@@ -693,7 +701,7 @@ def _int_from(low: int, high: int) -> Callable[[str], int]:
     ArgumentTypeError naming the range (shown by _Parser.error as one line, exit 2)."""
     def parse(text: str) -> int:
         try:
-            value = int(text.strip())
+            value = int(text.strip()) if text.isascii() else None  # int("١٢") is 12
         except ValueError:
             value = None
         if value is None or not low <= value <= high:
@@ -760,6 +768,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", metavar="DURATION",
                    help="with --wait: give up after DURATION (seconds, or e.g. 90s, 5m): "
                         "exit 4")
+    p.add_argument("--progress", action="store_true",
+                   help="with --wait: print each progress report as a JSON line on stderr")
     p = add("wait", cmd_wait, "block until the jobs end; print each as one JSON line "
             "{id, state, result|error, attempt}; exit 0 all succeeded, 3 one failed or was "
             "cancelled, 4 timeout")

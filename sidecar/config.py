@@ -37,6 +37,8 @@ class _Invalid(SidecarError, ValueError):
 
 
 def _number(text: str) -> float:
+    if not text.isascii():  # float() reads other scripts' digits ("١٢") too
+        raise ValueError("not an ASCII number")
     value = float(text)
     if not math.isfinite(value):
         raise ValueError("not a finite number")
@@ -56,6 +58,8 @@ _MAX_INTEGER = 2**62
 
 
 def _integer(text: str) -> int:
+    if not text.isascii():  # int() reads other scripts' digits ("١٢") too
+        raise ValueError("not an ASCII integer")
     value = int(text.strip())
     if abs(value) > _MAX_INTEGER:
         raise _Invalid(f"at most {_MAX_INTEGER}")
@@ -124,7 +128,7 @@ def _run_as(text: str) -> str:
     text = text.strip()
     if not text:
         return text
-    if not re.fullmatch(r"\d{1,10}(:\d{1,10})?", text):
+    if not re.fullmatch(r"\d{1,10}(:\d{1,10})?", text, re.ASCII):
         raise _Invalid("use a numeric uid or uid:gid, e.g. 65534:65534")
     ids = [int(part) for part in text.split(":")]
     if any(value >= 2**32 - 1 for value in ids):  # (uid_t)-1 means "unchanged" to the kernel
@@ -134,7 +138,7 @@ def _run_as(text: str) -> str:
     return text
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)", re.ASCII)  # ASCII: no "١٢"
 _DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 
 

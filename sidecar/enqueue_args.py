@@ -35,7 +35,7 @@ MAX_TRACESTATE_MEMBERS = 32
 _TRACESTATE_MEMBER = re.compile(
     r"(?P<key>[a-z0-9][a-z0-9_*/-]{0,240}@[a-z][a-z0-9_*/-]{0,13}|[a-z][a-z0-9_*/-]{0,255})"
     r"=[\x20-\x2b\x2d-\x3c\x3e-\x7e]{0,255}[\x21-\x2b\x2d-\x3c\x3e-\x7e]")
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)")
+_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)", re.ASCII)  # ASCII: no "١٢"
 _UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
 _FORM = "seconds, or a number with s, m, h or d (e.g. 90, 30m, 12h)"
 
@@ -104,6 +104,16 @@ def check_priority(value: int) -> int:
     return value
 
 
+def _is_utf8(text: str) -> bool:
+    """False for a str holding lone surrogates: bytes that were not UTF-8 on the command
+    line (Python's surrogateescape), which no JSON encoder or database accepts."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def check_tags(tags: dict[str, Any]) -> dict[str, str]:
     """``tags`` if every key and value is allowed (at most MAX_TAGS; keys as TAG_KEY,
     values strings of 1-256 printable characters); else UsageError naming the tag."""
@@ -114,9 +124,9 @@ def check_tags(tags: dict[str, Any]) -> dict[str, str]:
             raise UsageError(f"--tag {str(key)[:70]!r}: a key is 1-63 letters, digits, '_', "
                              "'.', ':', '/' or '-', starting with a letter or digit")
         if not isinstance(value, str) or not 1 <= len(value) <= MAX_TAG_VALUE_CHARS \
-                or _CONTROL.search(value):
+                or _CONTROL.search(value) or not _is_utf8(value):
             raise UsageError(f"--tag {key}: the value must be 1-{MAX_TAG_VALUE_CHARS} "
-                             "printable characters")
+                             "printable characters of valid UTF-8")
     return dict(tags)
 
 

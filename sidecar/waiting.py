@@ -118,7 +118,9 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
     instead. With ``listen``, the jobs are also read after ``check_seconds`` without a
     notification. Each statement is bounded by ``statement_timeout`` seconds.
 
-    Raises JobNotFound (before anything is yielded) when a job does not exist, and what
+    Raises JobNotFound when a job does not exist (before anything is yielded) or is
+    deleted while waited for (at the next read: within ``check_seconds`` or
+    ``poll_seconds``), and what
     the connection raises when it fails (the caller connects again and calls ``watch``
     with the jobs not yet ended: nothing is lost, the first read comes after LISTEN)."""
     pending = list(dict.fromkeys(uuid.UUID(str(job_id)) for job_id in job_ids))
@@ -139,10 +141,7 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
             for job_id in pending:
                 listening[job_id] = job_channel(job_id)
                 await conn.add_listener(listening[job_id], on_notify)
-        rows = await Store.jobs_to_wait_for(conn, pending, statement_timeout)
-        missing = set(pending) - {row["id"] for row in rows}
-        if missing:
-            raise JobNotFound("no job " + ", ".join(str(j) for j in pending if j in missing))
+        rows = await _read(conn, pending, statement_timeout)
         while True:
             by_id = {row["id"]: row for row in rows}
             for job_id in [j for j in pending if j in by_id]:
@@ -163,7 +162,7 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
                 return
             if not listen:
                 await asyncio.sleep(poll_seconds)
-                rows = await Store.jobs_to_wait_for(conn, pending, statement_timeout)
+                rows = await _read(conn, pending, statement_timeout)
                 continue
             ended: list[uuid.UUID] = []
             async for note in _notifications(heard, check_seconds):
@@ -180,8 +179,7 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
                     yield JobProgress.of(job_id, progress)
             if conn.is_closed():
                 raise asyncpg.InterfaceError("the waiter's connection was closed")
-            rows = await Store.jobs_to_wait_for(conn, ended, statement_timeout) if ended \
-                else []
+            rows = await _read(conn, ended, statement_timeout) if ended else []
     finally:
         if listen:
             conn.remove_termination_listener(on_close)
@@ -189,6 +187,17 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
                 if not conn.is_closed():
                     with contextlib.suppress(Exception):
                         await conn.remove_listener(channel, on_notify)
+
+
+async def _read(conn: asyncpg.Connection, job_ids: list[uuid.UUID],
+                timeout: float) -> list[asyncpg.Record]:
+    """The rows of ``job_ids``; raises JobNotFound for one that does not exist (never
+    enqueued, or deleted while waited for: pruned, or removed by hand)."""
+    rows = await Store.jobs_to_wait_for(conn, job_ids, timeout)
+    missing = set(job_ids) - {row["id"] for row in rows}
+    if missing:
+        raise JobNotFound("no job " + ", ".join(str(j) for j in job_ids if j in missing))
+    return rows
 
 
 async def follow(dsn: str, job_ids: Iterable[uuid.UUID], *, db_timeout: float,

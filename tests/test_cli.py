@@ -707,3 +707,20 @@ def test_run_with_an_interpreter_and_no_tool_name_is_refused(dsn):
         assert "--tool" in one_line_error(done), done.stderr
     done = cli(dsn, "run", "--tool", "shell-ok", "--drain", "--", "sh", "-c", "echo '{}'")
     assert done.returncode == 0, done.stderr
+
+
+def test_bytes_that_are_not_utf8_in_a_tag_or_tool_name_are_one_line_exit_2(dsn):
+    """A new user's trial (issue 26): ``--tag k=a\\xffb`` gave a traceback at enqueue and a
+    raw database error for jobs/wait/cancel/retry; ``jobs --tool`` a DataError. Now each
+    is one line naming the option, exit 2, and nothing is written."""
+    bad = b"a\xffb".decode("utf-8", "surrogateescape")
+    before = scalar(dsn, "SELECT count(*) FROM tool_jobs")
+    for args in (["enqueue", "t", "--payload", "{}", "--tag", f"k={bad}"],
+                 ["jobs", "--tag", f"k={bad}"], ["wait", "--tag", f"k={bad}"],
+                 ["cancel", "--tag", f"k={bad}"], ["retry", "--tag", f"k={bad}"],
+                 ["jobs", "--tool", bad]):
+        done = cli(dsn, *args)
+        err = done.stderr.decode(errors="replace")
+        assert done.returncode == 2 and len(err.strip().splitlines()) == 1, (args, err)
+        assert "Traceback" not in err and ("--tag" in err or "tool name" in err), (args, err)
+    assert scalar(dsn, "SELECT count(*) FROM tool_jobs") == before

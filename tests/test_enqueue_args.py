@@ -59,9 +59,20 @@ def test_tags():
     for bad, why in ((["run"], "KEY=VALUE"), (["run=1", "run=2"], "twice"),
                      (["=1"], "key"), (["-x=1"], "key"), (["run="], "value"),
                      (["run=a\nb"], "value"), ([f"k{i}=v" for i in range(17)], "at most 16"),
-                     (["run=" + "x" * 257], "value"), (["k" * 64 + "=v"], "key")):
+                     (["run=" + "x" * 257], "value"), (["k" * 64 + "=v"], "key"),
+                     # bytes that were not UTF-8 on the command line (surrogateescape)
+                     ([b"run=a\xffb".decode("utf-8", "surrogateescape")], "UTF-8")):
         with pytest.raises(UsageError, match=why):
             parse_tags(bad)
+
+
+@pytest.mark.parametrize("text", ["١٢", "１２", "1٢m"])
+def test_durations_are_ascii_digits_only(text):
+    """Python's \\d and int() take other scripts' digits; the SQL side would not."""
+    with pytest.raises(UsageError, match="--expires-in"):
+        parse_expires_in(text)
+    with pytest.raises(UsageError, match="--run-after"):
+        parse_run_after(text)
 
 
 def test_traceparent():

@@ -158,6 +158,61 @@ def test_enqueue_wait_enqueues_and_waits_in_one_command(dsn, sidecars):
     assert done.returncode == 2 and b"--wait" in done.stderr
 
 
+def test_a_job_deleted_while_waited_for_ends_the_wait_with_no_job(dsn):
+    """A job removed while a caller waits for it (pruned, deleted by hand) sends no
+    notification: the waiter's next read says "no job", exit 1, instead of waiting for
+    ever. The LISTEN path reads after check_seconds; the polling path (behind a
+    transaction pooler) at its next poll."""
+    import uuid as uuid_mod
+
+    from sidecar.waiting import JobNotFound, watch
+
+    job_id = enqueue(dsn, TOOL, {})
+
+    async def main():
+        conn = await db.connect(dsn, 10)
+        try:
+            async def wait_all():
+                return [event async for event in watch(conn, [uuid_mod.UUID(job_id)],
+                                                       check_seconds=0.5)]
+            waiting = asyncio.ensure_future(wait_all())
+            await asyncio.sleep(0.3)
+            await asyncio.to_thread(query, dsn, "DELETE FROM tool_jobs WHERE id = $1::uuid",
+                                    job_id)
+            with pytest.raises(JobNotFound, match=job_id):
+                await asyncio.wait_for(waiting, 10)
+        finally:
+            await conn.close()
+
+    asyncio.run(main())
+
+    other = enqueue(dsn, TOOL, {})
+    env = base_env(dsn, SIDECAR_DATABASE_POOLER="transaction")
+    waiter = _waiter(dsn, other, "--timeout", "60s", env=env)
+    time.sleep(1.0)
+    query(dsn, "DELETE FROM tool_jobs WHERE id = $1::uuid", other)
+    code, out, err = _finish(waiter, 30)
+    assert code == 1 and out == b"", err.decode()
+    assert f"no job {other}" in err.decode()
+
+
+def test_wait_exit_3_wins_over_a_timeout_and_enqueue_wait_takes_progress(dsn, sidecars):
+    """One job failed, another still queued at the timeout: exit 3, the failure being
+    known for good. ``enqueue --wait --progress`` is accepted; ``--progress`` alone is
+    exit 2."""
+    failing = enqueue(dsn, TOOL, {"exit": 65}, "--max-attempts", "1")
+    stuck = enqueue(dsn, "nobody-runs-this", {})
+    sidecars(dsn, COMMAND, "--tool", TOOL)
+    done = cli(dsn, "wait", failing, stuck, "--timeout", "5s")
+    assert done.returncode == 3, done.stderr.decode()
+    assert [line["id"] for line in _lines(done.stdout)] == [failing]
+    assert "timed out" in done.stderr.decode()
+    done = cli(dsn, "enqueue", TOOL, "--payload", '{"steps": []}', "--wait", "--progress",
+               "--timeout", "30s")
+    assert done.returncode == 0, done.stderr.decode()
+    assert cli(dsn, "enqueue", TOOL, "--payload", "{}", "--progress").returncode == 2
+
+
 def test_a_rolled_back_end_wakes_nobody(dsn):
     """The fenced end run in a transaction that rolls back sends nothing (the NOTIFY leaves
     at commit): the waiter keeps waiting and a listener on the job's channel hears nothing;
