@@ -28,6 +28,8 @@ import asyncio
 import contextlib
 import dataclasses
 import datetime as dt
+import json
+import math
 import uuid
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
@@ -171,7 +173,8 @@ def _seconds(value: float | dt.timedelta | None, what: str) -> float | None:
     if value is None:
         return None
     seconds = value.total_seconds() if isinstance(value, dt.timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0:
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0 \
+            or not math.isfinite(seconds):
         raise UsageError(f"{what} {value!r}: give seconds (more than 0) or a timedelta")
     return float(seconds)
 
@@ -181,6 +184,8 @@ def _duration(value: float | dt.timedelta, what: str) -> dt.timedelta:
     if isinstance(value, dt.timedelta):
         span = value
     elif isinstance(value, int | float) and not isinstance(value, bool):
+        if not math.isfinite(value) or abs(value) > enqueue_args.HORIZON.total_seconds():
+            raise UsageError(f"{what} {value!r}: must be from 0 to 366 days")
         span = dt.timedelta(seconds=value)
     else:
         raise UsageError(f"{what} {value!r}: give seconds, a timedelta or an aware datetime")
@@ -491,17 +496,39 @@ class Client:
         return Job(**{name: row[name] for name in _JOB_FIELDS})
 
 
+def _non_finite(value: Any) -> bool:
+    """True when ``value`` (JSON-like: dicts, lists, scalars) holds a NaN or an infinity
+    anywhere; walked without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return False
+
+
 def _payload_text(payload: Any, limit: int) -> RawJson:
     """The payload as JSON text, at most ``limit`` bytes (0: any), as the CLI checks it;
     UsageError otherwise."""
     if isinstance(payload, RawJson):
         text = payload.encode()
     else:
+        if _non_finite(payload):
+            raise UsageError("payload holds NaN or an infinity, which JSON cannot write "
+                             "(it would be stored as null); send null or a string")
         try:
             text = jsontext.dumps(payload)
         except TypeError as exc:
-            raise UsageError(f"payload is not JSON ({exc}); pass dicts, lists, strings, "
-                             "numbers, booleans and None") from None
+            try:  # an integer past 64 bits: the standard encoder keeps every digit
+                text = json.dumps(payload, ensure_ascii=False, allow_nan=False,
+                                  separators=(",", ":")).encode()
+            except (TypeError, ValueError, UnicodeEncodeError):
+                raise UsageError(f"payload is not JSON ({exc}); pass dicts, lists, "
+                                 "strings, numbers, booleans and None") from None
     if limit and len(text) > limit:
         raise UsageError(f"payload: {len(text)} bytes, larger than SIDECAR_MAX_PAYLOAD_BYTES="
                          f"{limit} bytes; pass a reference (a URL or object key) instead, "

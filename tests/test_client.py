@@ -245,6 +245,10 @@ def test_options_reach_the_row_and_bad_input_writes_nothing(dsn):
             assert abs(timed.run_after - at) < dt.timedelta(seconds=1)
             assert abs(timed.expires_at - at - dt.timedelta(hours=1)) < dt.timedelta(seconds=5)
 
+            # Every digit of an integer past 64 bits is kept, as the CLI keeps it.
+            big = await client.enqueue(TOOL, {"n": 2**70 + 1})
+            assert (await client.get(big.id)).payload == {"n": 2**70 + 1}
+
             before = await asyncio.to_thread(scalar, dsn, "SELECT count(*) FROM tool_jobs")
             bad_calls = [
                 ({"priority": 12}, UsageError, "priority"),
@@ -262,6 +266,12 @@ def test_options_reach_the_row_and_bad_input_writes_nothing(dsn):
                 ({"idempotency_key": "a\nb"}, UsageError, "idempotency"),
                 ({"payload": {"x": object()}}, UsageError, "payload"),
                 ({"payload": {"x": "\u0000"}}, UsageError, "jsonb"),
+                # a new user's trial: NaN was stored as null, these raised raw errors
+                ({"payload": {"x": [1.0, float("nan")]}}, UsageError, "NaN"),
+                ({"run_after": float("nan")}, UsageError, "run_after"),
+                ({"run_after": float("inf")}, UsageError, "run_after"),
+                ({"expires_in": float("nan")}, UsageError, "expires_in"),
+                ({"tags": {"run": "a\udcffb"}}, UsageError, "run"),
                 ({"tool": "no such tool!"}, ConfigError, "tool"),
             ]
             for kwargs, error, named in bad_calls:
