@@ -424,7 +424,10 @@ def test_enqueue_idempotency_keys_and_max_attempts(sidecar_env, pg, tool, key, a
         argv.append(f"--max-attempts={attempts}")
     argv += ["--", tool]
     try:
-        n = None if attempts is None else int(attempts)  # what argparse's type=int does
+        # What the CLI's bounded integer type does: ASCII digits only (int() alone also
+        # reads other scripts' digits, "٣" as 3, which the CLI refuses).
+        n = None if attempts is None else int(attempts) if attempts.isascii() \
+            else "not an int"
     except ValueError:
         n = "not an int"
     key_ok = key is None or (key.strip() != "" and len(key) <= 512 and key.isprintable())
