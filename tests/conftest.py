@@ -177,3 +177,15 @@ def sink():
     yield start
     for server in servers:
         server.stop()
+
+
+@pytest.fixture
+def bouncer(server_dsn):
+    """A real PgBouncer in transaction mode in front of ``server_dsn`` (kit.PgBouncer),
+    stopped afterwards; the test fails (never skips) where it cannot start."""
+    try:
+        proc = kit.PgBouncer(server_dsn)
+    except kit.BouncerError as exc:
+        pytest.fail(f"{exc} (the tests behind PgBouncer need it)")
+    yield proc
+    proc.stop()

@@ -16,8 +16,6 @@ import pytest
 
 from kit import (
     TOOLS,
-    BouncerError,
-    PgBouncer,
     base_env,
     job_processes,
     job_row,
@@ -328,38 +326,31 @@ def test_the_dsn_is_resolved_as_the_cli_resolves_it(dsn, monkeypatch, tmp_path):
     asyncio.run(not_open())
 
 
-def test_the_client_behind_pgbouncer_in_transaction_mode(dsn, server_dsn, sidecars):
+def test_the_client_behind_pgbouncer_in_transaction_mode(dsn, bouncer, sidecars):
     """Enqueue in the caller's transaction through the pooler, then ``call`` and
     ``progress``: the waiter cannot LISTEN there and reads the jobs every second."""
-    try:
-        bouncer = PgBouncer(server_dsn)
-    except BouncerError as exc:
-        pytest.fail(f"{exc} (the client-behind-PgBouncer test needs it)")
-    try:
-        bdsn = bouncer.dsn_for(dsn)
-        sidecars(dsn, COMMAND, "--tool", TOOL)
+    bdsn = bouncer.dsn_for(dsn)
+    sidecars(dsn, COMMAND, "--tool", TOOL)
 
-        async def main():
-            async with Client(bdsn, pooler="transaction") as client:
-                own = await asyncpg.connect(bdsn, statement_cache_size=0)
-                try:
-                    async with own.transaction():
-                        ref = await client.enqueue(TOOL, {"steps": [
-                            {"http": {"progress": 0.5}}, {"sleep": 1.5}]}, connection=own)
-                finally:
-                    await own.close()
-                updates = []
-                async with asyncio.timeout(60):
-                    async for update in client.progress(ref):
-                        updates.append(update.value)
-                assert updates == [0.5]
-                end = await client.wait(ref, timeout=30)
-                assert end.state == "succeeded"
-                assert await client.call(TOOL, {"steps": []}, timeout=30) == {
-                    "done": True, "statuses": []}
-                with pytest.raises(JobFailed):
-                    await client.call(TOOL, {"exit": 3}, timeout=30, max_attempts=1)
+    async def main():
+        async with Client(bdsn, pooler="transaction") as client:
+            own = await asyncpg.connect(bdsn, statement_cache_size=0)
+            try:
+                async with own.transaction():
+                    ref = await client.enqueue(TOOL, {"steps": [
+                        {"http": {"progress": 0.5}}, {"sleep": 1.5}]}, connection=own)
+            finally:
+                await own.close()
+            updates = []
+            async with asyncio.timeout(60):
+                async for update in client.progress(ref):
+                    updates.append(update.value)
+            assert updates == [0.5]
+            end = await client.wait(ref, timeout=30)
+            assert end.state == "succeeded"
+            assert await client.call(TOOL, {"steps": []}, timeout=30) == {
+                "done": True, "statuses": []}
+            with pytest.raises(JobFailed):
+                await client.call(TOOL, {"exit": 3}, timeout=30, max_attempts=1)
 
-        asyncio.run(main())
-    finally:
-        bouncer.stop()
+    asyncio.run(main())

@@ -16,9 +16,8 @@ import urllib.error
 import urllib.request
 
 import orjson
-import pytest
 
-from kit import BouncerError, PgBouncer, Receiver, base_env, cli, query
+from kit import Receiver, base_env, cli, query
 from sidecar import db
 from sidecar.store import Store
 
@@ -38,16 +37,6 @@ PROFILE = {
 }
 PREPARED_ERRORS = ("prepared statement", "__asyncpg_stmt", "DuplicatePreparedStatement",
                    "InvalidSQLStatementName")
-
-
-@pytest.fixture
-def bouncer(server_dsn):
-    try:
-        proc = PgBouncer(server_dsn)
-    except BouncerError as exc:
-        pytest.fail(f"{exc} (the PgBouncer test, case F4, needs it)")
-    yield proc
-    proc.stop()
 
 
 def _enqueue_many(bouncer_dsn: str, count: int) -> list[str]:

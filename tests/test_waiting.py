@@ -24,8 +24,6 @@ import pytest
 
 from kit import (
     TOOLS,
-    BouncerError,
-    PgBouncer,
     base_env,
     cli,
     enqueue,
@@ -298,30 +296,23 @@ def test_a_waiter_hears_its_own_job_only(dsn, sidecars):
     asyncio.run(main())
 
 
-def test_wait_behind_pgbouncer_polls_and_returns(dsn, server_dsn, sidecars):
+def test_wait_behind_pgbouncer_polls_and_returns(dsn, bouncer, sidecars):
+    bdsn = bouncer.dsn_for(dsn)
+    env = base_env(bdsn, SIDECAR_DATABASE_POOLER="transaction")
+    job_id = enqueue(dsn, TOOL, {"steps": [{"http": {"progress": 0.5}}, {"sleep": 1.5}]})
+    waiter = _waiter(bdsn, job_id, "--progress", "--timeout", "60s", env=env)
     try:
-        bouncer = PgBouncer(server_dsn)
-    except BouncerError as exc:
-        pytest.fail(f"{exc} (the wait-behind-PgBouncer test needs it)")
-    try:
-        bdsn = bouncer.dsn_for(dsn)
-        env = base_env(bdsn, SIDECAR_DATABASE_POOLER="transaction")
-        job_id = enqueue(dsn, TOOL, {"steps": [{"http": {"progress": 0.5}}, {"sleep": 1.5}]})
-        waiter = _waiter(bdsn, job_id, "--progress", "--timeout", "60s", env=env)
-        try:
-            time.sleep(1.0)
-            sidecars(dsn, COMMAND, "--tool", TOOL)
-            code, out, err = _finish(waiter, 60)
-        finally:
-            stop_process(waiter, 5)
-        assert code == 0, err.decode()
-        assert _lines(out)[0]["state"] == "succeeded"
-        events = [line for line in _lines(err) if "event" in line]
-        assert [e["event"] for e in events] == ["listen_disabled"]
-        assert "every 1 s" in events[0]["reason"]
-        assert [line["progress"] for line in _lines(err) if "progress" in line] == [0.5]
+        time.sleep(1.0)
+        sidecars(dsn, COMMAND, "--tool", TOOL)
+        code, out, err = _finish(waiter, 60)
     finally:
-        bouncer.stop()
+        stop_process(waiter, 5)
+    assert code == 0, err.decode()
+    assert _lines(out)[0]["state"] == "succeeded"
+    events = [line for line in _lines(err) if "event" in line]
+    assert [e["event"] for e in events] == ["listen_disabled"]
+    assert "every 1 s" in events[0]["reason"]
+    assert [line["progress"] for line in _lines(err) if "progress" in line] == [0.5]
 
 
 # --- progress --------------------------------------------------------------------------------
