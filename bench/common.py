@@ -354,18 +354,22 @@ async def enqueue_many(conn: asyncpg.Connection, tool: str, count: int, payload:
 
 async def enqueue_one(conn: asyncpg.Connection, tool: str, payload: str = "{}",
                       max_attempts: int | None = 1,
-                      details: dict[str, Any] | None = None) -> uuid.UUID:
+                      details: dict[str, Any] | None = None,
+                      concurrency_key: str | None = None) -> uuid.UUID:
     """One queued job of ``tool`` by the statement ``sidecar enqueue`` runs (enqueue_job:
-    tool_job_enqueue, its journal row, one idle sidecar of the tool woken); its id."""
+    tool_job_enqueue, its journal row, one idle sidecar of the tool woken); its id.
+    ``concurrency_key``: the flow-control key (issue 27), None for none."""
     import orjson
 
     from sidecar.queries import Q
 
-    # The query's JSON parameters are text ($2, $8, $13); $14 an expiry time (none).
+    # The query's JSON parameters are text ($2, $8, $13); $14 an expiry time (none); $15
+    # the concurrency key.
     row = await conn.fetchrow(Q["enqueue_job"], tool, payload, None, None, None,
                               None, None, None, max_attempts, None, None, None,
                               orjson.dumps(details if details is not None
-                                           else {"by": "bench"}).decode(), None)
+                                           else {"by": "bench"}).decode(), None,
+                              concurrency_key)
     return row["id"]
 
 

@@ -181,7 +181,8 @@ def _tags_text(tags: dict[str, str]) -> str:
 def cmd_enqueue(args, settings: Settings) -> int:
     tool = validate_tool_name(args.tool)
     options = enqueue_args.enqueue_options(args.priority, args.run_after, args.expires_in,
-                                           args.tag, args.traceparent, args.tracestate)
+                                           args.tag, args.traceparent, args.tracestate,
+                                           args.concurrency_key)
     payload, raw = _read_payload(args, settings.max_payload_bytes)
     if args.max_attempts is not None and not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
         raise UsageError(f"--max-attempts {args.max_attempts}: must be from 1 to "
@@ -355,10 +356,16 @@ def cmd_jobs(args, settings: Settings) -> int:
 
     async def go():
         async with open_store(settings) as store:
-            return await store.list_jobs(args.state, args.tool, args.limit, tags)
+            return (await store.list_jobs(args.state, args.tool, args.limit, tags),
+                    await store.limits(args.tool))
 
-    lines = []
-    for row in run_async(settings, go()):
+    jobs, flows = run_async(settings, go())
+    # First, a line per listed tool that is paused or limited (issue 27).
+    listed = {row["tool"] for row in jobs} | ({args.tool} if args.tool else set())
+    lines = [_flow_line(row) for row in flows if row["tool"] in listed and (
+        row["paused_at"] is not None or row["max_running"] or row["max_running_per_key"]
+        or row["rate"] or row["rate_per_key"])]
+    for row in jobs:
         when = (row["finished_at"] or row["created_at"]).isoformat(timespec="seconds")
         lease = row["lease_until"].isoformat(timespec="seconds") if row["lease_until"] else "-"
         lines.append(f"{row['id']}  {row['tool']:<16} {row['state']:<9} "
@@ -367,6 +374,20 @@ def cmd_jobs(args, settings: Settings) -> int:
                      f"{row['error_kind'] or ''}  {when}".rstrip())
     _print_lines(lines)
     return 0
+
+
+def _flow_line(row) -> str:
+    """``sidecar jobs``' line for a tool that is paused or limited, before its jobs."""
+    parts = [f"tool {row['tool']}:"]
+    if row["paused_at"] is not None:
+        when = row["paused_at"].isoformat(timespec="seconds")
+        parts.append(f"PAUSED since {when}"
+                     + (f" ({row['pause_reason']})" if row["pause_reason"] else ""))
+    for name in ("max_running", "max_running_per_key", "rate", "rate_per_key"):
+        if row[name]:
+            parts.append(f"{name} {row[name]}")
+    parts.append(f"running {row['running']}, queued {row['queued']}")
+    return "  ".join(parts)
 
 
 def cmd_cancel(args, settings: Settings) -> int:
@@ -486,6 +507,102 @@ def _retry_forwarding(args, settings: Settings) -> int:
         raise SidecarError(f"job {job_id} has no dead-lettered forwarding (forwarding: "
                            f"{states}); only a dead-lettered result can be delivered again")
     _print_json({"id": job_id, "redelivering": redone, "count": len(redone)})
+    return 0
+
+
+def _operator(command: str) -> str:
+    """Who changed a tool's flow, for its journal: the command, the user and the host."""
+    import socket
+
+    user = os.environ.get("USER") or os.environ.get("LOGNAME") or f"uid {os.getuid()}"
+    return f"sidecar {command} ({user}@{socket.gethostname()})"
+
+
+def _limits_json(row) -> dict[str, Any]:
+    """One tool's flow row as ``sidecar limits`` prints it."""
+    return {"tool": row["tool"],
+            "max_running": row["max_running"],
+            "max_running_per_key": row["max_running_per_key"],
+            "rate": row["rate"], "rate_per_key": row["rate_per_key"], "burst": row["burst"],
+            "paused": row["paused_at"] is not None, "paused_at": row["paused_at"],
+            "pause_reason": row["pause_reason"], "paused_by": row["paused_by"],
+            "running": row["running"], "queued": row["queued"],
+            "updated_at": row["updated_at"], "updated_by": row["updated_by"]}
+
+
+def cmd_limit(args, settings: Settings) -> int:
+    from sidecar import flow
+
+    tool = validate_tool_name(args.tool)
+    changes = flow.limit_changes(args.max_running, args.max_running_per_key, args.rate,
+                                 args.rate_per_key, args.burst, args.clear)
+
+    async def go():
+        async with open_store(settings) as store:
+            await store.set_limits(tool, changes, _operator("limit"))
+            return await store.limits(tool)
+
+    [row] = run_async(settings, go())
+    _print_json(_limits_json(row))
+    return 0
+
+
+def cmd_limits(args, settings: Settings) -> int:
+    if args.tool is not None:
+        validate_tool_name(args.tool)
+    if args.events is not None and args.events < 1:
+        raise UsageError(f"--events {args.events}: must be 1 or more")
+
+    async def go():
+        async with open_store(settings) as store:
+            rows = await store.limits(args.tool)
+            events = (await store.flow_events(args.tool, args.events)
+                      if args.events else None)
+            return rows, events
+
+    rows, events = run_async(settings, go())
+    out: dict[str, Any] = {"tools": [_limits_json(row) for row in rows]}
+    if events is not None:
+        out["events"] = [dict(row) for row in events]
+    _print_json(out)
+    return 0
+
+
+def cmd_pause(args, settings: Settings) -> int:
+    from sidecar import flow
+
+    tool = validate_tool_name(args.tool)
+    reason = flow.check_reason(args.reason) if args.reason is not None else None
+
+    async def go():
+        async with open_store(settings) as store:
+            row = await store.pause(tool, reason, _operator("pause"))
+            cancelled: dict[uuid.UUID, str] = {}
+            if args.cancel_running:
+                # after the pause, so nothing claimed in between escapes it
+                for job_id in await store.running_jobs(tool):
+                    cancelled.update(await store.cancel(job_id))
+            return row, cancelled
+
+    row, cancelled = run_async(settings, go())
+    out: dict[str, Any] = {"tool": tool, "paused": True, "paused_at": row["paused_at"],
+                           "was_paused": row["was_paused"], "reason": reason}
+    if args.cancel_running:
+        out["cancelled"] = [str(i) for i in cancelled]
+    _print_json(out)
+    return 0
+
+
+def cmd_resume(args, settings: Settings) -> int:
+    tool = validate_tool_name(args.tool)
+
+    async def go():
+        async with open_store(settings) as store:
+            return await store.resume(tool, _operator("resume"))
+
+    resumed = run_async(settings, go())
+    _print_json({"tool": tool, "resumed": resumed,
+                 **({} if resumed else {"note": "the tool was not paused"})})
     return 0
 
 
@@ -763,6 +880,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="W3C trace context, given to the tool as TRACEPARENT")
     p.add_argument("--tracestate", metavar="TRACESTATE",
                    help="W3C tracestate, given to the tool as TRACESTATE")
+    p.add_argument("--concurrency-key", metavar="KEY",
+                   help="the key flow control caps (--max-running-per-key) and takes turns "
+                        "by, e.g. a tenant or an account (sidecar limit)")
     p.add_argument("--wait", action="store_true",
                    help="then wait for the job to end, as `sidecar wait` (exit 0, 3, 4)")
     p.add_argument("--timeout", metavar="DURATION",
@@ -812,6 +932,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forwarding", action="store_true",
                    help="instead: deliver the dead-lettered result of JOB_ID again "
                         "(fresh forwarding attempts and age)")
+    p = add("limit", cmd_limit, "set TOOL's flow limits for the whole fleet (stored in the "
+            "database, obeyed from every sidecar's next claim); prints the tool's limits")
+    p.add_argument("tool", metavar="TOOL")
+    p.add_argument("--max-running", type=_int_from(1, 1_000_000), metavar="N",
+                   help="at most N jobs of TOOL running at once, fleet-wide")
+    p.add_argument("--max-running-per-key", type=_int_from(1, 1_000_000), metavar="N",
+                   help="at most N running at once per --concurrency-key")
+    p.add_argument("--rate", metavar="N/s|N/m",
+                   help="at most N claims of TOOL per second or minute (a token bucket)")
+    p.add_argument("--rate-per-key", metavar="N/s|N/m", help="the same, per key")
+    p.add_argument("--burst", type=_int_from(1, 1_000_000), metavar="N",
+                   help="tokens a rate's bucket holds (default 1: no bursts)")
+    p.add_argument("--clear", action="store_true", help="remove every limit of TOOL")
+    p = add("limits", cmd_limits, "every tool's flow limits, pause and running jobs as JSON")
+    p.add_argument("--tool", metavar="TOOL", help="only this tool")
+    p.add_argument("--events", type=_int_from(1, 10_000), metavar="N",
+                   help="also the N newest flow changes (limits set, pauses, resumes)")
+    p = add("pause", cmd_pause, "stop every claim of TOOL fleet-wide (running jobs finish); "
+            "`sidecar resume TOOL` undoes it")
+    p.add_argument("tool", metavar="TOOL")
+    p.add_argument("--reason", metavar="TEXT", help="shown by limits, jobs and /readyz")
+    p.add_argument("--cancel-running", action="store_true",
+                   help="also cancel the running jobs (their trees die as with cancel)")
+    p = add("resume", cmd_resume, "let claims of a paused TOOL start again")
+    p.add_argument("tool", metavar="TOOL")
     p = add("prune", cmd_prune, "delete finished jobs, with their journal and outbox rows, "
             "older than their state's retention; prints what it removed as JSON")
     p.add_argument("--older-than", metavar="DURATION",

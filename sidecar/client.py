@@ -37,7 +37,7 @@ from typing import Any
 
 import asyncpg
 
-from sidecar import db, enqueue_args, jsontext, waiting
+from sidecar import db, enqueue_args, flow, jsontext, waiting
 from sidecar.config import (
     MAX_ATTEMPTS_LIMIT,
     POOLER_MODES,
@@ -205,7 +205,8 @@ def enqueue_options(*, priority: int = 0,
                     run_after: dt.datetime | dt.timedelta | float | None = None,
                     expires_in: dt.datetime | dt.timedelta | float | None = None,
                     tags: Mapping[str, str] | None = None, traceparent: str | None = None,
-                    tracestate: str | None = None) -> enqueue_args.EnqueueOptions:
+                    tracestate: str | None = None,
+                    concurrency_key: str | None = None) -> enqueue_args.EnqueueOptions:
     """The client's options as EnqueueOptions, checked by the rules of sidecar.enqueue_args
     (the CLI's): ``run_after`` an aware datetime (not claimed before) or a delay (seconds
     or timedelta, counted by the database's clock); ``expires_in`` a duration (more than
@@ -232,13 +233,17 @@ def enqueue_options(*, priority: int = 0,
         raise UsageError("tracestate needs a traceparent")
     if tags is not None and not isinstance(tags, Mapping):
         raise UsageError("tags: give a dict of strings, e.g. {'run': '42'}")
+    if concurrency_key is not None and not isinstance(concurrency_key, str):
+        raise UsageError("concurrency_key must be a string, e.g. 'tenant-42'")
     return enqueue_args.EnqueueOptions(
         priority=enqueue_args.check_priority(priority), run_in=run_in, run_after=when,
         expires_in=expiry, expires_at=expires_at,
         tags=enqueue_args.check_tags(dict(tags or {})),
         traceparent=None if traceparent is None else enqueue_args.check_traceparent(
             traceparent),
-        tracestate=None if tracestate is None else enqueue_args.check_tracestate(tracestate))
+        tracestate=None if tracestate is None else enqueue_args.check_tracestate(tracestate),
+        concurrency_key=None if concurrency_key is None else flow.check_concurrency_key(
+            concurrency_key, "concurrency_key"))
 
 
 class Client:
@@ -339,6 +344,7 @@ class Client:
                       expires_in: dt.datetime | dt.timedelta | float | None = None,
                       tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
                       traceparent: str | None = None, tracestate: str | None = None,
+                      concurrency_key: str | None = None,
                       connection: asyncpg.Connection | None = None) -> JobRef:
         """Queue one call of ``tool`` with ``payload`` (any JSON value, None is ``{}``; a
         sidecar.model.RawJson is sent as the JSON text it is) and return its JobRef.
@@ -350,7 +356,9 @@ class Client:
         starts later than that after enqueue), or an aware datetime. ``tags``: at most 16
         ``{key: value}`` strings (``cancel(tag=...)`` acts on them). ``max_attempts``
         1-1000, None: the profile's MAX_ATTEMPTS. ``traceparent``/``tracestate``: W3C
-        trace context, given to the tool as TRACEPARENT/TRACESTATE.
+        trace context, given to the tool as TRACEPARENT/TRACESTATE. ``concurrency_key``:
+        1-256 printable characters (a tenant, an account): flow control caps it and lets
+        keys take turns (``sidecar limit``, issue 27); None: no key.
 
         ``connection``: your own asyncpg connection, in a transaction you opened: the job
         is written in it and exists only if that transaction commits; the wake-up of an
@@ -364,7 +372,7 @@ class Client:
         tool = validate_tool_name(tool)
         options = enqueue_options(priority=priority, run_after=run_after,
                                   expires_in=expires_in, tags=tags, traceparent=traceparent,
-                                  tracestate=tracestate)
+                                  tracestate=tracestate, concurrency_key=concurrency_key)
         if max_attempts is not None and (isinstance(max_attempts, bool)
                                          or not isinstance(max_attempts, int)
                                          or not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT):
@@ -434,7 +442,8 @@ class Client:
                    run_after: dt.datetime | dt.timedelta | float | None = None,
                    expires_in: dt.datetime | dt.timedelta | float | None = None,
                    tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
-                   traceparent: str | None = None, tracestate: str | None = None) -> Any:
+                   traceparent: str | None = None, tracestate: str | None = None,
+                   concurrency_key: str | None = None) -> Any:
         """Enqueue ``tool`` with ``payload`` (options as ``enqueue``'s; no ``connection``:
         a job in an open transaction could not run before it commits) and wait for it;
         return its result (the JSON the tool printed, decoded).
@@ -448,7 +457,8 @@ class Client:
         ref = await self.enqueue(tool, payload, idempotency_key=idempotency_key,
                                  priority=priority, run_after=run_after,
                                  expires_in=expires_in, tags=tags, max_attempts=max_attempts,
-                                 traceparent=traceparent, tracestate=tracestate)
+                                 traceparent=traceparent, tracestate=tracestate,
+                                 concurrency_key=concurrency_key)
         end = await self.wait(ref, timeout=seconds)
         assert isinstance(end, JobEnd)
         if not end.succeeded:

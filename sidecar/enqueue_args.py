@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from sidecar.errors import UsageError
+from sidecar.flow import check_concurrency_key
 
 PRIORITY_MIN, PRIORITY_MAX = 0, 9  # 0 is claimed first
 # The farthest ahead a job may be scheduled (--run-after) or given to start (--expires-in).
@@ -46,8 +47,9 @@ class EnqueueOptions:
     ``priority`` 0-9 (0 first); ``run_in`` (a delay, counted by the database's clock) or
     ``run_after`` (a time), not both; ``expires_in``: no attempt starts later than this
     after enqueue, or ``expires_at`` (a time, by the database's clock; not both:
-    sidecar.client); ``tags`` (string to string); ``traceparent``/``tracestate`` (W3C).
-    The defaults change nothing."""
+    sidecar.client); ``tags`` (string to string); ``traceparent``/``tracestate`` (W3C);
+    ``concurrency_key``: the key flow control caps and takes turns by (issue 27). The
+    defaults change nothing."""
 
     priority: int = 0
     run_in: dt.timedelta | None = None
@@ -57,6 +59,7 @@ class EnqueueOptions:
     tags: dict[str, str] = field(default_factory=dict)
     traceparent: str | None = None
     tracestate: str | None = None
+    concurrency_key: str | None = None
 
 
 def parse_duration(text: str, what: str) -> dt.timedelta:
@@ -191,7 +194,8 @@ def check_idempotency_key(key: str) -> str:
 def enqueue_options(priority: int | None = None, run_after: str | None = None,
                     expires_in: str | None = None, tags: Iterable[str] | None = None,
                     traceparent: str | None = None,
-                    tracestate: str | None = None) -> EnqueueOptions:
+                    tracestate: str | None = None,
+                    concurrency_key: str | None = None) -> EnqueueOptions:
     """The command line's options (text as given, None when absent) as EnqueueOptions,
     every one checked; UsageError for the first that is not allowed."""
     when = parse_run_after(run_after) if run_after is not None else None
@@ -207,4 +211,6 @@ def enqueue_options(priority: int | None = None, run_after: str | None = None,
         run_after=when if isinstance(when, dt.datetime) else None,
         expires_in=expiry, tags=parse_tags(tags),
         traceparent=check_traceparent(traceparent) if traceparent is not None else None,
-        tracestate=check_tracestate(tracestate) if tracestate is not None else None)
+        tracestate=check_tracestate(tracestate) if tracestate is not None else None,
+        concurrency_key=(check_concurrency_key(concurrency_key)
+                         if concurrency_key is not None else None))

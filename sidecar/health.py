@@ -44,6 +44,9 @@ class Readiness:
     db_fresh_seconds: float = 10.0
     draining: Callable[[], bool] = lambda: False
     last_tick: float = field(default_factory=time.monotonic)
+    # The tool's flow control as last read (issue 27): limits, pause, running; shown by
+    # /readyz as detail, never a problem (a paused tool's sidecars are healthy).
+    flow: dict | None = None
 
     def problems(self) -> list[str]:
         out = []
@@ -87,8 +90,10 @@ def make_routes(readiness: Readiness) -> dict[tuple[str, str], Handler]:
 
     async def readyz(_request: Request) -> Response:
         problems = readiness.problems()
-        return Response(503 if problems else 200,
-                        orjson.dumps({"ready": not problems, "problems": problems}))
+        body: dict = {"ready": not problems, "problems": problems}
+        if readiness.flow is not None:
+            body["flow"] = readiness.flow
+        return Response(503 if problems else 200, orjson.dumps(body))
 
     return {("GET", "/metrics"): metrics_page, ("GET", "/livez"): livez,
             ("GET", "/readyz"): readyz}

@@ -38,12 +38,16 @@ HEARTBEAT_RESULTS = tuple(HeartbeatResult)
 KILL_REASONS = tuple(reason for reason in StopReason if reason is not StopReason.EXITED)
 KILL_SIGNALS = tuple(KillSignal)
 PRUNED_TABLES = ("tool_jobs", "tool_job_events", "tool_job_outbox")
-CLAIM_OUTCOMES = ("claimed", "empty")
+# claimed (a job), empty (none eligible), or the flow limit that held every eligible one
+# back (issue 27: sidecar.flow.Held).
+CLAIM_OUTCOMES = ("claimed", "empty", "paused", "max_running", "max_running_per_key", "rate",
+                  "rate_per_key")
 GUARD_REFUSALS = tuple(ConnectionRefusal)
 
 JOBS_CLAIMED = Counter("sidecar_jobs_claimed", "Jobs claimed (P4).", _TP)
 CLAIM_ATTEMPTS = Counter("sidecar_claim_attempts",
-                         "Claim statements by outcome: claimed (a job) or empty (none).",
+                         "Claim statements by outcome: claimed (a job), empty (none), or the "
+                         "flow limit that held the tool's jobs back.",
                          (*_TP, "outcome"))
 JOBS_RECLAIMED = Counter("sidecar_jobs_reclaimed",
                          "Jobs claimed from an owner whose lease had expired.", _TP)
@@ -78,6 +82,16 @@ ATTEMPT_SHORTAGES = Counter("sidecar_attempt_shortages",
 COMPLETIONS_REJECTED = Counter("sidecar_completions_rejected",
                                "Outcomes not committed because the lease was not ours (P6).",
                                _TP)
+# Flow control (issue 27), sampled from the database once per poll period by each sidecar
+# of the tool: its limits (absent: none), jobs running under a live lease fleet-wide, and
+# whether the tool is paused.
+FLOW_LIMIT = Gauge("sidecar_flow_limit", "A flow limit of the tool, fleet-wide: "
+                   "max_running, max_running_per_key (jobs), rate, rate_per_key (claims per "
+                   "second); absent when not set.", ("tool", "limit"))
+FLOW_RUNNING = Gauge("sidecar_flow_running", "Jobs of the tool running under a live lease, "
+                     "fleet-wide (sampled; only for a tool with a flow row).", ("tool",))
+FLOW_PAUSED = Gauge("sidecar_flow_paused", "1 while the tool is paused fleet-wide "
+                    "(sidecar pause), else 0.", ("tool",))
 QUEUE_DEPTH = Gauge("sidecar_queue_depth", "Jobs of the tool claimable now (sampled).", _TP)
 JOBS_EXPIRED = Counter("sidecar_jobs_expired",
                        "Jobs this sidecar's sweep ended failed because no attempt started "

@@ -20,6 +20,7 @@ import asyncpg
 from sidecar import db
 from sidecar.enqueue_args import EnqueueOptions
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
+from sidecar.flow import ClaimHeld, Held
 from sidecar.masking import SECRETS
 from sidecar.model import ClaimedJob, JobState, NextStage, RawJson
 from sidecar.queries import Q, migrations
@@ -216,7 +217,8 @@ class Store:
         # JSON goes as text (the query casts it), so no connection's jsonb codec is needed.
         args = (tool, db.encode_json(value), key, o.priority, o.run_after, o.run_in,
                 o.expires_in, db.encode_json(o.tags), max_attempts, o.traceparent,
-                o.tracestate, max_payload_bytes, db.encode_json(details), o.expires_at)
+                o.tracestate, max_payload_bytes, db.encode_json(details), o.expires_at,
+                o.concurrency_key)
         try:
             if conn is None:
                 row = await self.db.fetchrow(Q["enqueue_job"], *args, timeout=self.timeout)
@@ -296,8 +298,10 @@ class Store:
 
     async def claim(self, tool: str, owner_id: str, lease_seconds: float,
                     max_lifetime_seconds: float | None = None,
-                    max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> ClaimedJob | None:
-        """Claim one job of ``tool`` (P4) or return None when none is eligible.
+                    max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> ClaimedJob | ClaimHeld | None:
+        """Claim one job of ``tool`` (P4) or return None when none is eligible, or
+        ClaimHeld when a flow limit of the tool (issue 27: pause, caps, rates) held every
+        eligible one back.
 
         ``max_lifetime_seconds`` (P12) makes the claim also return how much of the job's
         lifetime is left, counted from its first claim by the database's clock.
@@ -309,6 +313,8 @@ class Store:
         )
         if row is None:
             return None
+        if row["blocked"] is not None:
+            return ClaimHeld(Held(row["blocked"]), row["retry_in"])
         return ClaimedJob(
             id=row["id"], tool=row["tool"], payload_text=row["payload_text"],
             fencing_token=row["fencing_token"], attempt=row["attempt"],
@@ -590,6 +596,43 @@ class Store:
     async def job_events(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
         """The journal of one job, oldest first."""
         return await self.db.fetch(Q["job_events"], job_id, timeout=self.timeout)
+
+    # --- flow control (issue 27) --------------------------------------------
+
+    async def set_limits(self, tool: str, changes: dict[str, Any], by: str) -> int:
+        """Change ``tool``'s limits fleet-wide (``changes`` from sidecar.flow.limit_changes:
+        only the fields given; None clears one), journaled ``limits_set`` with ``by``;
+        every idle sidecar of the tool is woken. Returns how many were woken."""
+        row = await self.db.fetchrow(Q["set_tool_limits"], tool, db.encode_json(changes),
+                                     by, timeout=self.timeout)
+        return row["woken"]
+
+    async def limits(self, tool: str | None = None) -> list[asyncpg.Record]:
+        """Every tool with a flow row (or only ``tool``): limits, pause, and its running
+        (live lease) and queued jobs now."""
+        return await self.db.fetch(Q["tool_limits"], tool, timeout=self.timeout)
+
+    async def pause(self, tool: str, reason: str | None, by: str) -> asyncpg.Record:
+        """Stop every claim of ``tool`` fleet-wide from now on (running jobs go on),
+        journaled ``tool_paused``. Returns ``paused_at, was_paused``."""
+        return await self.db.fetchrow(Q["pause_tool"], tool, reason, by,
+                                      timeout=self.timeout)
+
+    async def resume(self, tool: str, by: str) -> bool:
+        """Let claims of ``tool`` start again and wake its idle sidecars, journaled
+        ``tool_resumed``. False when it was not paused."""
+        return await self.db.fetchrow(Q["resume_tool"], tool, by,
+                                      timeout=self.timeout) is not None
+
+    async def running_jobs(self, tool: str) -> list[uuid.UUID]:
+        """Ids of the jobs of ``tool`` running now."""
+        return [row["id"] for row in await self.db.fetch(Q["running_jobs_of_tool"], tool,
+                                                         timeout=self.timeout)]
+
+    async def flow_events(self, tool: str | None, limit: int) -> list[asyncpg.Record]:
+        """The newest ``limit`` flow changes (of ``tool``, or of every tool), oldest
+        first: ``id, tool, event, at, details``."""
+        return await self.db.fetch(Q["flow_events"], tool, limit, timeout=self.timeout)
 
     async def list_jobs(
         self, state: str | None, tool: str | None, limit: int,

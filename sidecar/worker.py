@@ -24,6 +24,7 @@ from sidecar.child import ProcessTable
 from sidecar.config import Settings, secret_values
 from sidecar.context import WorkerContext
 from sidecar.errors import ConfigError
+from sidecar.flow import ClaimHeld
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
 from sidecar.health import Readiness
@@ -114,6 +115,7 @@ class Worker:
         self.channel = wake_channel(self.owner_id)
         self._listening = False  # LISTEN on self.channel is up
         self._idle_since: float | None = None  # monotonic time of our idle registration
+        self._retry_at: float | None = None  # monotonic time a rate allows the next claim
         # Keyed by attempt, never by job id alone (case F14).
         self.running: dict[AttemptId, asyncio.Task] = {}
         self.failure: BaseException | None = None
@@ -286,6 +288,7 @@ class Worker:
                                  attempt=row["attempt"], reason=FailureKind.EXPIRED)
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(
                         await store.claimable_jobs(tool))
+                    self._sample_flow(await store.limits(tool))
                     self.readiness.db_ok_at = time.monotonic()
                     if time.monotonic() - self._schema_checked >= health.SCHEMA_RECHECK_SECONDS:
                         await self._check_schema(store)  # a migration applied since (F24)
@@ -305,6 +308,15 @@ class Worker:
                         self._claim_unsettled = True  # it may have committed (F16)
                         raise
                     self.readiness.db_ok_at = time.monotonic()
+                    if isinstance(job, ClaimHeld):
+                        # A flow limit holds the tool's jobs back (issue 27): a freed slot,
+                        # a resume or a limit change wakes an idle sidecar; a rate's next
+                        # token is waited for here.
+                        metrics.CLAIM_ATTEMPTS.labels(*self.labels, job.reason.value).inc()
+                        if job.retry_in is not None:
+                            self._retry_at = time.monotonic() + job.retry_in
+                        await self._stay_idle(store)
+                        break
                     metrics.CLAIM_ATTEMPTS.labels(*self.labels,
                                                   "empty" if job is None else "claimed").inc()
                     if job is None:
@@ -333,8 +345,12 @@ class Worker:
             except db.DATABASE_ERRORS as exc:
                 log.emit("claim_error", "warning", tool=tool, reason=db.describe_error(exc),
                          sqlstate=db.sqlstate(exc))
+            timeout = poll
+            if self._retry_at is not None:
+                timeout = min(poll, max(0.0, self._retry_at - time.monotonic()))
+                self._retry_at = None
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), poll)
+                await asyncio.wait_for(self.wake.wait(), timeout)
 
     async def _settle_claims(self, store: Store) -> None:
         """Case F16: a claim whose answer was lost may have committed, leaving a job running
@@ -355,6 +371,34 @@ class Worker:
         self.readiness.schema, self.readiness.schema_compatible = \
             await store.schema_compatibility(self.readiness.expected_schema)
         self._schema_checked = time.monotonic()
+
+    def _sample_flow(self, rows: list) -> None:
+        """Publish the tool's flow control as read (issue 27): gauges of its limits,
+        running jobs and pause, and the detail /readyz shows."""
+        tool = self.profile.tool
+        row = rows[0] if rows else None
+        limits = {"max_running": row and row["max_running"],
+                  "max_running_per_key": row and row["max_running_per_key"],
+                  "rate": row and row["rate_per_second"],
+                  "rate_per_key": row and row["key_rate_per_second"]}
+        for name, value in limits.items():
+            if value is None:
+                with contextlib.suppress(KeyError):
+                    metrics.FLOW_LIMIT.remove(tool, name)
+            else:
+                metrics.FLOW_LIMIT.labels(tool, name).set(value)
+        metrics.FLOW_PAUSED.labels(tool).set(1 if row and row["paused_at"] else 0)
+        if row is None:
+            self.readiness.flow = None
+            return
+        metrics.FLOW_RUNNING.labels(tool).set(row["running"])
+        self.readiness.flow = {
+            "paused": row["paused_at"] is not None,
+            "pause_reason": row["pause_reason"],
+            "max_running": row["max_running"],
+            "max_running_per_key": row["max_running_per_key"],
+            "rate": row["rate"], "rate_per_key": row["rate_per_key"], "burst": row["burst"],
+            "running": row["running"], "queued": row["queued"]}
 
     async def _stay_idle(self, store: Store) -> None:
         """Room for a job and none to claim: be on the idle list, so the next job queued

@@ -22,7 +22,8 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
 PURE = frozenset({
     "sidecar.verdict", "sidecar.results", "sidecar.vocabulary", "sidecar.model",
     "sidecar.shortage", "sidecar.clock", "sidecar.errors", "sidecar.jsontext",
-    "sidecar.masking", "sidecar.lease_state", "sidecar.enqueue_args", "sidecar",
+    "sidecar.masking", "sidecar.lease_state", "sidecar.enqueue_args", "sidecar.flow",
+    "sidecar",
 })
 # What a pure module may import from outside the sidecar: the standard library's pure
 # parts (``time`` only reads clocks, ``signal`` and ``errno`` only give numbers) and

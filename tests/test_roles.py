@@ -19,7 +19,8 @@ from kit import base_env, cli, enqueue, job_row, query, run, scalar
 WORKER_PRIVILEGES = {
     ("schema", "public", "USAGE"),
     *(("table", t, p) for t in ("tool_jobs", "tool_job_events", "tool_job_outbox",
-                                "tool_idle_sidecars")
+                                "tool_idle_sidecars", "tool_flow", "tool_flow_keys",
+                                "tool_flow_events")
       for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
     ("table", "sidecar_schema_migrations", "SELECT"),
     ("sequence", "tool_job_events_id_seq", "USAGE"),
@@ -31,6 +32,11 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_still_needed", "EXECUTE"),
     ("function", "tool_job_wake", "EXECUTE"),
     ("function", "tool_job_enqueue", "EXECUTE"),
+    ("function", "tool_job_keyed_flow", "EXECUTE"),
+    ("function", "tool_job_slot_freed", "EXECUTE"),
+    ("function", "tool_job_claim_flow", "EXECUTE"),
+    ("function", "tool_flow_key_blocked", "EXECUTE"),
+    ("function", "tool_flow_key_wait", "EXECUTE"),
     ("function", "sidecar_enqueue", "EXECUTE"),
 }
 SCALER_PRIVILEGES = {("schema", "public", "USAGE"), ("function", "tool_job_demand", "EXECUTE")}

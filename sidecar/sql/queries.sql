@@ -43,14 +43,15 @@ SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
 -- $1 tool, $2 payload, $3 key, $4 priority, $5 run_after, $6 run_in, $7 expires_in,
 -- $8 tags, $9 max_attempts (NULL: the claiming profile's), $10 traceparent,
 -- $11 tracestate, $12 payload limit (NULL: checked by the caller), $13 journal details,
--- $14 an expiry time instead of $7 (turned into an interval by the database's clock).
+-- $14 an expiry time instead of $7 (turned into an interval by the database's clock),
+-- $15 concurrency key (NULL: none; migration 016).
 -- The JSON parameters ($2, $8, $13) are text cast here, so the statement runs the same on
 -- the sidecar's connections and on a caller's own (sidecar.client), whatever jsonb codec
 -- that one has.
 SELECT enqueued_id AS id, created
 FROM tool_job_enqueue($1, $2::text::jsonb, $3, $4, $5, $6,
                       coalesce($7::interval, $14::timestamptz - now()), $8::text::jsonb,
-                      $9, $10, $11, $12, $13::text::jsonb);
+                      $9, $10, $11, $12, $13::text::jsonb, $15);
 
 -- name: find_job_by_idempotency_key
 -- jsonb equality: the same payload whatever its key order or spacing.
@@ -128,10 +129,17 @@ SELECT id, tool, fencing_token, attempt FROM expired;
 -- queued part reads priority first (0 first) from the same index, no attempt starts once
 -- a job's expires_at has passed (fail_expired_jobs ends it), and a job enqueued without
 -- max_attempts gets this claim's profile value ($5) on its row.
-WITH expired AS (
+-- Issue 27 (migration 016): a tool with a flow row (limits, a pause, or jobs with
+-- concurrency keys) claims through tool_job_claim_flow instead, which enforces them; this
+-- statement's own parts then do nothing (one-time filters). blocked and retry_in say why
+-- that claim took nothing: NULL here, and on every row that holds a job.
+WITH flow AS (
+    SELECT FROM tool_flow WHERE tool = $1
+), expired AS (
     SELECT id, 'running'::text AS previous_state, tool_job_expiry_refunded(j) AS refunded
     FROM tool_jobs j
     WHERE tool = $1 AND state = 'running' AND lease_until < now()
+      AND NOT EXISTS (SELECT FROM flow)
       AND (attempt < coalesce(max_attempts, $5::int) OR tool_job_expiry_refunded(j))
       AND (expires_at IS NULL OR expires_at > now())
     ORDER BY priority, run_after, created_at, id
@@ -140,9 +148,9 @@ WITH expired AS (
 ), queued AS (
     SELECT id, 'queued'::text AS previous_state, false AS refunded
     FROM tool_jobs
-    WHERE tool = $1 AND state = 'queued' AND run_after <= now()
+    WHERE tool = $1 AND concurrency_key = '' AND state = 'queued' AND run_after <= now()
       AND (expires_at IS NULL OR expires_at > now())
-      AND NOT EXISTS (SELECT FROM expired)
+      AND NOT EXISTS (SELECT FROM expired) AND NOT EXISTS (SELECT FROM flow)
     ORDER BY priority, run_after, created_at, id
     LIMIT 1
     FOR UPDATE SKIP LOCKED
@@ -185,7 +193,9 @@ WITH expired AS (
               ELSE '{}'::jsonb END
     FROM claimed
 )
-SELECT * FROM claimed;
+SELECT *, NULL::text AS blocked, NULL::float8 AS retry_in FROM claimed
+UNION ALL
+SELECT * FROM tool_job_claim_flow($1, $2, $3, $4, $5) WHERE EXISTS (SELECT FROM flow);
 
 -- name: extend_leases_if_owner
 -- P5: one statement renews every lease this sidecar holds, answering per attempt
@@ -601,3 +611,106 @@ DELETE FROM tool_idle_sidecars WHERE owner_id = $1;
 -- name: forget_dead_idle_sidecars
 -- Registrations not refreshed for ten minutes: their sidecars died without unregistering.
 DELETE FROM tool_idle_sidecars WHERE seen_at < now() - interval '10 minutes';
+
+-- name: set_tool_limits
+-- Issue 27: a tool's limits, set fleet-wide. $2 holds only the fields to change
+-- (max_running, max_running_per_key, rate, rate_per_second, rate_per_key,
+-- key_rate_per_second, burst); a field given as null is cleared. A changed rate starts
+-- with a full bucket. Journaled (limits_set, with $3, who), and every idle sidecar of the
+-- tool is woken, so the change takes effect at the next claim.
+WITH applied AS (
+    INSERT INTO tool_flow AS f (tool, max_running, max_running_per_key, rate,
+                                rate_per_second, rate_per_key, key_rate_per_second, burst,
+                                updated_by)
+    VALUES ($1, ($2::jsonb->>'max_running')::int, ($2::jsonb->>'max_running_per_key')::int,
+            $2::jsonb->>'rate', ($2::jsonb->>'rate_per_second')::float8,
+            $2::jsonb->>'rate_per_key', ($2::jsonb->>'key_rate_per_second')::float8,
+            coalesce(($2::jsonb->>'burst')::int, 1), $3)
+    ON CONFLICT (tool) DO UPDATE SET
+        max_running = CASE WHEN $2::jsonb ? 'max_running' THEN excluded.max_running
+                           ELSE f.max_running END,
+        max_running_per_key = CASE WHEN $2::jsonb ? 'max_running_per_key'
+                                   THEN excluded.max_running_per_key
+                                   ELSE f.max_running_per_key END,
+        rate = CASE WHEN $2::jsonb ? 'rate' THEN excluded.rate ELSE f.rate END,
+        rate_per_second = CASE WHEN $2::jsonb ? 'rate' THEN excluded.rate_per_second
+                               ELSE f.rate_per_second END,
+        rate_per_key = CASE WHEN $2::jsonb ? 'rate_per_key' THEN excluded.rate_per_key
+                            ELSE f.rate_per_key END,
+        key_rate_per_second = CASE WHEN $2::jsonb ? 'rate_per_key'
+                                   THEN excluded.key_rate_per_second
+                                   ELSE f.key_rate_per_second END,
+        burst = CASE WHEN $2::jsonb ? 'burst' THEN excluded.burst ELSE f.burst END,
+        tokens = CASE WHEN $2::jsonb ?| array['rate', 'burst'] THEN NULL ELSE f.tokens END,
+        tokens_at = CASE WHEN $2::jsonb ?| array['rate', 'burst'] THEN NULL
+                         ELSE f.tokens_at END,
+        updated_at = now(), updated_by = $3
+    RETURNING f.tool
+), keys_reset AS (
+    DELETE FROM tool_flow_keys k USING applied
+    WHERE k.tool = applied.tool AND $2::jsonb ?| array['rate_per_key', 'burst']
+), journal AS (
+    INSERT INTO tool_flow_events (tool, event, details)
+    SELECT tool, 'limits_set', $2::jsonb || jsonb_build_object('by', $3::text) FROM applied
+)
+SELECT tool, tool_job_wake(tool, 1000) AS woken FROM applied;
+
+-- name: pause_tool
+-- Issue 27: no claim of tool $1 starts from now on, on any sidecar (running jobs go on);
+-- $2 the reason, $3 who. Journaled tool_paused. Returns whether it was paused already.
+WITH before AS (
+    SELECT paused_at IS NOT NULL AS was_paused FROM tool_flow WHERE tool = $1
+), paused AS (
+    INSERT INTO tool_flow AS f (tool, paused_at, pause_reason, paused_by, updated_by)
+    VALUES ($1, now(), $2, $3, $3)
+    ON CONFLICT (tool) DO UPDATE
+    SET paused_at = coalesce(f.paused_at, now()), pause_reason = $2, paused_by = $3,
+        updated_at = now(), updated_by = $3
+    RETURNING f.tool, f.paused_at
+), journal AS (
+    INSERT INTO tool_flow_events (tool, event, details)
+    SELECT tool, 'tool_paused', jsonb_build_object('reason', $2::text, 'by', $3::text)
+    FROM paused
+)
+SELECT paused_at, coalesce((SELECT was_paused FROM before), false) AS was_paused
+FROM paused;
+
+-- name: resume_tool
+-- Issue 27: claims of tool $1 start again; every idle sidecar of it is woken. Journaled
+-- tool_resumed with $2 (who). No row when the tool was not paused.
+WITH resumed AS (
+    UPDATE tool_flow SET paused_at = NULL, pause_reason = NULL, paused_by = NULL,
+                         updated_at = now(), updated_by = $2
+    WHERE tool = $1 AND paused_at IS NOT NULL
+    RETURNING tool
+), journal AS (
+    INSERT INTO tool_flow_events (tool, event, details)
+    SELECT tool, 'tool_resumed', jsonb_build_object('by', $2::text) FROM resumed
+)
+SELECT tool, tool_job_wake(tool, 1000) AS woken FROM resumed;
+
+-- name: tool_limits
+-- Issue 27: every tool with a flow row (or only $1), with what it is doing now: jobs
+-- running under a live lease, and queued.
+SELECT f.tool, f.max_running, f.max_running_per_key, f.rate, f.rate_per_key, f.burst,
+       f.rate_per_second, f.key_rate_per_second,
+       f.paused_at, f.pause_reason, f.paused_by, f.updated_at, f.updated_by,
+       (SELECT count(*) FROM tool_jobs j
+        WHERE j.tool = f.tool AND j.state = 'running' AND j.lease_until >= now()) AS running,
+       (SELECT count(*) FROM tool_jobs j
+        WHERE j.tool = f.tool AND j.state = 'queued') AS queued
+FROM tool_flow f
+WHERE $1::text IS NULL OR f.tool = $1
+ORDER BY f.tool;
+
+-- name: running_jobs_of_tool
+-- pause --cancel-running: the jobs of tool $1 running now.
+SELECT id FROM tool_jobs WHERE tool = $1 AND state = 'running' ORDER BY id;
+
+-- name: flow_events
+-- The journal of a tool's flow changes, oldest first ($2 at most, the newest ones).
+SELECT * FROM (
+    SELECT id, tool, event, at, details FROM tool_flow_events
+    WHERE $1::text IS NULL OR tool = $1
+    ORDER BY id DESC LIMIT $2) newest
+ORDER BY id;
