@@ -253,13 +253,15 @@ WITH finished AS (
     WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
       AND state = 'running' AND lease_until > now()
     RETURNING id, tool, fencing_token, attempt, result, idempotency_key, stage, priority,
-              tags, traceparent, tracestate
+              tags, traceparent, tracestate, concurrency_key
 ), next_stage AS (
-    -- inherits the parent's priority, tags (group actions reach it) and trace context
+    -- inherits the parent's priority, tags (group actions reach it), trace context and
+    -- concurrency key (the same tenant's work; migration 016)
     INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, parent_id, stage,
-                           priority, tags, traceparent, tracestate)
+                           priority, tags, traceparent, tracestate, concurrency_key)
     SELECT $13::uuid, $10::text, f.idempotency_key || ':stage:' || (f.stage + 1), $11::jsonb,
-           $12::int, f.id, f.stage + 1, f.priority, f.tags, f.traceparent, f.tracestate
+           $12::int, f.id, f.stage + 1, f.priority, f.tags, f.traceparent, f.tracestate,
+           f.concurrency_key
     FROM finished f
     WHERE $10::text IS NOT NULL
       AND NOT EXISTS (SELECT FROM tool_jobs own
@@ -523,7 +525,7 @@ SELECT state, owner_id, fencing_token FROM tool_jobs WHERE id = $1;
 SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, attempt,
        max_attempts, idempotency_key, payload, result, error, run_after, created_at,
        first_claimed_at, finished_at, parent_id, stage, checkpoint, priority, expires_at, tags,
-       traceparent, tracestate, progress
+       traceparent, tracestate, progress, concurrency_key
 FROM tool_jobs WHERE id = $1;
 
 -- name: job_events
@@ -614,7 +616,7 @@ DELETE FROM tool_idle_sidecars WHERE seen_at < now() - interval '10 minutes';
 
 -- name: set_tool_limits
 -- Issue 27: a tool's limits, set fleet-wide. $2 holds only the fields to change
--- (max_running, max_running_per_key, rate, rate_per_second, rate_per_key,
+-- as JSON text (max_running, max_running_per_key, rate, rate_per_second, rate_per_key,
 -- key_rate_per_second, burst); a field given as null is cleared. A changed rate starts
 -- with a full bucket. Journaled (limits_set, with $3, who), and every idle sidecar of the
 -- tool is woken, so the change takes effect at the next claim.
@@ -622,36 +624,36 @@ WITH applied AS (
     INSERT INTO tool_flow AS f (tool, max_running, max_running_per_key, rate,
                                 rate_per_second, rate_per_key, key_rate_per_second, burst,
                                 updated_by)
-    VALUES ($1, ($2::jsonb->>'max_running')::int, ($2::jsonb->>'max_running_per_key')::int,
-            $2::jsonb->>'rate', ($2::jsonb->>'rate_per_second')::float8,
-            $2::jsonb->>'rate_per_key', ($2::jsonb->>'key_rate_per_second')::float8,
-            coalesce(($2::jsonb->>'burst')::int, 1), $3)
+    VALUES ($1, ($2::text::jsonb->>'max_running')::int, ($2::text::jsonb->>'max_running_per_key')::int,
+            $2::text::jsonb->>'rate', ($2::text::jsonb->>'rate_per_second')::float8,
+            $2::text::jsonb->>'rate_per_key', ($2::text::jsonb->>'key_rate_per_second')::float8,
+            coalesce(($2::text::jsonb->>'burst')::int, 1), $3)
     ON CONFLICT (tool) DO UPDATE SET
-        max_running = CASE WHEN $2::jsonb ? 'max_running' THEN excluded.max_running
+        max_running = CASE WHEN $2::text::jsonb ? 'max_running' THEN excluded.max_running
                            ELSE f.max_running END,
-        max_running_per_key = CASE WHEN $2::jsonb ? 'max_running_per_key'
+        max_running_per_key = CASE WHEN $2::text::jsonb ? 'max_running_per_key'
                                    THEN excluded.max_running_per_key
                                    ELSE f.max_running_per_key END,
-        rate = CASE WHEN $2::jsonb ? 'rate' THEN excluded.rate ELSE f.rate END,
-        rate_per_second = CASE WHEN $2::jsonb ? 'rate' THEN excluded.rate_per_second
+        rate = CASE WHEN $2::text::jsonb ? 'rate' THEN excluded.rate ELSE f.rate END,
+        rate_per_second = CASE WHEN $2::text::jsonb ? 'rate' THEN excluded.rate_per_second
                                ELSE f.rate_per_second END,
-        rate_per_key = CASE WHEN $2::jsonb ? 'rate_per_key' THEN excluded.rate_per_key
+        rate_per_key = CASE WHEN $2::text::jsonb ? 'rate_per_key' THEN excluded.rate_per_key
                             ELSE f.rate_per_key END,
-        key_rate_per_second = CASE WHEN $2::jsonb ? 'rate_per_key'
+        key_rate_per_second = CASE WHEN $2::text::jsonb ? 'rate_per_key'
                                    THEN excluded.key_rate_per_second
                                    ELSE f.key_rate_per_second END,
-        burst = CASE WHEN $2::jsonb ? 'burst' THEN excluded.burst ELSE f.burst END,
-        tokens = CASE WHEN $2::jsonb ?| array['rate', 'burst'] THEN NULL ELSE f.tokens END,
-        tokens_at = CASE WHEN $2::jsonb ?| array['rate', 'burst'] THEN NULL
+        burst = CASE WHEN $2::text::jsonb ? 'burst' THEN excluded.burst ELSE f.burst END,
+        tokens = CASE WHEN $2::text::jsonb ?| array['rate', 'burst'] THEN NULL ELSE f.tokens END,
+        tokens_at = CASE WHEN $2::text::jsonb ?| array['rate', 'burst'] THEN NULL
                          ELSE f.tokens_at END,
         updated_at = now(), updated_by = $3
     RETURNING f.tool
 ), keys_reset AS (
     DELETE FROM tool_flow_keys k USING applied
-    WHERE k.tool = applied.tool AND $2::jsonb ?| array['rate_per_key', 'burst']
+    WHERE k.tool = applied.tool AND $2::text::jsonb ?| array['rate_per_key', 'burst']
 ), journal AS (
     INSERT INTO tool_flow_events (tool, event, details)
-    SELECT tool, 'limits_set', $2::jsonb || jsonb_build_object('by', $3::text) FROM applied
+    SELECT tool, 'limits_set', $2::text::jsonb || jsonb_build_object('by', $3::text) FROM applied
 )
 SELECT tool, tool_job_wake(tool, 1000) AS woken FROM applied;
 

@@ -1,0 +1,467 @@
+"""Flow control in the claim (issue 27): caps per tool and per key, rates, keys in turn,
+pause and resume, enforced by the claim statement every sidecar runs against a real
+PostgreSQL. Claims here are the sidecar's own statement (Store.claim) on connections of
+their own, as many sidecars would run it; the invariants are read back from the database.
+The command line and real sidecars are in tests/test_flow_commands.py."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import asyncpg
+import pytest
+
+from sidecar import db
+from sidecar.enqueue_args import EnqueueOptions
+from sidecar.flow import ClaimHeld, Held, limit_changes, parse_rate
+from sidecar.model import ClaimedJob, JobState, RawJson
+from sidecar.store import Store
+from tests.kit import run
+
+LEASE = 60.0  # long enough that no lease ends by itself during a test
+
+
+class Fleet:
+    """``size`` claimers, each a Store on a one-connection pool of its own (as separate
+    sidecars would be), and one more Store for enqueues, limits and checks."""
+
+    def __init__(self, dsn: str, size: int):
+        self.dsn, self.size = dsn, size
+        self.pools: list[asyncpg.Pool] = []
+        self.stores: list[Store] = []
+        self.admin: Store | None = None
+
+    async def __aenter__(self) -> Fleet:
+        for _ in range(self.size + 1):
+            pool = await db.create_pool(self.dsn, 30, max_size=1)
+            self.pools.append(pool)
+            self.stores.append(Store(pool, 30))
+        self.admin = self.stores.pop()
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        for pool in self.pools:
+            await pool.close()
+
+    async def enqueue(self, tool: str, count: int, key: str | None = None,
+                      priority: int = 0) -> list[uuid.UUID]:
+        ids = []
+        for _ in range(count):
+            job_id, _ = await self.admin.enqueue(
+                tool, RawJson("{}"), None, 3, {"by": "test"},
+                EnqueueOptions(priority=priority, concurrency_key=key))
+            ids.append(job_id)
+        return ids
+
+    async def claim_all(self, tool: str, who: list[int] | None = None) -> list:
+        """One claim from each claimer (or those in ``who``) at once."""
+        who = list(range(self.size)) if who is None else who
+        return list(await asyncio.gather(*(
+            self.stores[i].claim(tool, f"owner-{i}", LEASE, None, 3) for i in who)))
+
+    async def running(self, tool: str) -> dict[str, int]:
+        """Jobs running under a live lease, by concurrency key ('' = none)."""
+        rows = await self.admin.db.fetch(
+            "SELECT concurrency_key, count(*) AS n FROM tool_jobs WHERE tool = $1 "
+            "AND state = 'running' AND lease_until >= now() GROUP BY 1", tool)
+        return {row["concurrency_key"]: row["n"] for row in rows}
+
+    async def finish(self, job: ClaimedJob, owner: str) -> None:
+        assert await self.admin.finish_if_owner(job, owner, JobState.SUCCEEDED, RawJson("{}"),
+                                                None, "job_succeeded", {})
+
+
+def claimed(results: list) -> list[ClaimedJob]:
+    return [r for r in results if isinstance(r, ClaimedJob)]
+
+
+def test_max_running_holds_under_concurrent_claims_and_a_freed_slot_is_taken(dsn):
+    async def go():
+        async with Fleet(dsn, 12) as fleet:
+            await fleet.enqueue("erp", 20)
+            await fleet.admin.set_limits("erp", limit_changes(max_running=3), "test")
+            first = await fleet.claim_all("erp")
+            got = claimed(first)
+            assert len(got) == 3
+            # Every other claim says why it took nothing.
+            assert {r for r in first if not isinstance(r, ClaimedJob)} == {
+                ClaimHeld(Held.MAX_RUNNING)}
+            assert sum((await fleet.running("erp")).values()) == 3
+            # A second round takes nothing more: queued jobs stay queued, no attempt spent.
+            assert not claimed(await fleet.claim_all("erp"))
+            spent = await fleet.admin.db.fetchval(
+                "SELECT count(*) FROM tool_jobs WHERE tool = 'erp' AND state = 'queued' "
+                "AND attempt > 0")
+            assert spent == 0
+            # One ends: exactly one more starts.
+            owner = next(i for i, r in enumerate(first) if isinstance(r, ClaimedJob))
+            await fleet.finish(first[owner], f"owner-{owner}")
+            assert len(claimed(await fleet.claim_all("erp"))) == 1
+            assert sum((await fleet.running("erp")).values()) == 3
+
+    run(go())
+
+
+def test_an_expired_lease_frees_its_slot(dsn):
+    async def go():
+        async with Fleet(dsn, 2) as fleet:
+            await fleet.enqueue("api", 3)
+            await fleet.admin.set_limits("api", limit_changes(max_running=1), "test")
+            job = await fleet.stores[0].claim("api", "owner-0", LEASE, None, 3)
+            assert isinstance(job, ClaimedJob)
+            assert await fleet.stores[1].claim("api", "owner-1", LEASE, None, 3) == \
+                ClaimHeld(Held.MAX_RUNNING)
+            # The owner gives its lease up (the sidecar's own statement when it abandons a
+            # job): the lease is over by the database's clock, and the slot is free.
+            conn = await asyncpg.connect(dsn)
+            try:
+                assert await Store.expire_lease_if_owner(conn, "owner-0", job.id,
+                                                         job.fencing_token, 10)
+            finally:
+                await conn.close()
+            again = await fleet.stores[1].claim("api", "owner-1", LEASE, None, 3)
+            assert isinstance(again, ClaimedJob)
+            # The expired attempt is taken over first, under a new token.
+            assert again.id == job.id and again.fencing_token == job.fencing_token + 1
+            assert sum((await fleet.running("api")).values()) == 1
+
+    run(go())
+
+
+def test_per_key_caps_hold_and_other_keys_go_on(dsn):
+    async def go():
+        async with Fleet(dsn, 8) as fleet:
+            await fleet.enqueue("browser", 10, key="acct-a")
+            await fleet.enqueue("browser", 10, key="acct-b")
+            await fleet.enqueue("browser", 2)  # no key: never held by a per-key cap
+            await fleet.admin.set_limits("browser", limit_changes(max_running_per_key=1),
+                                         "test")
+            for _ in range(3):
+                await fleet.claim_all("browser")
+            running = await fleet.running("browser")
+            assert running == {"acct-a": 1, "acct-b": 1, "": 2}
+            held = await fleet.stores[0].claim("browser", "owner-0", LEASE, None, 3)
+            assert held == ClaimHeld(Held.MAX_RUNNING_PER_KEY)
+
+    run(go())
+
+
+def test_keys_take_turns_so_a_backlog_does_not_delay_another_keys_first_job(dsn):
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.admin.db.execute(
+                "INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, "
+                "concurrency_key) SELECT gen_random_uuid(), 'ocr', gen_random_uuid()::text, "
+                "'{}', 3, 'tenant-a' FROM generate_series(1, 1000)")
+            b_jobs = set(await fleet.enqueue("ocr", 10, key="tenant-b"))
+            await fleet.admin.set_limits("ocr", limit_changes(max_running=2), "test")
+            store, order, held = fleet.stores[0], [], []
+            for _ in range(6):
+                job = await store.claim("ocr", "owner-0", LEASE, None, 3)
+                if isinstance(job, ClaimHeld):  # both slots taken: end the oldest
+                    await fleet.finish(held.pop(0), "owner-0")
+                    job = await store.claim("ocr", "owner-0", LEASE, None, 3)
+                assert isinstance(job, ClaimedJob)
+                order.append("b" if job.id in b_jobs else "a")
+                held.append(job)
+            assert "b" in order[:3], order
+            assert order == ["a", "b", "a", "b", "a", "b"], order
+
+    run(go())
+
+
+def test_round_robin_visits_every_key_and_keeps_priority_within_a_key(dsn):
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            low = await fleet.enqueue("t", 2, key="k1", priority=5)
+            high = await fleet.enqueue("t", 1, key="k1", priority=0)
+            await fleet.enqueue("t", 2, key="k2")
+            await fleet.enqueue("t", 2, key="k3")
+            unkeyed = await fleet.enqueue("t", 2)
+            keys = []
+            for _ in range(9):
+                job = await fleet.stores[0].claim("t", "o", LEASE, None, 3)
+                assert isinstance(job, ClaimedJob)
+                row = await fleet.admin.get_job(job.id)
+                keys.append(row["concurrency_key"])
+                if row["concurrency_key"] == "k1" and keys.count("k1") == 1:
+                    assert job.id in high  # priority first within the key
+            # No key ('') is a key of its own in the turns; each key once per round.
+            assert keys == ["", "k1", "k2", "k3", "", "k1", "k2", "k3", "k1"], keys
+            assert set(unkeyed) | set(low) <= {
+                r["id"] for r in await fleet.admin.db.fetch(
+                    "SELECT id FROM tool_jobs WHERE state = 'running'")}
+            assert await fleet.stores[0].claim("t", "o", LEASE, None, 3) is None
+
+    run(go())
+
+
+def test_pause_stops_every_claim_of_the_tool_and_resume_lets_them_start(dsn):
+    async def go():
+        async with Fleet(dsn, 4) as fleet:
+            await fleet.enqueue("erp", 4)
+            await fleet.enqueue("other", 1)
+            row = await fleet.admin.pause("erp", "ERP down for maintenance", "test")
+            assert row["was_paused"] is False
+            results = await fleet.claim_all("erp")
+            assert results == [ClaimHeld(Held.PAUSED)] * 4
+            # Another tool is not paused.
+            assert isinstance(await fleet.stores[0].claim("other", "o", LEASE, None, 3),
+                              ClaimedJob)
+            assert (await fleet.admin.pause("erp", None, "test"))["was_paused"] is True
+            assert await fleet.admin.resume("erp", "test") is True
+            assert await fleet.admin.resume("erp", "test") is False
+            assert len(claimed(await fleet.claim_all("erp"))) == 4
+            events = [(r["tool"], r["event"]) for r in await fleet.admin.flow_events(None, 10)]
+            assert events == [("erp", "tool_paused"), ("erp", "tool_paused"),
+                              ("erp", "tool_resumed")]
+
+    run(go())
+
+
+def test_a_rate_is_a_token_bucket_on_the_database_clock(dsn):
+    async def go():
+        async with Fleet(dsn, 4) as fleet:
+            await fleet.enqueue("search", 40)
+            await fleet.admin.set_limits("search", limit_changes(rate="5/s"), "test")
+            start = await fleet.admin.db.fetchval("SELECT clock_timestamp()")
+            got, waits = 0, []
+            while got < 6:
+                for result in await fleet.claim_all("search"):
+                    if isinstance(result, ClaimedJob):
+                        got += 1
+                    else:
+                        assert result.reason == Held.RATE
+                        waits.append(result.retry_in)
+                await asyncio.sleep(0.02)
+            end = await fleet.admin.db.fetchval("SELECT clock_timestamp()")
+            elapsed = (end - start).total_seconds()
+            # Burst 1: at most 1 + 5/s x elapsed claims, whatever the claimers did.
+            total = await fleet.admin.db.fetchval(
+                "SELECT count(*) FROM tool_jobs WHERE tool = 'search' AND state = 'running'")
+            assert total <= 1 + 5 * elapsed, (total, elapsed)
+            # A held claim says how long until the next token: at most one token's time.
+            assert waits and all(0 < w <= 0.2 + 1e-6 for w in waits), waits
+
+    run(go())
+
+
+def test_a_per_key_rate_holds_each_key_alone(dsn):
+    async def go():
+        async with Fleet(dsn, 2) as fleet:
+            await fleet.enqueue("api", 5, key="a")
+            await fleet.enqueue("api", 5, key="b")
+            await fleet.admin.set_limits("api", limit_changes(rate_per_key="1/m"), "test")
+            results = [await fleet.stores[0].claim("api", "o", LEASE, None, 3)
+                       for _ in range(3)]
+            assert len(claimed(results)) == 2  # one of each key, then both buckets empty
+            assert results[2].reason == Held.RATE_PER_KEY
+            assert 0 < results[2].retry_in <= 60
+            assert await fleet.running("api") == {"a": 1, "b": 1}
+
+    run(go())
+
+
+def test_a_keyed_job_gives_its_tool_fair_claims_and_unkeyed_jobs_still_run(dsn):
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            assert await fleet.admin.limits("mixed") == []
+            await fleet.enqueue("mixed", 1)
+            await fleet.enqueue("mixed", 1, key="k")
+            [row] = await fleet.admin.limits("mixed")
+            assert row["max_running"] is None and row["queued"] == 2
+            got = [await fleet.stores[0].claim("mixed", "o", LEASE, None, 3) for _ in range(3)]
+            assert len(claimed(got)) == 2 and got[2] is None
+
+    run(go())
+
+
+def test_a_limited_claim_refuses_an_isolation_level_that_would_count_stale_rows(dsn):
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.enqueue("erp", 1)
+            await fleet.admin.set_limits("erp", limit_changes(max_running=1), "test")
+            conn = await asyncpg.connect(dsn)
+            try:
+                async with conn.transaction(isolation="repeatable_read"):
+                    from sidecar.queries import Q
+                    with pytest.raises(asyncpg.PostgresError, match="READ COMMITTED"):
+                        await conn.fetch(Q["claim_job"], "erp", "o", LEASE, None, 3)
+            finally:
+                await conn.close()
+
+    run(go())
+
+
+def test_a_freed_slot_wakes_one_idle_sidecar_at_commit(dsn):
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.enqueue("erp", 2)
+            await fleet.admin.set_limits("erp", limit_changes(max_running=1), "test")
+            job = await fleet.stores[0].claim("erp", "owner-0", LEASE, None, 3)
+            assert isinstance(job, ClaimedJob)
+            listener = await asyncpg.connect(dsn)
+            woken: asyncio.Queue = asyncio.Queue()
+            try:
+                await listener.add_listener("idle_test_channel",
+                                            lambda *args: woken.put_nowait(args[3]))
+                await fleet.admin.register_idle("idle-1", "erp", "idle_test_channel")
+                ender = await asyncpg.connect(dsn)
+                try:
+                    async with ender.transaction():
+                        await ender.execute("UPDATE tool_jobs SET state = 'failed', "
+                                            "finished_at = now() WHERE id = $1", job.id)
+                        await asyncio.sleep(0.2)
+                        assert woken.empty()  # not before the end commits
+                finally:
+                    await ender.close()
+                assert await asyncio.wait_for(woken.get(), 10) == "erp"
+            finally:
+                await listener.close()
+
+    run(go())
+
+
+# --- the property: random fleets, limits, ends and expiries ------------------------------
+
+CLAIMABLE = """
+SELECT count(*) FROM tool_jobs j
+WHERE j.tool = $1
+  AND (j.state = 'queued' OR (j.state = 'running' AND j.lease_until < now()
+                              AND j.attempt < j.max_attempts))
+  AND (j.concurrency_key = '' OR $2::int IS NULL OR (
+       SELECT count(*) FROM tool_jobs r
+       WHERE r.tool = j.tool AND r.state = 'running' AND r.lease_until >= now()
+         AND r.concurrency_key = j.concurrency_key) < $2::int)
+"""
+
+CLOCK = "SELECT extract(epoch FROM clock_timestamp())::float8"  # the database's, seconds
+
+
+def _random_limits(rng) -> dict:
+    """Some of the limits set to random values, some cleared (null), the rest kept."""
+    changes: dict = {}
+    if rng.random() < 0.7:
+        changes["max_running"] = rng.choice([None, 1, 2, 3, 5])
+    if rng.random() < 0.5:
+        changes["max_running_per_key"] = rng.choice([None, 1, 2])
+    if rng.random() < 0.3:
+        rate = rng.choice([None, "40/s", "120/s"])
+        changes["rate"] = rate
+        changes["rate_per_second"] = parse_rate(rate, "rate")[1] if rate else None
+    if rng.random() < 0.3:
+        changes["burst"] = rng.choice([1, 3])
+    return changes
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_property_no_claim_breaks_a_limit_and_no_free_slot_is_left_idle(dsn, seed):
+    """Random fleets (2-6 claimers), random limits changed as the fleet runs, random job
+    ends, lease expiries (the owner's own expire statement), pauses and enqueues. At every
+    step, from the database: a step with claims leaves running <= max_running and each
+    claimed key <= max_running_per_key; no claim while paused; claims over any window with
+    one rate <= burst + rate x window (database clock); and when the database shows a
+    claimable job with a free slot and no rate set, a claim takes one."""
+    import random
+
+    rng = random.Random(seed)
+    tool = "prop"
+
+    async def go():
+        async with Fleet(dsn, rng.randint(2, 6)) as fleet:
+            keys = [f"k{i}" for i in range(rng.randint(1, 4))] + [None]
+            for _ in range(rng.randint(10, 30)):
+                await fleet.enqueue(tool, 1, key=rng.choice(keys))
+            limits = {"max_running": None, "max_running_per_key": None, "rate": None,
+                      "burst": 1}
+            paused = False
+            held: dict[uuid.UUID, tuple[ClaimedJob, str]] = {}
+            windows: list[tuple[float, float, int]] = []  # one rate's steps: t0, t1, claims
+
+            async def change_limits():
+                changes = _random_limits(rng)
+                if not changes:
+                    return
+                await fleet.admin.set_limits(tool, changes, "property")
+                for name in ("max_running", "max_running_per_key", "rate", "burst"):
+                    if name in changes:
+                        limits[name] = changes[name]
+                if "rate" in changes or "burst" in changes:
+                    windows.clear()  # a new bucket, full
+
+            await change_limits()
+            for step in range(30):
+                # Between steps: ends, expiries, limit changes, pauses, more jobs.
+                for job_id in list(held):
+                    job, owner = held[job_id]
+                    roll = rng.random()
+                    if roll < 0.3:
+                        await fleet.finish(job, owner)
+                        del held[job_id]
+                    elif roll < 0.4:
+                        conn = await asyncpg.connect(dsn)
+                        try:
+                            assert await Store.expire_lease_if_owner(
+                                conn, owner, job.id, job.fencing_token, 10)
+                        finally:
+                            await conn.close()
+                        del held[job_id]
+                await fleet.admin.fail_exhausted_leases(tool)
+                if rng.random() < 0.2:
+                    await change_limits()
+                if rng.random() < 0.1:
+                    if paused:
+                        await fleet.admin.resume(tool, "property")
+                    else:
+                        await fleet.admin.pause(tool, None, "property")
+                    paused = not paused
+                if rng.random() < 0.3:
+                    await fleet.enqueue(tool, rng.randint(1, 5), key=rng.choice(keys))
+
+                who = rng.sample(range(fleet.size), rng.randint(1, fleet.size))
+                t0 = await fleet.admin.db.fetchval(CLOCK)
+                results = await fleet.claim_all(tool, who)
+                # One more claim on its own: when a job can start, it must.
+                running = await fleet.running(tool)
+                claimable = await fleet.admin.db.fetchval(CLAIMABLE, tool,
+                                                          limits["max_running_per_key"])
+                room = (limits["max_running"] is None
+                        or sum(running.values()) < limits["max_running"])
+                single = await fleet.stores[who[0]].claim(tool, f"owner-{who[0]}", LEASE,
+                                                          None, 3)
+                results.append(single)
+                who.append(who[0])
+                t1 = await fleet.admin.db.fetchval(CLOCK)
+                after = await fleet.running(tool)
+                new = [(r, i) for r, i in zip(results, who, strict=True)
+                       if isinstance(r, ClaimedJob)]
+                for job, i in new:
+                    held[job.id] = (job, f"owner-{i}")
+                context = (seed, step, limits, paused, running, after, results)
+
+                if paused:
+                    assert not new and all(r == ClaimHeld(Held.PAUSED) for r in results), \
+                        context
+                    continue
+                if new and limits["max_running"] is not None:
+                    assert sum(after.values()) <= limits["max_running"], context
+                if limits["max_running_per_key"] is not None:
+                    rows = await fleet.admin.db.fetch(
+                        "SELECT concurrency_key FROM tool_jobs WHERE id = ANY($1::uuid[])",
+                        [job.id for job, _ in new])
+                    for key in {row["concurrency_key"] for row in rows} - {""}:
+                        assert after.get(key, 0) <= limits["max_running_per_key"], context
+                if limits["rate"] is not None:
+                    rate = parse_rate(limits["rate"], "rate")[1]
+                    windows.append((t0, t1, len(new)))
+                    for i in range(len(windows)):
+                        count = sum(n for _, _, n in windows[i:])
+                        assert count <= limits["burst"] + rate * (t1 - windows[i][0]) + 1e-9, \
+                            (context, windows)
+                elif room and claimable:
+                    # Liveness: a slot is free and a job may take it: the single claim (or
+                    # one of the concurrent ones) took a job.
+                    assert new, context
+
+    run(go())
