@@ -74,7 +74,8 @@ async def run_pruner(store: Store, settings: Settings, tool: str,
                      period: float = PRUNE_PERIOD_SECONDS) -> None:
     """Prune every ``period`` seconds (the first time 1-5 s after start, at a random
     moment, so sidecars started together do not all try at once) until cancelled; also
-    forget idle registrations of sidecars that died (migration 008). Logs
+    forget idle registrations of sidecars that died (migration 008) and per-key rate
+    buckets that refilled (migration 016: a missing bucket is a full one). Logs
     ``jobs_pruned`` when something was deleted; a database error is logged
     (``prune_error``) and tried again next period. The periodic service ``pruner``
     (sidecar.periodic)."""
@@ -82,6 +83,7 @@ async def run_pruner(store: Store, settings: Settings, tool: str,
 
     async def step() -> None:
         await store.forget_dead_idle()
+        await store.forget_full_key_buckets()
         done = await prune(store, ages, pause=0.05)
         if done["jobs"]:
             log.emit("jobs_pruned", tool=tool, jobs=done["jobs"], events=done["events"],

@@ -517,6 +517,12 @@ class Store:
         """Take this sidecar off the idle list (it stops, or stops listening)."""
         await self.db.execute(Q["unregister_idle_sidecar"], owner_id, timeout=self.timeout)
 
+    async def forget_full_key_buckets(self) -> None:
+        """Delete per-key rate buckets that have refilled (or whose tool has no per-key
+        rate any more): a missing bucket is a full one, so the table holds only keys
+        claimed recently (issue 27)."""
+        await self.db.execute(Q["forget_full_key_buckets"], timeout=self.timeout)
+
     async def forget_dead_idle(self) -> None:
         """Delete idle registrations their sidecars stopped refreshing long ago."""
         await self.db.execute(Q["forget_dead_idle_sidecars"], timeout=self.timeout)

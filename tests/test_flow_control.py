@@ -465,3 +465,42 @@ def test_property_no_claim_breaks_a_limit_and_no_free_slot_is_left_idle(dsn, see
                     assert new, context
 
     run(go())
+
+
+def test_refilled_per_key_buckets_are_forgotten_and_fresh_ones_kept(dsn):
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.enqueue("fast", 1, key="a")
+            await fleet.enqueue("slow", 1, key="a")
+            await fleet.admin.set_limits("fast", limit_changes(rate_per_key="600/m"), "test")
+            await fleet.admin.set_limits("slow", limit_changes(rate_per_key="1/m"), "test")
+            for tool in ("fast", "slow"):
+                assert isinstance(await fleet.stores[0].claim(tool, "o", LEASE, None, 3),
+                                  ClaimedJob)
+            buckets = "SELECT tool FROM tool_flow_keys ORDER BY tool"
+            assert [r["tool"] for r in await fleet.admin.db.fetch(buckets)] == ["fast", "slow"]
+            # 600/m refills its one token in 0.1 s of the database's clock.
+            await fleet.admin.db.execute("SELECT pg_sleep(0.2)")
+            await fleet.admin.forget_full_key_buckets()
+            assert [r["tool"] for r in await fleet.admin.db.fetch(buckets)] == ["slow"]
+
+    run(go())
+
+
+def test_the_scalers_demand_counts_only_what_may_run(dsn):
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.enqueue("erp", 10)
+            demand = "SELECT tool_job_demand('erp')"
+            assert await fleet.admin.db.fetchval(demand) == 10
+            await fleet.admin.set_limits("erp", limit_changes(max_running=4), "test")
+            assert await fleet.admin.db.fetchval(demand) == 4
+            assert isinstance(await fleet.stores[0].claim("erp", "o", LEASE, None, 3),
+                              ClaimedJob)
+            await fleet.admin.pause("erp", None, "test")
+            assert await fleet.admin.db.fetchval(demand) == 1  # the one running
+            await fleet.admin.resume("erp", "test")
+            await fleet.admin.set_limits("erp", limit_changes(clear=True), "test")
+            assert await fleet.admin.db.fetchval(demand) == 10
+
+    run(go())

@@ -716,3 +716,14 @@ SELECT * FROM (
     WHERE $1::text IS NULL OR tool = $1
     ORDER BY id DESC LIMIT $2) newest
 ORDER BY id;
+
+-- name: forget_full_key_buckets
+-- Per-key buckets that refilled (burst / rate seconds after their last claim), or of a
+-- tool without a per-key rate now. A missing bucket is a full one, so nothing changes for
+-- the claim; a bucket a claim refreshes meanwhile is re-checked under its row lock and
+-- kept.
+DELETE FROM tool_flow_keys k
+USING tool_flow f
+WHERE k.tool = f.tool
+  AND (f.key_rate_per_second IS NULL
+       OR k.tokens_at < now() - (f.burst / f.key_rate_per_second) * interval '1 second');

@@ -572,12 +572,37 @@ LANGUAGE sql VOLATILE AS $$
         '{"by": "sidecar_enqueue"}'::jsonb, $11) e
 $$;
 
+-- The scaler's demand (KEDA) counts only what may run: a paused tool wants no more than
+-- its jobs running now, a capped one no more than max_running. The rest of the backlog
+-- would only start pods that wait. (Per-key caps are not counted: the keys' turns need
+-- the claim's walk.) As migration 013 says, a CREATE OR REPLACE resets SECURITY DEFINER
+-- and the search_path, said again below.
+CREATE OR REPLACE FUNCTION tool_job_demand(wanted_tool text) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    WITH wanted AS (
+        SELECT count(*) FILTER (WHERE j.state = 'running' AND j.lease_until >= now())
+                   AS running,
+               count(*) AS claimable
+        FROM tool_jobs j
+        WHERE j.tool = wanted_tool
+          AND ((j.state = 'queued' AND j.run_after <= now())
+               OR (j.state = 'running' AND (j.lease_until >= now()
+                                            OR j.attempt < j.max_attempts
+                                            OR tool_job_expiry_refunded(j))))
+    )
+    SELECT CASE WHEN f.paused_at IS NOT NULL THEN w.running
+                ELSE least(w.claimable, coalesce(f.max_running, w.claimable)) END
+    FROM wanted w LEFT JOIN tool_flow f ON f.tool = wanted_tool
+$$;
+
 -- The functions find the queue's tables in their own schema whatever the search_path of
 -- the session that ends a job or claims one (pg_temp last).
 DO $$
 DECLARE
     home text := current_schema();
 BEGIN
+    EXECUTE format('ALTER FUNCTION %I.tool_job_demand(text) SECURITY DEFINER '
+                   'SET search_path = %I, pg_temp', home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_job_keyed_flow() SET search_path = %I, pg_temp',
                    home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_job_slot_freed() SET search_path = %I, pg_temp',
