@@ -600,9 +600,9 @@ def cmd_resume(args, settings: Settings) -> int:
         async with open_store(settings) as store:
             return await store.resume(tool, _operator("resume"))
 
-    resumed = run_async(settings, go())
-    _print_json({"tool": tool, "resumed": resumed,
-                 **({} if resumed else {"note": "the tool was not paused"})})
+    if not run_async(settings, go()):
+        raise SidecarError(f"tool {tool} is not paused; nothing to resume")
+    _print_json({"tool": tool, "resumed": True})
     return 0
 
 
@@ -938,7 +938,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running", type=_int_from(1, 1_000_000), metavar="N",
                    help="at most N jobs of TOOL running at once, fleet-wide")
     p.add_argument("--max-running-per-key", type=_int_from(1, 1_000_000), metavar="N",
-                   help="at most N running at once per --concurrency-key")
+                   help="at most N running at once per --concurrency-key (jobs without a "
+                        "key are not held by it)")
     p.add_argument("--rate", metavar="N/s|N/m",
                    help="at most N claims of TOOL per second or minute (a token bucket)")
     p.add_argument("--rate-per-key", metavar="N/s|N/m", help="the same, per key")
@@ -952,7 +953,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("pause", cmd_pause, "stop every claim of TOOL fleet-wide (running jobs finish); "
             "`sidecar resume TOOL` undoes it")
     p.add_argument("tool", metavar="TOOL")
-    p.add_argument("--reason", metavar="TEXT", help="shown by limits, jobs and /readyz")
+    p.add_argument("--reason", metavar="TEXT",
+                   help="shown by limits, jobs and /readyz (a second pause without one "
+                        "keeps the first's)")
     p.add_argument("--cancel-running", action="store_true",
                    help="also cancel the running jobs (their trees die as with cancel)")
     p = add("resume", cmd_resume, "let claims of a paused TOOL start again")

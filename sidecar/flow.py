@@ -18,7 +18,8 @@ from sidecar.errors import UsageError
 
 # The largest cap and burst accepted; a larger one is a typo, not a limit.
 MAX_CAP = 1_000_000
-# The highest rate accepted (tokens per second); the lowest is 1/m.
+# The rates accepted, in tokens per second: from 1/m to 100,000/s.
+MIN_RATE_PER_SECOND = 1 / 60
 MAX_RATE_PER_SECOND = 100_000.0
 MAX_KEY_CHARS = 256
 MAX_REASON_CHARS = 500
@@ -27,14 +28,17 @@ _PERIOD_SECONDS = {"s": 1.0, "m": 60.0}
 
 
 class Held(StrEnum):
-    """Why a claim of a tool with flow limits took nothing although the tool may have
-    queued jobs (the claim's ``blocked`` column)."""
+    """Why a claim of a tool with a flow row took nothing although the tool may have
+    queued jobs (the claim's ``blocked`` column, migration 016)."""
 
     PAUSED = "paused"
     MAX_RUNNING = "max_running"
     MAX_RUNNING_PER_KEY = "max_running_per_key"
     RATE = "rate"
     RATE_PER_KEY = "rate_per_key"
+    # Not a limit: the claim visited its bound of keys with no due job among them; the
+    # next claim goes on from there at once.
+    MORE_KEYS = "more_keys"
 
 
 @dataclass(frozen=True)
@@ -50,16 +54,17 @@ class ClaimHeld:
 
 def parse_rate(text: str, option: str) -> tuple[str, float]:
     """``"10/s"`` or ``"600/m"`` (a count per second or per minute) -> ``(text,
-    tokens per second)``; UsageError naming ``option`` for anything else, or a rate of 0
-    or above MAX_RATE_PER_SECOND."""
+    tokens per second)``; UsageError naming ``option`` for anything else, or a rate below
+    1/m or above MAX_RATE_PER_SECOND."""
     match = _RATE.fullmatch(text.strip())
     if match is None:
-        raise UsageError(f"{option} {text[:40]!r}: give N/s or N/m, e.g. 10/s or 600/m")
+        raise UsageError(f"{option} {text[:40]!r}: give N/s or N/m (N a number with at "
+                         "most 6 decimals), e.g. 10/s or 600/m")
     count, unit = float(match.group(1)), match.group(2)
     per_second = count / _PERIOD_SECONDS[unit]
-    if not 0 < per_second <= MAX_RATE_PER_SECOND:
-        raise UsageError(f"{option} {text[:40]!r}: must be more than 0 and at most "
-                         f"{MAX_RATE_PER_SECOND:g}/s")
+    if not MIN_RATE_PER_SECOND - 1e-12 <= per_second <= MAX_RATE_PER_SECOND:
+        raise UsageError(f"{option} {text[:40]!r}: must be from 1/m to "
+                         f"{MAX_RATE_PER_SECOND:,.0f}/s")
     return f"{match.group(1)}/{unit}", per_second
 
 
@@ -71,8 +76,10 @@ def check_cap(value: int, option: str) -> int:
 
 
 def check_concurrency_key(key: str, option: str = "--concurrency-key") -> str:
-    """``key`` if it is 1-256 printable characters of valid UTF-8 (the database checks
-    the same in ``tool_job_enqueue``); else UsageError naming ``option``."""
+    """``key`` if it is 1-256 printable characters of valid UTF-8; else UsageError
+    naming ``option``. (``tool_job_enqueue`` refuses control characters and blank keys
+    too; separators other than the space, which Python does not call printable, only
+    the CLI and the client refuse.)"""
     if not key.strip() or len(key) > MAX_KEY_CHARS or not key.isprintable():
         raise UsageError(f"{option} must be 1-{MAX_KEY_CHARS} printable characters, "
                          "e.g. tenant-42")
@@ -84,13 +91,13 @@ def check_concurrency_key(key: str, option: str = "--concurrency-key") -> str:
 
 
 def check_reason(text: str) -> str:
-    """A pause's reason: at most MAX_REASON_CHARS printable characters of valid UTF-8."""
-    if len(text) > MAX_REASON_CHARS or not text.isprintable():
-        raise UsageError(f"--reason must be at most {MAX_REASON_CHARS} printable characters")
+    """A pause's reason: 1 to MAX_REASON_CHARS printable characters of valid UTF-8."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
         raise UsageError("--reason is not valid UTF-8") from None
+    if not text.strip() or len(text) > MAX_REASON_CHARS or not text.isprintable():
+        raise UsageError(f"--reason must be 1-{MAX_REASON_CHARS} printable characters")
     return text
 
 

@@ -41,7 +41,7 @@ PRUNED_TABLES = ("tool_jobs", "tool_job_events", "tool_job_outbox")
 # claimed (a job), empty (none eligible), or the flow limit that held every eligible one
 # back (issue 27: sidecar.flow.Held).
 CLAIM_OUTCOMES = ("claimed", "empty", "paused", "max_running", "max_running_per_key", "rate",
-                  "rate_per_key")
+                  "rate_per_key", "more_keys")
 GUARD_REFUSALS = tuple(ConnectionRefusal)
 
 JOBS_CLAIMED = Counter("sidecar_jobs_claimed", "Jobs claimed (P4).", _TP)

@@ -520,8 +520,10 @@ class Store:
     async def forget_full_key_buckets(self) -> None:
         """Delete per-key rate buckets that have refilled (or whose tool has no per-key
         rate any more): a missing bucket is a full one, so the table holds only keys
-        claimed recently (issue 27)."""
+        claimed recently (issue 27); and clear the pending cancels whose lease ended
+        unconfirmed (their slot is no longer counted)."""
         await self.db.execute(Q["forget_full_key_buckets"], timeout=self.timeout)
+        await self.db.execute(Q["forget_ended_cancels"], timeout=self.timeout)
 
     async def forget_dead_idle(self) -> None:
         """Delete idle registrations their sidecars stopped refreshing long ago."""

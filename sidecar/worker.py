@@ -24,7 +24,7 @@ from sidecar.child import ProcessTable
 from sidecar.config import Settings, secret_values
 from sidecar.context import WorkerContext
 from sidecar.errors import ConfigError
-from sidecar.flow import ClaimHeld
+from sidecar.flow import ClaimHeld, Held
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
 from sidecar.health import Readiness
@@ -313,6 +313,8 @@ class Worker:
                         # a resume or a limit change wakes an idle sidecar; a rate's next
                         # token is waited for here.
                         metrics.CLAIM_ATTEMPTS.labels(*self.labels, job.reason.value).inc()
+                        if job.reason is Held.MORE_KEYS:
+                            continue  # the walk of keys goes on in the next claim
                         if job.retry_in is not None:
                             self._retry_at = time.monotonic() + job.retry_in
                         await self._stay_idle(store)

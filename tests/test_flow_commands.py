@@ -69,11 +69,14 @@ def test_limit_sets_changes_and_clears_fleet_wide_limits_journaled(dsn):
     (["limit", "erp", "--max-running", "99999999999"], "--max-running"),
     (["limit", "erp", "--rate", "10/h"], "--rate"),
     (["limit", "erp", "--rate", "0/s"], "--rate"),
+    (["limit", "erp", "--rate", "0.000001/m"], "--rate"),
+    (["limit", "erp", "--rate", "0.0000001/s"], "--rate"),
     (["limit", "erp", "--rate", "ten/s"], "--rate"),
     (["limit", "erp", "--rate-per-key", "5"], "--rate-per-key"),
     (["limit", "erp", "--clear", "--max-running", "2"], "--clear"),
     (["limit", "bad tool!", "--max-running", "2"], "tool"),
     (["pause", "erp", "--reason", "a\x07bell"], "--reason"),
+    (["pause", "erp", "--reason", " "], "--reason"),
     (["limits", "--events", "0"], "--events"),
     (["enqueue", "erp", "--concurrency-key", ""], "--concurrency-key"),
     (["enqueue", "erp", "--concurrency-key", "tab\there"], "--concurrency-key"),
@@ -91,6 +94,7 @@ def test_pause_and_resume_are_shown_by_limits_and_jobs(dsn):
     enqueue(dsn, "erp", {})
     out = _json(cli(dsn, "pause", "erp", "--reason", "ERP down until 02:00"))
     assert out["paused"] and out["was_paused"] is False and out["reason"].startswith("ERP")
+    assert _json(cli(dsn, "pause", "erp"))["was_paused"] is True  # keeps the reason
     [tool] = _json(cli(dsn, "limits"))["tools"]
     assert tool["paused"] and tool["pause_reason"] == "ERP down until 02:00"
     assert tool["queued"] == 1
@@ -98,8 +102,9 @@ def test_pause_and_resume_are_shown_by_limits_and_jobs(dsn):
     assert lines[0].startswith("tool erp:  PAUSED since ") and "ERP down" in lines[0]
     assert len(lines) == 2
     assert _json(cli(dsn, "resume", "erp"))["resumed"] is True
-    again = _json(cli(dsn, "resume", "erp"))
-    assert again["resumed"] is False and "not paused" in again["note"]
+    again = cli(dsn, "resume", "erp")  # nothing to act on: exit 1, one line
+    assert again.returncode == 1
+    assert "erp is not paused" in one_line_error(again, no_stdout=True)
     assert len(cli(dsn, "jobs").stdout.decode().splitlines()) == 1
 
 

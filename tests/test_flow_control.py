@@ -241,8 +241,39 @@ def test_a_rate_is_a_token_bucket_on_the_database_clock(dsn):
             total = await fleet.admin.db.fetchval(
                 "SELECT count(*) FROM tool_jobs WHERE tool = 'search' AND state = 'running'")
             assert total <= 1 + 5 * elapsed, (total, elapsed)
-            # A held claim says how long until the next token: at most one token's time.
-            assert waits and all(0 < w <= 0.2 + 1e-6 for w in waits), waits
+            # A held claim says when its turn comes: the four claimers wait for four
+            # successive tokens at most, never all for the same one.
+            assert waits and all(0 < w <= 4 * 0.2 + 0.05 for w in waits), waits
+
+    run(go())
+
+
+def test_held_owners_get_successive_turns_and_keep_theirs(dsn):
+    """N sidecars held by one bucket wake one per token, not all at each token: each
+    owner held is given the next free token time and keeps it when it asks again early."""
+    async def go():
+        async with Fleet(dsn, 4) as fleet:
+            await fleet.enqueue("search", 10)
+            await fleet.admin.set_limits("search", limit_changes(rate="2/s"), "test")
+            first = await fleet.stores[0].claim("search", "owner-0", LEASE, None, 3)
+            assert isinstance(first, ClaimedJob)  # the bucket starts full (burst 1)
+            held = [await fleet.stores[i].claim("search", f"owner-{i}", LEASE, None, 3)
+                    for i in (1, 2, 3)]
+            assert [h.reason for h in held] == [Held.RATE] * 3
+            waits = [h.retry_in for h in held]
+            # 0.5 s apart: each owner's turn is one token after the one before
+            assert waits[1] - waits[0] == pytest.approx(0.5, abs=0.05), waits
+            assert waits[2] - waits[1] == pytest.approx(0.5, abs=0.05), waits
+            # Asking again early keeps the turn (it is not pushed to the end).
+            again = await fleet.stores[2].claim("search", "owner-2", LEASE, None, 3)
+            assert again.reason == Held.RATE
+            assert again.retry_in == pytest.approx(waits[1], abs=0.1)
+            # An owner without a turn may not take a token promised to one whose turn came.
+            await fleet.admin.db.execute("SELECT pg_sleep($1)", waits[0] + 0.01)
+            stranger = await fleet.stores[0].claim("search", "owner-0", LEASE, None, 3)
+            assert stranger.reason == Held.RATE
+            turn = await fleet.stores[1].claim("search", "owner-1", LEASE, None, 3)
+            assert isinstance(turn, ClaimedJob)
 
     run(go())
 
@@ -502,5 +533,58 @@ def test_the_scalers_demand_counts_only_what_may_run(dsn):
             await fleet.admin.resume("erp", "test")
             await fleet.admin.set_limits("erp", limit_changes(clear=True), "test")
             assert await fleet.admin.db.fetchval(demand) == 10
+
+    run(go())
+
+
+def test_a_cancelled_job_keeps_its_slot_until_its_owner_confirms_the_tree_dead(dsn):
+    """Case F14's window: a running job cancelled by an operator may still run its tree
+    until the owner's next heartbeat; its slot is free only once the owner acknowledges
+    the kill (or its lease ends)."""
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.enqueue("erp", 2)
+            await fleet.admin.set_limits("erp", limit_changes(max_running=1), "test")
+            store = fleet.stores[0]
+            job = await store.claim("erp", "owner-0", LEASE, None, 3)
+            assert await fleet.admin.cancel(job.id) == {job.id: "running"}
+            assert await store.claim("erp", "owner-0", LEASE, None, 3) == \
+                ClaimHeld(Held.MAX_RUNNING)
+            [row] = await fleet.admin.limits("erp")
+            assert row["running"] == 1  # shown as taken too
+            assert await fleet.admin.acknowledge_cancel_if_owner(job, "owner-0",
+                                                                 {"signal": "SIGKILL"})
+            assert isinstance(await store.claim("erp", "owner-0", LEASE, None, 3), ClaimedJob)
+
+    run(go())
+
+
+def test_a_claim_visits_a_bounded_number_of_keys_and_the_next_goes_on(dsn):
+    """Keys whose jobs are all due later cost one probe each; a claim stops after 200 of
+    them (blocked more_keys) and the next claim goes on from there, so a due job behind
+    thousands of such keys is reached in a few claims, none of them long, and a walk
+    that finds nothing ends (no endless more_keys)."""
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.admin.db.execute(
+                "INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, "
+                "concurrency_key, run_after) SELECT gen_random_uuid(), 'later', "
+                "gen_random_uuid()::text, '{}', 3, 'k' || lpad(g::text, 5, '0'), "
+                "now() + interval '1 hour' FROM generate_series(1, 450) g")
+            store = fleet.stores[0]
+            for _ in range(2):  # two walks over 450 keys: each ends after three claims
+                outcomes = []
+                while (outcome := await store.claim("later", "o", LEASE, None, 3)) is not None:
+                    outcomes.append(outcome)
+                    assert len(outcomes) <= 2, outcomes
+                assert outcomes == [ClaimHeld(Held.MORE_KEYS, 0.0)] * 2
+            [due] = await fleet.enqueue("later", 1, key="z-last")
+            outcomes = []
+            while not isinstance(job := await store.claim("later", "o", LEASE, None, 3),
+                                 ClaimedJob):
+                outcomes.append(job)
+                assert len(outcomes) <= 3, outcomes
+            assert job.id == due
+            assert set(outcomes) <= {ClaimHeld(Held.MORE_KEYS, 0.0)}
 
     run(go())

@@ -390,6 +390,8 @@ WITH RECURSIVE chain AS (
     SET state = 'cancelled', finished_at = now(),
         lease_until = CASE WHEN target.previous_state = 'running' AND j.lease_until > now()
                            THEN j.lease_until END,
+        -- its slot stays taken until the owner confirms the tree dead (migration 016)
+        cancel_pending = target.previous_state = 'running' AND j.lease_until > now(),
         error = jsonb_build_object('kind', 'cancelled', 'message', 'cancelled by an operator')
     FROM target
     WHERE j.id = target.id
@@ -422,6 +424,7 @@ WITH target AS (
     UPDATE tool_jobs j
     SET state = 'queued', attempt = 0, run_after = now(), owner_id = NULL,
         lease_until = NULL, heartbeat_at = NULL, error = NULL, finished_at = NULL,
+        cancel_pending = false,
         first_claimed_at = NULL,
         expires_at = now() + (j.expires_at - j.created_at)  -- NULL stays NULL
     FROM target
@@ -456,7 +459,7 @@ ORDER BY id;
 -- The owner of a cancelled attempt ($2, token $3) has killed its tree: the job may be
 -- retried at once (case F14). Journaled in the same statement.
 WITH acknowledged AS (
-    UPDATE tool_jobs SET lease_until = NULL
+    UPDATE tool_jobs SET lease_until = NULL, cancel_pending = false
     WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
       AND state = 'cancelled' AND lease_until IS NOT NULL
     RETURNING id, fencing_token
@@ -646,6 +649,8 @@ WITH applied AS (
         tokens = CASE WHEN $2::text::jsonb ?| array['rate', 'burst'] THEN NULL ELSE f.tokens END,
         tokens_at = CASE WHEN $2::text::jsonb ?| array['rate', 'burst'] THEN NULL
                          ELSE f.tokens_at END,
+        rate_queue = CASE WHEN $2::text::jsonb ?| array['rate', 'burst'] THEN NULL
+                          ELSE f.rate_queue END,
         updated_at = now(), updated_by = $3
     RETURNING f.tool
 ), keys_reset AS (
@@ -666,7 +671,8 @@ WITH before AS (
     INSERT INTO tool_flow AS f (tool, paused_at, pause_reason, paused_by, updated_by)
     VALUES ($1, now(), $2, $3, $3)
     ON CONFLICT (tool) DO UPDATE
-    SET paused_at = coalesce(f.paused_at, now()), pause_reason = $2, paused_by = $3,
+    SET paused_at = coalesce(f.paused_at, now()),
+        pause_reason = coalesce($2, f.pause_reason), paused_by = $3,
         updated_at = now(), updated_by = $3
     RETURNING f.tool, f.paused_at
 ), journal AS (
@@ -697,8 +703,7 @@ SELECT tool, tool_job_wake(tool, 1000) AS woken FROM resumed;
 SELECT f.tool, f.max_running, f.max_running_per_key, f.rate, f.rate_per_key, f.burst,
        f.rate_per_second, f.key_rate_per_second,
        f.paused_at, f.pause_reason, f.paused_by, f.updated_at, f.updated_by,
-       (SELECT count(*) FROM tool_jobs j
-        WHERE j.tool = f.tool AND j.state = 'running' AND j.lease_until >= now()) AS running,
+       tool_flow_occupied(f.tool, NULL) AS running,
        (SELECT count(*) FROM tool_jobs j
         WHERE j.tool = f.tool AND j.state = 'queued') AS queued
 FROM tool_flow f
@@ -716,6 +721,12 @@ SELECT * FROM (
     WHERE $1::text IS NULL OR tool = $1
     ORDER BY id DESC LIMIT $2) newest
 ORDER BY id;
+
+-- name: forget_ended_cancels
+-- A cancelled job's slot whose lease ended without its owner's confirmation (the owner
+-- died): no longer taken (the count already ignores it; this keeps the index small).
+UPDATE tool_jobs SET cancel_pending = false
+WHERE cancel_pending AND (lease_until IS NULL OR lease_until <= now());
 
 -- name: forget_full_key_buckets
 -- Per-key buckets that refilled (burst / rate seconds after their last claim), or of a

@@ -16,8 +16,8 @@
 -- apply to each key, never to jobs without one. A job with a key makes a flow row for its
 -- tool (trigger below), so its tool claims fairly even without limits.
 --
--- Slots: a job occupies one while it is running under a live lease (lease_until >= now());
--- an expired lease frees it. Rates: token buckets on the database's clock, refilled at
+-- Slots: a job occupies one while it is running under a live lease (lease_until >= now()),
+-- and after a cancel until its owner confirms the tree dead; an expired lease frees it. Rates: token buckets on the database's clock, refilled at
 -- the rate up to the burst (default 1), one token per claim; a job that cannot start for a
 -- limit stays queued with no attempt spent.
 -- No compatible-from: an older release claims without the limits.
@@ -25,6 +25,11 @@
 ALTER TABLE tool_jobs ADD COLUMN concurrency_key text NOT NULL DEFAULT '';
 ALTER TABLE tool_jobs ADD CONSTRAINT tool_jobs_concurrency_key_check
     CHECK (length(concurrency_key) <= 256) NOT VALID;
+-- A job cancelled while it ran keeps its slot until its owner acknowledges that the tree
+-- is dead (acknowledge_cancel_if_owner) or the lease it held ends: the tool is still
+-- running until then (case F14's window). Set by cancel_job, cleared by the
+-- acknowledgement, a retry, or the pruner once the lease is over.
+ALTER TABLE tool_jobs ADD COLUMN cancel_pending boolean NOT NULL DEFAULT false;
 
 -- The claim order, now per key: the fast claim reads (tool, '', priority, run_after,
 -- created_at, id) in order as before; the fair claim steps from key to key on the same
@@ -37,6 +42,8 @@ CREATE INDEX tool_jobs_queued_order_idx
 -- renewals stay HOT.
 CREATE INDEX tool_jobs_running_key_idx ON tool_jobs (tool, concurrency_key)
     WHERE state = 'running' AND concurrency_key <> '';
+CREATE INDEX tool_jobs_cancel_pending_idx ON tool_jobs (tool, concurrency_key)
+    WHERE cancel_pending;
 
 CREATE TABLE tool_flow (
     tool                text PRIMARY KEY,
@@ -54,6 +61,10 @@ CREATE TABLE tool_flow (
     pause_reason        text,
     paused_by           text,
     rr_key              text,         -- the key served last (round-robin cursor)
+    rr_walk             boolean NOT NULL DEFAULT false,  -- a walk of keys goes on
+    rr_walk_from        text,         -- ... the key it started after
+    rr_walk_wrapped     boolean NOT NULL DEFAULT false,  -- ... and whether it wrapped
+    rate_queue          jsonb,        -- turns promised to held owners: [{o, at}]
     updated_at          timestamptz NOT NULL DEFAULT now(),
     updated_by          text,
     CHECK ((rate IS NULL) = (rate_per_second IS NULL)),
@@ -95,7 +106,8 @@ CREATE TRIGGER tool_jobs_keyed_flow
     FOR EACH ROW WHEN (NEW.concurrency_key <> '')
     EXECUTE FUNCTION tool_job_keyed_flow();
 
--- A freed slot wakes one idle sidecar of a capped tool at commit, as an enqueue does.
+-- A freed slot wakes one idle sidecar of a capped tool at commit, as an enqueue does: a
+-- job that stops running, or a cancelled one whose tree its owner confirmed dead.
 CREATE FUNCTION tool_job_slot_freed() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
@@ -108,14 +120,35 @@ BEGIN
 END
 $$;
 CREATE TRIGGER tool_jobs_slot_freed
-    AFTER UPDATE OF state ON tool_jobs
-    FOR EACH ROW WHEN (OLD.state = 'running' AND NEW.state <> 'running')
+    AFTER UPDATE OF state, cancel_pending ON tool_jobs
+    FOR EACH ROW WHEN ((OLD.state = 'running' AND NEW.state <> 'running' AND NOT NEW.cancel_pending)
+                       OR (OLD.cancel_pending AND NOT NEW.cancel_pending))
     EXECUTE FUNCTION tool_job_slot_freed();
+
+-- Slots taken in tool p_tool (of key p_key; NULL: every key): jobs running under a live
+-- lease, and jobs cancelled while they ran whose owner has not yet confirmed the tree
+-- dead and whose lease has not ended.
+CREATE FUNCTION tool_flow_occupied(p_tool text, p_key text) RETURNS bigint
+LANGUAGE sql STABLE AS $$
+    SELECT (SELECT count(*) FROM tool_jobs j
+            WHERE j.tool = p_tool AND j.state = 'running' AND j.lease_until >= now()
+              AND (p_key IS NULL OR j.concurrency_key = p_key))
+         + (SELECT count(*) FROM tool_jobs j
+            WHERE j.tool = p_tool AND j.cancel_pending AND j.lease_until > now()
+              AND (p_key IS NULL OR j.concurrency_key = p_key))
+$$;
 
 -- The claim of a tool with a flow row: same arguments and row as claim_job, plus
 -- blocked (NULL when a job was claimed: 'paused', 'max_running', 'max_running_per_key',
--- 'rate', 'rate_per_key') and retry_in (seconds until a rate allows the next claim).
--- Returns no row when nothing is claimable and no limit held a job back.
+-- 'rate', 'rate_per_key', or 'more_keys': the claim visited its bound of keys without
+-- finding a due one and the next claim goes on from there) and retry_in (seconds until
+-- a rate lets this owner claim). Returns no row when nothing is claimable and no limit
+-- held a job back.
+--
+-- A held rate hands out turns: the owner held gets the next free token time after those
+-- already promised (rate_queue: [{o: owner, at}]) and keeps it when it claims again
+-- early, so N sidecars waiting on one bucket wake one per token instead of all at each
+-- token. A turn not taken within 1 s and two tokens of its time is dropped.
 CREATE FUNCTION tool_job_claim_flow(
     p_tool text, p_owner text, p_lease float8, p_lifetime float8, p_max_attempts integer)
 RETURNS TABLE (id uuid, tool text, payload_text text, fencing_token bigint, attempt integer,
@@ -126,17 +159,27 @@ RETURNS TABLE (id uuid, tool text, payload_text text, fencing_token bigint, atte
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
 DECLARE
+    -- keys one claim visits at most (each one or two index probes) before it hands the
+    -- walk on to the next claim: a backlog of keys with no due job never makes one claim
+    -- slow, nor holds the tool's row (and pause, limit) for long
+    c_max_keys constant integer := 200;
     f tool_flow%ROWTYPE;
     v_clock timestamptz;
     v_tokens float8;
-    v_key_tokens float8;
+    v_queue jsonb;
+    v_mine timestamptz;
+    v_ahead integer;
+    v_turn timestamptz;
     v_job uuid;
     v_job_key text;
     v_previous text;
     v_refunded boolean := false;
     v_key text;
     v_after text;
-    v_wrapped boolean := false;
+    v_start text;
+    v_walking boolean;
+    v_wrapped boolean;
+    v_visited integer := 0;
     v_blocked text;
     v_held text;      -- why a key with a due job was passed over, if one was
     v_retry float8;
@@ -159,10 +202,7 @@ BEGIN
             NULL, NULL, NULL::float8, 'paused'::text, NULL::float8;
         RETURN;
     END IF;
-    IF f.max_running IS NOT NULL AND (
-            SELECT count(*) FROM tool_jobs j
-            WHERE j.tool = p_tool AND j.state = 'running' AND j.lease_until >= now())
-            >= f.max_running THEN
+    IF f.max_running IS NOT NULL AND tool_flow_occupied(p_tool, NULL) >= f.max_running THEN
         RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int, NULL::int,
             NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8, NULL, NULL::int,
             NULL, NULL, NULL::float8, 'max_running'::text, NULL::float8;
@@ -171,11 +211,48 @@ BEGIN
     IF f.rate_per_second IS NOT NULL THEN
         v_tokens := least(f.burst, coalesce(f.tokens, f.burst) + f.rate_per_second
                           * greatest(0, extract(epoch FROM v_clock - coalesce(f.tokens_at, v_clock))));
-        IF v_tokens < 1 THEN
+        -- the turns still awaited, oldest first
+        SELECT coalesce(jsonb_agg(r ORDER BY (r->>'at')::timestamptz), '[]'::jsonb)
+        INTO v_queue
+        FROM jsonb_array_elements(coalesce(f.rate_queue, '[]'::jsonb)) r
+        WHERE (r->>'at')::timestamptz > v_clock - interval '1 second'
+                                        - (2 / f.rate_per_second) * interval '1 second';
+        SELECT (r->>'at')::timestamptz INTO v_mine
+        FROM jsonb_array_elements(v_queue) r WHERE r->>'o' = p_owner;
+        -- tokens promised to owners whose turn came before ours (or has come, for us
+        -- without a turn)
+        SELECT count(*) INTO v_ahead
+        FROM jsonb_array_elements(v_queue) r
+        WHERE r->>'o' <> p_owner
+          AND (r->>'at')::timestamptz <= least(v_clock, coalesce(v_mine, v_clock));
+        IF v_tokens < 1 + v_ahead THEN
+            IF v_mine IS NOT NULL THEN
+                v_turn := greatest(v_mine, v_clock + ((1 + v_ahead - v_tokens)
+                                                      / f.rate_per_second) * interval '1 second');
+            ELSE
+                v_turn := greatest(
+                    v_clock + (greatest(0, 1 - v_tokens) / f.rate_per_second)
+                              * interval '1 second',
+                    (SELECT max((r->>'at')::timestamptz) FROM jsonb_array_elements(v_queue) r)
+                        + (1 / f.rate_per_second) * interval '1 second');
+            END IF;
+            UPDATE tool_flow
+            SET rate_queue = (SELECT coalesce(jsonb_agg(r), '[]'::jsonb)
+                              FROM jsonb_array_elements(v_queue) r WHERE r->>'o' <> p_owner)
+                             || jsonb_build_array(jsonb_build_object('o', p_owner, 'at', v_turn))
+            WHERE tool_flow.tool = p_tool;
             RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int, NULL::int,
                 NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8, NULL, NULL::int,
-                NULL, NULL, NULL::float8, 'rate'::text, (1 - v_tokens) / f.rate_per_second;
+                NULL, NULL, NULL::float8, 'rate'::text,
+                extract(epoch FROM v_turn - v_clock)::float8;
             RETURN;
+        END IF;
+        IF v_mine IS NOT NULL OR jsonb_array_length(v_queue)
+                <> jsonb_array_length(coalesce(f.rate_queue, '[]'::jsonb)) THEN
+            UPDATE tool_flow
+            SET rate_queue = (SELECT coalesce(jsonb_agg(r), '[]'::jsonb)
+                              FROM jsonb_array_elements(v_queue) r WHERE r->>'o' <> p_owner)
+            WHERE tool_flow.tool = p_tool;
         END IF;
     END IF;
 
@@ -203,8 +280,12 @@ BEGIN
     END LOOP;
 
     -- Then queued jobs, keys in turn: the first key after the one served last that has a
-    -- due job and room, wrapping around once.
+    -- due job and room, wrapping around once. A walk cut short at c_max_keys goes on at
+    -- the next claim from where it stopped, towards the same end (rr_walk*).
     IF v_job IS NULL THEN
+        v_walking := f.rr_walk;
+        v_start := CASE WHEN v_walking THEN f.rr_walk_from ELSE f.rr_key END;
+        v_wrapped := v_walking AND f.rr_walk_wrapped;
         v_after := f.rr_key;
         LOOP
             IF v_after IS NULL THEN
@@ -217,12 +298,23 @@ BEGIN
                 ORDER BY j.concurrency_key LIMIT 1;
             END IF;
             IF NOT FOUND THEN
-                EXIT WHEN v_wrapped OR f.rr_key IS NULL;
+                EXIT WHEN v_wrapped OR v_start IS NULL;
                 v_wrapped := true;
                 v_after := NULL;
                 CONTINUE;
             END IF;
-            EXIT WHEN v_wrapped AND v_key > f.rr_key;
+            EXIT WHEN v_wrapped AND v_key > v_start;
+            IF v_visited >= c_max_keys THEN
+                UPDATE tool_flow
+                SET rr_key = v_after, rr_walk = true, rr_walk_from = v_start,
+                    rr_walk_wrapped = v_wrapped
+                WHERE tool_flow.tool = p_tool;
+                RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int,
+                    NULL::int, NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8,
+                    NULL, NULL::int, NULL, NULL, NULL::float8, 'more_keys'::text, 0::float8;
+                RETURN;
+            END IF;
+            v_visited := v_visited + 1;
             v_after := v_key;
             v_blocked := tool_flow_key_blocked(f, v_key, v_clock);
             IF v_blocked IS NOT NULL THEN
@@ -247,6 +339,9 @@ BEGIN
     END IF;
 
     IF v_job IS NULL THEN
+        IF v_walking THEN  -- the walk went round: the next one starts afresh
+            UPDATE tool_flow SET rr_walk = false WHERE tool_flow.tool = p_tool;
+        END IF;
         -- the reason of a key held back, when one was (a key with no due job is not)
         IF v_held IS NOT NULL THEN
             RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int, NULL::int,
@@ -259,7 +354,8 @@ BEGIN
     UPDATE tool_flow
     SET tokens = CASE WHEN rate_per_second IS NOT NULL THEN v_tokens - 1 END,
         tokens_at = CASE WHEN rate_per_second IS NOT NULL THEN v_clock END,
-        rr_key = CASE WHEN v_previous = 'queued' THEN v_job_key ELSE rr_key END
+        rr_key = CASE WHEN v_previous = 'queued' THEN v_job_key ELSE rr_key END,
+        rr_walk = false
     WHERE tool_flow.tool = p_tool;
     IF f.key_rate_per_second IS NOT NULL AND v_job_key <> '' THEN
         INSERT INTO tool_flow_keys AS k (tool, concurrency_key, tokens, tokens_at)
@@ -322,10 +418,8 @@ BEGIN
     IF p_key = '' THEN
         RETURN NULL;
     END IF;
-    IF f.max_running_per_key IS NOT NULL AND (
-            SELECT count(*) FROM tool_jobs j
-            WHERE j.tool = f.tool AND j.state = 'running' AND j.concurrency_key = p_key
-              AND j.lease_until >= now()) >= f.max_running_per_key THEN
+    IF f.max_running_per_key IS NOT NULL
+            AND tool_flow_occupied(f.tool, p_key) >= f.max_running_per_key THEN
         RETURN 'max_running_per_key';
     END IF;
     IF f.key_rate_per_second IS NOT NULL AND tool_flow_key_wait(f, p_key, p_clock) > 0 THEN
@@ -607,6 +701,8 @@ BEGIN
                    home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_job_slot_freed() SET search_path = %I, pg_temp',
                    home, home);
+    EXECUTE format('ALTER FUNCTION %I.tool_flow_occupied(text, text) '
+                   'SET search_path = %I, pg_temp', home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_job_claim_flow(text, text, float8, float8, '
                    'integer) SET search_path = %I, pg_temp', home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_flow_key_blocked(tool_flow, text, timestamptz) '
