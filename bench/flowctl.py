@@ -176,35 +176,17 @@ async def _cli(ctx: Context, *args: str) -> dict[str, Any]:
 
 async def _limit(ctx: Context, conn: asyncpg.Connection, tool: str, **limits: Any) -> None:
     """``sidecar limit TOOL --max-running N ...`` (``limits``: limit_changes' arguments),
-    then the stored row is read back. Where the command stored other values than it was
-    given, the run says so in a note and applies them with the very statement the command
-    runs (``set_tool_limits``), its JSON parameter passed as the statement expects it; a
-    row still not as asked is a BenchError."""
+    then the stored row is read back: a row not as asked is a BenchError."""
     from sidecar.flow import limit_changes
-    from sidecar.queries import Q
 
     changes = limit_changes(**limits)
     await _cli(ctx, "limit", tool, *(f"--{k.replace('_', '-')}={v}"
                                      for k, v in limits.items()))
-
-    async def stored() -> list[str]:
-        row = await conn.fetchrow("SELECT * FROM tool_flow WHERE tool = $1", tool)
-        return [f"{k} {None if row is None else row[k]!r} (asked {v!r})"
-                for k, v in changes.items() if row is None or row[k] != v]
-
-    wrong = await stored()
-    if not wrong:
-        return
-    note = "12: **`sidecar limit` stored other limits than it was given**"
-    if not any(n.startswith(note) for n in ctx.notes):  # once a run
-        ctx.notes.append(
-            f"{note} (first: `{tool}`: {'; '.join(wrong)}); the bench then set them with "
-            "the same statement (set_tool_limits), its JSON parameter passed as an object")
-    progress(f"flow control: sidecar limit {tool} stored {'; '.join(wrong)}")
-    await conn.fetchrow(Q["set_tool_limits"], tool, changes, "bench")
-    wrong = await stored()
+    row = await conn.fetchrow("SELECT * FROM tool_flow WHERE tool = $1", tool)
+    wrong = [f"{k} {None if row is None else row[k]!r} (asked {v!r})"
+             for k, v in changes.items() if row is None or row[k] != v]
     if wrong:
-        raise BenchError(f"limits of {tool} not stored: {'; '.join(wrong)}")
+        raise BenchError(f"sidecar limit {tool} stored other limits: {'; '.join(wrong)}")
 
 
 async def _start(ctx: Context, name: str, tool: str, count: int,
