@@ -15,6 +15,7 @@ from pathlib import Path
 from bench import (
     caller,
     fleet,
+    flowctl,
     footprint,
     health,
     heartbeat,
@@ -51,6 +52,7 @@ SECTIONS = {
     "9": ("fleet", fleet),
     "10": ("soak", soak),
     "11": ("caller round trip", caller),
+    "12": ("flow control", flowctl),
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "RESULTS.md"
 

@@ -328,9 +328,10 @@ async def drop_database(admin_dsn: str, dsn: str) -> None:
 ENQUEUE_MANY = """
 WITH ins AS (
     INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, run_after,
-                           created_at)
+                           created_at, concurrency_key)
     SELECT gen_random_uuid(), $1, $2 || ':' || g, $3::jsonb, $5,
-           clock_timestamp() + $6::float8 * interval '1 second', clock_timestamp()
+           clock_timestamp() + $6::float8 * interval '1 second', clock_timestamp(),
+           coalesce(($7::text[])[1 + (g - 1) % cardinality($7::text[])], '')
     FROM generate_series(1, $4) AS g
     RETURNING id
 )
@@ -341,13 +342,16 @@ SELECT id, 0, 'job_enqueued', '{}'::jsonb FROM ins
 
 async def enqueue_many(conn: asyncpg.Connection, tool: str, count: int, payload: str = "{}",
                        notify: bool = True, max_attempts: int = 3,
-                       delay_seconds: float = 0.0) -> None:
+                       delay_seconds: float = 0.0,
+                       concurrency_keys: list[str] | None = None) -> None:
     """``count`` queued jobs of ``tool`` in one transaction, each with its ``job_enqueued``
     journal row as ``sidecar enqueue`` writes it; one NOTIFY at commit when ``notify``.
-    Each row gets its own ``clock_timestamp()``, as jobs enqueued one by one would."""
+    Each row gets its own ``clock_timestamp()``, as jobs enqueued one by one would.
+    ``concurrency_keys`` (flow control, issue 27): job i (from 0) gets key
+    ``concurrency_keys[i % len]``; None or empty: no key."""
     async with conn.transaction():
         await conn.execute(ENQUEUE_MANY, tool, f"bench:{uuid.uuid4().hex}", payload, count,
-                           max_attempts, delay_seconds)
+                           max_attempts, delay_seconds, concurrency_keys or None)
         if notify:  # as the enqueue statement does: wake idle sidecars of the tool
             await conn.execute("SELECT tool_job_wake($1, $2)", tool, count)
 

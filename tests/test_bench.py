@@ -92,3 +92,27 @@ def test_quick_caller_section_measures_round_trips_fan_out_and_pgbouncer(server_
     assert "bound:" in bouncer[0][3] and bouncer[0][6] in ("yes", "**NO**")
     written = output.read_text()
     assert "- 11: tool `/bin/cat`" in written  # the section's settings are written down
+
+
+@pytest.mark.timeout(180)
+def test_quick_flow_control_section_gives_its_four_rows(server_dsn, tmp_path):
+    """Section 12 (issue 27, point 5) alone, small: the cost of a max_running cap against
+    no limits, claim statements per job over 100 concurrency keys (saying what counted
+    them), the claim position of a late key behind a backlog, and the achieved claim rate
+    under a rate limit (a short window, said in the row) each come out as a row with a
+    figure and a verdict on its target."""
+    output = tmp_path / "RESULTS.md"
+    rows = _run_bench(server_dsn, output, "--only", "12", timeout=170)
+    assert rows and all(row[0] == "12" for row in rows)
+    assert not [row for row in rows if "not measured" in row[1]], rows
+    assert len(rows) == 4, rows
+    cost, statements, fairness, limited = rows
+    assert "max_running 16" in cost[1] and re.fullmatch(r"[\d.]+ jobs/s", cost[2]), cost
+    assert re.fullmatch(r"[\d.]+ × no limits", cost[4]), cost
+    assert re.fullmatch(r"\d+\.\d\d", statements[2]) and "counted by " in statements[3]
+    assert statements[5] == "≤ 2", statements
+    assert re.fullmatch(r"#\d+", fairness[2]) and "B's 10 jobs at claims" in fairness[3]
+    assert re.fullmatch(r"[\d.]+ claims/s", limited[2]) and "quick mode" in limited[1]
+    assert all(row[6] in ("yes", "**NO**") for row in rows), rows
+    written = output.read_text()
+    assert "- 12: fairness:" in written and "- 12: rate:" in written
