@@ -586,7 +586,7 @@ def cmd_pause(args, settings: Settings) -> int:
 
     row, cancelled = run_async(settings, go())
     out: dict[str, Any] = {"tool": tool, "paused": True, "paused_at": row["paused_at"],
-                           "was_paused": row["was_paused"], "reason": reason}
+                           "was_paused": row["was_paused"], "reason": row["pause_reason"]}
     if args.cancel_running:
         out["cancelled"] = [str(i) for i in cancelled]
     _print_json(out)

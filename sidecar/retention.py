@@ -74,8 +74,9 @@ async def run_pruner(store: Store, settings: Settings, tool: str,
                      period: float = PRUNE_PERIOD_SECONDS) -> None:
     """Prune every ``period`` seconds (the first time 1-5 s after start, at a random
     moment, so sidecars started together do not all try at once) until cancelled; also
-    forget idle registrations of sidecars that died (migration 008) and per-key rate
-    buckets that refilled (migration 016: a missing bucket is a full one). Logs
+    forget idle registrations of sidecars that died (migration 008), per-key rate
+    buckets that refilled (migration 016: a missing bucket is a full one) and flow
+    changes older than the longest retention. Logs
     ``jobs_pruned`` when something was deleted; a database error is logged
     (``prune_error``) and tried again next period. The periodic service ``pruner``
     (sidecar.periodic)."""
@@ -84,6 +85,8 @@ async def run_pruner(store: Store, settings: Settings, tool: str,
     async def step() -> None:
         await store.forget_dead_idle()
         await store.forget_full_key_buckets()
+        if max(ages.values()) > 0:  # flow changes stay as long as the longest-kept jobs
+            await store.prune_flow_events(max(ages.values()))
         done = await prune(store, ages, pause=0.05)
         if done["jobs"]:
             log.emit("jobs_pruned", tool=tool, jobs=done["jobs"], events=done["events"],

@@ -525,6 +525,13 @@ class Store:
         await self.db.execute(Q["forget_full_key_buckets"], timeout=self.timeout)
         await self.db.execute(Q["forget_ended_cancels"], timeout=self.timeout)
 
+    async def prune_flow_events(self, older_than_seconds: float) -> int:
+        """Delete the journal of flow changes (``tool_flow_events``) older than
+        ``older_than_seconds``; returns how many rows went."""
+        status = await self.db.execute(Q["prune_flow_events"], older_than_seconds,
+                                       timeout=self.timeout)
+        return int(status.split()[-1])
+
     async def forget_dead_idle(self) -> None:
         """Delete idle registrations their sidecars stopped refreshing long ago."""
         await self.db.execute(Q["forget_dead_idle_sidecars"], timeout=self.timeout)
@@ -622,7 +629,8 @@ class Store:
 
     async def pause(self, tool: str, reason: str | None, by: str) -> asyncpg.Record:
         """Stop every claim of ``tool`` fleet-wide from now on (running jobs go on),
-        journaled ``tool_paused``. Returns ``paused_at, was_paused``."""
+        journaled ``tool_paused``; ``reason`` None keeps an earlier one. Returns
+        ``paused_at, pause_reason, was_paused``."""
         return await self.db.fetchrow(Q["pause_tool"], tool, reason, by,
                                       timeout=self.timeout)
 

@@ -588,3 +588,17 @@ def test_a_claim_visits_a_bounded_number_of_keys_and_the_next_goes_on(dsn):
             assert set(outcomes) <= {ClaimHeld(Held.MORE_KEYS, 0.0)}
 
     run(go())
+
+
+def test_old_flow_changes_are_pruned_and_recent_ones_kept(dsn):
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.admin.pause("erp", "old", "test")
+            await fleet.admin.db.execute(
+                "UPDATE tool_flow_events SET at = now() - interval '40 days'")
+            await fleet.admin.resume("erp", "test")
+            assert await fleet.admin.prune_flow_events(30 * 86400) == 1
+            assert [r["event"] for r in await fleet.admin.flow_events("erp", 10)] == \
+                ["tool_resumed"]
+
+    run(go())

@@ -664,7 +664,8 @@ SELECT tool, tool_job_wake(tool, 1000) AS woken FROM applied;
 
 -- name: pause_tool
 -- Issue 27: no claim of tool $1 starts from now on, on any sidecar (running jobs go on);
--- $2 the reason, $3 who. Journaled tool_paused. Returns whether it was paused already.
+-- $2 the reason (NULL keeps an earlier one), $3 who. Journaled tool_paused. Returns the
+-- pause's time and reason, and whether it was paused already.
 WITH before AS (
     SELECT paused_at IS NOT NULL AS was_paused FROM tool_flow WHERE tool = $1
 ), paused AS (
@@ -674,13 +675,13 @@ WITH before AS (
     SET paused_at = coalesce(f.paused_at, now()),
         pause_reason = coalesce($2, f.pause_reason), paused_by = $3,
         updated_at = now(), updated_by = $3
-    RETURNING f.tool, f.paused_at
+    RETURNING f.tool, f.paused_at, f.pause_reason
 ), journal AS (
     INSERT INTO tool_flow_events (tool, event, details)
     SELECT tool, 'tool_paused', jsonb_build_object('reason', $2::text, 'by', $3::text)
     FROM paused
 )
-SELECT paused_at, coalesce((SELECT was_paused FROM before), false) AS was_paused
+SELECT paused_at, pause_reason, coalesce((SELECT was_paused FROM before), false) AS was_paused
 FROM paused;
 
 -- name: resume_tool
@@ -738,3 +739,7 @@ USING tool_flow f
 WHERE k.tool = f.tool
   AND (f.key_rate_per_second IS NULL
        OR k.tokens_at < now() - (f.burst / f.key_rate_per_second) * interval '1 second');
+
+-- name: prune_flow_events
+-- Flow changes (limits set, pauses, resumes) older than $1 seconds.
+DELETE FROM tool_flow_events WHERE at < now() - $1::float8 * interval '1 second';
