@@ -116,6 +116,9 @@ class Worker:
         self._listening = False  # LISTEN on self.channel is up
         self._idle_since: float | None = None  # monotonic time of our idle registration
         self._retry_at: float | None = None  # monotonic time a rate allows the next claim
+        # The turn a rate gave this sidecar (monotonic): until then, a job's end does not
+        # make it claim (it would only be held again); a NOTIFY does.
+        self._rate_turn_at: float | None = None
         # Keyed by attempt, never by job id alone (case F14).
         self.running: dict[AttemptId, asyncio.Task] = {}
         self.failure: BaseException | None = None
@@ -296,8 +299,14 @@ class Worker:
                     await self._settle_claims(store)
                 # ctx.claim_pause: an attempt met a shortage of the host (F19); its end
                 # wakes this loop.
-                while may_claim(len(self.running), self.concurrency, self.stopping.is_set(),
-                                ctx.claim_pause.remaining()):
+                # Before the turn a rate gave us, a job's end or a poll claims nothing.
+                waiting_turn = (self._rate_turn_at is not None
+                                and time.monotonic() < self._rate_turn_at)
+                if not waiting_turn:
+                    self._rate_turn_at = None
+                while not waiting_turn and may_claim(
+                        len(self.running), self.concurrency, self.stopping.is_set(),
+                        ctx.claim_pause.remaining()):
                     sent = clock.ownership_now()  # the lease's local deadline (F20)
                     try:
                         job = await store.claim(tool, self.owner_id,
@@ -315,7 +324,9 @@ class Worker:
                         metrics.CLAIM_ATTEMPTS.labels(*self.labels, job.reason.value).inc()
                         if job.reason is Held.MORE_KEYS:
                             continue  # the walk of keys goes on in the next claim
-                        if job.retry_in is not None:
+                        if job.reason is Held.RATE and job.retry_in is not None:
+                            self._rate_turn_at = time.monotonic() + job.retry_in
+                        elif job.retry_in is not None:
                             self._retry_at = time.monotonic() + job.retry_in
                         await self._stay_idle(store)
                         break
@@ -348,7 +359,9 @@ class Worker:
                 log.emit("claim_error", "warning", tool=tool, reason=db.describe_error(exc),
                          sqlstate=db.sqlstate(exc))
             timeout = poll
-            if self._retry_at is not None:
+            if self._rate_turn_at is not None:
+                timeout = min(poll, max(0.0, self._rate_turn_at - time.monotonic()))
+            elif self._retry_at is not None:
                 timeout = min(poll, max(0.0, self._retry_at - time.monotonic()))
                 self._retry_at = None
             with contextlib.suppress(TimeoutError):
@@ -490,6 +503,7 @@ class Worker:
 
         def on_notify(_conn, _pid, _channel, _payload: str) -> None:
             self._idle_since = None  # the waker took us off the idle list
+            self._rate_turn_at = None  # a resume or a limit change: claim at once
             self.wake.set()
 
         while True:

@@ -249,9 +249,16 @@ BEGIN
         END IF;
         IF v_mine IS NOT NULL OR jsonb_array_length(v_queue)
                 <> jsonb_array_length(coalesce(f.rate_queue, '[]'::jsonb)) THEN
+            -- Our turn is used (or we need none). Taken late, it moves the later turns
+            -- as late: a full bucket kept no token for the time we lost.
             UPDATE tool_flow
-            SET rate_queue = (SELECT coalesce(jsonb_agg(r), '[]'::jsonb)
-                              FROM jsonb_array_elements(v_queue) r WHERE r->>'o' <> p_owner)
+            SET rate_queue = (
+                SELECT coalesce(jsonb_agg(jsonb_build_object(
+                           'o', r->>'o',
+                           'at', (r->>'at')::timestamptz
+                                 + greatest(interval '0', v_clock - coalesce(v_mine, v_clock)))),
+                       '[]'::jsonb)
+                FROM jsonb_array_elements(v_queue) r WHERE r->>'o' <> p_owner)
             WHERE tool_flow.tool = p_tool;
         END IF;
     END IF;
