@@ -602,3 +602,24 @@ def test_old_flow_changes_are_pruned_and_recent_ones_kept(dsn):
                 ["tool_resumed"]
 
     run(go())
+
+
+def test_a_turn_its_sidecar_never_takes_is_dropped(dsn):
+    """A sidecar that stops while it holds a rate's turn does not hold the others up for
+    more than 0.25 s and one token after that turn's time."""
+    async def go():
+        async with Fleet(dsn, 3) as fleet:
+            await fleet.enqueue("search", 5)
+            await fleet.admin.set_limits("search", limit_changes(rate="2/s"), "test")
+            assert isinstance(await fleet.stores[0].claim("search", "owner-0", LEASE, None, 3),
+                              ClaimedJob)
+            gone = await fleet.stores[1].claim("search", "owner-1", LEASE, None, 3)
+            assert gone.reason == Held.RATE  # owner-1's turn: the next token; it never comes
+            await fleet.admin.db.execute("SELECT pg_sleep($1)", gone.retry_in + 0.25 + 0.5 + 0.05)
+            job = await fleet.stores[2].claim("search", "owner-2", LEASE, None, 3)
+            assert isinstance(job, ClaimedJob)
+            queue = await fleet.admin.db.fetchval(
+                "SELECT rate_queue FROM tool_flow WHERE tool = 'search'")
+            assert "owner-1" not in str(queue)
+
+    run(go())

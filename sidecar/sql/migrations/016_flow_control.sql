@@ -148,7 +148,9 @@ $$;
 -- A held rate hands out turns: the owner held gets the next free token time after those
 -- already promised (rate_queue: [{o: owner, at}]) and keeps it when it claims again
 -- early, so N sidecars waiting on one bucket wake one per token instead of all at each
--- token. A turn not taken within 1 s and two tokens of its time is dropped.
+-- token. A turn not taken within 0.25 s and one token (at most 1 s) of its time is
+-- dropped: its sidecar stopped or fell behind (it only loses its place), and the others
+-- never wait long for a turn nobody takes.
 CREATE FUNCTION tool_job_claim_flow(
     p_tool text, p_owner text, p_lease float8, p_lifetime float8, p_max_attempts integer)
 RETURNS TABLE (id uuid, tool text, payload_text text, fencing_token bigint, attempt integer,
@@ -215,8 +217,8 @@ BEGIN
         SELECT coalesce(jsonb_agg(r ORDER BY (r->>'at')::timestamptz), '[]'::jsonb)
         INTO v_queue
         FROM jsonb_array_elements(coalesce(f.rate_queue, '[]'::jsonb)) r
-        WHERE (r->>'at')::timestamptz > v_clock - interval '1 second'
-                                        - (2 / f.rate_per_second) * interval '1 second';
+        WHERE (r->>'at')::timestamptz > v_clock - interval '250 milliseconds'
+                                        - least(1 / f.rate_per_second, 1) * interval '1 second';
         SELECT (r->>'at')::timestamptz INTO v_mine
         FROM jsonb_array_elements(v_queue) r WHERE r->>'o' = p_owner;
         -- tokens promised to owners whose turn came before ours (or has come, for us
