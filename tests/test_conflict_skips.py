@@ -30,6 +30,13 @@ updating this list):
   waits for and locks the existing row.
 - ``queries.sql`` ``register_idle_sidecar``: ``ON CONFLICT (owner_id) DO UPDATE``: never
   skips; it refreshes the registration.
+- ``migrations/016_flow_control.sql``: ``tool_job_enqueue`` restated with the concurrency
+  key (the same handling as 014's, above); the trigger ``tool_job_keyed_flow``'s ``ON
+  CONFLICT (tool) DO NOTHING`` skips only when the tool has its flow row already, which
+  is all it is for; ``tool_job_claim_flow``'s per-key bucket ``ON CONFLICT (tool,
+  concurrency_key) DO UPDATE`` never skips (it refills and takes the token).
+- ``queries.sql`` ``set_tool_limits`` and ``pause_tool``: ``ON CONFLICT (tool) DO
+  UPDATE``: never skip; they change the existing flow row, journaled.
 """
 
 from __future__ import annotations
@@ -56,6 +63,9 @@ AUDITED = {
     ("sql/fence.sql", "fence_lock_entity"),
     ("sql/fence.sql", "fence_claim_key"),
     ("sql/queries.sql", "register_idle_sidecar"),
+    ("sql/migrations/016_flow_control.sql", "?"),  # enqueue, keyed flow row, key bucket
+    ("sql/queries.sql", "set_tool_limits"),
+    ("sql/queries.sql", "pause_tool"),
 }
 
 
