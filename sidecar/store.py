@@ -640,6 +640,11 @@ class Store:
         return await self.db.fetchrow(Q["resume_tool"], tool, by,
                                       timeout=self.timeout) is not None
 
+    async def drop_rate_turns(self, tool: str, owner_id: str) -> None:
+        """Give up ``owner_id``'s turns at ``tool``'s rate (a sidecar that stops), so the
+        others do not wait for them."""
+        await self.db.execute(Q["drop_rate_turns"], tool, owner_id, timeout=self.timeout)
+
     async def running_jobs(self, tool: str) -> list[uuid.UUID]:
         """Ids of the jobs of ``tool`` running now."""
         return [row["id"] for row in await self.db.fetch(Q["running_jobs_of_tool"], tool,

@@ -428,11 +428,16 @@ class Worker:
         self._idle_since = now
 
     async def _leave_idle_list(self) -> None:
-        """At stop: off the idle list, so no wake-up is sent to a sidecar that is gone."""
+        """At stop: off the idle list, so no wake-up is sent to a sidecar that is gone,
+        and out of the tool's rate turns, so no other sidecar waits for a turn it will not
+        take (issue 27). Best effort: a dead sidecar's turn is dropped once overdue."""
         if self._store is None:
             return
         with contextlib.suppress(Exception):
             await self._store.unregister_idle(self.owner_id)
+        if self._rate_turn_at is not None:
+            with contextlib.suppress(Exception):
+                await self._store.drop_rate_turns(self.profile.tool, self.owner_id)
 
     def _supersede(self, store: Store, job: ClaimedJob) -> list[asyncio.Task]:
         """This sidecar just claimed ``job`` anew (token N) while it still supervises an

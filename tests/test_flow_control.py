@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from itertools import pairwise
 
 import asyncpg
 import pytest
@@ -250,7 +251,12 @@ def test_a_rate_is_a_token_bucket_on_the_database_clock(dsn):
 
 def test_held_owners_get_successive_turns_and_keep_theirs(dsn):
     """N sidecars held by one bucket wake one per token, not all at each token: each
-    owner held is given the next free token time and keeps it when it asks again early."""
+    owner held is given the next free token time and keeps it when it asks again early.
+    The turns are read from the flow row (database times), so a slow host changes
+    nothing."""
+    turns_sql = ("SELECT r->>'o' AS owner, (r->>'at')::timestamptz AS at FROM tool_flow, "
+                 "jsonb_array_elements(rate_queue) r WHERE tool = 'search' ORDER BY 2")
+
     async def go():
         async with Fleet(dsn, 4) as fleet:
             await fleet.enqueue("search", 10)
@@ -260,16 +266,18 @@ def test_held_owners_get_successive_turns_and_keep_theirs(dsn):
             held = [await fleet.stores[i].claim("search", f"owner-{i}", LEASE, None, 3)
                     for i in (1, 2, 3)]
             assert [h.reason for h in held] == [Held.RATE] * 3
-            waits = [h.retry_in for h in held]
-            # 0.5 s apart: each owner's turn is one token after the one before
-            assert waits[1] - waits[0] == pytest.approx(0.5, abs=0.05), waits
-            assert waits[2] - waits[1] == pytest.approx(0.5, abs=0.05), waits
+            assert all(h.retry_in > 0 for h in held)
+            turns = await fleet.admin.db.fetch(turns_sql)
+            assert [t["owner"] for t in turns] == ["owner-1", "owner-2", "owner-3"]
+            # one token (0.5 s) apart: each owner's turn is the token after the one before
+            gaps = [(b["at"] - a["at"]).total_seconds() for a, b in pairwise(turns)]
+            assert gaps == [pytest.approx(0.5, abs=1e-3)] * 2, gaps
             # Asking again early keeps the turn (it is not pushed to the end).
             again = await fleet.stores[2].claim("search", "owner-2", LEASE, None, 3)
             assert again.reason == Held.RATE
-            assert again.retry_in == pytest.approx(waits[1], abs=0.1)
-            # An owner without a turn may not take a token promised to one whose turn came.
-            await fleet.admin.db.execute("SELECT pg_sleep($1)", waits[0] + 0.01)
+            assert await fleet.admin.db.fetch(turns_sql) == turns
+            # At owner-1's turn, an owner without a turn may not take the token promised.
+            await fleet.admin.db.execute("SELECT pg_sleep_until($1)", turns[0]["at"])
             stranger = await fleet.stores[0].claim("search", "owner-0", LEASE, None, 3)
             assert stranger.reason == Held.RATE
             turn = await fleet.stores[1].claim("search", "owner-1", LEASE, None, 3)
@@ -560,27 +568,30 @@ def test_a_cancelled_job_keeps_its_slot_until_its_owner_confirms_the_tree_dead(d
 
 
 def test_a_claim_visits_a_bounded_number_of_keys_and_the_next_goes_on(dsn):
-    """Keys whose jobs are all due later cost one probe each; a claim stops after 200 of
-    them (blocked more_keys) and the next claim goes on from there, so a due job behind
-    thousands of such keys is reached in a few claims, none of them long, and a walk
-    that finds nothing ends (no endless more_keys)."""
+    """Keys held by their cap cost a probe or two each; a claim stops after 200 of them
+    (blocked more_keys) and the next claim goes on from there, so a due job behind
+    hundreds of held keys is reached in a few claims, none of them long, and a walk that
+    finds nothing ends (no endless more_keys)."""
     async def go():
         async with Fleet(dsn, 1) as fleet:
             await fleet.admin.db.execute(
                 "INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, "
-                "concurrency_key, run_after) SELECT gen_random_uuid(), 'later', "
-                "gen_random_uuid()::text, '{}', 3, 'k' || lpad(g::text, 5, '0'), "
-                "now() + interval '1 hour' FROM generate_series(1, 450) g")
+                "concurrency_key) SELECT gen_random_uuid(), 'held', gen_random_uuid()::text, "
+                "'{}', 3, 'k' || lpad((g % 450)::text, 5, '0') FROM generate_series(0, 899) g")
+            await fleet.admin.set_limits("held", limit_changes(max_running_per_key=1), "test")
             store = fleet.stores[0]
-            for _ in range(2):  # two walks over 450 keys: each ends after three claims
+            for _ in range(450):  # one running per key: every key is at its cap
+                assert isinstance(await store.claim("held", "o", LEASE, None, 3), ClaimedJob)
+            for _ in range(2):  # two walks over 450 held keys: each ends after three claims
                 outcomes = []
-                while (outcome := await store.claim("later", "o", LEASE, None, 3)) is not None:
+                while (outcome := await store.claim("held", "o", LEASE, None, 3)) \
+                        != ClaimHeld(Held.MAX_RUNNING_PER_KEY):
                     outcomes.append(outcome)
                     assert len(outcomes) <= 2, outcomes
                 assert outcomes == [ClaimHeld(Held.MORE_KEYS, 0.0)] * 2
-            [due] = await fleet.enqueue("later", 1, key="z-last")
+            [due] = await fleet.enqueue("held", 1, key="z-last")
             outcomes = []
-            while not isinstance(job := await store.claim("later", "o", LEASE, None, 3),
+            while not isinstance(job := await store.claim("held", "o", LEASE, None, 3),
                                  ClaimedJob):
                 outcomes.append(job)
                 assert len(outcomes) <= 3, outcomes
@@ -589,6 +600,65 @@ def test_a_claim_visits_a_bounded_number_of_keys_and_the_next_goes_on(dsn):
 
     run(go())
 
+
+def test_keys_whose_jobs_are_all_due_later_cost_one_probe(dsn):
+    """Thousands of keys waiting out a retry's backoff: the claim sees in one probe that
+    nothing is due and walks no key; a due job among them is claimed at once."""
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.admin.db.execute(
+                "INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, "
+                "concurrency_key, run_after) SELECT gen_random_uuid(), 'later', "
+                "gen_random_uuid()::text, '{}', 3, 'k' || lpad(g::text, 5, '0'), "
+                "now() + interval '1 hour' FROM generate_series(1, 3000) g")
+            store = fleet.stores[0]
+            assert await store.claim("later", "o", LEASE, None, 3) is None
+            [due] = await fleet.enqueue("later", 1, key="k01500x")
+            outcomes = []
+            while not isinstance(job := await store.claim("later", "o", LEASE, None, 3),
+                                 ClaimedJob):
+                outcomes.append(job)
+                assert len(outcomes) <= 15, outcomes
+            assert job.id == due
+
+    run(go())
+
+
+def test_setting_the_same_rate_again_keeps_the_bucket(dsn):
+    """Limits applied again from configuration on a schedule must not refill the bucket:
+    only a rate or burst that changes starts a full one."""
+    async def go():
+        async with Fleet(dsn, 1) as fleet:
+            await fleet.enqueue("quota", 5)
+            await fleet.admin.set_limits("quota", limit_changes(rate="1/m"), "test")
+            store = fleet.stores[0]
+            assert isinstance(await store.claim("quota", "o", LEASE, None, 3), ClaimedJob)
+            for again in (limit_changes(rate="1/m"), limit_changes(burst=1),
+                          limit_changes(max_running=5)):
+                await fleet.admin.set_limits("quota", again, "test")
+                held = await store.claim("quota", "o", LEASE, None, 3)
+                assert held.reason == Held.RATE, again
+            await fleet.admin.set_limits("quota", limit_changes(rate="2/m"), "test")
+            assert isinstance(await store.claim("quota", "o", LEASE, None, 3), ClaimedJob)
+
+    run(go())
+
+
+def test_a_stopping_sidecar_gives_up_its_rate_turns(dsn):
+    async def go():
+        async with Fleet(dsn, 2) as fleet:
+            await fleet.enqueue("search", 5)
+            await fleet.admin.set_limits("search", limit_changes(rate="1/m"), "test")
+            assert isinstance(await fleet.stores[0].claim("search", "a", LEASE, None, 3),
+                              ClaimedJob)
+            for owner in ("a", "b"):
+                assert (await fleet.stores[1].claim("search", owner, LEASE, None, 3)).reason \
+                    == Held.RATE
+            queue = "SELECT rate_queue FROM tool_flow WHERE tool = 'search'"
+            await fleet.admin.drop_rate_turns("search", "a")
+            assert [t["o"] for t in await fleet.admin.db.fetchval(queue)] == ["b"]
+
+    run(go())
 
 def test_old_flow_changes_are_pruned_and_recent_ones_kept(dsn):
     async def go():

@@ -37,6 +37,8 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_claim_flow", "EXECUTE"),
     ("function", "tool_flow_key_blocked", "EXECUTE"),
     ("function", "tool_flow_key_wait", "EXECUTE"),
+    ("function", "tool_flow_occupied", "EXECUTE"),
+    ("function", "tool_flow_bucket_changed", "EXECUTE"),
     ("function", "sidecar_enqueue", "EXECUTE"),
 }
 SCALER_PRIVILEGES = {("schema", "public", "USAGE"), ("function", "tool_job_demand", "EXECUTE")}

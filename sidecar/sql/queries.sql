@@ -620,10 +620,12 @@ DELETE FROM tool_idle_sidecars WHERE seen_at < now() - interval '10 minutes';
 -- name: set_tool_limits
 -- Issue 27: a tool's limits, set fleet-wide. $2 holds only the fields to change
 -- as JSON text (max_running, max_running_per_key, rate, rate_per_second, rate_per_key,
--- key_rate_per_second, burst); a field given as null is cleared. A changed rate starts
--- with a full bucket. Journaled (limits_set, with $3, who), and every idle sidecar of the
+-- key_rate_per_second, burst); a field given as null is cleared. A rate or burst that
+-- changes starts with a full bucket (one given again unchanged keeps the bucket as it is). Journaled (limits_set, with $3, who), and every idle sidecar of the
 -- tool is woken, so the change takes effect at the next claim.
-WITH applied AS (
+WITH before AS (
+    SELECT key_rate_per_second, burst FROM tool_flow WHERE tool = $1
+), applied AS (
     INSERT INTO tool_flow AS f (tool, max_running, max_running_per_key, rate,
                                 rate_per_second, rate_per_key, key_rate_per_second, burst,
                                 updated_by)
@@ -646,16 +648,22 @@ WITH applied AS (
                                    THEN excluded.key_rate_per_second
                                    ELSE f.key_rate_per_second END,
         burst = CASE WHEN $2::text::jsonb ? 'burst' THEN excluded.burst ELSE f.burst END,
-        tokens = CASE WHEN $2::text::jsonb ?| array['rate', 'burst'] THEN NULL ELSE f.tokens END,
-        tokens_at = CASE WHEN $2::text::jsonb ?| array['rate', 'burst'] THEN NULL
+        tokens = CASE WHEN tool_flow_bucket_changed(f, excluded, $2::text::jsonb) THEN NULL
+                      ELSE f.tokens END,
+        tokens_at = CASE WHEN tool_flow_bucket_changed(f, excluded, $2::text::jsonb) THEN NULL
                          ELSE f.tokens_at END,
-        rate_queue = CASE WHEN $2::text::jsonb ?| array['rate', 'burst'] THEN NULL
-                          ELSE f.rate_queue END,
+        rate_queue = CASE WHEN tool_flow_bucket_changed(f, excluded, $2::text::jsonb)
+                          THEN NULL ELSE f.rate_queue END,
         updated_at = now(), updated_by = $3
     RETURNING f.tool
 ), keys_reset AS (
+    -- per-key buckets start full again only when the per-key rate or the burst changed
     DELETE FROM tool_flow_keys k USING applied
-    WHERE k.tool = applied.tool AND $2::text::jsonb ?| array['rate_per_key', 'burst']
+    WHERE k.tool = applied.tool
+      AND (($2::text::jsonb ? 'rate_per_key' AND (SELECT b.key_rate_per_second FROM before b)
+              IS DISTINCT FROM ($2::text::jsonb->>'key_rate_per_second')::float8)
+           OR ($2::text::jsonb ? 'burst' AND (SELECT b.burst FROM before b)
+              IS DISTINCT FROM coalesce(($2::text::jsonb->>'burst')::int, 1)))
 ), journal AS (
     INSERT INTO tool_flow_events (tool, event, details)
     SELECT tool, 'limits_set', $2::text::jsonb || jsonb_build_object('by', $3::text) FROM applied
@@ -710,6 +718,13 @@ SELECT f.tool, f.max_running, f.max_running_per_key, f.rate, f.rate_per_key, f.b
 FROM tool_flow f
 WHERE $1::text IS NULL OR f.tool = $1
 ORDER BY f.tool;
+
+-- name: drop_rate_turns
+-- A sidecar ($2) that stops gives up its turns at tool $1's rate (migration 016).
+UPDATE tool_flow
+SET rate_queue = (SELECT coalesce(jsonb_agg(r), '[]'::jsonb)
+                  FROM jsonb_array_elements(rate_queue) r WHERE r->>'o' <> $2::text)
+WHERE tool = $1 AND rate_queue @> jsonb_build_array(jsonb_build_object('o', $2::text));
 
 -- name: running_jobs_of_tool
 -- pause --cancel-running: the jobs of tool $1 running now.

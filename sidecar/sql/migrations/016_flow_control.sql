@@ -44,6 +44,11 @@ CREATE INDEX tool_jobs_running_key_idx ON tool_jobs (tool, concurrency_key)
     WHERE state = 'running' AND concurrency_key <> '';
 CREATE INDEX tool_jobs_cancel_pending_idx ON tool_jobs (tool, concurrency_key)
     WHERE cancel_pending;
+-- Whether a keyed tool has any job due at all, in one probe: before a claim walks its
+-- keys (thousands of keys waiting out a retry's backoff cost nothing then). Only jobs
+-- with a key are in it.
+CREATE INDEX tool_jobs_queued_keyed_due_idx ON tool_jobs (tool, run_after)
+    WHERE state = 'queued' AND concurrency_key <> '';
 
 CREATE TABLE tool_flow (
     tool                text PRIMARY KEY,
@@ -291,6 +296,25 @@ BEGIN
     -- Then queued jobs, keys in turn: the first key after the one served last that has a
     -- due job and room, wrapping around once. A walk cut short at c_max_keys goes on at
     -- the next claim from where it stopped, towards the same end (rr_walk*).
+    -- No job due at all (keyed or not): nothing to walk.
+    IF v_job IS NULL AND NOT EXISTS (
+            SELECT FROM tool_jobs j
+            WHERE j.tool = p_tool AND j.state = 'queued' AND j.concurrency_key <> ''
+              AND j.run_after <= now())
+        AND NOT EXISTS (
+            SELECT FROM tool_jobs j
+            WHERE j.tool = p_tool AND j.state = 'queued' AND j.concurrency_key = ''
+              AND j.run_after <= now()) THEN
+        IF f.rr_walk THEN
+            UPDATE tool_flow SET rr_walk = false WHERE tool_flow.tool = p_tool;
+        END IF;
+        IF v_held IS NOT NULL THEN
+            RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int, NULL::int,
+                NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8, NULL, NULL::int,
+                NULL, NULL, NULL::float8, v_held, v_retry;
+        END IF;
+        RETURN;
+    END IF;
     IF v_job IS NULL THEN
         v_walking := f.rr_walk;
         v_start := CASE WHEN v_walking THEN f.rr_walk_from ELSE f.rr_key END;
@@ -416,6 +440,15 @@ BEGIN
            NULL::text, NULL::float8
     FROM claimed c;
 END
+$$;
+
+-- Whether a set_tool_limits call ($3: the fields it sets) changes the bucket of the row
+-- `old` into `new`: a rate or burst given with another value than it had.
+CREATE FUNCTION tool_flow_bucket_changed(old tool_flow, new tool_flow, changes jsonb)
+RETURNS boolean
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT (changes ? 'rate' AND new.rate_per_second IS DISTINCT FROM old.rate_per_second)
+        OR (changes ? 'burst' AND new.burst IS DISTINCT FROM old.burst)
 $$;
 
 -- Whether key p_key may start a job now under the flow row f: NULL when it may, else
@@ -710,6 +743,8 @@ BEGIN
                    home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_job_slot_freed() SET search_path = %I, pg_temp',
                    home, home);
+    EXECUTE format('ALTER FUNCTION %I.tool_flow_bucket_changed(tool_flow, tool_flow, jsonb) '
+                   'SET search_path = %I, pg_temp', home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_flow_occupied(text, text) '
                    'SET search_path = %I, pg_temp', home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_job_claim_flow(text, text, float8, float8, '
