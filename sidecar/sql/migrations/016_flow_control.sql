@@ -17,9 +17,10 @@
 -- tool (trigger below), so its tool claims fairly even without limits.
 --
 -- Slots: a job occupies one while it is running under a live lease (lease_until >= now()),
--- and after a cancel until its owner confirms the tree dead; an expired lease frees it. Rates: token buckets on the database's clock, refilled at
--- the rate up to the burst (default 1), one token per claim; a job that cannot start for a
--- limit stays queued with no attempt spent.
+-- and after a cancel until its owner confirms the tree dead; an expired lease frees it.
+-- Rates: token buckets on the database's clock, refilled at the rate up to the burst
+-- (default 1), one token per claim; a job that cannot start for a limit stays queued
+-- with no attempt spent.
 -- No compatible-from: an older release claims without the limits.
 
 ALTER TABLE tool_jobs ADD COLUMN concurrency_key text NOT NULL DEFAULT '';
@@ -126,7 +127,8 @@ END
 $$;
 CREATE TRIGGER tool_jobs_slot_freed
     AFTER UPDATE OF state, cancel_pending ON tool_jobs
-    FOR EACH ROW WHEN ((OLD.state = 'running' AND NEW.state <> 'running' AND NOT NEW.cancel_pending)
+    FOR EACH ROW WHEN ((OLD.state = 'running' AND NEW.state <> 'running'
+                        AND NOT NEW.cancel_pending)
                        OR (OLD.cancel_pending AND NOT NEW.cancel_pending))
     EXECUTE FUNCTION tool_job_slot_freed();
 
@@ -217,7 +219,8 @@ BEGIN
     END IF;
     IF f.rate_per_second IS NOT NULL THEN
         v_tokens := least(f.burst, coalesce(f.tokens, f.burst) + f.rate_per_second
-                          * greatest(0, extract(epoch FROM v_clock - coalesce(f.tokens_at, v_clock))));
+                          * greatest(0, extract(epoch FROM
+                                                v_clock - coalesce(f.tokens_at, v_clock))));
         -- the turns still awaited, oldest first
         SELECT coalesce(jsonb_agg(r ORDER BY (r->>'at')::timestamptz), '[]'::jsonb)
         INTO v_queue
