@@ -640,6 +640,11 @@ class Store:
         return await self.db.fetchrow(Q["resume_tool"], tool, by,
                                       timeout=self.timeout) is not None
 
+    async def flow_state(self, tool: str) -> asyncpg.Record | None:
+        """``tool``'s flow row and the slots taken now (``running``), None when it has no
+        flow control; cheap enough for every poll (no count of the backlog)."""
+        return await self.db.fetchrow(Q["flow_state_of_tool"], tool, timeout=self.timeout)
+
     async def drop_rate_turns(self, tool: str, owner_id: str) -> None:
         """Give up ``owner_id``'s turns at ``tool``'s rate (a sidecar that stops), so the
         others do not wait for them."""

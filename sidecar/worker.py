@@ -291,7 +291,7 @@ class Worker:
                                  attempt=row["attempt"], reason=FailureKind.EXPIRED)
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(
                         await store.claimable_jobs(tool))
-                    self._sample_flow(await store.limits(tool))
+                    self._sample_flow(await store.flow_state(tool))
                     self.readiness.db_ok_at = time.monotonic()
                     if time.monotonic() - self._schema_checked >= health.SCHEMA_RECHECK_SECONDS:
                         await self._check_schema(store)  # a migration applied since (F24)
@@ -387,11 +387,11 @@ class Worker:
             await store.schema_compatibility(self.readiness.expected_schema)
         self._schema_checked = time.monotonic()
 
-    def _sample_flow(self, rows: list) -> None:
-        """Publish the tool's flow control as read (issue 27): gauges of its limits,
-        running jobs and pause, and the detail /readyz shows."""
+    def _sample_flow(self, row) -> None:
+        """Publish the tool's flow control as read (issue 27; ``row`` from
+        Store.flow_state, None without flow control): gauges of its limits, running jobs
+        and pause, and the detail /readyz shows."""
         tool = self.profile.tool
-        row = rows[0] if rows else None
         limits = {"max_running": row and row["max_running"],
                   "max_running_per_key": row and row["max_running_per_key"],
                   "rate": row and row["rate_per_second"],
@@ -413,7 +413,7 @@ class Worker:
             "max_running": row["max_running"],
             "max_running_per_key": row["max_running_per_key"],
             "rate": row["rate"], "rate_per_key": row["rate_per_key"], "burst": row["burst"],
-            "running": row["running"], "queued": row["queued"]}
+            "running": row["running"]}
 
     async def _stay_idle(self, store: Store) -> None:
         """Room for a job and none to claim: be on the idle list, so the next job queued

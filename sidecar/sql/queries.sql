@@ -726,6 +726,14 @@ SET rate_queue = (SELECT coalesce(jsonb_agg(r), '[]'::jsonb)
                   FROM jsonb_array_elements(rate_queue) r WHERE r->>'o' <> $2::text)
 WHERE tool = $1 AND rate_queue @> jsonb_build_array(jsonb_build_object('o', $2::text));
 
+-- name: flow_state_of_tool
+-- What a sidecar samples of its tool's flow once per poll (gauges, /readyz): the flow row
+-- (none: no flow control) and the slots taken; no count of the backlog.
+SELECT f.max_running, f.max_running_per_key, f.rate, f.rate_per_key, f.burst,
+       f.rate_per_second, f.key_rate_per_second, f.paused_at, f.pause_reason,
+       tool_flow_occupied(f.tool, NULL) AS running
+FROM tool_flow f WHERE f.tool = $1;
+
 -- name: running_jobs_of_tool
 -- pause --cancel-running: the jobs of tool $1 running now.
 SELECT id FROM tool_jobs WHERE tool = $1 AND state = 'running' ORDER BY id;
