@@ -39,6 +39,7 @@ WORKER_PRIVILEGES = {
     ("function", "tool_flow_key_wait", "EXECUTE"),
     ("function", "tool_flow_occupied", "EXECUTE"),
     ("function", "tool_flow_bucket_changed", "EXECUTE"),
+    ("function", "tool_flow_held", "EXECUTE"),
     ("function", "sidecar_enqueue", "EXECUTE"),
 }
 SCALER_PRIVILEGES = {("schema", "public", "USAGE"), ("function", "tool_job_demand", "EXECUTE")}

@@ -145,6 +145,21 @@ LANGUAGE sql STABLE AS $$
               AND (p_key IS NULL OR j.concurrency_key = p_key))
 $$;
 
+-- The row tool_job_claim_flow returns when a limit held the tool's jobs back: no job,
+-- only the reason and, for a rate, the seconds until this owner's turn.
+CREATE FUNCTION tool_flow_held(p_tool text, p_reason text, p_retry_in float8)
+RETURNS TABLE (id uuid, tool text, payload_text text, fencing_token bigint, attempt integer,
+               max_attempts integer, lease_until timestamptz, idempotency_key text,
+               previous_state text, refunded boolean, lease_remaining float8,
+               checkpoint_text text, stage integer, traceparent text, tracestate text,
+               lifetime_remaining float8, blocked text, retry_in float8)
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT NULL::uuid, p_tool, NULL::text, NULL::bigint, NULL::integer, NULL::integer,
+           NULL::timestamptz, NULL::text, NULL::text, NULL::boolean, NULL::float8,
+           NULL::text, NULL::integer, NULL::text, NULL::text, NULL::float8, p_reason,
+           p_retry_in
+$$;
+
 -- The claim of a tool with a flow row: same arguments and row as claim_job, plus
 -- blocked (NULL when a job was claimed: 'paused', 'max_running', 'max_running_per_key',
 -- 'rate', 'rate_per_key', or 'more_keys': the claim visited its bound of keys without
@@ -206,15 +221,11 @@ BEGIN
     -- buckets use the time now, after any wait for the lock (still the database's clock).
     v_clock := clock_timestamp();
     IF f.paused_at IS NOT NULL THEN
-        RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int, NULL::int,
-            NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8, NULL, NULL::int,
-            NULL, NULL, NULL::float8, 'paused'::text, NULL::float8;
+        RETURN QUERY SELECT * FROM tool_flow_held(p_tool, 'paused', NULL::float8);
         RETURN;
     END IF;
     IF f.max_running IS NOT NULL AND tool_flow_occupied(p_tool, NULL) >= f.max_running THEN
-        RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int, NULL::int,
-            NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8, NULL, NULL::int,
-            NULL, NULL, NULL::float8, 'max_running'::text, NULL::float8;
+        RETURN QUERY SELECT * FROM tool_flow_held(p_tool, 'max_running', NULL::float8);
         RETURN;
     END IF;
     IF f.rate_per_second IS NOT NULL THEN
@@ -251,10 +262,8 @@ BEGIN
                               FROM jsonb_array_elements(v_queue) r WHERE r->>'o' <> p_owner)
                              || jsonb_build_array(jsonb_build_object('o', p_owner, 'at', v_turn))
             WHERE tool_flow.tool = p_tool;
-            RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int, NULL::int,
-                NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8, NULL, NULL::int,
-                NULL, NULL, NULL::float8, 'rate'::text,
-                extract(epoch FROM v_turn - v_clock)::float8;
+            RETURN QUERY SELECT * FROM tool_flow_held(
+                p_tool, 'rate', extract(epoch FROM v_turn - v_clock)::float8);
             RETURN;
         END IF;
         IF v_mine IS NOT NULL OR jsonb_array_length(v_queue)
@@ -299,27 +308,15 @@ BEGIN
     -- Then queued jobs, keys in turn: the first key after the one served last that has a
     -- due job and room, wrapping around once. A walk cut short at c_max_keys goes on at
     -- the next claim from where it stopped, towards the same end (rr_walk*).
-    -- No job due at all (keyed or not): nothing to walk.
-    IF v_job IS NULL AND NOT EXISTS (
-            SELECT FROM tool_jobs j
-            WHERE j.tool = p_tool AND j.state = 'queued' AND j.concurrency_key <> ''
-              AND j.run_after <= now())
-        AND NOT EXISTS (
-            SELECT FROM tool_jobs j
-            WHERE j.tool = p_tool AND j.state = 'queued' AND j.concurrency_key = ''
-              AND j.run_after <= now()) THEN
-        IF f.rr_walk THEN
-            UPDATE tool_flow SET rr_walk = false WHERE tool_flow.tool = p_tool;
-        END IF;
-        IF v_held IS NOT NULL THEN
-            RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int, NULL::int,
-                NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8, NULL, NULL::int,
-                NULL, NULL, NULL::float8, v_held, v_retry;
-        END IF;
-        RETURN;
-    END IF;
-    IF v_job IS NULL THEN
-        v_walking := f.rr_walk;
+    -- When no job is due at all (keyed or not), one probe each says so: no key is walked.
+    v_walking := f.rr_walk;
+    IF v_job IS NULL AND (
+            EXISTS (SELECT FROM tool_jobs j
+                    WHERE j.tool = p_tool AND j.state = 'queued' AND j.concurrency_key <> ''
+                      AND j.run_after <= now())
+            OR EXISTS (SELECT FROM tool_jobs j
+                       WHERE j.tool = p_tool AND j.state = 'queued'
+                         AND j.concurrency_key = '' AND j.run_after <= now())) THEN
         v_start := CASE WHEN v_walking THEN f.rr_walk_from ELSE f.rr_key END;
         v_wrapped := v_walking AND f.rr_walk_wrapped;
         v_after := f.rr_key;
@@ -345,9 +342,7 @@ BEGIN
                 SET rr_key = v_after, rr_walk = true, rr_walk_from = v_start,
                     rr_walk_wrapped = v_wrapped
                 WHERE tool_flow.tool = p_tool;
-                RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int,
-                    NULL::int, NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8,
-                    NULL, NULL::int, NULL, NULL, NULL::float8, 'more_keys'::text, 0::float8;
+                RETURN QUERY SELECT * FROM tool_flow_held(p_tool, 'more_keys', 0::float8);
                 RETURN;
             END IF;
             v_visited := v_visited + 1;
@@ -375,14 +370,12 @@ BEGIN
     END IF;
 
     IF v_job IS NULL THEN
-        IF v_walking THEN  -- the walk went round: the next one starts afresh
+        IF v_walking THEN  -- the walk went round (or nothing is due): start afresh next
             UPDATE tool_flow SET rr_walk = false WHERE tool_flow.tool = p_tool;
         END IF;
         -- the reason of a key held back, when one was (a key with no due job is not)
         IF v_held IS NOT NULL THEN
-            RETURN QUERY SELECT NULL::uuid, p_tool, NULL, NULL::bigint, NULL::int, NULL::int,
-                NULL::timestamptz, NULL, NULL, NULL::boolean, NULL::float8, NULL, NULL::int,
-                NULL, NULL, NULL::float8, v_held, v_retry;
+            RETURN QUERY SELECT * FROM tool_flow_held(p_tool, v_held, v_retry);
         END IF;
         RETURN;
     END IF;
@@ -747,6 +740,8 @@ BEGIN
     EXECUTE format('ALTER FUNCTION %I.tool_job_slot_freed() SET search_path = %I, pg_temp',
                    home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_flow_bucket_changed(tool_flow, tool_flow, jsonb) '
+                   'SET search_path = %I, pg_temp', home, home);
+    EXECUTE format('ALTER FUNCTION %I.tool_flow_held(text, text, float8) '
                    'SET search_path = %I, pg_temp', home, home);
     EXECUTE format('ALTER FUNCTION %I.tool_flow_occupied(text, text) '
                    'SET search_path = %I, pg_temp', home, home);
