@@ -55,7 +55,7 @@ async def claim_loop(dsn: str, tool: str, concurrency: int, start_at: float,
         while True:
             started = time.monotonic()
             t0 = time.time()
-            row = await conn.fetchrow(Q["claim_job"], tool, owner, 90.0, None, 3, timeout=10)
+            row = await conn.fetchrow(Q["claim_job"], tool, owner, 90.0, None, 3, 1, timeout=10)
             if row is None:
                 return
             first = t0 if first is None else min(first, t0)

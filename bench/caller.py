@@ -127,7 +127,7 @@ async def bare_worker(dsn: str, tool: str, ready: asyncio.Event) -> None:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), 1.0)
             wake.clear()
-            while (row := await work.fetchrow(Q["claim_job"], tool, owner, 30.0, None, 3)):
+            while (row := await work.fetchrow(Q["claim_job"], tool, owner, 30.0, None, 3, 1)):
                 proc = await asyncio.create_subprocess_exec(
                     *CAT, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
                     start_new_session=True)

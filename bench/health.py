@@ -105,7 +105,7 @@ async def claim_samples(conn: asyncpg.Connection,
             try:
                 [plan] = await conn.fetchval(
                     "EXPLAIN (ANALYZE, TIMING OFF, FORMAT JSON) " + Q["claim_job"],
-                    tool, "bench-explain", 90.0, None, 3)
+                    tool, "bench-explain", 90.0, None, 3, 1)
             finally:
                 await tr.rollback()
             if isinstance(plan, str):

@@ -85,7 +85,7 @@ async def bare(ctx: Context, conn: asyncpg.Connection, count: int) -> list[float
             await work.execute(Q["register_idle_sidecar"], owner, tool, channel)
             await wake.wait()
             wake.clear()
-            while (row := await work.fetchrow(Q["claim_job"], tool, owner, 3.0, None, 3)):
+            while (row := await work.fetchrow(Q["claim_job"], tool, owner, 3.0, None, 3, 1)):
                 proc = await asyncio.create_subprocess_exec(
                     *DATE, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.PIPE,
                     start_new_session=True)

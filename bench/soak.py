@@ -61,7 +61,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
         nonlocal done
         while not stop.is_set():
             t0 = time.perf_counter()
-            row = await c.fetchrow(Q["claim_job"], tool, owner, 90.0, None, 3, timeout=30)
+            row = await c.fetchrow(Q["claim_job"], tool, owner, 90.0, None, 3, 1, timeout=30)
             claims.append((done, time.perf_counter() - t0))
             if row is None:
                 await asyncio.sleep(0.01)

@@ -46,8 +46,9 @@ GUARD_REFUSALS = tuple(ConnectionRefusal)
 
 JOBS_CLAIMED = Counter("sidecar_jobs_claimed", "Jobs claimed (P4).", _TP)
 CLAIM_ATTEMPTS = Counter("sidecar_claim_attempts",
-                         "Claim statements by outcome: claimed (a job), empty (none), or the "
-                         "flow limit that held the tool's jobs back.",
+                         "Claim statements by outcome: claimed (one job or more, one "
+                         "statement for all free slots), empty (none), or the flow limit "
+                         "that held the tool's jobs back.",
                          (*_TP, "outcome"))
 JOBS_RECLAIMED = Counter("sidecar_jobs_reclaimed",
                          "Jobs claimed from an owner whose lease had expired.", _TP)

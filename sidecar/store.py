@@ -301,30 +301,46 @@ class Store:
                     max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> ClaimedJob | ClaimHeld | None:
         """Claim one job of ``tool`` (P4) or return None when none is eligible, or
         ClaimHeld when a flow limit of the tool (issue 27: pause, caps, rates) held every
-        eligible one back.
+        eligible one back. ``claim_many`` with a limit of 1; the same arguments."""
+        jobs, held = await self.claim_many(tool, owner_id, lease_seconds, 1,
+                                           max_lifetime_seconds, max_attempts)
+        return jobs[0] if jobs else held
 
-        ``max_lifetime_seconds`` (P12) makes the claim also return how much of the job's
+    async def claim_many(self, tool: str, owner_id: str, lease_seconds: float, limit: int,
+                         max_lifetime_seconds: float | None = None,
+                         max_attempts: int = DEFAULT_MAX_ATTEMPTS,
+                         ) -> tuple[list[ClaimedJob], ClaimHeld | None]:
+        """Claim up to ``limit`` jobs of ``tool`` in one statement (P4; issue 28: one
+        statement for all of a sidecar's free slots, not one per slot), each with its own
+        fencing token, attempt, lease of ``lease_seconds`` and ``job_claimed`` journal row.
+
+        Returns ``(jobs, held)``: the jobs claimed, in no particular order, and ClaimHeld
+        when a flow limit of the tool (issue 27: pause, caps, rates) held the rest back
+        (else None). Fewer jobs than ``limit`` and no ``held``: nothing more is claimable
+        now. ``max_lifetime_seconds`` (P12) makes each job also carry how much of its
         lifetime is left, counted from its first claim by the database's clock.
-        ``max_attempts`` (the profile's MAX_ATTEMPTS) is written on a job enqueued
-        without one (migration 014)."""
-        row = await self.db.fetchrow(
+        ``max_attempts`` (the profile's MAX_ATTEMPTS) is written on a job enqueued without
+        one (migration 014). ``limit`` below 1 counts as 1. Raises what asyncpg raises."""
+        rows = await self.db.fetch(
             Q["claim_job"], tool, owner_id, lease_seconds, max_lifetime_seconds,
-            max_attempts, timeout=self.timeout
-        )
-        if row is None:
-            return None
-        if row["blocked"] is not None:
-            return ClaimHeld(Held(row["blocked"]), row["retry_in"])
-        return ClaimedJob(
-            id=row["id"], tool=row["tool"], payload_text=row["payload_text"],
-            fencing_token=row["fencing_token"], attempt=row["attempt"],
-            max_attempts=row["max_attempts"], lease_until=row["lease_until"],
-            lease_remaining=row["lease_remaining"], idempotency_key=row["idempotency_key"],
-            reclaimed=row["previous_state"] == JobState.RUNNING,
-            checkpoint_text=row["checkpoint_text"], stage=row["stage"],
-            lifetime_remaining=row["lifetime_remaining"],
-            traceparent=row["traceparent"], tracestate=row["tracestate"],
-        )
+            max_attempts, max(1, limit), timeout=self.timeout)
+        jobs: list[ClaimedJob] = []
+        held: ClaimHeld | None = None
+        for row in rows:
+            if row["blocked"] is not None:
+                held = ClaimHeld(Held(row["blocked"]), row["retry_in"])
+                continue
+            jobs.append(ClaimedJob(
+                id=row["id"], tool=row["tool"], payload_text=row["payload_text"],
+                fencing_token=row["fencing_token"], attempt=row["attempt"],
+                max_attempts=row["max_attempts"], lease_until=row["lease_until"],
+                lease_remaining=row["lease_remaining"],
+                idempotency_key=row["idempotency_key"],
+                reclaimed=row["previous_state"] == JobState.RUNNING,
+                checkpoint_text=row["checkpoint_text"], stage=row["stage"],
+                lifetime_remaining=row["lifetime_remaining"],
+                traceparent=row["traceparent"], tracestate=row["tracestate"]))
+        return jobs, held
 
     async def release_unheld_claims(self, tool: str, owner_id: str,
                                     held: Iterable[AttemptId]) -> list[asyncpg.Record]:

@@ -24,7 +24,7 @@ from sidecar.child import ProcessTable
 from sidecar.config import Settings, secret_values
 from sidecar.context import WorkerContext
 from sidecar.errors import ConfigError
-from sidecar.flow import ClaimHeld, Held
+from sidecar.flow import Held
 from sidecar.forwarder import Forwarder
 from sidecar.guard import GuardServer
 from sidecar.health import Readiness
@@ -308,43 +308,39 @@ class Worker:
                         len(self.running), self.concurrency, self.stopping.is_set(),
                         ctx.claim_pause.remaining()):
                     sent = clock.ownership_now()  # the lease's local deadline (F20)
+                    free = self.concurrency - len(self.running)
                     try:
-                        job = await store.claim(tool, self.owner_id,
-                                                self.profile.lease_seconds,
-                                                self.profile.max_lifetime_seconds or None,
-                                                self.profile.max_attempts)
+                        # One statement for every free slot (issue 28).
+                        jobs, held = await store.claim_many(
+                            tool, self.owner_id, self.profile.lease_seconds, free,
+                            self.profile.max_lifetime_seconds or None,
+                            self.profile.max_attempts)
                     except db.UNAVAILABLE_ERRORS:
                         self._claim_unsettled = True  # it may have committed (F16)
                         raise
                     self.readiness.db_ok_at = time.monotonic()
-                    if isinstance(job, ClaimHeld):
+                    # One count per claim statement, by what it did.
+                    outcome = ("claimed" if jobs else
+                               held.reason.value if held is not None else "empty")
+                    metrics.CLAIM_ATTEMPTS.labels(*self.labels, outcome).inc()
+                    for job in jobs:
+                        self._start_attempt(store, ctx, job, sent)
+                    if held is not None:
                         # A flow limit holds the tool's jobs back (issue 27): a freed slot,
                         # a resume or a limit change wakes an idle sidecar; a rate's next
                         # token is waited for here.
-                        metrics.CLAIM_ATTEMPTS.labels(*self.labels, job.reason.value).inc()
-                        if job.reason is Held.MORE_KEYS:
+                        if held.reason is Held.MORE_KEYS:
                             continue  # the walk of keys goes on in the next claim
-                        if job.reason is Held.RATE and job.retry_in is not None:
-                            self._rate_turn_at = time.monotonic() + job.retry_in
-                        elif job.retry_in is not None:
-                            self._retry_at = time.monotonic() + job.retry_in
+                        if held.reason is Held.RATE and held.retry_in is not None:
+                            self._rate_turn_at = time.monotonic() + held.retry_in
+                        elif held.retry_in is not None:
+                            self._retry_at = time.monotonic() + held.retry_in
                         await self._stay_idle(store)
                         break
-                    metrics.CLAIM_ATTEMPTS.labels(*self.labels,
-                                                  "empty" if job is None else "claimed").inc()
-                    if job is None:
+                    if len(jobs) < free:
+                        # Fewer than asked for: nothing more is claimable now.
                         await self._stay_idle(store)
                         break
-                    metrics.JOBS_CLAIMED.labels(*self.labels).inc()
-                    if job.reclaimed:
-                        metrics.JOBS_RECLAIMED.labels(*self.labels).inc()
-                    predecessors = self._supersede(store, job)
-                    lease = ctx.keeper.hold(job, sent)
-                    task = asyncio.create_task(
-                        JobSupervisor(ctx, job, lease, predecessors).run())
-                    self.running[job.attempt_id] = task
-                    task.add_done_callback(
-                        lambda t, attempt=job.attempt_id: self._job_done(attempt, t))
                     if len(self.running) >= self.concurrency and self._idle_since is not None:
                         # Full now, and not by a wake-up (a waker takes us off the list
                         # itself): a wake-up sent to us would wait for a free slot.
@@ -366,6 +362,20 @@ class Worker:
                 self._retry_at = None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout)
+
+    def _start_attempt(self, store: Store, ctx: WorkerContext, job: ClaimedJob,
+                       sent: float) -> None:
+        """Supervise one claimed attempt: its lease held from ``sent`` (the monotonic time
+        the claim was sent, F20), after any older attempt of the same job here is killed
+        (F14); tracked in ``running`` by attempt until it ends."""
+        metrics.JOBS_CLAIMED.labels(*self.labels).inc()
+        if job.reclaimed:
+            metrics.JOBS_RECLAIMED.labels(*self.labels).inc()
+        predecessors = self._supersede(store, job)
+        lease = ctx.keeper.hold(job, sent)
+        task = asyncio.create_task(JobSupervisor(ctx, job, lease, predecessors).run())
+        self.running[job.attempt_id] = task
+        task.add_done_callback(lambda t, attempt=job.attempt_id: self._job_done(attempt, t))
 
     async def _settle_claims(self, store: Store) -> None:
         """Case F16: a claim whose answer was lost may have committed, leaving a job running

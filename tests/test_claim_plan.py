@@ -33,22 +33,27 @@ def _nodes(plan: dict):
         yield from _nodes(child)
 
 
-def _claim_plan(dsn: str, tool: str) -> dict:
+def _claim_plan(dsn: str, tool: str, size: int = 1) -> dict:
     [[text]] = query(dsn, "EXPLAIN (FORMAT JSON) " + Q["claim_job"], tool, "owner", 30.0, None,
-                         3)
+                         3, size)
     return (orjson.loads(text) if isinstance(text, str) else text)[0]["Plan"]
 
 
-@pytest.mark.parametrize("backlog", [20_000, 200_000])
-def test_the_claim_reads_the_backlog_in_order_from_its_index_without_sorting_it(dsn, backlog):
+@pytest.mark.parametrize("backlog, size", [(20_000, 1), (200_000, 1), (200_000, 8)])
+def test_the_claim_reads_the_backlog_in_order_from_its_index_without_sorting_it(
+        dsn, backlog, size):
     _fill(dsn, "ocr", backlog)
     _fill(dsn, "other-tool", 1000)
-    plan = _claim_plan(dsn, "ocr")
+    plan = _claim_plan(dsn, "ocr", size)
     scans = [n for n in _nodes(plan) if n.get("Relation Name") == "tool_jobs"
              and n["Node Type"] != "ModifyTable"]
     assert {n.get("Index Name") for n in scans} >= {"tool_jobs_queued_order_idx",
                                                     "tool_jobs_running_idx"}, scans
-    assert not [n for n in scans if n["Node Type"] in ("Seq Scan", "Bitmap Heap Scan")]
+    assert not [n for n in scans if n["Node Type"] == "Seq Scan"], scans
+    # The update finds the claimed rows by primary key (a bitmap of the claimed ids at
+    # most), never by scanning the table, whatever the claim's size (issue 28).
+    assert not [n for n in scans if n["Node Type"] == "Bitmap Heap Scan"
+                and "id = ANY" not in n.get("Recheck Cond", "")], scans
     for sort in (n for n in _nodes(plan) if "Sort" in n["Node Type"]):
         below = {n.get("Index Name") for n in _nodes(sort)}
         assert "tool_jobs_queued_order_idx" not in below, sort  # only running jobs sorted
@@ -97,3 +102,42 @@ def test_the_journal_has_one_index_its_key_and_a_jobs_events_are_read_through_it
     plan = (orjson.loads(text) if isinstance(text, str) else text)[0]["Plan"]
     assert "tool_job_events_pkey" in {n.get("Index Name") for n in _nodes(plan)}, plan
     assert not [n for n in _nodes(plan) if n["Node Type"] == "Seq Scan"], plan
+
+
+def test_one_claim_takes_a_job_for_each_free_slot_expired_leases_first(dsn):
+    """Issue 28: a claim of up to N jobs takes the expired lease first, then the queue in
+    claim order (priority, then age), each job under its own token, attempt, lease and
+    job_claimed row; a claim that takes fewer than asked found nothing more."""
+    async def go():
+        pool = await db.create_pool(dsn, 5, max_size=2)
+        store = Store(pool, 5)
+        try:
+            low = [(await store.enqueue("pdf", {"n": n}, None, 3, {}))[0] for n in range(3)]
+            high = (await store.enqueue("pdf", {"n": 9}, None, 3, {}))[0]  # priority 0
+            await pool.execute("UPDATE tool_jobs SET priority = 5 WHERE id = ANY($1::uuid[])",
+                               low)
+            first = await store.claim("pdf", "a", 30.0)
+            assert first.id == high
+            await store.record_event(first.id, first.fencing_token, "tool_request_started", {})
+            await pool.execute("UPDATE tool_jobs SET lease_until = now() - interval '1 s' "
+                               "WHERE id = $1", first.id)
+            jobs, held = await store.claim_many("pdf", "b", 30.0, 3)
+            rest, _ = await store.claim_many("pdf", "b", 30.0, 5)
+            events = await pool.fetch(
+                "SELECT job_id, fencing_token FROM tool_job_events "
+                "WHERE event = 'job_claimed' AND details->>'owner_id' = 'b'")
+            return low, high, first, jobs, held, rest, events
+        finally:
+            await pool.close()
+
+    low, high, first, jobs, held, rest, events = run(go())
+    assert held is None
+    by_id = {job.id: job for job in jobs}
+    assert set(by_id) == {high, low[0], low[1]}  # the expired one, then the oldest two
+    taken_over = by_id[high]
+    assert taken_over.reclaimed and taken_over.fencing_token == first.fencing_token + 1
+    assert all(not by_id[i].reclaimed and by_id[i].fencing_token == 1
+               and by_id[i].attempt == 1 for i in low[:2])
+    assert [job.id for job in rest] == [low[2]]  # one left of five asked for
+    assert sorted((e["job_id"], e["fencing_token"]) for e in events) == sorted(
+        (job.id, job.fencing_token) for job in [*jobs, *rest])

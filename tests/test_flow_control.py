@@ -61,6 +61,13 @@ class Fleet:
         return list(await asyncio.gather(*(
             self.stores[i].claim(tool, f"owner-{i}", LEASE, None, 3) for i in who)))
 
+    async def claim_batches(self, tool: str, who: list[int], sizes: list[int]) -> list:
+        """One claim of up to ``sizes[n]`` jobs from each claimer ``who[n]`` at once
+        (Store.claim_many, issue 28): a list of (jobs, held) per claimer."""
+        return list(await asyncio.gather(*(
+            self.stores[i].claim_many(tool, f"owner-{i}", LEASE, size, None, 3)
+            for i, size in zip(who, sizes, strict=True))))
+
     async def running(self, tool: str) -> dict[str, int]:
         """Jobs running under a live lease, by concurrency key ('' = none)."""
         rows = await self.admin.db.fetch(
@@ -326,7 +333,7 @@ def test_a_limited_claim_refuses_an_isolation_level_that_would_count_stale_rows(
                 async with conn.transaction(isolation="repeatable_read"):
                     from sidecar.queries import Q
                     with pytest.raises(asyncpg.PostgresError, match="READ COMMITTED"):
-                        await conn.fetch(Q["claim_job"], "erp", "o", LEASE, None, 3)
+                        await conn.fetch(Q["claim_job"], "erp", "o", LEASE, None, 3, 1)
             finally:
                 await conn.close()
 
@@ -396,12 +403,13 @@ def _random_limits(rng) -> dict:
 
 @pytest.mark.parametrize("seed", range(8))
 def test_property_no_claim_breaks_a_limit_and_no_free_slot_is_left_idle(dsn, seed):
-    """Random fleets (2-6 claimers), random limits changed as the fleet runs, random job
-    ends, lease expiries (the owner's own expire statement), pauses and enqueues. At every
-    step, from the database: a step with claims leaves running <= max_running and each
-    claimed key <= max_running_per_key; no claim while paused; claims over any window with
-    one rate <= burst + rate x window (database clock); and when the database shows a
-    claimable job with a free slot and no rate set, a claim takes one."""
+    """Random fleets (2-6 claimers, each claim asking for 1-4 jobs at once), random limits
+    changed as the fleet runs, random job ends, lease expiries (the owner's own expire
+    statement), pauses and enqueues. At every step, from the database: a step with claims
+    leaves running <= max_running and each claimed key <= max_running_per_key; no claim
+    while paused; claims over any window with one rate <= burst + rate x window (database
+    clock); and when the database shows a claimable job with a free slot and no rate set, a
+    claim takes one."""
     import random
 
     rng = random.Random(seed)
@@ -458,9 +466,18 @@ def test_property_no_claim_breaks_a_limit_and_no_free_slot_is_left_idle(dsn, see
                 if rng.random() < 0.3:
                     await fleet.enqueue(tool, rng.randint(1, 5), key=rng.choice(keys))
 
-                who = rng.sample(range(fleet.size), rng.randint(1, fleet.size))
+                claimers = rng.sample(range(fleet.size), rng.randint(1, fleet.size))
                 t0 = await fleet.admin.db.fetchval(CLOCK)
-                results = await fleet.claim_all(tool, who)
+                # Each claimer asks for 1-4 jobs in one statement (issue 28); every job
+                # and every held row it got counts as one result of that claimer.
+                sizes = [rng.randint(1, 4) for _ in claimers]
+                results, who = [], []
+                for i, (jobs, held_back) in zip(
+                        claimers, await fleet.claim_batches(tool, claimers, sizes),
+                        strict=True):
+                    got = [*jobs, held_back] if held_back is not None else jobs
+                    results.extend(got or [None])
+                    who.extend([i] * len(got or [None]))
                 # One more claim on its own: when a job can start, it must.
                 running = await fleet.running(tool)
                 claimable = await fleet.admin.db.fetchval(CLAIMABLE, tool,
@@ -691,5 +708,41 @@ def test_a_turn_its_sidecar_never_takes_is_dropped(dsn):
             queue = await fleet.admin.db.fetchval(
                 "SELECT rate_queue FROM tool_flow WHERE tool = 'search'")
             assert "owner-1" not in str(queue)
+
+    run(go())
+
+
+def test_one_claim_of_several_jobs_keeps_caps_and_turns_and_says_what_held_the_rest(dsn):
+    """Issue 28: a claim of up to N jobs under flow limits takes them one after another
+    under the tool's lock, so the caps hold inside one statement, keys take turns within
+    it, and the limit that stopped it comes back beside the jobs it took."""
+    async def go():
+        async with Fleet(dsn, 2) as fleet:
+            for key in ("a", "b", "c"):
+                await fleet.enqueue("batch", 3, key=key)
+            await fleet.admin.set_limits("batch", limit_changes(max_running=4,
+                                                                max_running_per_key=2), "t")
+            jobs, held = await fleet.stores[0].claim_many("batch", "owner-0", LEASE, 8,
+                                                          None, 3)
+            assert len(jobs) == 4 and held == ClaimHeld(Held.MAX_RUNNING)
+            assert len({(j.id, j.fencing_token) for j in jobs}) == 4
+            keys = [(await fleet.admin.get_job(j.id))["concurrency_key"] for j in jobs]
+            assert sorted(keys) == ["a", "a", "b", "c"], keys  # in turn: a, b, c, a
+            assert await fleet.running("batch") == {"a": 2, "b": 1, "c": 1}
+            # One journal row per job claimed, under its own token.
+            claims = await fleet.admin.db.fetchval(
+                "SELECT count(*) FROM tool_job_events e JOIN tool_jobs j ON j.id = e.job_id "
+                "AND e.fencing_token = j.fencing_token WHERE j.tool = 'batch' "
+                "AND e.event = 'job_claimed'")
+            assert claims == 4
+            # The other claimer, asking for 8, is held at once and takes nothing.
+            assert await fleet.stores[1].claim_many("batch", "owner-1", LEASE, 8, None, 3) \
+                == ([], ClaimHeld(Held.MAX_RUNNING))
+            # Room again: the next batch takes what the per-key cap allows and no more.
+            await fleet.admin.set_limits("batch", {"max_running": None}, "t")
+            jobs, held = await fleet.stores[1].claim_many("batch", "owner-1", LEASE, 8,
+                                                          None, 3)
+            assert await fleet.running("batch") == {"a": 2, "b": 2, "c": 2}
+            assert len(jobs) == 2 and held == ClaimHeld(Held.MAX_RUNNING_PER_KEY)
 
     run(go())

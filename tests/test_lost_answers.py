@@ -144,7 +144,7 @@ def test_unstarted_expiries_are_given_back_a_bounded_number_of_times(dsn, sideca
         wait_until(lambda: query(dsn, "SELECT state = 'queued' OR lease_until < now() AS due "
                                       "FROM tool_jobs WHERE id = $1",
                                  uuid.UUID(job_id))[0]["due"], 15, what="the lease to expire")
-        [row] = query(dsn, claim, COUNTER, owner, 1.0, None, 3)
+        [row] = query(dsn, claim, COUNTER, owner, 1.0, None, 3, 1)
         seen.append((row["fencing_token"], row["attempt"], row["refunded"]))
     assert seen == [(1, 1, False), (2, 1, True)]
     sc = sidecars(dsn, [COUNTER], env=base_env(dsn))
@@ -193,7 +193,7 @@ def test_a_lease_claimed_before_the_refund_rule_expires_as_before(dsn, sidecars,
     expired lease is spent as it always was (never given back, never stuck between the
     sweep and the claim): with no attempt left the sweep fails it."""
     job_id = enqueue(dsn, COUNTER, {"log": str(tmp_path / "runs")}, "--max-attempts", "1")
-    [row] = query(dsn, Q["claim_job"], COUNTER, "older-release", 1.0, None, 3)
+    [row] = query(dsn, Q["claim_job"], COUNTER, "older-release", 1.0, None, 3, 1)
     query(dsn, "UPDATE tool_jobs SET claimed_at = NULL WHERE id = $1", row["id"])
     sidecars(dsn, [COUNTER], env=base_env(dsn))
     wait_until(lambda: job_row(dsn, job_id)["state"] == "failed", 20,

@@ -122,8 +122,8 @@ SELECT id, tool, fencing_token, attempt FROM expired;
 -- P4: one statement picks a running job whose lease expired or, when there is none, the
 -- oldest due queued job, and takes it, bumping fencing_token and attempt. Each part is an
 -- ordered LIMIT over its own partial index, so the backlog is never sorted: the queued
--- part reads tool_jobs_queued_order_idx in claim order (migration 005) and runs only when
--- the expired part found nothing (a one-time filter). Case F16: an expired attempt whose
+-- part reads tool_jobs_queued_order_idx in claim order (migration 005) and takes only
+-- what the expired part left of the claim's size. Case F16: an expired attempt whose
 -- tool never started is given back (migration 012): the claim keeps its attempt number
 -- and counts the refund, so it is never what exhausts max_attempts. Migration 014: the
 -- queued part reads priority first (0 first) from the same index, no attempt starts once
@@ -133,6 +133,11 @@ SELECT id, tool, fencing_token, attempt FROM expired;
 -- concurrency keys) claims through tool_job_claim_flow instead, which enforces them; this
 -- statement's own parts then do nothing (one-time filters). blocked and retry_in say why
 -- that claim took nothing: NULL here, and on every row that holds a job.
+-- Issue 28 (migration 017): up to $6 jobs (the sidecar's free slots; NULL or less than 1
+-- counts as 1) in this one statement, each with its own token, attempt, lease and
+-- job_claimed row: expired leases first, the rest of $6 from the queue in claim order; a
+-- tool with a flow row claims them through tool_job_claim_flow_many, one after another
+-- under its lock, and a limit that held the rest back adds its row (blocked) last.
 WITH flow AS (
     SELECT FROM tool_flow WHERE tool = $1
 ), expired AS (
@@ -143,16 +148,16 @@ WITH flow AS (
       AND (attempt < coalesce(max_attempts, $5::int) OR tool_job_expiry_refunded(j))
       AND (expires_at IS NULL OR expires_at > now())
     ORDER BY priority, run_after, created_at, id
-    LIMIT 1
+    LIMIT greatest($6::int, 1)
     FOR UPDATE SKIP LOCKED
 ), queued AS (
     SELECT id, 'queued'::text AS previous_state, false AS refunded
     FROM tool_jobs
     WHERE tool = $1 AND concurrency_key = '' AND state = 'queued' AND run_after <= now()
       AND (expires_at IS NULL OR expires_at > now())
-      AND NOT EXISTS (SELECT FROM expired) AND NOT EXISTS (SELECT FROM flow)
+      AND NOT EXISTS (SELECT FROM flow)
     ORDER BY priority, run_after, created_at, id
-    LIMIT 1
+    LIMIT greatest($6::int, 1) - (SELECT count(*) FROM expired)
     FOR UPDATE SKIP LOCKED
 ), candidate AS (
     SELECT * FROM expired
@@ -173,7 +178,9 @@ WITH flow AS (
         first_claimed_at = coalesce(j.first_claimed_at, now()),
         max_attempts = coalesce(j.max_attempts, $5::int)
     FROM candidate
-    WHERE j.id = candidate.id
+    -- the ids as an array too: an index probe of the primary key per candidate whatever
+    -- the planner guesses of a claim's size (it cannot know $6 less the expired part)
+    WHERE j.id = candidate.id AND j.id = ANY (ARRAY(SELECT id FROM candidate))
     RETURNING j.id, j.tool, j.payload::text AS payload_text, j.fencing_token, j.attempt, j.max_attempts,
               j.lease_until, j.idempotency_key, candidate.previous_state, candidate.refunded,
               extract(epoch FROM j.lease_until - now())::float8 AS lease_remaining,
@@ -195,7 +202,7 @@ WITH flow AS (
 )
 SELECT *, NULL::text AS blocked, NULL::float8 AS retry_in FROM claimed
 UNION ALL
-SELECT * FROM tool_job_claim_flow($1, $2, $3, $4, $5) WHERE EXISTS (SELECT FROM flow);
+SELECT * FROM tool_job_claim_flow_many($1, $2, $3, $4, $5, $6) WHERE EXISTS (SELECT FROM flow);
 
 -- name: extend_leases_if_owner
 -- P5: one statement renews every lease this sidecar holds, answering per attempt
