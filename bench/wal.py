@@ -6,17 +6,23 @@ other sections left behind is pruned or vacuumed in its window. It runs the job'
 life with the real code paths:
 
 - enqueue: ``jobs`` jobs one at a time by the statement ``sidecar enqueue`` runs
-  (``enqueue_job``: tool_job_enqueue, its journal row), no sidecar of the tool running;
+  (``enqueue_job``: tool_job_enqueue, its journal row, no key), no sidecar of the tool
+  running;
 - claim + run + complete: one real ``sidecar run --drain`` (concurrency 8, default
   profile) drains them; the tool is ``/bin/echo {}``, a no-op that succeeds (``/bin/true``
-  prints nothing, which fails the job as bad_result); heartbeats fall in this phase;
-- prune: ``sidecar prune --older-than 1`` (the pruner's own ``retention.prune``) once
-  every job finished more than a second ago;
+  prints nothing, which fails the job as bad_result); heartbeats would fall in this phase
+  (a no-op has none);
+- prune: ``sidecar prune --older-than 1d`` (the pruner's own ``retention.prune``)
+  removes as many jobs as were enqueued, older ones, with their journal rows: the steady
+  state of a queue under retention, one job out for each job in;
 - then a plain ``VACUUM`` of tool_jobs and tool_job_events, reported apart: it is what
   makes the pruned rows' space reusable, but not part of "enqueue to prune".
 
-A first round of as many jobs (enqueued, run, pruned, vacuumed, not measured) puts the
-tables in the state of a running queue: pages with reusable space, grown indexes.
+Before the window (not measured): a warm-up of up to WARM real jobs, then RETAINED times
+``jobs`` finished jobs kept as retention keeps them (copies of the warm-up's rows and
+journal rows; the oldest ``jobs`` of them are what the window's prune removes), then
+VACUUM ANALYZE. Retained rows matter: the prune deletes old rows from old pages, and
+inserts into big indexes with random keys land on pages the window has not touched yet.
 
 The WAL is cluster-wide and the bench's server may be shared, so the figures come from
 ``pg_walinspect`` (PostgreSQL 15+; the extension is created in the section's database):
@@ -166,10 +172,10 @@ class Tally:
     records: int = 0
 
     def add(self, row: Any) -> None:
-        self.bytes += row["bytes"]
-        self.fpi_bytes += row["fpi_bytes"]
-        self.fpi_records += row["fpi_records"]
-        self.records += row["records"]
+        """Add a WAL_BY_KIND row (or another Tally: anything with these four keys)."""
+        for name in ("bytes", "fpi_bytes", "fpi_records", "records"):
+            setattr(self, name, getattr(self, name) + (
+                getattr(row, name) if isinstance(row, Tally) else row[name]))
 
 
 @dataclass
@@ -191,8 +197,7 @@ class Breakdown:
         out: dict[str, Tally] = defaultdict(Tally)
         for (phase, key), tally in table.items():
             if phase in LIFE:
-                for name in ("bytes", "fpi_bytes", "fpi_records", "records"):
-                    setattr(out[key], name, getattr(out[key], name) + getattr(tally, name))
+                out[key].add(tally)
         return out
 
 
@@ -359,9 +364,7 @@ def _grouped(by_relation: dict[str, Tally], groups: dict[str, str]) -> dict[str,
     indexes, tool_job_events table, its indexes, commits and every other relation."""
     out: dict[str, Tally] = defaultdict(Tally)
     for label, tally in by_relation.items():
-        group = out[groups[label]]
-        for name in ("bytes", "fpi_bytes", "fpi_records", "records"):
-            setattr(group, name, getattr(group, name) + getattr(tally, name))
+        out[groups[label]].add(tally)
     return out
 
 
@@ -373,6 +376,10 @@ async def _settings(conn: asyncpg.Connection) -> str:
 
 
 async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
+    """Section 13's rows (six with pg_walinspect, one without), measured in a scratch
+    database of its own (created, migrated and dropped here; ``conn``, the run's database,
+    is not used) with ``ctx.mode.jobs`` jobs in the window. Raises BenchError when a
+    sidecar or the prune does not do what the window needs."""
     jobs = ctx.mode.jobs
     dsn = await create_scratch_database(ctx.admin_dsn)
     try:
@@ -443,8 +450,7 @@ def _rows(ctx: Context, found: Breakdown, jobs: int, checkpointed: bool,
           autovacuums: int) -> list[Row]:
     life = Tally()
     for phase in LIFE:
-        for name in ("bytes", "fpi_bytes", "fpi_records", "records"):
-            setattr(life, name, getattr(life, name) + getattr(found.phase[phase], name))
+        life.add(found.phase[phase])
     if not life.records:
         raise BenchError("pg_walinspect found no WAL record of the section's database")
     vacuum = found.phase["vacuum"]
