@@ -25,6 +25,7 @@ from bench import (
     reaction,
     soak,
     throughput,
+    wal,
 )
 from bench.common import (
     MODES,
@@ -53,6 +54,7 @@ SECTIONS = {
     "10": ("soak", soak),
     "11": ("caller round trip", caller),
     "12": ("flow control", flowctl),
+    "13": ("WAL per job", wal),
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -87,13 +89,17 @@ def main(argv: list[str] | None = None) -> int:
         return runner.run(amain(args))
 
 
-def _admin_dsn(args: argparse.Namespace) -> str:
+def _admin_dsn(args: argparse.Namespace) -> tuple[str, bool]:
+    """The server's DSN, and whether it is the embedded server the bench started or found
+    (no --dsn, no SIDECAR_DATABASE_URL): only there may a section run server-wide commands
+    such as CHECKPOINT."""
     if args.dsn:
-        return args.dsn
+        return args.dsn, False
     from sidecar.config import load_settings
     from sidecar.db import resolve_dsn
 
-    return resolve_dsn(load_settings())
+    settings = load_settings()
+    return resolve_dsn(settings), not settings.database_url
 
 
 async def amain(args: argparse.Namespace) -> int:
@@ -111,13 +117,13 @@ async def amain(args: argparse.Namespace) -> int:
         return 2
     started, load_start = time.monotonic(), os.getloadavg()
     try:
-        admin_dsn = _admin_dsn(args)
+        admin_dsn, owns_server = _admin_dsn(args)
         dsn = await create_scratch_database(admin_dsn)
     except Exception as exc:  # noqa: BLE001 - one line for people
         print(f"bench: {exc}", file=sys.stderr)
         return 1
     tmp = Path(tempfile.mkdtemp(prefix="sidecar-bench-"))
-    ctx = Context(dsn=dsn, admin_dsn=admin_dsn, tmp=tmp, mode=mode)
+    ctx = Context(dsn=dsn, admin_dsn=admin_dsn, tmp=tmp, mode=mode, owns_server=owns_server)
     progress(f"{mode_name} mode; scratch database {database_name(dsn)}; logs in {tmp}")
     rows: list[Row] = []
     failed = []

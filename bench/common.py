@@ -102,6 +102,7 @@ class Context:
     tmp: Path
     mode: Mode
     clock_offset: float = 0.0   # database clock minus ours (seconds)
+    owns_server: bool = False   # the embedded server (no --dsn): server-wide commands allowed
     procs: list[subprocess.Popen] = field(default_factory=list)
     jobs_run: dict[str, int] = field(default_factory=dict)  # who pushed jobs through tool_jobs
     notes: list[str] = field(default_factory=list)     # closing notes of RESULTS.md

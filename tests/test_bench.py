@@ -116,3 +116,44 @@ def test_quick_flow_control_section_gives_its_four_rows(server_dsn, tmp_path):
     assert all(row[6] in ("yes", "**NO**") for row in rows), rows
     written = output.read_text()
     assert "- 12: fairness:" in written and "- 12: rate:" in written
+
+
+@pytest.mark.timeout(150)
+def test_quick_wal_section_splits_the_bytes_per_job_by_phase_relation_and_kind(server_dsn,
+                                                                                 tmp_path):
+    """Section 13 (issue 28, point 5) alone, small: the WAL bytes per no-op job from enqueue
+    to prune come out with and without full-page images, and split by phase (adding up to
+    the total), by relation (the job table, the journal and their indexes) and by record
+    kind, from the section's own database. A server without pg_walinspect gives the
+    cluster's LSN differences instead, and the row says so."""
+    output = tmp_path / "RESULTS.md"
+    rows = _run_bench(server_dsn, output, "--only", "13", timeout=140)
+    assert rows and all(row[0] == "13" for row in rows)
+    assert not [row for row in rows if "not measured" in row[1]], rows
+    total = rows[0]
+    assert "enqueue → prune" in total[1] and re.fullmatch(r"[\d,]+ B", total[2]), total
+    written = output.read_text()
+    assert "- 13: " in written and "sidecar prune --older-than 1d" in written
+
+    def size(text: str) -> int:
+        return int(text.removesuffix(" B").replace(",", ""))
+
+    if "pg_walinspect unavailable" in total[1]:
+        assert len(rows) == 1 and "by phase: enqueue" in total[3], rows
+        return
+    assert len(rows) == 6, rows
+    _, phases, relations, kinds, records, pages = rows
+    assert re.match(r"without full-page images [\d,]+ B; images [\d,]+ B", total[3]), total
+    found = re.fullmatch(r"enqueue ([\d,]+ B), claim\+run\+complete ([\d,]+ B), "
+                         r"prune ([\d,]+ B)", phases[2])
+    assert found, phases
+    assert abs(sum(size(part) for part in found.groups()) - size(total[2])) <= 3, rows
+    assert "VACUUM of the pruned rows" in phases[3]
+    for group in ("tool_jobs table", "tool_jobs indexes", "tool_job_events table",
+                  "tool_job_events indexes", "commits"):
+        assert group in relations[2], relations
+    assert "Heap INSERT" in kinds[2] and "Btree INSERT_LEAF" in kinds[2], kinds
+    assert float(records[2]) > 0 and "commits per job" in records[3], records
+    assert re.match(r"[\d,]+ \([\d.]+ per job\)", pages[2]), pages
+    for phase in ("enqueue", "claim+run+complete", "prune", "vacuum"):
+        assert f"- 13: {phase} " in written, phase
