@@ -512,9 +512,13 @@ class Store:
         """``state``, ``owner_id`` and ``fencing_token`` of a job (to explain a lost lease)."""
         return await self.db.fetchrow(Q["ownership_of_job"], job_id, timeout=self.timeout)
 
-    async def claimable_jobs(self, tool: str) -> int:
-        """Jobs of ``tool`` claimable now (queued and due, or running with an expired lease)."""
-        return await self.db.fetchval(Q["claimable_jobs_of_tool"], tool, timeout=self.timeout)
+    async def sample_tool(self, tool: str, period: float) -> asyncpg.Record:
+        """One poll's reading of ``tool`` (issue 28), in one statement: ``sweep`` (True when
+        this caller takes the fleet's turn to run the lease and expiry sweeps: the tool's
+        last sweep is at least ``period`` seconds old), ``depth`` (jobs claimable now:
+        queued and due, or under an expired lease), ``has_flow`` and the tool's flow row
+        with its slots taken (``running``; NULLs without flow control)."""
+        return await self.db.fetchrow(Q["sample_tool"], tool, period, timeout=self.timeout)
 
     async def unfinished_jobs(self, tool: str) -> int:
         """Jobs of ``tool`` still queued or running."""
@@ -655,11 +659,6 @@ class Store:
         ``tool_resumed``. False when it was not paused."""
         return await self.db.fetchrow(Q["resume_tool"], tool, by,
                                       timeout=self.timeout) is not None
-
-    async def flow_state(self, tool: str) -> asyncpg.Record | None:
-        """``tool``'s flow row and the slots taken now (``running``), None when it has no
-        flow control; cheap enough for every poll (no count of the backlog)."""
-        return await self.db.fetchrow(Q["flow_state_of_tool"], tool, timeout=self.timeout)
 
     async def drop_rate_turns(self, tool: str, owner_id: str) -> None:
         """Give up ``owner_id``'s turns at ``tool``'s rate (a sidecar that stops), so the

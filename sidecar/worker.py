@@ -279,19 +279,13 @@ class Worker:
             try:
                 if time.monotonic() - last_sweep >= poll:
                     last_sweep = time.monotonic()
-                    for row in await store.fail_exhausted_leases(tool):
-                        log.emit("job_failed", "warning", job_id=str(row["id"]), tool=tool,
-                                 fencing_token=row["fencing_token"],
-                                 reason=FailureKind.MAX_ATTEMPTS_EXCEEDED)
-                    # Any tool's: a job whose tool has no sidecar running expires too.
-                    for row in await store.fail_expired():
-                        metrics.JOBS_EXPIRED.labels(row["tool"]).inc()
-                        log.emit("job_expired", "warning", job_id=str(row["id"]),
-                                 tool=row["tool"], fencing_token=row["fencing_token"],
-                                 attempt=row["attempt"], reason=FailureKind.EXPIRED)
-                    metrics.QUEUE_DEPTH.labels(*self.labels).set(
-                        await store.claimable_jobs(tool))
-                    self._sample_flow(await store.flow_state(tool))
+                    # One statement a poll; the sweeps only on the fleet's turn, taken by
+                    # one sidecar of the tool per poll period (issue 28).
+                    sample = await store.sample_tool(tool, poll)
+                    metrics.QUEUE_DEPTH.labels(*self.labels).set(sample["depth"])
+                    self._sample_flow(sample if sample["has_flow"] else None)
+                    if sample["sweep"]:
+                        await self._sweep(store)
                     self.readiness.db_ok_at = time.monotonic()
                     if time.monotonic() - self._schema_checked >= health.SCHEMA_RECHECK_SECONDS:
                         await self._check_schema(store)  # a migration applied since (F24)
@@ -377,6 +371,22 @@ class Worker:
         self.running[job.attempt_id] = task
         task.add_done_callback(lambda t, attempt=job.attempt_id: self._job_done(attempt, t))
 
+    async def _sweep(self, store: Store) -> None:
+        """The fleet's sweep, on this sidecar's turn: expired leases of the tool with no
+        attempt left end failed (P16); jobs of any tool whose expiry passed before an
+        attempt started end ``expired`` (issue 26; a job whose tool has no sidecar running
+        expires too). Each logged. Raises what the store raises."""
+        tool = self.profile.tool
+        for row in await store.fail_exhausted_leases(tool):
+            log.emit("job_failed", "warning", job_id=str(row["id"]), tool=tool,
+                     fencing_token=row["fencing_token"],
+                     reason=FailureKind.MAX_ATTEMPTS_EXCEEDED)
+        for row in await store.fail_expired():
+            metrics.JOBS_EXPIRED.labels(row["tool"]).inc()
+            log.emit("job_expired", "warning", job_id=str(row["id"]), tool=row["tool"],
+                     fencing_token=row["fencing_token"], attempt=row["attempt"],
+                     reason=FailureKind.EXPIRED)
+
     async def _settle_claims(self, store: Store) -> None:
         """Case F16: a claim whose answer was lost may have committed, leaving a job running
         under this sidecar's own owner id with no lease held here and no tool started. Once
@@ -399,7 +409,7 @@ class Worker:
 
     def _sample_flow(self, row) -> None:
         """Publish the tool's flow control as read (issue 27; ``row`` from
-        Store.flow_state, None without flow control): gauges of its limits, running jobs
+        Store.sample_tool, None without flow control): gauges of its limits, running jobs
         and pause, and the detail /readyz shows."""
         tool = self.profile.tool
         limits = {"max_running": row and row["max_running"],

@@ -20,7 +20,7 @@ WORKER_PRIVILEGES = {
     ("schema", "public", "USAGE"),
     *(("table", t, p) for t in ("tool_jobs", "tool_job_events", "tool_job_outbox",
                                 "tool_idle_sidecars", "tool_flow", "tool_flow_keys",
-                                "tool_flow_events")
+                                "tool_flow_events", "tool_sweeps")
       for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
     ("table", "sidecar_schema_migrations", "SELECT"),
     ("sequence", "tool_job_events_id_seq", "USAGE"),

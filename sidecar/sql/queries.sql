@@ -566,12 +566,33 @@ WHERE id = $2 AND owner_id = $1 AND fencing_token = $3
   AND state = 'running' AND lease_until > now()
 RETURNING id;
 
--- name: claimable_jobs_of_tool
--- Queue depth for metrics: served by the partial indexes, sampled once per poll period.
-SELECT count(*) FROM tool_jobs
-WHERE tool = $1
-  AND ((state = 'queued' AND run_after <= now())
-       OR (state = 'running' AND lease_until < now()));
+-- name: sample_tool
+-- Once per poll period per sidecar (issue 28): whether it is this sidecar's turn to sweep
+-- ($2: its poll period in seconds; the tool's last sweep is at least that old), the queue
+-- depth (claimable_jobs_of_tool) and the tool's flow row with its slots taken
+-- (flow_state_of_tool; has_flow false and NULLs without one), in one round trip. The
+-- turn moves with a plain UPDATE: a concurrent sample waits for it, then finds it taken,
+-- so one sidecar of the fleet sweeps per period. The first sample of a tool makes its row.
+WITH turn AS (
+    UPDATE tool_sweeps SET swept_at = now()
+    WHERE tool = $1 AND swept_at <= now() - $2::float8 * interval '1 second'
+    RETURNING tool
+), first_turn AS (
+    INSERT INTO tool_sweeps (tool)
+    SELECT $1 WHERE NOT EXISTS (SELECT FROM tool_sweeps WHERE tool = $1)
+    ON CONFLICT (tool) DO NOTHING
+    RETURNING tool
+)
+SELECT EXISTS (SELECT FROM turn) OR EXISTS (SELECT FROM first_turn) AS sweep,
+       (SELECT count(*) FROM tool_jobs
+        WHERE tool = $1
+          AND ((state = 'queued' AND run_after <= now())
+               OR (state = 'running' AND lease_until < now()))) AS depth,
+       f.tool IS NOT NULL AS has_flow,
+       f.max_running, f.max_running_per_key, f.rate, f.rate_per_key, f.burst,
+       f.rate_per_second, f.key_rate_per_second, f.paused_at, f.pause_reason,
+       CASE WHEN f.tool IS NOT NULL THEN tool_flow_occupied(f.tool, NULL) END AS running
+FROM (SELECT) AS one LEFT JOIN tool_flow f ON f.tool = $1;
 
 -- name: prune_finished_jobs
 -- Retention: delete up to $3 jobs in state $1 that finished more than $2 seconds ago,
@@ -732,14 +753,6 @@ UPDATE tool_flow
 SET rate_queue = (SELECT coalesce(jsonb_agg(r), '[]'::jsonb)
                   FROM jsonb_array_elements(rate_queue) r WHERE r->>'o' <> $2::text)
 WHERE tool = $1 AND rate_queue @> jsonb_build_array(jsonb_build_object('o', $2::text));
-
--- name: flow_state_of_tool
--- What a sidecar samples of its tool's flow once per poll (gauges, /readyz): the flow row
--- (none: no flow control) and the slots taken; no count of the backlog.
-SELECT f.max_running, f.max_running_per_key, f.rate, f.rate_per_key, f.burst,
-       f.rate_per_second, f.key_rate_per_second, f.paused_at, f.pause_reason,
-       tool_flow_occupied(f.tool, NULL) AS running
-FROM tool_flow f WHERE f.tool = $1;
 
 -- name: running_jobs_of_tool
 -- pause --cancel-running: the jobs of tool $1 running now.

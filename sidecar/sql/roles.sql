@@ -6,19 +6,20 @@
 -- sidecar/queries.py; run only from sidecar/store.py.
 
 -- name: worker_grants
--- What a worker uses and nothing more: the queue's seven tables (rows only: no DDL, no
+-- What a worker uses and nothing more: the queue's eight tables (rows only: no DDL, no
 -- TRUNCATE, no REFERENCES or TRIGGER), the migration ledger read to check the schema, the
 -- two sequences its inserts draw from, and the queue's own functions but tool_job_demand
 -- (the scaler's), sidecar_enqueue included (migration 014: a producer may run as this
 -- role). The fence_* tables belong to the reference receiver, not the workers. The flow
--- tables (migration 016) are read and written by every claim of a limited tool.
+-- tables (migration 016) are read and written by every claim of a limited tool;
+-- tool_sweeps (migration 017) by every sidecar's poll.
 SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_jobs, %I.tool_job_events, '
               '%I.tool_job_outbox, %I.tool_idle_sidecars, %I.tool_flow, %I.tool_flow_keys, '
-              '%I.tool_flow_events TO %I', current_schema(), current_schema(),
+              '%I.tool_flow_events, %I.tool_sweeps TO %I', current_schema(),
               current_schema(), current_schema(), current_schema(), current_schema(),
-              current_schema(), $1::text)
+              current_schema(), current_schema(), current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations TO %I', current_schema(),
               $1::text)

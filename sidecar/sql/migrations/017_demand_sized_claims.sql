@@ -49,3 +49,13 @@ BEGIN
                    'integer, integer) SET search_path = %I, pg_temp', home, home);
 END
 $$;
+
+-- Sweeps taken in turns (issue 28): every sidecar used to run the lease and expiry sweeps
+-- once per poll period, so a fleet of N sidecars of a tool ran them N times a period for
+-- the same rows. The sidecar that finds its tool's last sweep at least a poll period old
+-- takes the turn (sample_tool in queries.sql moves swept_at with a plain UPDATE: a
+-- concurrent one waits for it, then finds the turn taken); the others only sample.
+CREATE TABLE tool_sweeps (
+    tool text PRIMARY KEY,
+    swept_at timestamptz NOT NULL DEFAULT now()
+);
