@@ -22,7 +22,7 @@ from sidecar.enqueue_args import EnqueueOptions
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
 from sidecar.flow import ClaimHeld, Held
 from sidecar.masking import SECRETS
-from sidecar.model import ClaimedJob, JobState, NextStage, RawJson
+from sidecar.model import ClaimedJob, JobState, NextStage, RawJson, new_job_id
 from sidecar.queries import Q, migrations
 from sidecar.vocabulary import AttemptId
 
@@ -421,7 +421,7 @@ class Store:
                 (RawJson("null") if next_stage.payload is None else next_stage.payload)
                 if next_stage else None,
                 next_stage.max_attempts if next_stage else None,
-                uuid.uuid4() if next_stage else None, earlier or None,
+                new_job_id() if next_stage else None, earlier or None,
                 timeout=self.timeout,
             )
         except asyncpg.UniqueViolationError as exc:

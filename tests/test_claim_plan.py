@@ -6,12 +6,14 @@ plans, not timings."""
 from __future__ import annotations
 
 import datetime as dt
+import uuid
 
 import orjson
 import pytest
 
 from kit import query, run
 from sidecar import db
+from sidecar.model import new_job_id
 from sidecar.queries import Q
 from sidecar.store import Store
 
@@ -141,3 +143,37 @@ def test_one_claim_takes_a_job_for_each_free_slot_expired_leases_first(dsn):
     assert [job.id for job in rest] == [low[2]]  # one left of five asked for
     assert sorted((e["job_id"], e["fencing_token"]) for e in events) == sorted(
         (job.id, job.fencing_token) for job in [*jobs, *rest])
+
+
+def test_job_ids_are_time_ordered_from_sql_and_from_python(dsn):
+    """Issue 28: ids made by the database (tool_job_new_id, every enqueue) and by the
+    sidecar (a next stage's, sidecar.model.new_job_id) are UUIDv7: version 7, RFC 9562
+    variant, the enqueue's millisecond first, so later jobs sort after earlier ones and
+    land on the rightmost index pages; the rest stays random."""
+    async def go():
+        pool = await db.create_pool(dsn, 5, max_size=2)
+        store = Store(pool, 5)
+        try:
+            ids = [(await store.enqueue("ids", {"n": n}, None, 3, {}))[0] for n in range(5)]
+            made = await pool.fetch("SELECT tool_job_new_id() AS id, "
+                                    "(extract(epoch FROM clock_timestamp()) * 1000)::bigint "
+                                    "AS ms FROM generate_series(1, 50)")
+            created = await pool.fetch("SELECT id, created_at FROM tool_jobs WHERE tool = 'ids' "
+                                       "ORDER BY created_at")
+            return ids, made, created
+        finally:
+            await pool.close()
+
+    ids, made, created = run(go())
+    python_ids = [new_job_id() for _ in range(50)]
+    for job_id in [*ids, *(r["id"] for r in made), *python_ids]:
+        assert job_id.version == 7 and job_id.variant == uuid.RFC_4122, job_id
+    assert [r["id"] for r in created] == ids
+    stamps = [job_id.int >> 80 for job_id in ids]  # the milliseconds, in enqueue order
+    assert stamps == sorted(stamps)
+    for row in made:
+        assert abs((row["id"].int >> 80) - row["ms"]) <= 1000  # its own millisecond
+    assert len({r["id"] for r in made}) == 50 and len(set(python_ids)) == 50
+    assert new_job_id(0).int >> 80 == 0 and new_job_id((1 << 48) - 1).int >> 80 == (1 << 48) - 1
+    with pytest.raises(ValueError):
+        new_job_id(1 << 48)

@@ -36,6 +36,7 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_slot_freed", "EXECUTE"),
     ("function", "tool_job_claim_flow", "EXECUTE"),
     ("function", "tool_job_claim_flow_many", "EXECUTE"),
+    ("function", "tool_job_new_id", "EXECUTE"),
     ("function", "tool_flow_key_blocked", "EXECUTE"),
     ("function", "tool_flow_key_wait", "EXECUTE"),
     ("function", "tool_flow_occupied", "EXECUTE"),
