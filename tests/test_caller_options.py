@@ -109,8 +109,10 @@ def test_a_retry_that_would_start_after_the_expiry_ends_failed_expired(dsn, tmp_
 
 
 def test_a_running_attempt_is_not_killed_by_the_expiry(dsn, tmp_path):
-    job = enqueue(dsn, "slow", {"seconds": 2.5, "pidfile": str(tmp_path / "pids")},
-                  "--expires-in", "1s")
+    # The expiry leaves the sidecar 3 s to start and claim (a loaded machine is slow to
+    # start one); the attempt then outlives it.
+    job = enqueue(dsn, "slow", {"seconds": 5, "pidfile": str(tmp_path / "pids")},
+                  "--expires-in", "3s")
     _drain(dsn, "slow", str(TOOLS / "fault_sleep.py"))
     row = job_row(dsn, job)
     assert row["state"] == "succeeded" and row["finished_at"] > row["expires_at"]
