@@ -296,8 +296,9 @@ async def _wait(settings: Settings, store: Store, job_ids: list[uuid.UUID], *,
     try:
         async with asyncio.timeout(timeout), contextlib.aclosing(waiting.follow(
                 wait_dsn, job_ids, db_timeout=settings.db_timeout_seconds,
-                listen=target is not None, pooler=pooler,
-                on_reconnect=reconnecting)) as events:
+                listen=target is not None, pooler=pooler, on_reconnect=reconnecting,
+                setting="SIDECAR_LISTEN_DATABASE_URL" if settings.listen_database_url
+                else "SIDECAR_DATABASE_URL")) as events:
             async for event in events:
                 if isinstance(event, waiting.JobProgress):
                     if progress:

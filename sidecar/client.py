@@ -412,7 +412,9 @@ class Client:
         if target is None:  # behind a transaction pooler: poll through it
             return waiting.follow(self.dsn, job_ids, db_timeout=self._timeout, listen=False,
                                   pooler=self.pooler)
-        return waiting.follow(target[0], job_ids, db_timeout=self._timeout, pooler=target[1])
+        return waiting.follow(target[0], job_ids, db_timeout=self._timeout, pooler=target[1],
+                              setting="SIDECAR_LISTEN_DATABASE_URL (listen_dsn)"
+                              if self.listen_dsn else "SIDECAR_DATABASE_URL")
 
     async def wait(self, jobs: JobId | Iterable[JobId], *,
                    timeout: float | dt.timedelta | None = None,

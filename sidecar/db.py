@@ -259,13 +259,14 @@ def resolve_dsn(settings: Settings) -> str:
     return embedded_dsn(settings.data_dir or default_data_dir())
 
 
-def _unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
+def _unavailable(dsn: str, exc: BaseException,
+                 setting: str = "SIDECAR_DATABASE_URL") -> DatabaseUnavailable:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     reason = mask_text(reason, [dsn])  # a driver may quote a piece of a malformed URL
     shown = mask_url(dsn)
     return DatabaseUnavailable(
         f"cannot reach PostgreSQL at {describe_host(shown)} ({shown}): {reason}; "
-        "check SIDECAR_DATABASE_URL (host, port, user, password, database) and that the server runs"
+        f"check {setting} (host, port, user, password, database) and that the server runs"
     )
 
 
@@ -375,14 +376,16 @@ def _options(pooler: str | None) -> dict:
 
 async def connect(dsn: str, timeout: float, *, pooler: str | None = None,
                   statement_bound: float | None = None,
-                  application_name: str = APPLICATION_NAME) -> asyncpg.Connection:
+                  application_name: str = APPLICATION_NAME,
+                  setting: str = "SIDECAR_DATABASE_URL") -> asyncpg.Connection:
     """One connection with the JSON codecs and the sidecar's session settings
     (``session_settings(statement_bound)``, default ``timeout`` seconds: the client-side
     bound of its statements, case F18); DatabaseUnavailable on failure.
 
     ``pooler``: ``none`` or ``transaction``; default the process's (``use_pooler``).
     ``application_name``: what pg_stat_activity shows for it (LISTEN_APPLICATION_NAME for
-    a LISTEN connection)."""
+    a LISTEN connection). ``setting``: the variable the failure's message tells to check
+    (SIDECAR_LISTEN_DATABASE_URL for a connection to that URL)."""
     mode = pooler or _pooler
     try:
         conn = await asyncpg.connect(dsn, timeout=timeout,
@@ -396,7 +399,7 @@ async def connect(dsn: str, timeout: float, *, pooler: str | None = None,
             raise
         return conn
     except CONNECT_ERRORS as exc:
-        raise _unavailable(dsn, exc) from None
+        raise _unavailable(dsn, exc, setting) from None
 
 
 async def create_pool(dsn: str, timeout: float, max_size: int, *,

@@ -204,6 +204,7 @@ async def _read(conn: asyncpg.Connection, job_ids: list[uuid.UUID],
 async def follow(dsn: str, job_ids: Iterable[uuid.UUID], *, db_timeout: float,
                  listen: bool = True, pooler: str | None = None,
                  on_reconnect: Callable[[BaseException, int], None] | None = None,
+                 setting: str = "SIDECAR_DATABASE_URL",
                  ) -> AsyncIterator[JobEnd | JobProgress]:
     """``watch`` on a connection of its own to ``dsn`` (``db.connect``, ``pooler`` as
     there; with ``listen`` its application_name is ``sidecar-listen``, as a sidecar's
@@ -214,14 +215,16 @@ async def follow(dsn: str, job_ids: Iterable[uuid.UUID], *, db_timeout: float,
     what ``watch`` yields until every job ended; bound it with ``asyncio.timeout``, and
     close it (``contextlib.aclosing``) when leaving early, so its connection is closed at
     once. Raises JobNotFound, and DatabaseUnavailable when a connection cannot be made
-    (``db_timeout`` seconds bound each connect and statement). The waiter of ``sidecar
+    (``db_timeout`` seconds bound each connect and statement; its message names
+    ``setting``, the variable ``dsn`` came from). The waiter of ``sidecar
     wait`` and of sidecar.client."""
     pending = list(dict.fromkeys(uuid.UUID(str(job_id)) for job_id in job_ids))
     while pending:
         conn = None
         try:
-            conn = await db.connect(dsn, db_timeout, pooler=pooler, application_name=(
-                db.LISTEN_APPLICATION_NAME if listen else db.APPLICATION_NAME))
+            conn = await db.connect(dsn, db_timeout, pooler=pooler, setting=setting,
+                                    application_name=(db.LISTEN_APPLICATION_NAME if listen
+                                                      else db.APPLICATION_NAME))
             async for event in watch(conn, pending, listen=listen,
                                      statement_timeout=db_timeout):
                 if isinstance(event, JobEnd):

@@ -550,15 +550,15 @@ class Worker:
         started = False
         retry = LISTEN_RETRY_MIN_SECONDS
         while True:
-            conn = None
+            conn, up = None, False
             closed = asyncio.Event()
             try:
                 conn = await db.connect(listen_dsn, settings.db_timeout_seconds, pooler=pooler,
-                                        application_name=db.LISTEN_APPLICATION_NAME)
+                                        application_name=db.LISTEN_APPLICATION_NAME, setting=via)
                 conn.add_termination_listener(lambda _conn, ended=closed: ended.set())
                 await conn.add_listener(self.channel, on_notify)
                 self._set_listening(True)
-                off_list = False
+                up, off_list = True, False
                 self._idle_since = None  # (re-)register at the next empty claim
                 self.wake.set()
                 retry = LISTEN_RETRY_MIN_SECONDS
@@ -589,8 +589,9 @@ class Worker:
                 self._set_listening(False)
                 if conn is not None:
                     conn.terminate()
-            self._idle_since = None
-            self.wake.set()  # a wake-up may have been lost with the connection: claim now
+            if up:  # a wake-up may have been lost with the connection: claim now
+                self._idle_since = None
+                self.wake.set()
             if not off_list:
                 off_list = await self._leave_idle_list_unheard()
             await asyncio.sleep(retry)
