@@ -29,6 +29,7 @@ from kit import (
     enqueue,
     metric_value,
     metrics_text,
+    one_line_error,
     query,
     scalar,
     stop_process,
@@ -245,3 +246,29 @@ def test_wait_and_the_client_listen_on_the_listen_url_behind_the_pooler(dsn, bou
             await monitor.close()
 
     assert asyncio.run(client_wait()) == "cancelled"
+
+
+def test_an_unreachable_listen_url_leaves_the_sidecar_polling_and_is_named(dsn, bouncer,
+                                                                          sidecars):
+    """A listen server that cannot be reached at start: the sidecar starts all the same,
+    says so once (listen_lost, the variable named), stays off the idle list with
+    sidecar_listening 0, and its polls run the jobs; `sidecar wait` exits 1 with one line
+    naming SIDECAR_LISTEN_DATABASE_URL."""
+    bdsn = bouncer.dsn_for(dsn)
+    nowhere = "postgresql://app:Unreachable-pw-4d2@127.0.0.1:1/nope"
+    env = _env(bdsn, nowhere, SIDECAR_POLL_SECONDS="0.2")
+    sc = sidecars(bdsn, TOOL_OK, "--tool", TOOL, env=env)
+    addr = "http://" + sc.wait_event("worker_started", 30)["http_addr"]
+    lost = sc.wait_event("listen_lost", 30)
+    assert "SIDECAR_LISTEN_DATABASE_URL" in lost["reason"]
+    assert "Unreachable-pw-4d2" not in sc.stderr_text()
+    job = enqueue(bdsn, TOOL, {}, env=env)
+    _succeeded(dsn, job, "the job, claimed by a poll")
+    assert _listening(addr) == 0 and _idle(dsn) == 0
+    assert not sc.events("listen_started") and len(sc.events("listen_lost")) == 1
+
+    done = subprocess.run([sys.executable, "-m", "sidecar", "wait", job, "--timeout", "30s"],
+                          env=env, capture_output=True, timeout=60)
+    assert done.returncode == 1, done.stderr.decode()
+    line = one_line_error(done)
+    assert "SIDECAR_LISTEN_DATABASE_URL" in line and "Unreachable-pw-4d2" not in line
