@@ -1,14 +1,17 @@
 """9. A fleet on one PostgreSQL: 1, 8, 32 and 64 sidecar processes of one tool (and four
 idle sidecars of a second tool beside them), connected directly and through PgBouncer in
-transaction mode (Debian's package, its own process, pool size POOL_SIZE).
+transaction mode (Debian's package, its own process, pool size POOL_SIZE): polling there
+("pgbouncer"), and with SIDECAR_LISTEN_DATABASE_URL on the server itself for their LISTEN
+("pgbouncer + listen", issue 28: pickup p50 at most 1.5 and p99 at most 2 times the direct
+fleet's of the same size, server connections at most the pool plus one per sidecar).
 
 Per fleet: claim statements per job (every sidecar's ``sidecar_claim_attempts_total``,
 both outcomes, over the pickups and a burst of no-op jobs), the bystanders' claims, the
 database's CPU per job (the server's backends and what its postmaster reaped, where the
 server runs on this machine), heartbeat statements per second, the most server
 connections the scratch database had, pickup p50/p99 of an idle fleet, and jobs/s.
-Direct fleets that would need more connections than the server allows are not run: each
-sidecar holds up to four (pool, lease keeper, listener).
+Direct fleets that would need more connections than the server allows run on a second
+server of the bench's own: each sidecar holds up to four (pool, lease keeper, listener).
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ BYSTANDERS = 4
 POOL_SIZE = 4
 CONNECTIONS_PER_SIDECAR = 4
 WAVE = 8  # sidecars started at once
+LISTEN = "pgbouncer + listen"  # behind the pooler, LISTEN on the server directly
+# Targets of the listening fleets behind the pooler against the direct fleet of their size.
+LISTEN_P50, LISTEN_P99 = 1.5, 2.0
 LONG_JOB = 3.0  # seconds a "slow" job holds its lease (H = 0.5 s: about 5 renewals)
 # Its own start time for the pickups (as section 2's tool), or a job that holds its lease
 # for LONG_JOB seconds when the payload says "slow".
@@ -111,14 +117,20 @@ class _ConnectionPeak:
 
 
 async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connection,
-                 mode: str, size: int, dsn: str, jobs: int, samples: int) -> dict:
-    tool, other = f"fleet-{mode}-{size}", f"fleet-{mode}-{size}-bystander"
+                 mode: str, size: int, dsn: str, jobs: int, samples: int,
+                 listen_dsn: str = "") -> dict:
+    """One fleet of ``size`` sidecars (and BYSTANDERS) on ``dsn``; ``listen_dsn``: their
+    SIDECAR_LISTEN_DATABASE_URL behind the pooler (mode LISTEN). Its figures as a dict."""
+    slug = mode.replace(" + ", "-")
+    tool, other = f"fleet-{slug}-{size}", f"fleet-{slug}-{size}-bystander"
     # Port 0: the OS picks each sidecar's HTTP port (worker_started says which); a port
     # the bench picked itself could be taken by the time a sidecar of a later wave binds.
     env = dict(SHORT_PROFILE, SIDECAR_POLL_SECONDS="2", SIDECAR_DB_TIMEOUT_SECONDS="20",
                SIDECAR_HTTP_ADDR="127.0.0.1:0")
-    if mode == "pgbouncer":
+    if mode in ("pgbouncer", LISTEN):
         env["SIDECAR_DATABASE_POOLER"] = "transaction"
+    if mode == LISTEN:
+        env["SIDECAR_LISTEN_DATABASE_URL"] = listen_dsn
     names = [(f"{tool}-{i}", tool) for i in range(size)]
     names += [(f"{other}-{i}", other) for i in range(BYSTANDERS)]
     procs: list[Sidecar] = []
@@ -132,7 +144,7 @@ async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connec
                     for name, t in names[start:start + WAVE]]
             procs += wave
             addrs += [(await p.wait_event("worker_started", 120))["http_addr"] for p in wave]
-        if mode == "direct":  # every sidecar on the idle list, so wake-ups can reach it
+        if mode in ("direct", LISTEN):  # every sidecar on the idle list: wake-ups reach it
             await until(lambda: _registered(conn, (tool, other), size + BYSTANDERS), 60,
                         interval=0.2,
                         what=f"{size + BYSTANDERS} idle sidecars registered")
@@ -231,6 +243,8 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
 
     quick = ctx.mode.name == "quick"
     sizes = (1, 4) if quick else SIZES
+    # The listening fleets behind the pooler: the largest quick size only (CI's time).
+    listen_sizes = sizes[-1:] if quick else sizes
     jobs, samples = (20, 6) if quick else (600, 30)
     allowed = await conn.fetchval("SELECT current_setting('max_connections')::int - "
                                   "current_setting('superuser_reserved_connections')::int")
@@ -240,11 +254,11 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     results: dict[tuple[str, int], dict] = {}
 
     async def one(mode: str, size: int, dsn: str, db: asyncpg.Connection,
-                  watcher: asyncpg.Connection) -> None:
+                  watcher: asyncpg.Connection, listen_dsn: str = "") -> None:
         progress(f"fleet: {size} sidecars ({mode}), {samples} pickups, {jobs} jobs")
         try:
             results[(mode, size)] = await _fleet(ctx, db, watcher, mode, size, dsn, jobs,
-                                                 samples)
+                                                 samples, listen_dsn)
         except BenchError as exc:
             progress(f"fleet {mode} {size} failed: {exc}")
             rows.append(Row("9", f"fleet of {size} ({mode}): not measured",
@@ -275,6 +289,17 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
             try:
                 for size in sizes:
                     await one("pgbouncer", size, bouncer.dsn_for(ctx.dsn), conn, monitor)
+                # Their listeners are on this run's server: the pool, one per sidecar and
+                # the bench's own few connections must fit.
+                room = allowed - POOL_SIZE - BYSTANDERS - 10
+                for size in listen_sizes:
+                    if size > room:
+                        ctx.notes.append(
+                            f"9: {LISTEN} fleet of {size} not run: it needs {POOL_SIZE} + "
+                            f"{size + BYSTANDERS} server connections and this server "
+                            f"allows {allowed}")
+                        continue
+                    await one(LISTEN, size, bouncer.dsn_for(ctx.dsn), conn, monitor, ctx.dsn)
             finally:
                 bouncer.stop()
     finally:
@@ -293,10 +318,15 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
                         f"{r['rate']:.0f} jobs/s", f"database CPU {cpu}; "
                         f"{r['heartbeats_per_s']:.1f} heartbeat statements/s with a "
                         f"{LONG_JOB:g} s job at every sidecar (H = 0.5 s)"))
-        conn_target = f"≤ pool size {POOL_SIZE}" if mode == "pgbouncer" else "-"
+        bound = {"pgbouncer": POOL_SIZE, LISTEN: POOL_SIZE + size + BYSTANDERS}.get(mode)
+        conn_target = "-" if bound is None else f"≤ pool size {POOL_SIZE}" + (
+            f" + {size + BYSTANDERS} listeners" if mode == LISTEN else "")
         rows.append(Row("9", f"{label}: server connections (peak)", str(r["connections"]),
                         f"{size + BYSTANDERS} sidecars", "-", conn_target,
-                        r["connections"] <= POOL_SIZE if mode == "pgbouncer" else None))
+                        None if bound is None else r["connections"] <= bound))
+        if mode == LISTEN:
+            rows.append(_listen_pickup(label, r, results.get(("direct", size)), size))
+            continue
         ratio = r["p99"] / first["p99"] if first else None
         last = size == sizes[-1] and first is not None and size != sizes[0]
         rows.append(Row("9", f"{label}: pickup p50 / p99 (idle fleet)",
@@ -312,5 +342,24 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
         f"tool; per fleet {samples} NOTIFY pickups 20-100 ms apart, {jobs} jobs at once, then "
         f"one {LONG_JOB:g} s job per sidecar for the heartbeat rate; "
         f"PgBouncer pool_mode = transaction, default_pool_size = {POOL_SIZE} (sidecars with "
-        "SIDECAR_DATABASE_POOLER=transaction poll instead of LISTEN)")
+        "SIDECAR_DATABASE_POOLER=transaction poll instead of LISTEN; the "
+        f"\"{LISTEN}\" fleets of {', '.join(map(str, listen_sizes))} LISTEN on this run's "
+        "server directly, SIDECAR_LISTEN_DATABASE_URL, and compare with the direct fleet "
+        "of their size)")
     return rows
+
+
+def _listen_pickup(label: str, r: dict, direct: dict | None, size: int) -> Row:
+    """The pickup row of a listening fleet behind the pooler, against the direct fleet
+    of its size: p50 within LISTEN_P50 times, p99 within LISTEN_P99 times."""
+    figures = f"{ms(r['p50'])} / {ms(r['p99'])}"
+    if direct is None:
+        return Row("9", f"{label}: pickup p50 / p99 (idle fleet)", figures,
+                   f"no direct fleet of {size} measured", "-",
+                   f"p50 ≤ {LISTEN_P50:g} ×, p99 ≤ {LISTEN_P99:g} × direct", None)
+    p50, p99 = r["p50"] / direct["p50"], r["p99"] / direct["p99"]
+    return Row("9", f"{label}: pickup p50 / p99 (idle fleet)", figures,
+               f"direct fleet of {size}: {ms(direct['p50'])} / {ms(direct['p99'])}",
+               f"{p50:.2f} × / {p99:.2f} × direct",
+               f"p50 ≤ {LISTEN_P50:g} ×, p99 ≤ {LISTEN_P99:g} × direct",
+               p50 <= LISTEN_P50 and p99 <= LISTEN_P99)

@@ -133,12 +133,14 @@ def host_step(config: RunConfig, settings: Settings) -> Host:
 
 
 def non_dumpable_step(settings: Settings) -> str:
-    """Resolve the database URL and return it. It is in memory now: a tool of our own uid
-    must not find it, not in our environment (what later children inherit), and not
-    through /proc/<pid>/environ or mem, which non-dumpable closes (the initial
-    environment block stays in memory). Raises ConfigError for a URL of a bad scheme."""
+    """Resolve the database URL and return it. It (and SIDECAR_LISTEN_DATABASE_URL) is in
+    memory now: a tool of our own uid must not find it, not in our environment (what
+    later children inherit), and not through /proc/<pid>/environ or mem, which
+    non-dumpable closes (the initial environment block stays in memory). Raises
+    ConfigError for a URL of a bad scheme."""
     dsn = db.resolve_dsn(settings)
     os.environ.pop("SIDECAR_DATABASE_URL", None)
+    os.environ.pop("SIDECAR_LISTEN_DATABASE_URL", None)
     linux.make_undumpable()
     return dsn
 

@@ -278,12 +278,15 @@ async def _wait(settings: Settings, store: Store, job_ids: list[uuid.UUID], *,
     then timed out), else EXIT_TIMEOUT."""
     from sidecar import waiting
 
-    pooled = settings.database_pooler == "transaction"
-    if pooled:
-        log_mod.log.emit("listen_disabled", reason="SIDECAR_DATABASE_POOLER=transaction: "
-                         f"wait reads the jobs every {waiting.POLL_SECONDS:g} s instead of "
-                         "LISTEN")
     dsn = db.resolve_dsn(settings)
+    # LISTEN on SIDECAR_LISTEN_DATABASE_URL when set (a session even behind a transaction
+    # pooler), else on the database's URL, or nowhere behind a transaction pooler.
+    target = db.listen_target(dsn, settings.database_pooler, settings.listen_database_url)
+    if target is None:
+        log_mod.log.emit("listen_disabled", reason="SIDECAR_DATABASE_POOLER=transaction "
+                         "without SIDECAR_LISTEN_DATABASE_URL: wait reads the jobs every "
+                         f"{waiting.POLL_SECONDS:g} s instead of LISTEN")
+    wait_dsn, pooler = target or (dsn, None)
     pending, failed = list(job_ids), False
 
     def reconnecting(exc: BaseException, jobs: int) -> None:
@@ -292,8 +295,10 @@ async def _wait(settings: Settings, store: Store, job_ids: list[uuid.UUID], *,
 
     try:
         async with asyncio.timeout(timeout), contextlib.aclosing(waiting.follow(
-                dsn, job_ids, db_timeout=settings.db_timeout_seconds, listen=not pooled,
-                on_reconnect=reconnecting)) as events:
+                wait_dsn, job_ids, db_timeout=settings.db_timeout_seconds,
+                listen=target is not None, pooler=pooler, on_reconnect=reconnecting,
+                setting="SIDECAR_LISTEN_DATABASE_URL" if settings.listen_database_url
+                else "SIDECAR_DATABASE_URL")) as events:
             async for event in events:
                 if isinstance(event, waiting.JobProgress):
                     if progress:

@@ -12,10 +12,12 @@ the CLI does (``SIDECAR_DATABASE_URL``, ``SIDECAR_DATABASE_URL_FILE``, else the 
 PostgreSQL: sidecar.config.load_settings, sidecar.db.resolve_dsn), the options checked by
 sidecar.enqueue_args and then by the database in ``tool_job_enqueue`` (Store.enqueue, the
 statement ``sidecar enqueue`` and ``sidecar_enqueue`` run), the waiter of ``sidecar wait``
-(sidecar.waiting.follow: LISTEN on each job's own channel, or, with
-``SIDECAR_DATABASE_POOLER=transaction``, a read of the unfinished jobs every
-waiting.POLL_SECONDS). It imports nothing of the worker (tests/test_import_graph.py), and
-``sidecar run`` does not import it. docs/callers.md#from-python has the whole story.
+(sidecar.waiting.follow: LISTEN on each job's own channel, on
+``SIDECAR_LISTEN_DATABASE_URL`` when it is set; or, with
+``SIDECAR_DATABASE_POOLER=transaction`` and no such URL, a read of the unfinished jobs
+every waiting.POLL_SECONDS). It imports nothing of the worker
+(tests/test_import_graph.py), and ``sidecar run`` does not import it.
+docs/callers.md#from-python has the whole story.
 
 Errors: bad input raises sidecar.errors.UsageError (or ConfigError for a bad tool name or
 environment), one line naming the argument, before anything is written; an unreachable
@@ -42,6 +44,7 @@ from sidecar.config import (
     MAX_ATTEMPTS_LIMIT,
     POOLER_MODES,
     Settings,
+    check_postgres_url,
     load_settings,
     validate_tool_name,
 )
@@ -256,26 +259,33 @@ class Client:
     (``SIDECAR_DB_TIMEOUT_SECONDS``), the payload limit (``SIDECAR_MAX_PAYLOAD_BYTES``)
     and the pooler (``SIDECAR_DATABASE_POOLER``; ``pooler`` overrides it: ``transaction``
     behind PgBouncer in transaction mode, where waiting polls every
-    waiting.POLL_SECONDS instead of LISTEN). ``max_connections``: the pool's size (each
-    wait opens one connection more, of its own, for as long as it waits).
+    waiting.POLL_SECONDS instead of LISTEN). ``listen_dsn``: where a wait's connection
+    goes to LISTEN, a session (the server itself, or a session-mode pool), even behind a
+    transaction pooler (default ``SIDECAR_LISTEN_DATABASE_URL``; unset: ``dsn``, or
+    polling behind a transaction pooler; ConfigError when it is not a PostgreSQL URL).
+    ``max_connections``: the pool's size (each wait opens one connection more, of its
+    own, for as long as it waits).
 
     Use it as ``async with Client() as client:`` or ``client = await Client.connect()``
     (then ``await client.close()``). Opening migrates the schema if needed, as every
     CLI command does (only a read when it is current)."""
 
     def __init__(self, dsn: str | None = None, *, settings: Settings | None = None,
-                 pooler: str | None = None, max_connections: int = 4):
+                 pooler: str | None = None, listen_dsn: str | None = None,
+                 max_connections: int = 4):
         if max_connections < 1:
             raise UsageError(f"max_connections {max_connections}: must be at least 1")
         self._dsn_given = dsn
         self._settings_given = settings
         self._pooler_given = pooler
+        self._listen_dsn_given = listen_dsn
         self._max_connections = max_connections
         self._pool: asyncpg.Pool | None = None
         self._store: Store | None = None
         self.dsn: str | None = None
         self.settings: Settings | None = None
         self.pooler = "none"
+        self.listen_dsn = ""  # where waits LISTEN ("": on dsn, or none behind a pooler)
 
     @classmethod
     async def connect(cls, dsn: str | None = None, **options: Any) -> Client:
@@ -297,6 +307,10 @@ class Client:
         pooler = self._pooler_given or settings.database_pooler
         if pooler not in POOLER_MODES:
             raise UsageError(f"pooler {pooler!r}: use none or transaction")
+        listen_dsn = settings.listen_database_url
+        if self._listen_dsn_given is not None:
+            listen_dsn = self._listen_dsn_given and check_postgres_url(
+                "listen_dsn", self._listen_dsn_given)
         pool = await db.create_pool(dsn, settings.db_timeout_seconds, self._max_connections,
                                     pooler=pooler)
         try:
@@ -306,6 +320,7 @@ class Client:
             pool.terminate()
             raise
         self.dsn, self.settings, self.pooler = dsn, settings, pooler
+        self.listen_dsn = listen_dsn
         self._pool, self._store = pool, store
 
     async def close(self) -> None:
@@ -393,14 +408,19 @@ class Client:
     def _follow(self, job_ids: list[uuid.UUID]) -> AsyncIterator[JobEnd | JobProgress]:
         self._opened()
         assert self.dsn is not None
-        return waiting.follow(self.dsn, job_ids, db_timeout=self._timeout,
-                              listen=self.pooler != "transaction", pooler=self.pooler)
+        target = db.listen_target(self.dsn, self.pooler, self.listen_dsn)
+        if target is None:  # behind a transaction pooler: poll through it
+            return waiting.follow(self.dsn, job_ids, db_timeout=self._timeout, listen=False,
+                                  pooler=self.pooler)
+        return waiting.follow(target[0], job_ids, db_timeout=self._timeout, pooler=target[1],
+                              setting="SIDECAR_LISTEN_DATABASE_URL (listen_dsn)"
+                              if self.listen_dsn else "SIDECAR_DATABASE_URL")
 
     async def wait(self, jobs: JobId | Iterable[JobId], *,
                    timeout: float | dt.timedelta | None = None,
                    any: bool = False) -> JobEnd | list[JobEnd]:  # noqa: A002 - as the CLI's
         """Wait until the jobs end, without polling (a NOTIFY on each job's channel; behind
-        a transaction pooler a read every waiting.POLL_SECONDS).
+        a transaction pooler without ``listen_dsn`` a read every waiting.POLL_SECONDS).
 
         ``jobs``: one id (a UUID, its text or a JobRef): returns its JobEnd; or several:
         returns their JobEnd in the order given (a repeated id counts once), or with

@@ -15,10 +15,10 @@ import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 from sidecar.errors import ConfigError, SidecarError
-from sidecar.masking import url_secrets
+from sidecar.masking import mask_url, url_secrets
 from sidecar.model import PROFILE_FIELD_NAMES, LeaseProfile, tolerated_silence, tool_env_key
 
 PREFIX = "SIDECAR_"
@@ -340,7 +340,13 @@ GLOBAL_FIELDS: dict[str, _Field] = {
     "EVENT_LOOP": _Field(str, "uvloop", "name", "uvloop or asyncio"),
     "DATABASE_POOLER": _Field(str, "none", "mode",
                               "none, or transaction behind PgBouncer's transaction pooling: "
-                              "no prepared-statement cache, no LISTEN (polling)"),
+                              "no prepared-statement cache, no LISTEN (polling) unless "
+                              "SIDECAR_LISTEN_DATABASE_URL is set"),
+    "LISTEN_DATABASE_URL": _Field(str, "", "dsn",
+                                  "where the one LISTEN connection goes (a session: the "
+                                  "server directly, or a session-mode pool); unset = "
+                                  "SIDECAR_DATABASE_URL, or no LISTEN behind a transaction "
+                                  "pooler"),
     "HTTP_ADDR": _Field(_listen_addr, "0.0.0.0:9180", "host:port",
                         "metrics, /livez and /readyz of `sidecar run`; off = none"),
     "LOG_TOOL_STDERR": _Field(_flag, "false", "bool",
@@ -407,6 +413,7 @@ class Settings:
     worker_name: str
     event_loop: str
     database_pooler: str
+    listen_database_url: str
     http_addr: str
     log_tool_stderr: bool
     work_dir: str
@@ -517,17 +524,39 @@ def _read_dsn_file(path: str, url_also_set: bool) -> str:
     return dsn
 
 
+def check_postgres_url(var: str, url: str) -> str:
+    """``url`` if it is a PostgreSQL URL (``postgresql://`` or ``postgres://``, a numeric
+    port, a host a URL parser reads); else ConfigError, one line naming ``var``, with the
+    URL's credentials masked (``masking.mask_url``)."""
+    shown = mask_url(url)
+    if not url.startswith(("postgres://", "postgresql://")):
+        raise ConfigError(f"{var} {shown!r} is not a PostgreSQL URL: it must start with "
+                          "postgresql://, e.g. postgresql://USER:PASSWORD@HOST:5432/DATABASE")
+    try:
+        parts = urlsplit(url)
+        parts.port  # noqa: B018 - raises ValueError for a port that is not a number
+        parts.hostname  # noqa: B018 - raises ValueError for a broken [IPv6] host
+    except ValueError:  # its text may quote a piece of the password: not shown
+        raise ConfigError(f"{var} {shown!r} is malformed: the port must be a number, and a "
+                          "password holding / ? # or @ must be percent-encoded; expected "
+                          "postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
+    return url
+
+
 def secret_values(settings: Settings, dsn: str) -> dict[str, list[str]]:
     """Every secret value these settings hold, by the label ``masking.SECRETS`` shows for
     it (issue 25; the worker registers them): ``database_url``, the DSN in use (``dsn``:
     SIDECAR_DATABASE_URL, SIDECAR_DATABASE_URL_FILE's content, or the embedded server's)
-    whole; ``database_password``, its credentials (``masking.url_secrets``: the userinfo
-    password and secret query values such as ``?password=``), as written and
-    percent-decoded; ``result_url_credential``, the same pieces of the RESULT_URL of the
-    defaults and of every profile. Those are the only secret settings: the other
-    variables, SIDECAR_DATABASE_URL_FILE's path included, name no credential."""
-    found: dict[str, list[str]] = {"database_url": [dsn] if dsn else []}
-    found["database_password"] = _decoded(url_secrets(dsn)) if dsn else []
+    and SIDECAR_LISTEN_DATABASE_URL, whole; ``database_password``, their credentials
+    (``masking.url_secrets``: the userinfo password and secret query values such as
+    ``?password=``), as written and percent-decoded; ``result_url_credential``, the same
+    pieces of the RESULT_URL of the defaults and of every profile. Those are the only
+    secret settings: the other variables, SIDECAR_DATABASE_URL_FILE's path included, name
+    no credential."""
+    dsns = [url for url in (dsn, settings.listen_database_url) if url]
+    found: dict[str, list[str]] = {"database_url": list(dict.fromkeys(dsns))}
+    found["database_password"] = list(dict.fromkeys(
+        piece for url in dsns for piece in _decoded(url_secrets(url))))
     urls = [settings.defaults["RESULT_URL"][0],
             *(o["RESULT_URL"][0] for o in settings.overrides.values() if "RESULT_URL" in o)]
     found["result_url_credential"] = [piece for url in urls if url
@@ -615,6 +644,9 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(
             f"SIDECAR_DATABASE_POOLER={glob['database_pooler']!r}: use none, or transaction "
             "when SIDECAR_DATABASE_URL points at PgBouncer with pool_mode = transaction")
+    if glob["listen_database_url"]:
+        glob["listen_database_url"] = check_postgres_url("SIDECAR_LISTEN_DATABASE_URL",
+                                                         glob["listen_database_url"].strip())
     for name in ("poll_seconds", "db_timeout_seconds"):
         if glob[name] <= 0:
             raise ConfigError(f"SIDECAR_{name.upper()}={glob[name]}: must be a positive number")
@@ -629,6 +661,12 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     if glob["database_url_file"]:
         glob["database_url"] = _read_dsn_file(glob["database_url_file"],
                                               "SIDECAR_DATABASE_URL" in env)
+    if glob["listen_database_url"] and glob["database_pooler"] == "transaction" \
+            and glob["listen_database_url"] == glob["database_url"].strip():
+        raise ConfigError(
+            "SIDECAR_LISTEN_DATABASE_URL is the same URL as the database's, which "
+            "SIDECAR_DATABASE_POOLER=transaction says is a transaction pooler: LISTEN needs a "
+            "session there; point it at the server itself or at a session-mode pool")
     settings = Settings(defaults=defaults, overrides=overrides,
                         http_addr_is_default=not env.get("SIDECAR_HTTP_ADDR"), **glob)
     # Every profile that is mentioned must be valid, not only the one in use.

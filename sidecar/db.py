@@ -259,13 +259,14 @@ def resolve_dsn(settings: Settings) -> str:
     return embedded_dsn(settings.data_dir or default_data_dir())
 
 
-def _unavailable(dsn: str, exc: BaseException) -> DatabaseUnavailable:
+def _unavailable(dsn: str, exc: BaseException,
+                 setting: str = "SIDECAR_DATABASE_URL") -> DatabaseUnavailable:
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
     reason = mask_text(reason, [dsn])  # a driver may quote a piece of a malformed URL
     shown = mask_url(dsn)
     return DatabaseUnavailable(
         f"cannot reach PostgreSQL at {describe_host(shown)} ({shown}): {reason}; "
-        "check SIDECAR_DATABASE_URL (host, port, user, password, database) and that the server runs"
+        f"check {setting} (host, port, user, password, database) and that the server runs"
     )
 
 
@@ -301,9 +302,16 @@ TIMEOUT_ERRORS: tuple[type[BaseException], ...] = (
 CONNECT_ERRORS = DATABASE_ERRORS
 
 
-def _server_settings() -> dict[str, str]:
+# The application_name of the sidecar's sessions (pg_stat_activity), and of the one
+# connection a sidecar holds for LISTEN: an operator counts listeners (one per sidecar
+# and one per waiting caller) apart from pooled connections.
+APPLICATION_NAME = "sidecar"
+LISTEN_APPLICATION_NAME = "sidecar-listen"
+
+
+def _server_settings(application_name: str = APPLICATION_NAME) -> dict[str, str]:
     # Only parameters PgBouncer passes through (it refuses other startup parameters).
-    return {"application_name": "sidecar"}
+    return {"application_name": application_name}
 
 
 # --- SIDECAR_DATABASE_POOLER ---------------------------------------------------
@@ -312,14 +320,29 @@ def _server_settings() -> dict[str, str]:
 # transactions of one client connection may run on different server connections, so
 # nothing may outlive a transaction on the server: no named prepared statements (asyncpg
 # caches them by default: "prepared statement __asyncpg_stmt_N__ does not exist"), no
-# LISTEN (the worker polls instead), no session SET or session advisory lock (the
-# sidecar uses none: migrations take pg_advisory_xact_lock inside their transaction and
-# the fence sets lock_timeout with set_config(..., true)). With statement_cache_size=0
-# asyncpg uses the unnamed statement and re-sends Parse with every Bind, so each
-# statement is self-contained; PgBouncer >= 1.21 could track named statements
+# LISTEN (the worker polls instead, or LISTENs on a session of its own elsewhere:
+# SIDECAR_LISTEN_DATABASE_URL, ``listen_target``), no session SET or session advisory
+# lock (the sidecar uses none: migrations take pg_advisory_xact_lock inside their
+# transaction and the fence sets lock_timeout with set_config(..., true)). With
+# statement_cache_size=0 asyncpg uses the unnamed statement and re-sends Parse with every
+# Bind, so each statement is self-contained; PgBouncer >= 1.21 could track named statements
 # (max_prepared_statements), but the sidecar does not depend on it.
 
 _pooler = "none"
+
+
+def listen_target(dsn: str, pooler: str, listen_dsn: str = "") -> tuple[str, str] | None:
+    """Where a LISTEN connection goes, as ``(dsn, pooler mode)`` for ``connect``: to
+    ``listen_dsn`` (SIDECAR_LISTEN_DATABASE_URL) when it is set, as a session (``none``)
+    whatever ``pooler`` (SIDECAR_DATABASE_POOLER) says; else to ``dsn`` itself, unless it
+    is a transaction pooler (``pooler`` ``transaction``), where no session keeps a LISTEN:
+    None, the caller polls instead. The rule of the worker's wake-ups and of every
+    waiter (``sidecar wait``, sidecar.client)."""
+    if listen_dsn:
+        return listen_dsn, "none"
+    if pooler == "transaction":
+        return None
+    return dsn, pooler
 
 
 def use_pooler(mode: str) -> None:
@@ -352,15 +375,21 @@ def _options(pooler: str | None) -> dict:
 
 
 async def connect(dsn: str, timeout: float, *, pooler: str | None = None,
-                  statement_bound: float | None = None) -> asyncpg.Connection:
+                  statement_bound: float | None = None,
+                  application_name: str = APPLICATION_NAME,
+                  setting: str = "SIDECAR_DATABASE_URL") -> asyncpg.Connection:
     """One connection with the JSON codecs and the sidecar's session settings
     (``session_settings(statement_bound)``, default ``timeout`` seconds: the client-side
     bound of its statements, case F18); DatabaseUnavailable on failure.
 
-    ``pooler``: ``none`` or ``transaction``; default the process's (``use_pooler``)."""
+    ``pooler``: ``none`` or ``transaction``; default the process's (``use_pooler``).
+    ``application_name``: what pg_stat_activity shows for it (LISTEN_APPLICATION_NAME for
+    a LISTEN connection). ``setting``: the variable the failure's message tells to check
+    (SIDECAR_LISTEN_DATABASE_URL for a connection to that URL)."""
     mode = pooler or _pooler
     try:
-        conn = await asyncpg.connect(dsn, timeout=timeout, server_settings=_server_settings(),
+        conn = await asyncpg.connect(dsn, timeout=timeout,
+                                     server_settings=_server_settings(application_name),
                                      **_options(mode))
         try:
             await _apply_session_settings(conn, statement_bound or timeout, mode)
@@ -370,7 +399,7 @@ async def connect(dsn: str, timeout: float, *, pooler: str | None = None,
             raise
         return conn
     except CONNECT_ERRORS as exc:
-        raise _unavailable(dsn, exc) from None
+        raise _unavailable(dsn, exc, setting) from None
 
 
 async def create_pool(dsn: str, timeout: float, max_size: int, *,

@@ -94,6 +94,11 @@ FLOW_RUNNING = Gauge("sidecar_flow_running", "Jobs of the tool running under a l
 FLOW_PAUSED = Gauge("sidecar_flow_paused", "1 while the tool is paused fleet-wide "
                     "(sidecar pause), else 0.", ("tool",))
 QUEUE_DEPTH = Gauge("sidecar_queue_depth", "Jobs of the tool claimable now (sampled).", _TP)
+LISTENING = Gauge("sidecar_listening",
+                  "1 while the sidecar's LISTEN connection is up, so a NOTIFY wakes it; 0 "
+                  "while it only polls (SIDECAR_POLL_SECONDS): behind a transaction pooler "
+                  "without SIDECAR_LISTEN_DATABASE_URL, or while that connection is lost.",
+                  _TP)
 JOBS_EXPIRED = Counter("sidecar_jobs_expired",
                        "Jobs this sidecar's sweep ended failed because no attempt started "
                        "before their expiry (--expires-in), by the job's tool.", ("tool",))
@@ -130,7 +135,7 @@ def start_at_zero(tool: str, provider: str) -> None:
     """Create every known label set of ``tool``/``provider`` at zero."""
     for metric in (JOBS_CLAIMED, JOBS_RECLAIMED, ATTEMPT_DURATION, HEARTBEAT_SECONDS, LEASE_SLACK,
                    LAST_HEARTBEAT, LEASES_HELD, LEASES_EXPIRED, OWNERSHIP_UNKNOWN,
-                   PROCESSES_LEFT, COMPLETIONS_REJECTED, QUEUE_DEPTH):
+                   PROCESSES_LEFT, COMPLETIONS_REJECTED, QUEUE_DEPTH, LISTENING):
         metric.labels(tool, provider)
     for outcome in CLAIM_OUTCOMES:
         CLAIM_ATTEMPTS.labels(tool, provider, outcome)

@@ -11,7 +11,8 @@ at commit) wakes nobody.
 first, then reads the rows (so an end committed in between is in what it reads, never
 lost), then waits for notifications and reads again only the jobs that ended. Behind a
 transaction pooler (``listen=False``) there is no session to LISTEN in: it reads the
-unfinished jobs again every ``poll_seconds`` (POLL_SECONDS, 1 s) instead.
+unfinished jobs again every ``poll_seconds`` (POLL_SECONDS, 1 s) instead, unless a session
+elsewhere is given for it (SIDECAR_LISTEN_DATABASE_URL: ``db.listen_target``).
 """
 
 from __future__ import annotations
@@ -203,21 +204,27 @@ async def _read(conn: asyncpg.Connection, job_ids: list[uuid.UUID],
 async def follow(dsn: str, job_ids: Iterable[uuid.UUID], *, db_timeout: float,
                  listen: bool = True, pooler: str | None = None,
                  on_reconnect: Callable[[BaseException, int], None] | None = None,
+                 setting: str = "SIDECAR_DATABASE_URL",
                  ) -> AsyncIterator[JobEnd | JobProgress]:
     """``watch`` on a connection of its own to ``dsn`` (``db.connect``, ``pooler`` as
-    there), connecting again after a failure of that connection or a statement timeout:
-    ``on_reconnect(error, jobs still pending)`` is called, then after RECONNECT_SECONDS it
-    connects, LISTENs and reads the jobs not yet ended again (nothing is missed). Yields
+    there; with ``listen`` its application_name is ``sidecar-listen``, as a sidecar's
+    LISTEN connection's), connecting again after a failure of that connection or a
+    statement timeout: ``on_reconnect(error, jobs still pending)`` is called, then after
+    RECONNECT_SECONDS it connects, LISTENs and reads the jobs not yet ended again (nothing
+    is missed). Yields
     what ``watch`` yields until every job ended; bound it with ``asyncio.timeout``, and
     close it (``contextlib.aclosing``) when leaving early, so its connection is closed at
     once. Raises JobNotFound, and DatabaseUnavailable when a connection cannot be made
-    (``db_timeout`` seconds bound each connect and statement). The waiter of ``sidecar
+    (``db_timeout`` seconds bound each connect and statement; its message names
+    ``setting``, the variable ``dsn`` came from). The waiter of ``sidecar
     wait`` and of sidecar.client."""
     pending = list(dict.fromkeys(uuid.UUID(str(job_id)) for job_id in job_ids))
     while pending:
         conn = None
         try:
-            conn = await db.connect(dsn, db_timeout, pooler=pooler)
+            conn = await db.connect(dsn, db_timeout, pooler=pooler, setting=setting,
+                                    application_name=(db.LISTEN_APPLICATION_NAME if listen
+                                                      else db.APPLICATION_NAME))
             async for event in watch(conn, pending, listen=listen,
                                      statement_timeout=db_timeout):
                 if isinstance(event, JobEnd):

@@ -32,7 +32,7 @@ from sidecar.isolation import SandboxPlan, SparePool
 from sidecar.lease import LeaseKeeper
 from sidecar.leftovers import OwnerLock, sweep_dead_owners
 from sidecar.log import log
-from sidecar.masking import SECRETS
+from sidecar.masking import SECRETS, mask_url
 from sidecar.model import ClaimedJob, LeaseProfile
 from sidecar.periodic import Periodic
 from sidecar.queries import migrations
@@ -44,6 +44,13 @@ from sidecar.vocabulary import AttemptId, FailureKind
 # An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
 # function skips places older than two minutes (migration 008).
 IDLE_REFRESH_SECONDS = 30.0
+# The LISTEN connection: a lost one is made again after LISTEN_RETRY_MIN_SECONDS,
+# doubling to LISTEN_RETRY_MAX_SECONDS while it keeps failing (polling covers meanwhile);
+# one that is up is probed with SELECT 1 every min(SIDECAR_POLL_SECONDS,
+# LISTEN_CHECK_SECONDS) (a connection the server closes is noticed at once).
+LISTEN_RETRY_MIN_SECONDS = 1.0
+LISTEN_RETRY_MAX_SECONDS = 30.0
+LISTEN_CHECK_SECONDS = 30.0
 
 
 def wake_channel(owner_id: str) -> str:
@@ -445,6 +452,12 @@ class Worker:
         if self._idle_since is not None and now - self._idle_since < IDLE_REFRESH_SECONDS:
             return
         await store.register_idle(self.owner_id, self.profile.tool, self.channel)
+        if not self._listening:
+            # The LISTEN connection was lost while we registered (its loss took us off
+            # the list, perhaps before this registration landed): a wake-up sent to us
+            # now would be lost.
+            await store.unregister_idle(self.owner_id)
+            return
         self._idle_since = now
 
     async def _leave_idle_list(self) -> None:
@@ -512,45 +525,117 @@ class Worker:
 
     async def _listen(self) -> None:
         """Wake the claim loop on a NOTIFY on this sidecar's own channel (sent to one idle
-        sidecar per job queued, see ``_stay_idle``); reconnect quietly, polling covers gaps.
+        sidecar per job queued, see ``_stay_idle``), on a connection of its own
+        (application_name ``sidecar-listen``), where ``db.listen_target`` says:
+        SIDECAR_LISTEN_DATABASE_URL when set (a session: the server itself or a
+        session-mode pool, even behind a transaction pooler), else the database's URL.
 
-        Behind a transaction pooler (``SIDECAR_DATABASE_POOLER=transaction``) LISTEN has no
-        session to live in: no listener at all, the claim loop polls every
-        ``SIDECAR_POLL_SECONDS``. The task then just waits to be cancelled (a background
-        task that returns counts as a failure of the worker).
+        Behind a transaction pooler (``SIDECAR_DATABASE_POOLER=transaction``) without
+        SIDECAR_LISTEN_DATABASE_URL, LISTEN has no session to live in: no listener at all
+        (``listen_disabled``), the claim loop polls every ``SIDECAR_POLL_SECONDS``. The task
+        then just waits to be cancelled (a background task that returns counts as a failure
+        of the worker).
+
+        The first LISTEN logs ``listen_started``. When the connection fails or cannot be
+        made, ``listen_lost`` (warning, once per outage, with the reason): the sidecar
+        leaves the idle list (a wake-up sent to it would be lost), claims at once and then
+        polls; it connects again after LISTEN_RETRY_MIN_SECONDS, doubling to
+        LISTEN_RETRY_MAX_SECONDS (``listen_error`` at debug level for each further
+        failure), and logs ``listen_restored`` with the outage's length once LISTEN is back.
+        ``sidecar_listening`` is 1 while it listens, else 0.
         """
         tool = self.profile.tool
-        if self.settings.database_pooler == "transaction":
+        settings = self.settings
+        target = db.listen_target(self.dsn, settings.database_pooler,
+                                  settings.listen_database_url)
+        if target is None:
             log.emit("listen_disabled", tool=tool,
-                     reason="SIDECAR_DATABASE_POOLER=transaction: polling every "
-                            f"{self.settings.poll_seconds:g} s instead of LISTEN")
+                     reason="SIDECAR_DATABASE_POOLER=transaction without "
+                            "SIDECAR_LISTEN_DATABASE_URL: polling every "
+                            f"{settings.poll_seconds:g} s instead of LISTEN")
             await asyncio.Event().wait()
+        listen_dsn, pooler = target
+        via = ("SIDECAR_LISTEN_DATABASE_URL" if settings.listen_database_url
+               else "SIDECAR_DATABASE_URL")
+        where = db.describe_host(mask_url(listen_dsn))
+        check = min(settings.poll_seconds, LISTEN_CHECK_SECONDS)
 
         def on_notify(_conn, _pid, _channel, _payload: str) -> None:
             self._idle_since = None  # the waker took us off the idle list
             self._rate_turn_at = None  # a resume or a limit change: claim at once
             self.wake.set()
 
+        lost_at: float | None = None  # monotonic start of the current outage
+        off_list = True  # not on the idle list, or taken off since the last LISTEN
+        started = False
+        retry = LISTEN_RETRY_MIN_SECONDS
         while True:
-            conn = None
+            conn, up = None, False
+            closed = asyncio.Event()
             try:
-                conn = await db.connect(self.dsn, self.settings.db_timeout_seconds)
+                conn = await db.connect(listen_dsn, settings.db_timeout_seconds, pooler=pooler,
+                                        application_name=db.LISTEN_APPLICATION_NAME, setting=via)
+                conn.add_termination_listener(lambda _conn, ended=closed: ended.set())
                 await conn.add_listener(self.channel, on_notify)
-                self._listening = True
+                self._set_listening(True)
+                up, off_list = True, False
                 self._idle_since = None  # (re-)register at the next empty claim
                 self.wake.set()
+                retry = LISTEN_RETRY_MIN_SECONDS
+                if lost_at is not None:
+                    log.emit("listen_restored", tool=tool, via=via, host=where,
+                             down_s=round(time.monotonic() - lost_at, 3))
+                elif not started:
+                    log.emit("listen_started", tool=tool, via=via, host=where,
+                             channel=self.channel)
+                started, lost_at = True, None
                 while not conn.is_closed():
-                    await asyncio.sleep(self.settings.poll_seconds)
-                    await conn.execute("SELECT 1", timeout=self.settings.db_timeout_seconds)
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(closed.wait(), check)
+                    if not conn.is_closed():
+                        await conn.execute("SELECT 1", timeout=settings.db_timeout_seconds)
+                raise ConnectionError("the server closed the LISTEN connection")
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - polling keeps working meanwhile
-                log.emit("listen_error", "debug", tool=tool, reason=type(exc).__name__)
+                reason = db.describe_error(exc)
+                if lost_at is None:
+                    lost_at = time.monotonic()
+                    log.emit("listen_lost", "warning", tool=tool, via=via, host=where,
+                             reason=reason, poll_seconds=settings.poll_seconds)
+                else:
+                    log.emit("listen_error", "debug", tool=tool, reason=reason)
             finally:
-                self._listening = False
+                self._set_listening(False)
                 if conn is not None:
                     conn.terminate()
-            await asyncio.sleep(self.settings.poll_seconds)
+            if up:  # a wake-up may have been lost with the connection: claim now
+                self._idle_since = None
+                self.wake.set()
+            if not off_list:
+                off_list = await self._leave_idle_list_unheard()
+            await asyncio.sleep(retry)
+            retry = min(2 * retry, LISTEN_RETRY_MAX_SECONDS)
+
+    def _set_listening(self, up: bool) -> None:
+        """Whether LISTEN on our channel is up: ``_stay_idle`` registers only then, and
+        ``sidecar_listening`` says it."""
+        self._listening = up
+        metrics.LISTENING.labels(*self.labels).set(1 if up else 0)
+
+    async def _leave_idle_list_unheard(self) -> bool:
+        """LISTEN is down: off the idle list, so no wake-up is sent where nobody hears it
+        (the waker would spend it on us, and the job would wait for someone's poll). True
+        when done; False when the database did not answer (tried again at the next retry
+        of the listener; the wake-up function skips a place not refreshed for two
+        minutes anyway)."""
+        if self._store is None:
+            return True
+        try:
+            await self._store.unregister_idle(self.owner_id)
+        except db.DATABASE_ERRORS:
+            return False
+        return True
 
     async def _sweep_leftovers(self) -> None:
         """Every SIDECAR_LEFTOVER_SWEEP_SECONDS, clear what sidecars of this work root that

@@ -9,7 +9,7 @@ import uuid
 import pytest
 
 from kit import FAST_PROFILE, base_env, cli, enqueue, one_line_error, scalar
-from sidecar.config import load_settings
+from sidecar.config import load_settings, secret_values
 from sidecar.errors import ConfigError
 from sidecar.model import tool_env_key
 
@@ -293,6 +293,42 @@ def test_non_retryable_exit_codes_invalid_per_tool():
 def test_enumerated_globals_refuse_unknown_values(var, value):
     message = config_error({var: value})
     assert var in message
+
+
+LISTEN_PASSWORD = "Listen-pw-do-not-print-3e1"
+
+
+@pytest.mark.parametrize("value", [
+    f"mysql://app:{LISTEN_PASSWORD}@db/app",
+    f"host=db password={LISTEN_PASSWORD}",
+    f"postgresql://app:{LISTEN_PASSWORD}@db:port/app",
+    f"postgresql://app:{LISTEN_PASSWORD}@[::1/app",
+])
+def test_a_listen_url_that_is_not_a_postgresql_url_is_one_line_naming_it(value):
+    message = config_error({"SIDECAR_LISTEN_DATABASE_URL": value})
+    assert message.startswith("SIDECAR_LISTEN_DATABASE_URL ")
+    assert "postgresql://" in message  # the form expected
+    assert LISTEN_PASSWORD not in message
+
+
+def test_the_listen_url_may_not_be_the_transaction_pooler_itself():
+    bouncer = f"postgresql://app:{LISTEN_PASSWORD}@pgbouncer:6432/app"
+    env = {"SIDECAR_DATABASE_URL": bouncer, "SIDECAR_LISTEN_DATABASE_URL": bouncer}
+    message = config_error({**env, "SIDECAR_DATABASE_POOLER": "transaction"})
+    assert "SIDECAR_LISTEN_DATABASE_URL" in message and "session" in message
+    assert LISTEN_PASSWORD not in message
+    assert load_settings(env).listen_database_url == bouncer  # no pooler: one server
+
+
+def test_a_valid_listen_url_is_kept_and_its_password_is_a_secret():
+    listen = f"postgresql://app:{LISTEN_PASSWORD}@db:5432/app"
+    settings = load_settings({"SIDECAR_DATABASE_POOLER": "transaction",
+                              "SIDECAR_LISTEN_DATABASE_URL": listen})
+    assert settings.listen_database_url == listen
+    assert load_settings({}).listen_database_url == ""
+    secrets = secret_values(settings, "postgresql://app:other-pw-123@pgbouncer:6432/app")
+    assert listen in secrets["database_url"]
+    assert {LISTEN_PASSWORD, "other-pw-123"} <= set(secrets["database_password"])
 
 
 # --- the command refuses to start --------------------------------------------------------

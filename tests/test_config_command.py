@@ -109,6 +109,22 @@ def test_config_exits_2_for_unknown_variable_bad_pooler_and_bad_url(dsn):
     assert done.returncode == 2 and "tool name" in one_line_error(done, no_stdout=True)
 
 
+def test_config_shows_the_listen_url_masked_and_refuses_a_bad_one(dsn):
+    listen = with_password(dsn, TOKEN)  # not the database URL: that one is the pooler
+    env = base_env(with_password(dsn), SIDECAR_LISTEN_DATABASE_URL=listen,
+                   SIDECAR_DATABASE_POOLER="transaction")
+    done = cli(dsn, "config", env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    assert_no_secret(done)
+    settings = orjson.loads(done.stdout)["settings"]
+    assert settings["listen_database_url"] == with_password(dsn, "***")
+    env["SIDECAR_LISTEN_DATABASE_URL"] = f"mysql://app:{PASSWORD}@db/x"
+    done = cli(dsn, "config", env=env)
+    assert done.returncode == 2
+    assert "SIDECAR_LISTEN_DATABASE_URL" in one_line_error(done, no_stdout=True)
+    assert_no_secret(done)
+
+
 def test_config_connects_to_nothing(dsn):
     env = base_env("postgresql://app:" + PASSWORD + "@127.0.0.1:1/nope")
     done = cli(dsn, "config", env=env)
