@@ -19,7 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 HEADER = "| # | measure | sidecar | baseline (same run) | ratio | target | met? |"
 
 
-@pytest.mark.timeout(170)
+# Room for a loaded machine: the sections take about 130 s on a quiet one (issue 28 added
+# the fleets listening past PgBouncer). How long it takes is the bench's own business.
+@pytest.mark.timeout(330)
 def test_quick_bench_runs_every_section_and_prints_the_table(server_dsn, tmp_path):
     output = tmp_path / "RESULTS.md"
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
@@ -27,7 +29,7 @@ def test_quick_bench_runs_every_section_and_prints_the_table(server_dsn, tmp_pat
     done = subprocess.run(
         [sys.executable, "-m", "bench", "--quick", "--dsn", server_dsn, "--output", str(output),
          "--only", ",".join(str(n) for n in range(1, 11))],
-        cwd=ROOT, env=env, capture_output=True, timeout=160)
+        cwd=ROOT, env=env, capture_output=True, timeout=320)
     elapsed = time.monotonic() - started
     stderr = done.stderr.decode(errors="replace")
     assert done.returncode == 0, f"exit {done.returncode} after {elapsed:.0f} s:\n{stderr[-4000:]}"
