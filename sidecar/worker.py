@@ -283,12 +283,16 @@ class Worker:
         last_sweep = 0.0
         while not self.stopping.is_set():
             self.wake.clear()
+            nothing_due = False
             try:
                 if time.monotonic() - last_sweep >= poll:
                     last_sweep = time.monotonic()
                     # One statement a poll; the sweeps only on the fleet's turn, taken by
                     # one sidecar of the tool per poll period (issue 28).
                     sample = await store.sample_tool(tool, poll)
+                    # Nothing claimable by the database's count just now: the poll claims
+                    # nothing (a job queued since sends its NOTIFY after this read).
+                    nothing_due = sample["depth"] == 0
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(sample["depth"])
                     self._sample_flow(sample if sample["has_flow"] else None)
                     if sample["sweep"]:
@@ -305,7 +309,10 @@ class Worker:
                                 and time.monotonic() < self._rate_turn_at)
                 if not waiting_turn:
                     self._rate_turn_at = None
-                while not waiting_turn and may_claim(
+                if nothing_due and may_claim(len(self.running), self.concurrency,
+                                             self.stopping.is_set(), 0.0):
+                    await self._stay_idle(store)  # keeps its place on the idle list
+                while not waiting_turn and not nothing_due and may_claim(
                         len(self.running), self.concurrency, self.stopping.is_set(),
                         ctx.claim_pause.remaining()):
                     sent = clock.ownership_now()  # the lease's local deadline (F20)
