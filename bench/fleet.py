@@ -206,7 +206,7 @@ _KINDS = (
     ("WITH exhausted AS", "lease sweep"), ("WITH doomed AS", "expiry sweep"),
     ("INSERT INTO tool_idle_sidecars", "idle list"), ("DELETE FROM tool_idle_sidecars",
                                                        "idle list"),
-    ("SELECT * FROM tool_job_enqueue", "enqueue"), ("INSERT INTO tool_jobs", "enqueue"),
+    ("SELECT enqueued_id", "enqueue"), ("WITH ins AS ( INSERT INTO tool_jobs", "enqueue"),
     ("SELECT coalesce(max(version)", "schema check"),
 )
 
@@ -235,8 +235,9 @@ class _Statements:
         out: dict[str, list[float]] = {}
         for row in rows:
             text = row["text"]
-            if "pg_stat_statements" in text or text.startswith("SELECT count(*) FROM tool_jobs"):
-                continue  # the bench's own
+            if "pg_stat_statements" in text or text.startswith(
+                    ("SELECT count(*) FROM tool_jobs", "SELECT state, result FROM tool_jobs")):
+                continue  # the bench's own (its waits for jobs, the pickups' polls)
             kind = next((k for prefix, k in _KINDS if text.startswith(prefix)),
                         f"'{text[:32]}'")  # by its text: BEGIN, SET, ...
             part = out.setdefault(kind, [0.0, 0.0])
