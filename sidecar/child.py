@@ -188,6 +188,34 @@ class ProcessTable:
                     continue
         return reaped
 
+    def reap_listed(self, pids: list[int]) -> list[int]:
+        """Of ``pids``, children of this process a tree scan just listed, reap the
+        adopted ones that have exited (``waitpid(WNOHANG)``, as ``reap_adopted`` would a
+        second later) and return the rest, in order: those still running, and every
+        managed or exempt pid untouched. An exited orphan is no member of any tree (it
+        can neither fork nor be signalled, and its children were re-parented when it
+        died), yet each scan would read it from /proc until the periodic reaper came: a
+        sandboxed tool leaves one (bwrap's namespace init) per attempt, so at a hundred
+        attempts a second every job end read dozens of them. Never blocks, so it may run
+        on the event loop: while a spawn holds ``reap_lock`` (case F9) nothing is reaped
+        and ``pids`` comes back whole."""
+        if not pids or not self.reap_lock.acquire(blocking=False):
+            return pids
+        try:
+            left = []
+            for pid in pids:
+                if self.is_own(pid):
+                    left.append(pid)
+                    continue
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                        left.append(pid)  # still running
+                except ChildProcessError:
+                    continue  # not our child (any more): nothing of a tree
+            return left
+        finally:
+            self.reap_lock.release()
+
     # --- spawn threads ------------------------------------------------------
 
     def spawn_thread(self, new_privileges: bool) -> concurrent.futures.ThreadPoolExecutor:
@@ -335,8 +363,9 @@ def find_tree(root_pid: int, cookie: dict[str, str],
         # Orphans are the children of our thread group leader (linux.adopted_pids); the
         # tools, children of the spawn thread, are each their own Child's root.
         listed = linux.adopted_pids(me) if linux.HAVE_PROC_CHILDREN else _children(me)
-        adopted = _processes([pid for pid in listed
-                              if not processes.is_own(pid) and pid not in found])
+        # Exited orphans are reaped here rather than read (ProcessTable.reap_listed).
+        adopted = _processes(processes.reap_listed(
+            [pid for pid in listed if not processes.is_own(pid) and pid not in found]))
         for proc in adopted:
             try:
                 try:
