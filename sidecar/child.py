@@ -872,7 +872,7 @@ class Child:
             # bwrap exits as soon as its namespace's init reports the tool's exit, while
             # init itself (now ours, as subreaper) is still on its way out, taking with it
             # whatever the tool left in the namespace: not an orphan to kill.
-            await self._wait_gone(procs, SANDBOX_SETTLE_SECONDS)
+            await self._wait_exits(procs, SANDBOX_SETTLE_SECONDS)
             procs = await self._scan()
         if not procs and self.exited.done() and self.run_as_uid is None:
             # The usual end: the tool exited and left nothing. No second scan, and adopted
@@ -971,6 +971,42 @@ class Child:
                     report.unsignalled.append(proc.pid)
             except psutil.Error:  # gone meanwhile
                 pass
+
+    async def _wait_exits(self, procs: list[psutil.Process], timeout: float) -> None:
+        """Return once every one of ``procs`` has exited, or after ``timeout`` seconds:
+        told by a pidfd of each (readable at its exit), so the wait ends as the last one
+        exits rather than at the next poll. A pidfd is taken for a process only while it
+        is still that process (psutil's identity, checked once the pidfd holds its pid);
+        where pidfds are not available this is ``_wait_gone``'s poll."""
+        fds: list[int] = []
+        try:
+            for proc in procs:
+                try:
+                    fd = os.pidfd_open(proc.pid)
+                except (AttributeError, OSError) as exc:
+                    if isinstance(exc, ProcessLookupError):
+                        continue  # gone already
+                    await self._wait_gone(procs, timeout)
+                    return
+                fds.append(fd)
+                if not _alive(proc):  # exited, or the pid is another process's by now
+                    fds.pop()
+                    os.close(fd)
+            if not fds:
+                return
+            waits = []
+            for fd in fds:
+                done = self.loop.create_future()
+                self.loop.add_reader(fd, lambda d=done: d.done() or d.set_result(None))
+                waits.append(done)
+            try:
+                await asyncio.wait(waits, timeout=timeout)
+            finally:
+                for fd in fds:
+                    self.loop.remove_reader(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     @staticmethod
     async def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:
