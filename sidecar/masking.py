@@ -183,6 +183,8 @@ class SecretRegistry:
     With no secret registered both return at once."""
 
     def __init__(self) -> None:
+        # key -> (label, the spellings of its values): each value's secret_forms are
+        # worked out once, when it is added, not again at every change of another key.
         self._groups: dict[Hashable, tuple[str, tuple[str, ...]]] = {}
         self._snapshot = _Snapshot()
 
@@ -190,7 +192,8 @@ class SecretRegistry:
         """Register ``values`` (strings; shorter than MIN_SECRET_CHARS ignored) under
         ``key``, replacing what ``key`` held."""
         kept = tuple(v for v in values if v and len(v) >= MIN_SECRET_CHARS)
-        self._groups[key] = (label, kept)
+        self._groups[key] = (label, tuple(form for value in kept
+                                          for form in secret_forms(value)))
         self._rebuild()
 
     def discard(self, key: Hashable) -> None:
@@ -200,10 +203,9 @@ class SecretRegistry:
 
     def _rebuild(self) -> None:
         labels: dict[str, str] = {}
-        for label, values in self._groups.values():
-            for value in values:
-                for form in secret_forms(value):
-                    labels.setdefault(form, label)
+        for label, forms in self._groups.values():
+            for form in forms:
+                labels.setdefault(form, label)
         forms = tuple(sorted(labels, key=len, reverse=True))
         self._snapshot = _Snapshot(forms, labels,
                                    tuple((f.encode("utf-8", "surrogatepass"), labels[f])
