@@ -18,6 +18,19 @@ last end):
 ``python -m bench.baseline spawn COUNT CONCURRENCY START_AT``
     a bare spawn-and-reap loop of ``/bin/true`` (``posix_spawn`` + ``waitpid``) on
     CONCURRENCY threads.
+
+``python -m bench.baseline child COUNT CONCURRENCY START_AT [--sandbox]``
+    spawn and reap ``/bin/true`` the way the sidecar does, CONCURRENCY at a time, in one
+    asyncio (uvloop) process: ``sidecar.child.Child.spawn`` (vfork from the long-lived
+    spawn thread, new session, pipes for stdin, stdout and stderr, the payload ``{}``
+    written, an environment with the job's marks, its own working directory), then its
+    exit seen through the pidfd and the pipes drained to EOF. No database, no work
+    directory or cgroup made per job, no tree check after the exit. ``--sandbox``: inside
+    the bubblewrap sandbox the sidecar would use here with its default settings
+    (sidecar.isolation.check_sandbox; exit 3 when there is none), bwrap's status read.
+
+``claim`` and ``child`` also report ``cpu_s``: the CPU seconds (user + system) the
+helper itself used from its first job to its last, the process's own part of each job.
 """
 
 from __future__ import annotations
@@ -25,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -49,6 +63,7 @@ async def claim_loop(dsn: str, tool: str, concurrency: int, start_at: float,
     conns = [await connect(dsn, 10) for _ in range(concurrency)]
     done, first, last = 0, None, 0.0
     await asyncio.sleep(max(0.0, start_at - time.time()))
+    cpu0 = _cpu_seconds()
 
     async def loop(conn) -> None:
         nonlocal done, first, last
@@ -90,10 +105,81 @@ async def claim_loop(dsn: str, tool: str, concurrency: int, start_at: float,
 
     try:
         await asyncio.gather(*(loop(conn) for conn in conns))
+        cpu = _cpu_seconds() - cpu0
     finally:
         for conn in conns:
             await conn.close()
-    return {"jobs": done, "first": first, "last": last}
+    return {"jobs": done, "first": first, "last": last, "cpu_s": cpu}
+
+
+def _cpu_seconds() -> float:
+    """CPU seconds (user + system) this process used so far, its reaped children not."""
+    usage = os.times()
+    return usage.user + usage.system
+
+
+def sandbox_wrap(workdir: str):
+    """The sidecar's bwrap wrapper for ``/bin/true`` run in ``workdir``, by the default
+    settings and profile (as ``sidecar run`` would check it), or None when attempts would
+    run unsandboxed here."""
+    from sidecar import isolation
+    from sidecar.config import load_settings
+
+    settings = load_settings()
+    profile = settings.profile("true")
+    work_root = isolation.check_work_dir(settings, profile)
+    plan, _off = isolation.check_sandbox(settings, profile, work_root, ["/bin/true"])
+    if plan is None:
+        return None
+    return lambda argv, status_fd: plan.argv(argv, workdir, status_fd)
+
+
+async def child_loop(count: int, concurrency: int, start_at: float,
+                     sandbox: bool = False) -> dict:
+    """Spawn and reap ``/bin/true`` ``count`` times through the sidecar's own spawn path
+    (sidecar.child.Child), ``concurrency`` at once, in the sidecar's sandbox when
+    ``sandbox``; the window and the CPU it took. Raises LookupError when ``sandbox`` is
+    asked for where there is none."""
+    from sidecar.child import Child, ProcessTable
+
+    processes = ProcessTable()
+    left, done, first, last = count, 0, None, 0.0
+    workdir = tempfile.mkdtemp(prefix="bench-spawn-")
+    wrap = sandbox_wrap(workdir) if sandbox else None
+    if sandbox and wrap is None:
+        os.rmdir(workdir)
+        raise LookupError("no bubblewrap sandbox here")
+    # The variables a job adds to the sidecar's (supervisor.job_variables), roughly.
+    base = {**os.environ, "SIDECAR_TOOL": "true", "SIDECAR_ATTEMPT": "1",
+            "SIDECAR_STAGE_TIMEOUT_SECONDS": "600", "SIDECAR_JOB_DIR": workdir,
+            "SIDECAR_RESULT_FILE": os.path.join(workdir, "result.json"),
+            "TMPDIR": workdir, "HOME": workdir}
+    await asyncio.sleep(max(0.0, start_at - time.time()))
+    cpu0 = _cpu_seconds()
+
+    async def loop() -> None:
+        nonlocal left, done, first, last
+        while left > 0:
+            left -= 1
+            t0 = time.time()
+            job = str(uuid.uuid4())
+            cookie = {"SIDECAR_JOB_ID": job, "SIDECAR_FENCING_TOKEN": "1"}
+            child = await Child.spawn(["/bin/true"], {**base, **cookie}, b"{}", 8 << 20,
+                                      lambda _line: None, cookie, cwd=workdir,
+                                      processes=processes, wrap=wrap)
+            await child.exited
+            await child.close_pipes(timeout=1.0)
+            processes.attempt_ended()
+            first = t0 if first is None else min(first, t0)
+            last = max(last, time.time())
+            done += 1
+
+    try:
+        await asyncio.gather(*(loop() for _ in range(concurrency)))
+        cpu = _cpu_seconds() - cpu0
+    finally:
+        os.rmdir(workdir)
+    return {"jobs": done, "first": first, "last": last, "cpu_s": cpu}
 
 
 def spawn_loop(count: int, concurrency: int, start_at: float) -> dict:
@@ -142,6 +228,16 @@ def main(argv: list[str]) -> int:
             out = runner.run(claim_loop(dsn, tool, concurrency, start_at, True, spawn=True))
     elif kind == "spawn":
         out = spawn_loop(int(argv[1]), int(argv[2]), float(argv[3]))
+    elif kind == "child":
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            try:
+                out = runner.run(child_loop(int(argv[1]), int(argv[2]), float(argv[3]),
+                                            "--sandbox" in argv[4:]))
+            except LookupError as exc:
+                print(exc, file=sys.stderr)
+                return 3
     else:
         print(f"unknown baseline {kind!r}", file=sys.stderr)
         return 2

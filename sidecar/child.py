@@ -188,6 +188,34 @@ class ProcessTable:
                     continue
         return reaped
 
+    def reap_listed(self, pids: list[int]) -> list[int]:
+        """Of ``pids``, children of this process a tree scan just listed, reap the
+        adopted ones that have exited (``waitpid(WNOHANG)``, as ``reap_adopted`` would a
+        second later) and return the rest, in order: those still running, and every
+        managed or exempt pid untouched. An exited orphan is no member of any tree (it
+        can neither fork nor be signalled, and its children were re-parented when it
+        died), yet each scan would read it from /proc until the periodic reaper came: a
+        sandboxed tool leaves one (bwrap's namespace init) per attempt, so at a hundred
+        attempts a second every job end read dozens of them. Never blocks, so it may run
+        on the event loop: while a spawn holds ``reap_lock`` (case F9) nothing is reaped
+        and ``pids`` comes back whole."""
+        if not pids or not self.reap_lock.acquire(blocking=False):
+            return pids
+        try:
+            left = []
+            for pid in pids:
+                if self.is_own(pid):
+                    left.append(pid)
+                    continue
+                try:
+                    if os.waitpid(pid, os.WNOHANG)[0] == 0:
+                        left.append(pid)  # still running
+                except ChildProcessError:
+                    continue  # not our child (any more): nothing of a tree
+            return left
+        finally:
+            self.reap_lock.release()
+
     # --- spawn threads ------------------------------------------------------
 
     def spawn_thread(self, new_privileges: bool) -> concurrent.futures.ThreadPoolExecutor:
@@ -335,8 +363,9 @@ def find_tree(root_pid: int, cookie: dict[str, str],
         # Orphans are the children of our thread group leader (linux.adopted_pids); the
         # tools, children of the spawn thread, are each their own Child's root.
         listed = linux.adopted_pids(me) if linux.HAVE_PROC_CHILDREN else _children(me)
-        adopted = _processes([pid for pid in listed
-                              if not processes.is_own(pid) and pid not in found])
+        # Exited orphans are reaped here rather than read (ProcessTable.reap_listed).
+        adopted = _processes(processes.reap_listed(
+            [pid for pid in listed if not processes.is_own(pid) and pid not in found]))
         for proc in adopted:
             try:
                 try:
@@ -843,7 +872,7 @@ class Child:
             # bwrap exits as soon as its namespace's init reports the tool's exit, while
             # init itself (now ours, as subreaper) is still on its way out, taking with it
             # whatever the tool left in the namespace: not an orphan to kill.
-            await self._wait_gone(procs, SANDBOX_SETTLE_SECONDS)
+            await self._wait_exits(procs, SANDBOX_SETTLE_SECONDS)
             procs = await self._scan()
         if not procs and self.exited.done() and self.run_as_uid is None:
             # The usual end: the tool exited and left nothing. No second scan, and adopted
@@ -942,6 +971,42 @@ class Child:
                     report.unsignalled.append(proc.pid)
             except psutil.Error:  # gone meanwhile
                 pass
+
+    async def _wait_exits(self, procs: list[psutil.Process], timeout: float) -> None:
+        """Return once every one of ``procs`` has exited, or after ``timeout`` seconds:
+        told by a pidfd of each (readable at its exit), so the wait ends as the last one
+        exits rather than at the next poll. A pidfd is taken for a process only while it
+        is still that process (psutil's identity, checked once the pidfd holds its pid);
+        where pidfds are not available this is ``_wait_gone``'s poll."""
+        fds: list[int] = []
+        try:
+            for proc in procs:
+                try:
+                    fd = os.pidfd_open(proc.pid)
+                except (AttributeError, OSError) as exc:
+                    if isinstance(exc, ProcessLookupError):
+                        continue  # gone already
+                    await self._wait_gone(procs, timeout)
+                    return
+                fds.append(fd)
+                if not _alive(proc):  # exited, or the pid is another process's by now
+                    fds.pop()
+                    os.close(fd)
+            if not fds:
+                return
+            waits = []
+            for fd in fds:
+                done = self.loop.create_future()
+                self.loop.add_reader(fd, lambda d=done: d.done() or d.set_result(None))
+                waits.append(done)
+            try:
+                await asyncio.wait(waits, timeout=timeout)
+            finally:
+                for fd in fds:
+                    self.loop.remove_reader(fd)
+        finally:
+            for fd in fds:
+                os.close(fd)
 
     @staticmethod
     async def _wait_gone(procs: list[psutil.Process], timeout: float) -> None:

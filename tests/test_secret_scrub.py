@@ -86,6 +86,34 @@ def test_short_values_are_not_registered_and_keys_are_independent():
     assert not registry and registry.scrub("another-secret") == "another-secret"
 
 
+def test_answers_are_the_same_before_and_after_the_alternation_is_compiled():
+    """A set of secrets is searched one spelling at a time until it has been searched
+    REGEX_AFTER_SEARCHES times, then by its compiled alternation: holds and scrub answer
+    alike either way, for text and bytes, and a change of the set (a guard token in or
+    out) starts over with the new set at once."""
+    from sidecar.masking import REGEX_AFTER_SEARCHES
+
+    password, token = 'pä/ss"word', "tok-" + "a" * 39
+    registry = SecretRegistry()
+    registry.add("db", "database_password", [password])
+    registry.add(("guard", 1), "guard_token", [token])
+    clean = "job_failed bad_result exit 0 but stdout is not one JSON value"
+    dirty = '{"line": ' + orjson.dumps(password).decode() + "} and " + token
+    answers = []
+    for _ in range(REGEX_AFTER_SEARCHES * 2 + 2):
+        answers.append((registry.holds(clean), registry.holds(clean.encode()),
+                        registry.holds(dirty), registry.holds(dirty.encode()),
+                        registry.holds(bytearray(dirty.encode())),
+                        registry.scrub(clean), registry.scrub(dirty)))
+    assert answers[0] == (False, False, True, True, True, clean,
+                          f'{{"line": "{SECRET_MARK}"}} and {SECRET_MARK}')
+    assert all(answer == answers[0] for answer in answers)
+    registry.add(("guard", 2), "guard_token", ["other-" + "b" * 37])
+    registry.discard(("guard", 1))
+    assert registry.holds("x other-" + "b" * 37) and not registry.holds(token)
+    assert registry.scrub(token) == token
+
+
 def test_a_cut_edge_masks_a_piece_of_a_secret():
     registry = SecretRegistry()
     registry.add("k", "guard_token", ["ABCDEFGHIJ"])

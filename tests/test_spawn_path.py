@@ -68,6 +68,37 @@ def _cgroup_v2_host():
     return host
 
 
+def test_a_scan_reaps_the_exited_orphans_it_lists_and_keeps_the_rest():
+    """A tree scan reaps the exited children it lists (ProcessTable.reap_listed) instead of
+    reading each from /proc until the periodic reaper comes; a running child, a managed
+    tool's pid and an exempt pid are returned untouched, and while a spawn holds the reap
+    lock (case F9) nothing is reaped at all."""
+    from sidecar.child import ProcessTable
+
+    table = ProcessTable(subreaper=True)
+    exited = subprocess.Popen(["/bin/true"])
+    managed = subprocess.Popen(["/bin/true"])
+    running = subprocess.Popen(["/bin/sleep", "60"])
+    try:
+        table.manage(managed.pid)
+        for proc in (exited, managed):
+            wait_until(lambda p=proc: linux.is_zombie(p.pid), what=f"{proc.pid} exited")
+        listed = [exited.pid, managed.pid, running.pid]
+        with table.reap_lock:  # a spawn in progress: nothing is reaped meanwhile
+            assert table.reap_listed(listed) == listed
+        assert linux.is_zombie(exited.pid)
+        assert table.reap_listed(listed) == [managed.pid, running.pid]
+        assert not os.path.exists(f"/proc/{exited.pid}")  # its status is collected
+        assert linux.is_zombie(managed.pid)  # the tool's status is left to its owner
+        assert managed.wait(5) == 0
+        assert table.reap_listed([exited.pid]) == []  # no child of ours any more
+    finally:
+        exited.returncode = 0  # collected above: Popen must not wait on the pid again
+        running.kill()
+        running.wait(5)
+        managed.wait(5)
+
+
 def test_an_orphan_goes_to_the_subreapers_leader_thread_not_the_thread_that_forked():
     """find_tree reads adopted orphans from the sidecar's leader thread only (one read,
     not one per thread; linux.adopted_pids). That rests on the kernel's rule: an orphan
