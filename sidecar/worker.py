@@ -635,12 +635,16 @@ class Worker:
         (the waker would spend it on us, and the job would wait for someone's poll). True
         when done; False when the database did not answer (tried again at the next retry
         of the listener; the wake-up function skips a place not refreshed for two
-        minutes anyway)."""
+        minutes anyway). Best effort: no failure of it ends the listener (it once did,
+        with asyncpg's InternalClientError from a pool connection the same outage broke,
+        and took the worker and its running tools down with it)."""
         if self._store is None:
             return True
         try:
             await self._store.unregister_idle(self.owner_id)
-        except db.DATABASE_ERRORS:
+        except Exception as exc:  # noqa: BLE001 - any failure: tried again next retry
+            log.emit("listen_error", "debug", tool=self.profile.tool,
+                     reason=db.describe_error(exc))
             return False
         return True
 

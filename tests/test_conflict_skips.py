@@ -66,6 +66,9 @@ AUDITED = {
     ("sql/migrations/016_flow_control.sql", "?"),  # enqueue, keyed flow row, key bucket
     ("sql/queries.sql", "set_tool_limits"),
     ("sql/queries.sql", "pause_tool"),
+    ("sql/migrations/017_demand_sized_claims.sql", "?"),  # tool_job_enqueue restated
+    # a concurrent first sample made the tool's sweep row: the turn is that sample's
+    ("sql/queries.sql", "sample_tool"),
 }
 
 
