@@ -569,8 +569,9 @@ RETURNING id;
 -- name: sample_tool
 -- Once per poll period per sidecar (issue 28): whether it is this sidecar's turn to sweep
 -- ($2: its poll period in seconds; the tool's last sweep is at least that old), the queue
--- depth (claimable_jobs_of_tool) and the tool's flow row with its slots taken
--- (flow_state_of_tool; has_flow false and NULLs without one), in one round trip. The
+-- depth (jobs claimable now: queued and due, or under an expired lease) and the tool's
+-- flow row with its slots taken (has_flow false and NULLs without one), in one round
+-- trip, in place of the four statements a poll used to cost. The
 -- turn moves with a plain UPDATE: a concurrent sample waits for it, then finds it taken,
 -- so one sidecar of the fleet sweeps per period. The first sample of a tool makes its row.
 WITH turn AS (
