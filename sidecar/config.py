@@ -524,20 +524,22 @@ def _read_dsn_file(path: str, url_also_set: bool) -> str:
     return dsn
 
 
-def check_postgres_url(var: str, url: str) -> str:
+def check_postgres_url(var: str, url: str,
+                       error: type[SidecarError] = ConfigError) -> str:
     """``url`` if it is a PostgreSQL URL (``postgresql://`` or ``postgres://``, a numeric
-    port, a host a URL parser reads); else ConfigError, one line naming ``var``, with the
-    URL's credentials masked (``masking.mask_url``)."""
+    port, a host a URL parser reads); else ``error`` (ConfigError unless the caller says
+    otherwise: ``db.resolve_dsn`` raises UsageError, exit 2, for SIDECAR_DATABASE_URL), one
+    line naming ``var``, with the URL's credentials masked (``masking.mask_url``)."""
     shown = mask_url(url)
     if not url.startswith(("postgres://", "postgresql://")):
-        raise ConfigError(f"{var} {shown!r} is not a PostgreSQL URL: it must start with "
+        raise error(f"{var} {shown!r} is not a PostgreSQL URL: it must start with "
                           "postgresql://, e.g. postgresql://USER:PASSWORD@HOST:5432/DATABASE")
     try:
         parts = urlsplit(url)
         parts.port  # noqa: B018 - raises ValueError for a port that is not a number
         parts.hostname  # noqa: B018 - raises ValueError for a broken [IPv6] host
     except ValueError:  # its text may quote a piece of the password: not shown
-        raise ConfigError(f"{var} {shown!r} is malformed: the port must be a number, and a "
+        raise error(f"{var} {shown!r} is malformed: the port must be a number, and a "
                           "password holding / ? # or @ must be percent-encoded; expected "
                           "postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
     return url

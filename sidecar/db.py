@@ -22,7 +22,7 @@ from urllib.parse import parse_qs, urlsplit, urlunsplit
 import asyncpg
 
 from sidecar import jsontext
-from sidecar.config import POOLER_MODES, Settings, default_data_dir
+from sidecar.config import POOLER_MODES, Settings, check_postgres_url, default_data_dir
 from sidecar.errors import DatabaseUnavailable, UsageError
 from sidecar.masking import SECRETS, mask_text, mask_url
 from sidecar.model import RawJson
@@ -242,20 +242,8 @@ def resolve_dsn(settings: Settings) -> str:
     """
     use_pooler(settings.database_pooler)
     if settings.database_url:
-        url = settings.database_url
-        if not url.startswith(("postgres://", "postgresql://")):
-            raise UsageError(
-                f"SIDECAR_DATABASE_URL must start with postgresql:// (got {mask_url(url)!r})")
-        try:
-            parts = urlsplit(url)
-            parts.port  # noqa: B018 - raises ValueError for a port that is not a number
-            parts.hostname  # noqa: B018 - raises ValueError for a broken [IPv6] host
-        except ValueError:  # its text may quote a piece of the password: not shown
-            raise UsageError(f"SIDECAR_DATABASE_URL {mask_url(url)!r} is malformed: the port "
-                             "must be a number, and a password holding / ? # or @ must be "
-                             "percent-encoded; expected "
-                             "postgresql://USER:PASSWORD@HOST:PORT/DATABASE") from None
-        return url
+        return check_postgres_url("SIDECAR_DATABASE_URL", settings.database_url,
+                                  error=UsageError)
     return embedded_dsn(settings.data_dir or default_data_dir())
 
 
@@ -271,8 +259,13 @@ def _unavailable(dsn: str, exc: BaseException,
 
 
 # Any failure of a statement: no answer, a dropped connection, or an error the server sent.
+# asyncpg's InternalClientError ("cannot switch to state ...; another operation is in
+# progress") is not an InterfaceError: it comes from a connection whose protocol state an
+# outage broke mid-statement (seen on pool connections across a server restart), so it is
+# a failure of the database connection like the others, never a bug that ends the worker.
 DATABASE_ERRORS: tuple[type[BaseException], ...] = (
-    OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError)
+    OSError, TimeoutError, asyncpg.PostgresError, asyncpg.InterfaceError,
+    asyncpg.InternalClientError)
 
 # "The database failed" (P14b), the one definition every statement on the lease path uses:
 # no answer in time, a dropped or refused connection, or a server that cannot take the
@@ -281,9 +274,12 @@ DATABASE_ERRORS: tuple[type[BaseException], ...] = (
 # full (53300), a session ended for idling in a transaction (25P03). Ownership is then
 # unknown, not lost: the connection is dropped and the fenced write retried on a new one
 # until the lease's local deadline (case F12). Catch TIMEOUT_ERRORS first: 57014 is a
-# subclass of class 57 in asyncpg, and it is not an outage.
+# subclass of class 57 in asyncpg, and it is not an outage. A connection whose protocol
+# state broke (asyncpg's InternalClientError, see DATABASE_ERRORS) is an outage too: the
+# statement's outcome is unknown and the connection is not used again.
 UNAVAILABLE_ERRORS: tuple[type[BaseException], ...] = (
-    OSError, TimeoutError, asyncpg.InterfaceError, asyncpg.PostgresConnectionError,
+    OSError, TimeoutError, asyncpg.InterfaceError, asyncpg.InternalClientError,
+    asyncpg.PostgresConnectionError,
     asyncpg.OperatorInterventionError, asyncpg.ReadOnlySQLTransactionError,
     asyncpg.TooManyConnectionsError, asyncpg.IdleInTransactionSessionTimeoutError,
 )

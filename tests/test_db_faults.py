@@ -380,3 +380,24 @@ def test_every_tcp_connection_to_postgres_has_keepalive_on(dsn, proxy, sidecars)
         "timer:(keepalive" in line for line in now) and now, 15,
         what=f"every connection idle with its keepalive timer (last seen: {mine})")
     assert all("timer:(keepalive" in line for line in idle), idle
+
+
+# --- 6. how the driver's failures are classified ---------------------------------------
+
+
+def test_a_connection_with_broken_protocol_state_is_an_outage_not_a_worker_bug():
+    """asyncpg's InternalClientError ("cannot switch to state ...; another operation is in
+    progress") is not an InterfaceError; seen from a pool connection across a server
+    restart. Every loop that survives an outage (the claim loop and the pruner catch
+    DATABASE_ERRORS; fenced writes and the waiter retry UNAVAILABLE_ERRORS) must take it
+    as one, with ownership unknown, not as a bug that ends the worker and its tools."""
+    import asyncpg
+
+    from sidecar import db
+
+    broken = asyncpg.InternalClientError(
+        "cannot switch to state 12; another operation (2) is in progress")
+    assert isinstance(broken, db.DATABASE_ERRORS)
+    assert isinstance(broken, db.UNAVAILABLE_ERRORS)
+    assert not isinstance(broken, db.TIMEOUT_ERRORS)  # not "rolled back, connection fine"
+    assert db.describe_error(broken).startswith("InternalClientError")
