@@ -347,6 +347,9 @@ GLOBAL_FIELDS: dict[str, _Field] = {
                                   "server directly, or a session-mode pool); unset = "
                                   "SIDECAR_DATABASE_URL, or no LISTEN behind a transaction "
                                   "pooler"),
+    "LISTEN_DATABASE_URL_FILE": _Field(_absolute_path, "", "path",
+                                       "a file holding SIDECAR_LISTEN_DATABASE_URL (a "
+                                       "mounted Secret), instead of the variable"),
     "HTTP_ADDR": _Field(_listen_addr, "0.0.0.0:9180", "host:port",
                         "metrics, /livez and /readyz of `sidecar run`; off = none"),
     "LOG_TOOL_STDERR": _Field(_flag, "false", "bool",
@@ -414,6 +417,7 @@ class Settings:
     event_loop: str
     database_pooler: str
     listen_database_url: str
+    listen_database_url_file: str
     http_addr: str
     log_tool_stderr: bool
     work_dir: str
@@ -505,12 +509,14 @@ def _build_profile(
     return LeaseProfile(tool=tool, sources=src, **p)
 
 
-def _read_dsn_file(path: str, url_also_set: bool) -> str:
-    """The DSN in SIDECAR_DATABASE_URL_FILE (a mounted Secret): its first line, stripped.
-    ConfigError when SIDECAR_DATABASE_URL is set too, or the file is unreadable or empty."""
-    var = f"SIDECAR_DATABASE_URL_FILE={path}"
+def _read_dsn_file(path: str, url_also_set: bool,
+                   url_var: str = "SIDECAR_DATABASE_URL") -> str:
+    """The DSN in ``{url_var}_FILE`` (a mounted Secret; SIDECAR_DATABASE_URL_FILE or
+    SIDECAR_LISTEN_DATABASE_URL_FILE): its first line, stripped. ConfigError when
+    ``url_var`` is set too, or the file is unreadable or empty."""
+    var = f"{url_var}_FILE={path}"
     if url_also_set:
-        raise ConfigError(f"{var} and SIDECAR_DATABASE_URL are both set; keep one (the file "
+        raise ConfigError(f"{var} and {url_var} are both set; keep one (the file "
                           "keeps the password out of the process environment)")
     try:
         with open(path, encoding="utf-8") as f:
@@ -553,8 +559,8 @@ def secret_values(settings: Settings, dsn: str) -> dict[str, list[str]]:
     (``masking.url_secrets``: the userinfo password and secret query values such as
     ``?password=``), as written and percent-decoded; ``result_url_credential``, the same
     pieces of the RESULT_URL of the defaults and of every profile. Those are the only
-    secret settings: the other variables, SIDECAR_DATABASE_URL_FILE's path included, name
-    no credential."""
+    secret settings: the other variables, the paths of SIDECAR_DATABASE_URL_FILE and
+    SIDECAR_LISTEN_DATABASE_URL_FILE included, name no credential."""
     dsns = [url for url in (dsn, settings.listen_database_url) if url]
     found: dict[str, list[str]] = {"database_url": list(dict.fromkeys(dsns))}
     found["database_password"] = list(dict.fromkeys(
@@ -646,9 +652,14 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         raise ConfigError(
             f"SIDECAR_DATABASE_POOLER={glob['database_pooler']!r}: use none, or transaction "
             "when SIDECAR_DATABASE_URL points at PgBouncer with pool_mode = transaction")
+    if glob["listen_database_url_file"]:
+        glob["listen_database_url"] = _read_dsn_file(
+            glob["listen_database_url_file"], "SIDECAR_LISTEN_DATABASE_URL" in env,
+            "SIDECAR_LISTEN_DATABASE_URL")
     if glob["listen_database_url"]:
-        glob["listen_database_url"] = check_postgres_url("SIDECAR_LISTEN_DATABASE_URL",
-                                                         glob["listen_database_url"].strip())
+        glob["listen_database_url"] = check_postgres_url(
+            "SIDECAR_LISTEN_DATABASE_URL_FILE's URL" if glob["listen_database_url_file"]
+            else "SIDECAR_LISTEN_DATABASE_URL", glob["listen_database_url"].strip())
     for name in ("poll_seconds", "db_timeout_seconds"):
         if glob[name] <= 0:
             raise ConfigError(f"SIDECAR_{name.upper()}={glob[name]}: must be a positive number")

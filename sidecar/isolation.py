@@ -130,7 +130,8 @@ def find_bwrap() -> str | None:
 
 def secret_files(settings: Settings) -> list[str]:
     """The files holding secrets the sidecar reads: every ``SIDECAR_*_FILE`` setting of
-    sidecar.config's GLOBAL_FIELDS that is set (today ``SIDECAR_DATABASE_URL_FILE``)."""
+    sidecar.config's GLOBAL_FIELDS that is set (today ``SIDECAR_DATABASE_URL_FILE`` and
+    ``SIDECAR_LISTEN_DATABASE_URL_FILE``)."""
     from sidecar.config import GLOBAL_FIELDS
 
     out = []

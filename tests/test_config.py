@@ -331,6 +331,34 @@ def test_a_valid_listen_url_is_kept_and_its_password_is_a_secret():
     assert {LISTEN_PASSWORD, "other-pw-123"} <= set(secrets["database_password"])
 
 
+def test_the_listen_url_may_come_from_a_mounted_secret_file(tmp_path):
+    """SIDECAR_LISTEN_DATABASE_URL_FILE, like SIDECAR_DATABASE_URL_FILE: its first line is
+    the URL, checked as the variable is, a secret, and a file the sandbox hides."""
+    from sidecar.isolation import secret_files
+
+    listen = f"postgresql://app:{LISTEN_PASSWORD}@db:5432/app"
+    secret = tmp_path / "listen-url"
+    secret.write_text(f"  {listen}\nnext line ignored\n")
+    env = {"SIDECAR_DATABASE_POOLER": "transaction",
+           "SIDECAR_LISTEN_DATABASE_URL_FILE": str(secret)}
+    settings = load_settings(env)
+    assert settings.listen_database_url == listen
+    assert str(secret) in secret_files(settings)
+    secrets = secret_values(settings, "postgresql://app:other-pw-123@pgbouncer:6432/app")
+    assert listen in secrets["database_url"]
+    assert LISTEN_PASSWORD in secrets["database_password"]
+
+    both = config_error({**env, "SIDECAR_LISTEN_DATABASE_URL": listen})
+    assert both.startswith("SIDECAR_LISTEN_DATABASE_URL_FILE=") and "both set" in both
+    secret.write_text("\n")
+    assert "empty" in config_error(env)
+    secret.write_text(f"mysql://app:{LISTEN_PASSWORD}@db/app\n")
+    wrong = config_error(env)
+    assert wrong.startswith("SIDECAR_LISTEN_DATABASE_URL_FILE") and LISTEN_PASSWORD not in wrong
+    missing = config_error({"SIDECAR_LISTEN_DATABASE_URL_FILE": str(tmp_path / "absent")})
+    assert "cannot read it" in missing
+
+
 # --- the command refuses to start --------------------------------------------------------
 
 
