@@ -31,6 +31,7 @@ import asyncpg
 import orjson
 import psutil
 
+from sidecar import linux
 from sidecar.db import init_connection
 
 # The small real executables tests and the benchmark run as tools.
@@ -515,13 +516,20 @@ class PgBouncer:
             pw = pwd.getpwnam(run_as)
             for path in (self.dir, *self.dir.iterdir()):
                 os.chown(path, pw.pw_uid, pw.pw_gid)
-        argv = [binary, *(["-u", run_as] if run_as else []), str(self.dir / "pgbouncer.ini")]
+        # Not pgbouncer's own -u: its setuid would clear the parent-death signal, and a
+        # bench or test run killed by SIGKILL would leave it listening. The child drops to
+        # run_as first (Popen's user/group), then asks for SIGTERM when we die.
+        argv = [binary, str(self.dir / "pgbouncer.ini")]
+        drop = {}
+        if run_as is not None:
+            drop = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
         # Its stderr goes to a file, never a pipe: PgBouncer logs every connection there as
         # well, and once an unread pipe's 64 KiB fill up its single thread blocks in
         # write(2) and every client waits (seen as fleets of ~56 sidecars timing out).
         self._stderr_path = self.dir / "stderr.log"
         with open(self._stderr_path, "wb") as stderr:
-            self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr)
+            self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=stderr,
+                                         preexec_fn=_die_with_parent, **drop)
         deadline = time.monotonic() + 15
         while True:
             if self.proc.poll() is not None:
@@ -552,6 +560,16 @@ class PgBouncer:
     def stop(self) -> None:
         stop_process(self.proc, 10)
         shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def _die_with_parent() -> None:
+    """In a helper process's child before exec (after any uid change, which would clear
+    it): SIGTERM when the thread that started it exits, and now if that already
+    happened."""
+    parent = os.getppid()
+    linux.set_parent_death_signal(signal.SIGTERM)
+    if os.getppid() != parent:
+        os._exit(1)
 
 
 def sandbox_extra_paths() -> str:

@@ -167,3 +167,42 @@ def test_no_statement_needs_asyncpgs_type_introspection(dsn):
 
     _CountingIntrospection.introspected = []
     assert asyncio.run(check()) == []
+
+
+def test_the_test_kits_pgbouncer_dies_with_the_process_that_started_it(server_dsn, tmp_path):
+    """A bench or test run killed by SIGKILL must not leave its PgBouncer listening (seen:
+    pgbouncer's own -u cleared the parent-death signal). A real process starts one through
+    kit.PgBouncer, prints its pid and port, and is SIGKILLed: the pgbouncer we recorded
+    goes, and its port stops answering."""
+    import os
+    import signal
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from kit import pid_alive, wait_until
+
+    starter = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time; sys.path.insert(0, sys.argv[2]); import kit; "
+         "b = kit.PgBouncer(sys.argv[1]); print(b.proc.pid, b.port, flush=True); "
+         "time.sleep(120)", server_dsn, str(Path(__file__).parent)],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        pid, port = map(int, starter.stdout.readline().split())
+        assert pid_alive(pid)
+        socket.create_connection(("127.0.0.1", port), 2).close()
+    finally:
+        os.kill(starter.pid, signal.SIGKILL)  # the process this test started
+        starter.wait()
+    wait_until(lambda: not pid_alive(pid), 10, what="pgbouncer gone with its starter")
+
+    def refused() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), 1).close()
+        except OSError:
+            return True
+        return False
+
+    assert refused()
