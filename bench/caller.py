@@ -301,7 +301,7 @@ async def fan_out(ctx: Context, conn: asyncpg.Connection) -> dict[str, Any]:
                      f"connections and this server allows {allowed}, so the fan-out ran on "
                      "a second embedded PostgreSQL of the bench's own (same binaries, same "
                      f"machine) with max_connections = {need + 20}")
-    async with _roomy_server(ctx, need + 20) as (dsn, roomy, _monitor):
+    async with _roomy_server(ctx, need + 20) as (dsn, _admin, roomy, _monitor):
         return await _fan_out_on(ctx, dsn, roomy, waiters)
 
 
