@@ -36,6 +36,7 @@ from sidecar.config import (
     validate_tool_name,
 )
 from sidecar.errors import (
+    ConfigError,
     DatabaseUnavailable,
     IdempotencyConflict,
     SidecarError,
@@ -648,6 +649,46 @@ def cmd_receiver(args, settings: Settings) -> int:
     return run_async(settings, receiver.serve(settings, host, port))
 
 
+def cmd_mcp(args, settings: Settings) -> int:
+    """Serve the ``--tool`` tools over MCP (sidecar.mcp_gateway; the ``[mcp]`` extra)."""
+    from sidecar import mcp_catalog
+
+    catalog = mcp_catalog.load_catalog(settings, args.tool or ())
+    if args.stdio and args.listen:
+        raise UsageError("sidecar mcp: give --stdio or --listen, not both")
+    tokens: dict[str, str] = {}
+    host, port = "", 0
+    if not args.stdio:
+        try:
+            from sidecar.mcp_gateway import parse_listen
+        except ImportError as exc:
+            raise UsageError(_MCP_EXTRA.format(exc.name)) from None
+        host, port = parse_listen(args.listen or DEFAULT_MCP_LISTEN)
+        if not settings.mcp_token_file:
+            raise ConfigError("sidecar mcp over HTTP needs bearer tokens: set "
+                              "SIDECAR_MCP_TOKEN_FILE to a file of `PRINCIPAL TOKEN` lines "
+                              "(or use --stdio)")
+        tokens = mcp_catalog.load_tokens(settings.mcp_token_file)
+    try:
+        from sidecar import mcp_gateway
+    except ImportError as exc:
+        raise UsageError(_MCP_EXTRA.format(exc.name)) from None
+    options = mcp_gateway.GatewayOptions(
+        max_calls_per_principal=args.max_calls_per_principal,
+        max_request_bytes=args.max_request_bytes,
+        allowed_hosts=tuple(args.allowed_host or ()),
+        allowed_origins=tuple(args.allowed_origin or ()))
+    mcp_gateway.check_catalog(catalog)  # each schema valid in its draft, before any I/O
+
+    return run_async(settings, mcp_gateway.serve(settings, catalog, options, stdio=args.stdio,
+                                                 host=host, port=port, tokens=tokens))
+
+
+DEFAULT_MCP_LISTEN = "127.0.0.1:8765"
+_MCP_EXTRA = ("sidecar mcp needs the MCP extra ({} is missing): "
+              "pip install 'sidecar[mcp]'")
+
+
 def cmd_demo(args, settings: Settings) -> int:
     from sidecar.demo import run_demo
 
@@ -697,6 +738,16 @@ def cmd_config(args, settings: Settings) -> int:
         except SidecarError as exc:
             entry["isolation_error"] = str(exc)
             refused.append(str(exc))
+        if profile.mcp_input_schema_file:  # what `sidecar mcp` would refuse, said here
+            from sidecar import mcp_catalog
+
+            try:
+                mcp_catalog.load_input_schema(
+                    profile.sources.get("MCP_INPUT_SCHEMA_FILE", "MCP_INPUT_SCHEMA_FILE"),
+                    profile.mcp_input_schema_file)
+            except SidecarError as exc:
+                entry["mcp_error"] = str(exc)
+                refused.append(str(exc))
     _print_json(out)
     for message in dict.fromkeys(refused):  # also one line each on stderr, as run would say
         print(f"sidecar: error: {message}", file=sys.stderr)
@@ -978,6 +1029,27 @@ def build_parser() -> argparse.ArgumentParser:
             "serve the reference receiver of fenced side effects (POST and GET /effects)")
     p.add_argument("--listen", default="127.0.0.1:8900", metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8900)")
+    p = add("mcp", cmd_mcp,
+            "serve the --tool tools over MCP (Streamable HTTP at /mcp, or stdio); each "
+            "call is a job (needs the [mcp] extra)")
+    p.add_argument("--tool", action="append", metavar="TOOL",
+                   help="a tool to expose (repeatable; its profile's MCP_DESCRIPTION is "
+                        "required); no other tool is reachable")
+    p.add_argument("--listen", metavar="HOST:PORT",
+                   help=f"serve Streamable HTTP here (default {DEFAULT_MCP_LISTEN}); needs "
+                        "SIDECAR_MCP_TOKEN_FILE")
+    p.add_argument("--stdio", action="store_true",
+                   help="serve one client over stdin/stdout instead (it started us)")
+    p.add_argument("--max-calls-per-principal", type=_int_from(1, 100_000), default=64,
+                   metavar="N", help="calls in flight at once per principal (default 64)")
+    p.add_argument("--max-request-bytes", type=_int_from(1024, 64 * 1024 * 1024),
+                   default=1024 * 1024, metavar="N",
+                   help="largest HTTP request body (default 1048576)")
+    p.add_argument("--allowed-host", action="append", metavar="HOST[:PORT|:*]",
+                   help="a Host header to accept besides loopback (repeatable), e.g. the "
+                        "Service's name: sidecar-mcp:*")
+    p.add_argument("--allowed-origin", action="append", metavar="ORIGIN",
+                   help="an Origin header to accept besides loopback (repeatable)")
     p = add("demo", cmd_demo,
             "run the sidecar on real programs and a hung tool, print outcomes")
     p.add_argument("--yes", action="store_true",

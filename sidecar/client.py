@@ -485,6 +485,17 @@ class Client:
             raise JobFailed(end)
         return end.result
 
+    async def follow(self, job_id: JobId) -> AsyncIterator[JobProgress | JobEnd]:
+        """What happens to one job, as it happens: its progress reports (the latest one
+        first when it has one), then its JobEnd, after which the iteration stops. No
+        polling (as ``wait``); raises JobNotFound for a job that does not exist. Bound it
+        with ``asyncio.timeout`` if needed."""
+        async with contextlib.aclosing(self._follow([_job_id(job_id)])) as events:
+            async for event in events:
+                yield event
+                if isinstance(event, JobEnd):
+                    return
+
     async def progress(self, job_id: JobId) -> AsyncIterator[JobProgress]:
         """The progress reports of a job as they come (the latest one first when it has
         one), until it ends; then the iteration stops (``wait`` gives its end at once).

@@ -177,6 +177,21 @@ def _absolute_path(text: str) -> str:
     return os.path.abspath(text) if text.strip() else ""
 
 
+# Longest MCP_DESCRIPTION (characters): an MCP client puts it in a model's context.
+MCP_DESCRIPTION_MAX = 4096
+
+
+def _description(text: str) -> str:
+    """A tool's description for MCP clients: printable text (newlines and tabs allowed),
+    at most MCP_DESCRIPTION_MAX characters after stripping."""
+    text = text.strip()
+    if len(text) > MCP_DESCRIPTION_MAX:
+        raise _Invalid(f"at most {MCP_DESCRIPTION_MAX} characters")
+    if any(not (c.isprintable() or c in "\n\t") for c in text):
+        raise _Invalid("use printable text (newlines and tabs allowed), no control characters")
+    return text
+
+
 def _home(text: str) -> str:
     """``job``, ``inherit`` or an absolute path (see the ``HOME`` profile field)."""
     text = text.strip()
@@ -318,6 +333,13 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "EXTRA_PATHS": _Field(_extra_paths, "", "paths",
                           "more paths bound into the sandbox at the same place: "
                           "PATH[:ro|:rw], comma-separated, ro by default"),
+    # The tool as an MCP tool (`sidecar mcp`, issue 29; docs/mcp.md).
+    "MCP_DESCRIPTION": _Field(_description, "", "text",
+                              "the tool's description for MCP clients; `sidecar mcp --tool` "
+                              "refuses a tool without one"),
+    "MCP_INPUT_SCHEMA_FILE": _Field(_absolute_path, "", "path",
+                                    "a JSON Schema (an object schema) of the tool's MCP "
+                                    "arguments; unset = any JSON object"),
 }
 
 # Every profile field is one field of model.LeaseProfile, in its order (as_dict's order).
@@ -369,6 +391,9 @@ GLOBAL_FIELDS: dict[str, _Field] = {
                                 "this long after they finished; 0 keeps them"),
     "RETENTION_FAILED_SECONDS": _Field(_duration, "2592000", "s",
                                        "the same for failed jobs (dead letters); 0 keeps them"),
+    "MCP_TOKEN_FILE": _Field(_absolute_path, "", "path",
+                             "bearer tokens `sidecar mcp` accepts over HTTP, one "
+                             "`PRINCIPAL TOKEN` line each (a mounted Secret)"),
 }
 
 # Variables the sidecar sets for its child, and the test suite's own; allowed in
@@ -426,6 +451,7 @@ class Settings:
     retention_seconds: float
     retention_failed_seconds: float
     leftover_sweep_seconds: float
+    mcp_token_file: str
     defaults: Mapping[str, tuple[object, str]]
     overrides: Mapping[str, Mapping[str, tuple[object, str]]]
     # True when SIDECAR_HTTP_ADDR is unset: a taken default port moves to the next free

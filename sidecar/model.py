@@ -178,6 +178,8 @@ class LeaseProfile:
     sandbox: str
     network: str
     extra_paths: tuple[tuple[str, str], ...]
+    mcp_description: str
+    mcp_input_schema_file: str
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:

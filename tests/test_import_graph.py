@@ -159,8 +159,26 @@ def test_the_client_imports_nothing_of_the_worker(module):
                      + "; ".join(chain(via, module, target) for target in bad))
 
 
+# `sidecar mcp` (issue 29) is a caller: its gateway is built on the client, and only that
+# command imports it (lazily, from sidecar.cli).
+CALLER_COMMANDS = frozenset({"sidecar.mcp_gateway"})
+
+
 @pytest.mark.parametrize("start", ["sidecar.cli", "sidecar.bootstrap", "sidecar.worker"])
 def test_the_sidecar_does_not_import_the_client(start):
-    """`sidecar run` (and every command) leaves the caller's library alone."""
-    via = reached(GRAPH, start)
+    """`sidecar run` (and every command but the caller-side `sidecar mcp`) leaves the
+    caller's library alone."""
+    graph = {module: targets for module, targets in GRAPH.items()
+             if module not in CALLER_COMMANDS}
+    via = reached(graph, start)
     assert "sidecar.client" not in via, chain(via, start, "sidecar.client")
+
+
+@pytest.mark.parametrize("start", ["sidecar.bootstrap", "sidecar.worker",
+                                   "sidecar.supervisor"])
+def test_the_worker_never_reaches_the_mcp_gateway(start):
+    """`sidecar run` reaches neither the gateway nor the MCP SDK (the `[mcp]` extra)."""
+    via = reached(GRAPH, start)
+    bad = sorted(t for t in via if t in CALLER_COMMANDS or t.split(".")[0] in
+                 ("mcp", "mcp_types", "uvicorn", "starlette", "jsonschema"))
+    assert not bad, "; ".join(chain(via, start, t) for t in bad)

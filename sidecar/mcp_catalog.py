@@ -1,0 +1,179 @@
+"""What ``sidecar mcp`` exposes and to whom (issue 29): the tools' MCP entries, the
+bearer tokens, and the idempotency key of a call. No MCP SDK here: ``sidecar config``
+checks the same files with it, and the tests run without the ``[mcp]`` extra.
+
+A tool is exposed only when named with ``--tool`` and described by its profile:
+``SIDECAR_PROFILE_<TOOL>_MCP_DESCRIPTION`` (required) and
+``SIDECAR_PROFILE_<TOOL>_MCP_INPUT_SCHEMA_FILE`` (a JSON Schema of an object; default any
+object). Descriptions and schemas come from the operator's environment, never from a
+caller (P11, P20).
+
+Errors: ConfigError (exit 2), one line naming the variable and the fix.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+
+from sidecar.config import Settings, validate_tool_name
+from sidecar.errors import ConfigError
+from sidecar.model import tool_env_key
+
+# Largest MCP_INPUT_SCHEMA_FILE (bytes) and SIDECAR_MCP_TOKEN_FILE (bytes).
+MAX_SCHEMA_BYTES = 256 * 1024
+MAX_TOKEN_FILE_BYTES = 64 * 1024
+# Shortest token accepted: 32 characters (a `openssl rand -hex 16` makes one).
+MIN_TOKEN_CHARS = 32
+# The schema of a tool that has no MCP_INPUT_SCHEMA_FILE: any JSON object.
+ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
+PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,62}")
+# The principal of a `sidecar mcp --stdio` session: whoever started the process.
+STDIO_PRINCIPAL = "stdio"
+
+
+@dataclass(frozen=True)
+class McpTool:
+    """One tool as MCP clients see it: ``name`` (the tool's name, as in ``tool_jobs``),
+    ``description`` (MCP_DESCRIPTION) and ``input_schema`` (the parsed JSON Schema)."""
+
+    name: str
+    description: str
+    input_schema: Mapping[str, Any]
+
+
+def load_catalog(settings: Settings, tools: Iterable[str]) -> list[McpTool]:
+    """The MCP entries of ``tools`` (the ``--tool`` names, in order), each from its
+    profile. ConfigError when none is given, a name repeats or is invalid, a tool has no
+    MCP_DESCRIPTION, or its schema file is unreadable, too large, not JSON or not an
+    object schema."""
+    names = list(tools)
+    if not names:
+        raise ConfigError("sidecar mcp: give at least one --tool NAME (it exposes only the "
+                          "tools it is given)")
+    catalog: list[McpTool] = []
+    seen: set[str] = set()
+    for name in names:
+        validate_tool_name(name)
+        if name in seen:
+            raise ConfigError(f"--tool {name}: given twice")
+        seen.add(name)
+        profile = settings.profile(name)
+        key = tool_env_key(name)
+        if not profile.mcp_description:
+            raise ConfigError(
+                f"--tool {name}: SIDECAR_PROFILE_{key}_MCP_DESCRIPTION is not set; describe "
+                "the tool for MCP clients (what it does, what its arguments mean)")
+        schema = (load_input_schema(f"SIDECAR_PROFILE_{key}_MCP_INPUT_SCHEMA_FILE",
+                                    profile.mcp_input_schema_file)
+                  if profile.mcp_input_schema_file else ANY_OBJECT)
+        catalog.append(McpTool(name, profile.mcp_description, schema))
+    return catalog
+
+
+def load_input_schema(var: str, path: str) -> dict[str, Any]:
+    """The JSON Schema in ``path`` (named by the variable ``var`` in errors): at most
+    MAX_SCHEMA_BYTES of JSON, an object whose ``type`` is ``"object"`` (MCP's rule for a
+    tool's inputSchema). ConfigError otherwise. Whether it is a valid schema of its
+    draft is checked by the gateway, which has ``jsonschema`` (sidecar.mcp_gateway)."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_SCHEMA_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{var}={path}: cannot read it ({exc.strerror or exc}); mount "
+                          "the schema there, or unset the variable (any object)") from None
+    if len(data) > MAX_SCHEMA_BYTES:
+        raise ConfigError(f"{var}={path}: larger than {MAX_SCHEMA_BYTES} bytes")
+    try:
+        schema = orjson.loads(data)
+    except orjson.JSONDecodeError as exc:
+        raise ConfigError(f"{var}={path}: not JSON ({exc})") from None
+    if not isinstance(schema, dict) or schema.get("type") != "object":
+        raise ConfigError(f"{var}={path}: the schema must be a JSON object with "
+                          '"type": "object" (MCP tool arguments are an object)')
+    return schema
+
+
+def load_tokens(path: str) -> dict[str, str]:
+    """``{token: principal}`` from SIDECAR_MCP_TOKEN_FILE: one ``PRINCIPAL TOKEN`` per
+    line (blank lines and ``#`` comments skipped). A principal is 1-63 letters, digits,
+    ``.``, ``_``, ``@`` or ``-``; a token at least MIN_TOKEN_CHARS printable characters.
+    ConfigError when the file is unreadable, empty, or a line, principal or token is
+    malformed or repeated (the message names the line, never a token)."""
+    var = f"SIDECAR_MCP_TOKEN_FILE={path}"
+    try:
+        with open(path, "rb") as f:
+            data = f.read(MAX_TOKEN_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(f"{var}: cannot read it ({exc.strerror or exc}); mount the "
+                          "Secret there") from None
+    if len(data) > MAX_TOKEN_FILE_BYTES:
+        raise ConfigError(f"{var}: larger than {MAX_TOKEN_FILE_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"{var}: not UTF-8 text") from None
+    tokens: dict[str, str] = {}
+    principals: set[str] = set()
+    for number, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2:
+            raise ConfigError(f"{var}: line {number}: write PRINCIPAL TOKEN (two words)")
+        principal, token = parts
+        if not PRINCIPAL.fullmatch(principal):
+            raise ConfigError(f"{var}: line {number}: the principal must be 1-63 letters, "
+                              "digits, '.', '_', '@' or '-'")
+        if len(token) < MIN_TOKEN_CHARS or not token.isprintable() or not token.isascii():
+            raise ConfigError(f"{var}: line {number}: the token must be at least "
+                              f"{MIN_TOKEN_CHARS} printable ASCII characters "
+                              "(e.g. `openssl rand -hex 32`)")
+        if principal in principals:
+            raise ConfigError(f"{var}: line {number}: principal {principal} given twice")
+        if token in tokens:
+            raise ConfigError(f"{var}: line {number}: the same token as another line")
+        principals.add(principal)
+        tokens[token] = principal
+    if not tokens:
+        raise ConfigError(f"{var}: no token in it; write one PRINCIPAL TOKEN line")
+    return tokens
+
+
+def principal_of(tokens: Mapping[str, str], presented: str) -> str | None:
+    """The principal whose token ``presented`` is, or None. Compares with every token in
+    constant time each (hmac.compare_digest), so timing tells nothing of a token."""
+    found = None
+    given = presented.encode()
+    for token, principal in tokens.items():
+        if hmac.compare_digest(token.encode(), given):
+            found = principal
+    return found
+
+
+def call_idempotency_key(principal: str, session_id: str | None,
+                         request_id: str | int | None) -> str | None:
+    """The idempotency key of an MCP ``tools/call`` (P18): the same principal, session
+    and JSON-RPC request id give the same key, so a client's retry of that request joins
+    the job instead of running the tool twice. None when the request has no session or no
+    id (the 2026-07-28 protocol has no sessions, and request ids repeat across a client's
+    connections: no key is safer than a wrong one); a client then gives its own in
+    ``_meta`` (sidecar.mcp_gateway.IDEMPOTENCY_META)."""
+    if not session_id or request_id is None:
+        return None
+    digest = hashlib.sha256(orjson.dumps([principal, session_id, str(request_id)]))
+    return f"mcp:{digest.hexdigest()}"
+
+
+def client_idempotency_key(principal: str, key: str) -> str:
+    """A key the client gave (in ``_meta``), scoped to its principal: two principals
+    using the same key get two jobs, and neither can reach the other's through it."""
+    digest = hashlib.sha256(orjson.dumps([principal, key]))
+    return f"mcp:{digest.hexdigest()}"

@@ -1,0 +1,410 @@
+"""``sidecar mcp``: every tool it is given as an MCP tool whose calls are jobs (issue 29).
+
+A ``tools/call`` is one job of that tool: the arguments, checked against the tool's
+schema, are its payload; the job carries the MCP principal, session and request as tags
+and, where the request can be told apart from every other, an idempotency key derived
+from it (sidecar.mcp_catalog.call_idempotency_key), so a client's retry joins the job
+instead of running the tool twice. The gateway waits for the job without polling (a
+LISTEN on the job's channel, sidecar.client.Client.follow), turns the tool's progress
+into ``notifications/progress`` when the client sent a progress token, and returns the
+job's result (``isError`` with the error's kind and message when it failed). A request
+the client cancels (``notifications/cancelled``, or closing its response stream on the
+2026-07-28 protocol) cancels the job: its sidecar kills the tree at its next heartbeat.
+
+Built on the official MCP Python SDK (``pip install 'sidecar[mcp]'``): its low-level
+server, its Streamable HTTP transport at ``/mcp`` (served by uvicorn) and its stdio
+transport. ``sidecar run`` never imports this module (tests/test_import_graph.py).
+
+Secure by default: bound to 127.0.0.1 unless told otherwise; over HTTP every request
+but ``/livez`` needs a bearer token from SIDECAR_MCP_TOKEN_FILE (none there: refuses to
+start); ``Host`` and ``Origin`` are checked (DNS rebinding); request bodies and the calls
+in flight per principal are bounded; bad input is a JSON-RPC error with one clear line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import jsonschema
+import mcp_types as types
+import orjson
+from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
+from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
+
+from sidecar import db, mcp_catalog
+from sidecar.client import Client, JobEnd, JobProgress
+from sidecar.config import Settings
+from sidecar.errors import ConfigError, IdempotencyConflict, SidecarError, UsageError, one_line
+from sidecar.mcp_catalog import McpTool
+
+log = logging.getLogger("sidecar.mcp")
+
+# A client's own idempotency key for a call, in the request's _meta (1-256 printable
+# characters; scoped to its principal).
+IDEMPOTENCY_META = "io.github.sidecar/idempotency-key"
+# What a result's _meta says about the job behind it.
+JOB_META = "io.github.sidecar/job"
+# Defaults of the command's bounds.
+DEFAULT_MAX_CALLS_PER_PRINCIPAL = 64
+DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
+# How long cancelling a job may take when its request is cancelled (seconds).
+CANCEL_BOUND_SECONDS = 10.0
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """How ``sidecar mcp`` serves: ``max_calls_per_principal`` (calls in flight at once
+    per principal; one more is refused with a JSON-RPC error) and, over HTTP,
+    ``max_request_bytes`` (a larger body gets 413), ``allowed_hosts`` and
+    ``allowed_origins`` (``Host``/``Origin`` values accepted besides the loopback ones;
+    ``host:*`` admits any port)."""
+
+    max_calls_per_principal: int = DEFAULT_MAX_CALLS_PER_PRINCIPAL
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    allowed_hosts: Sequence[str] = ()
+    allowed_origins: Sequence[str] = ()
+
+
+class Gateway:
+    """The MCP face of a set of tools: builds the SDK's low-level ``Server`` whose
+    ``tools/list`` lists ``catalog`` and whose ``tools/call`` runs a job through
+    ``client`` (open; the caller closes it). ``principal_of`` tells who sent a request
+    (the HTTP transport's bearer token; ``stdio`` on stdio)."""
+
+    def __init__(self, client: Client, catalog: Sequence[McpTool], options: GatewayOptions,
+                 principal_of: Callable[[Any], str]):
+        self.client = client
+        self.options = options
+        self.tools = {tool.name: tool for tool in catalog}
+        self.validators = {tool.name: _validator(tool) for tool in catalog}
+        self.principal_of = principal_of
+        self.in_flight: dict[str, int] = {}
+        self.stopping = False  # a shutdown cancels handlers: their jobs go on
+        self.server: Server[Any] = Server(
+            "sidecar", version=_version(), instructions=(
+                "Each tool call runs as a leased job of the sidecar queue; a cancelled "
+                "request cancels its job."),
+            on_list_tools=self._list_tools, on_call_tool=self._call_tool)
+
+    async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=[
+            types.Tool(name=tool.name, description=tool.description,
+                       input_schema=dict(tool.input_schema))
+            for tool in self.tools.values()])
+
+    async def _call_tool(self, ctx: Any,
+                         params: types.CallToolRequestParams) -> types.CallToolResult:
+        tool = self.tools.get(params.name)
+        if tool is None:
+            raise MCPError(code=INVALID_PARAMS, message=(
+                f"unknown tool {params.name[:80]!r}: this server exposes "
+                f"{', '.join(sorted(self.tools))}"))
+        arguments = params.arguments if params.arguments is not None else {}
+        _check_arguments(tool.name, self.validators[tool.name], arguments)
+        principal = self.principal_of(ctx)
+        meta = _wire_meta(ctx)
+        key = self._idempotency_key(ctx, principal, meta)
+        with self._slot(principal):
+            tags = {"mcp.principal": principal, "mcp.tool_call": _text_id(ctx.request_id)}
+            if session := _session_id(ctx):
+                tags["mcp.session"] = session[:256]
+            try:
+                ref = await self.client.enqueue(tool.name, arguments, idempotency_key=key,
+                                                tags=tags)
+            except (UsageError, ConfigError, IdempotencyConflict) as exc:
+                raise MCPError(code=INVALID_PARAMS, message=one_line(str(exc))) from None
+            except (SidecarError, *db.DATABASE_ERRORS) as exc:
+                log.warning("mcp call of %s: enqueue failed: %s", tool.name, one_line(str(exc)))
+                raise MCPError(code=INTERNAL_ERROR, message=(
+                    f"the job could not be queued: {one_line(str(exc))}")) from None
+            progress_token = meta.get("progressToken")
+            if isinstance(progress_token, bool) or not isinstance(progress_token, str | int):
+                progress_token = None
+            try:
+                end = await self._follow(ctx, ref.id, progress_token)
+            except BaseException:
+                if not self.stopping:
+                    await self._cancel(ref.id)
+                raise
+        return _tool_result(end)
+
+    def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:
+        given = meta.get(IDEMPOTENCY_META)
+        if given is not None:
+            if not isinstance(given, str) or not 1 <= len(given) <= 256 \
+                    or not given.isprintable():
+                raise MCPError(code=INVALID_PARAMS, message=(
+                    f"_meta {IDEMPOTENCY_META}: give 1-256 printable characters"))
+            return mcp_catalog.client_idempotency_key(principal, given)
+        return mcp_catalog.call_idempotency_key(principal, _session_id(ctx), ctx.request_id)
+
+    @contextlib.contextmanager
+    def _slot(self, principal: str):
+        limit = self.options.max_calls_per_principal
+        if self.in_flight.get(principal, 0) >= limit:
+            raise MCPError(code=INVALID_REQUEST, message=(
+                f"too many calls in flight for principal {principal} (at most {limit}); "
+                "wait for one to end"))
+        self.in_flight[principal] = self.in_flight.get(principal, 0) + 1
+        try:
+            yield
+        finally:
+            self.in_flight[principal] -= 1
+            if not self.in_flight[principal]:
+                del self.in_flight[principal]
+
+    async def _follow(self, ctx: Any, job_id: uuid.UUID,
+                      progress_token: str | int | None) -> JobEnd:
+        reports = 0
+        async for event in self.client.follow(job_id):
+            if isinstance(event, JobEnd):
+                return event
+            if progress_token is not None and isinstance(event, JobProgress):
+                reports += 1
+                value = event.value
+                await ctx.session.send_progress_notification(
+                    progress_token, float(value) if value is not None else float(reports),
+                    total=1.0 if value is not None else None, message=event.message,
+                    related_request_id=_text_id(ctx.request_id))
+        raise MCPError(code=INTERNAL_ERROR, message=f"job {job_id}: its events ended early")
+
+    async def _cancel(self, job_id: uuid.UUID) -> None:
+        """Cancel the job of a request that was cancelled (shielded: the request's own
+        scope is being cancelled)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_BOUND_SECONDS):
+            try:
+                await self.client.cancel(job_id)
+                log.info("mcp call cancelled: job %s cancelled", job_id)
+            except Exception as exc:  # noqa: BLE001 - logged; the request is gone anyway
+                log.warning("mcp call cancelled, but cancelling job %s failed: %s", job_id,
+                            one_line(str(exc)))
+
+
+def check_catalog(catalog: Sequence[McpTool]) -> None:
+    """ConfigError naming the tool when its input schema is not a valid JSON Schema of
+    its own draft (``$schema``; default 2020-12)."""
+    for tool in catalog:
+        _validator(tool)
+
+
+def _version() -> str:
+    from sidecar import __version__
+
+    return __version__
+
+
+def _validator(tool: McpTool) -> Any:
+    """A validator of the tool's schema, in the schema's own draft (``$schema``; default
+    2020-12). ConfigError naming the tool when the schema is not valid in its draft."""
+    cls = jsonschema.validators.validator_for(tool.input_schema,
+                                              default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(tool.input_schema)
+    except jsonschema.SchemaError as exc:
+        raise ConfigError(f"--tool {tool.name}: its MCP_INPUT_SCHEMA_FILE is not a valid "
+                          f"JSON Schema: {one_line(exc.message)}") from None
+    return cls(tool.input_schema)
+
+
+def _check_arguments(tool: str, validator: Any, arguments: Any) -> None:
+    """INVALID_PARAMS naming the first failing argument (by its JSON path) and why."""
+    error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    if error is not None:
+        where = error.json_path if error.path else "arguments"
+        raise MCPError(code=INVALID_PARAMS, message=(
+            f"{tool}: {where}: {one_line(error.message)[:300]}"))
+
+
+def _wire_meta(ctx: Any) -> Mapping[str, Any]:
+    """The request's ``_meta`` as sent (wire keys: ``progressToken``, ours), or {}."""
+    params = ctx.params if isinstance(ctx.params, Mapping) else {}
+    meta = params.get("_meta")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _text_id(request_id: Any) -> str:
+    return "" if request_id is None else str(request_id)[:256]
+
+
+def _session_id(ctx: Any) -> str | None:
+    """The Streamable HTTP session of the request (``Mcp-Session-Id``), if any."""
+    request = getattr(ctx, "request", None)
+    headers = getattr(request, "headers", None)
+    return headers.get("mcp-session-id") if headers is not None else None
+
+
+def _tool_result(end: JobEnd) -> types.CallToolResult:
+    """The job's end as a tool result: its JSON result as text (and as structured content
+    when it is an object); a failed or cancelled job ``isError`` with its kind and
+    message."""
+    meta = {JOB_META: {"id": str(end.id), "state": end.state, "attempt": end.attempt}}
+    if end.state == "succeeded":
+        text = orjson.dumps(end.result).decode()
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=text)],
+            structured_content=end.result if isinstance(end.result, dict) else None,
+            _meta=meta)
+    error = end.error if isinstance(end.error, dict) else {"message": str(end.error)}
+    kind = error.get("kind") or end.state
+    message = error.get("message") or ""
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=f"{kind}: {message}".rstrip(": "))],
+        structured_content={"error": {"kind": kind, "message": message},
+                            "state": end.state},
+        is_error=True, _meta=meta)
+
+
+# --- transports -------------------------------------------------------------------------
+
+def _loopback(host: str) -> bool:
+    return host in LOOPBACK_HOSTS or host.startswith("127.")
+
+
+class BearerAuth:
+    """ASGI middleware: every request but ``exempt`` paths needs ``Authorization: Bearer
+    TOKEN`` with a token of SIDECAR_MCP_TOKEN_FILE; else 401 with ``WWW-Authenticate``.
+    The principal goes into the request's scope (``sidecar.principal``), where the call
+    handler reads it per request."""
+
+    def __init__(self, app: Any, tokens: Mapping[str, str], exempt: Sequence[str] = ()):
+        self.app = app
+        self.tokens = tokens
+        self.exempt = frozenset(exempt)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        principal = None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and token.strip():
+                    principal = mcp_catalog.principal_of(self.tokens, token.strip())
+                break
+        if principal is None:
+            await _plain(send, 401, b"a bearer token of SIDECAR_MCP_TOKEN_FILE is required\n",
+                         [(b"www-authenticate", b'Bearer realm="sidecar-mcp"')])
+            return
+        scope["sidecar.principal"] = principal
+        await self.app(scope, receive, send)
+
+
+async def _plain(send: Any, status: int, body: bytes,
+                 headers: list[tuple[bytes, bytes]] = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _http_principal(ctx: Any) -> str:
+    request = getattr(ctx, "request", None)
+    principal = request.scope.get("sidecar.principal") if request is not None else None
+    if not principal:  # BearerAuth lets nothing through without one
+        raise MCPError(code=INVALID_REQUEST, message="no principal: a bearer token is required")
+    return principal
+
+
+def _stdio_principal(ctx: Any) -> str:
+    return mcp_catalog.STDIO_PRINCIPAL
+
+
+def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> Any:
+    """The ASGI application: MCP at ``/mcp`` (Streamable HTTP), ``/livez``; bearer
+    tokens, Host/Origin checks and the body bound as GatewayOptions says."""
+    from mcp.server.transport_security import TransportSecuritySettings
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    options = gateway.options
+    hosts = ["127.0.0.1:*", "localhost:*", "[::1]:*", *options.allowed_hosts]
+    if not _loopback(host) and host not in ("0.0.0.0", "::"):
+        hosts.append(f"{host}:*")
+    security = TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=hosts,
+        allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*",
+                         *options.allowed_origins])
+
+    async def livez(request: Any) -> Any:
+        return PlainTextResponse("ok\n")
+
+    app = gateway.server.streamable_http_app(
+        streamable_http_path="/mcp", host=host, transport_security=security,
+        max_request_body_size=options.max_request_bytes,
+        custom_starlette_routes=[Route("/livez", livez)])
+    return BearerAuth(app, tokens, exempt=("/livez",))
+
+
+async def serve_http(client: Client, catalog: Sequence[McpTool], options: GatewayOptions,
+                     host: str, port: int, tokens: Mapping[str, str],
+                     ready: Callable[[int], Awaitable[None] | None] | None = None) -> None:
+    """Serve MCP over Streamable HTTP on ``host:port`` until SIGTERM/SIGINT (uvicorn's
+    handlers); prints ``sidecar mcp: listening on http://HOST:PORT/mcp`` on stderr."""
+    import sys
+
+    import uvicorn
+
+    gateway = Gateway(client, catalog, options, _http_principal)
+    app = build_http_app(gateway, host, tokens)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    async def watch_stop() -> None:
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+        gateway.stopping = True  # before uvicorn cancels the handlers
+
+    watcher = asyncio.create_task(watch_stop())
+    try:
+        config.load()
+        shown = f"[{host}]" if ":" in host else host
+        print(f"sidecar mcp: listening on http://{shown}:{port}/mcp "
+              f"({len(catalog)} tool(s): {', '.join(t.name for t in catalog)})",
+              file=sys.stderr, flush=True)
+        await server.serve()
+    finally:
+        watcher.cancel()
+
+
+async def serve_stdio(client: Client, catalog: Sequence[McpTool],
+                      options: GatewayOptions) -> None:
+    """Serve MCP over this process's stdin/stdout (an MCP client started it) until stdin
+    closes. The principal is ``stdio``: whoever could start the process."""
+    from mcp.server.stdio import stdio_server
+
+    gateway = Gateway(client, catalog, options, _stdio_principal)
+    async with stdio_server() as (read, write):
+        await gateway.server.run(read, write, gateway.server.create_initialization_options())
+
+
+async def serve(settings: Settings, catalog: Sequence[McpTool], options: GatewayOptions, *,
+                stdio: bool, host: str = "", port: int = 0,
+                tokens: Mapping[str, str] | None = None) -> int:
+    """Open a Client on the settings' database (DSN as the CLI resolves it) and serve
+    over stdio, or over HTTP on ``host:port`` with ``tokens``; return 0 when stopped."""
+    async with Client(settings=settings) as client:
+        if stdio:
+            await serve_stdio(client, catalog, options)
+        else:
+            await serve_http(client, catalog, options, host, port, tokens or {})
+    return 0
+
+
+def parse_listen(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port); UsageError otherwise."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise UsageError(f"--listen {text!r}: use HOST:PORT, e.g. 127.0.0.1:8765")
+    return host, int(port)
