@@ -527,6 +527,18 @@ class Client:
             return await store.cancel(None, enqueue_args.check_tags(dict(tag)))
         return await store.cancel(_job_id(job_id))
 
+    async def jobs(self, *, tags: Mapping[str, str] | None = None, state: str | None = None,
+                   tool: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """The newest jobs first (at most ``limit``, 1-1000), filtered by ``state``,
+        ``tool`` and ``tags`` (all of them), as dicts of ``id``, ``tool``, ``state``,
+        ``attempt``, ``max_attempts``, ``fencing_token``, ``owner_id``, ``lease_until``,
+        ``created_at``, ``finished_at``, ``error_kind`` (as ``sidecar jobs``) and ``tags``."""
+        if not 1 <= limit <= 1000:
+            raise UsageError(f"limit {limit}: must be from 1 to 1000")
+        checked = enqueue_args.check_tags(dict(tags)) if tags else None
+        rows = await self._opened().list_jobs(state, tool, limit, checked)
+        return [dict(row) for row in rows]
+
     async def get(self, job_id: JobId) -> Job:
         """The job's row as a Job; JobNotFound when there is none (never enqueued, or
         pruned)."""

@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import re
+import secrets
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +42,7 @@ from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
 
 from sidecar import db, mcp_catalog
-from sidecar.client import Client, JobEnd, JobProgress
+from sidecar.client import Client, JobEnd, JobNotFound, JobProgress
 from sidecar.config import Settings
 from sidecar.errors import ConfigError, IdempotencyConflict, SidecarError, UsageError, one_line
 from sidecar.mcp_catalog import McpTool
@@ -52,6 +54,16 @@ log = logging.getLogger("sidecar.mcp")
 IDEMPOTENCY_META = "io.github.sidecar/idempotency-key"
 # What a result's _meta says about the job behind it.
 JOB_META = "io.github.sidecar/job"
+# The MCP Tasks extension (SEP-2663, protocol 2026-07-28): a client that lists it in its
+# per-request capabilities gets a task handle from tools/call at once.
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+# The pollIntervalMs a task suggests (tasks/result waits without polling).
+TASK_POLL_MS = 1000
+# tasks/list: the newest tasks of the principal, at most this many.
+TASK_LIST_LIMIT = 100
+TASK_ID = re.compile(r"[A-Za-z0-9_-]{32}")
+_TASK_STATUS = {"queued": "working", "running": "working", "succeeded": "completed",
+                "failed": "completed", "cancelled": "cancelled"}
 # Defaults of the command's bounds.
 DEFAULT_MAX_CALLS_PER_PRINCIPAL = 64
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
@@ -83,6 +95,7 @@ class Gateway:
     def __init__(self, client: Client, catalog: Sequence[McpTool], options: GatewayOptions,
                  principal_of: Callable[[Any], str]):
         self.client = client
+        self.settings = client.settings
         self.options = options
         self.tools = {tool.name: tool for tool in catalog}
         self.validators = {tool.name: _validator(tool) for tool in catalog}
@@ -94,6 +107,13 @@ class Gateway:
                 "Each tool call runs as a leased job of the sidecar queue; a cancelled "
                 "request cancels its job."),
             on_list_tools=self._list_tools, on_call_tool=self._call_tool)
+        # Tasks: every method reads the job row, so any replica serves any task.
+        self.server.extensions[TASKS_EXTENSION] = {}
+        self.server.add_request_handler("tasks/get", TaskParams, self._task_get)
+        self.server.add_request_handler("tasks/result", TaskParams, self._task_result)
+        self.server.add_request_handler("tasks/cancel", TaskParams, self._task_cancel)
+        self.server.add_request_handler("tasks/list", types.PaginatedRequestParams,
+                                        self._task_list)
 
     async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
         return types.ListToolsResult(tools=[
@@ -113,10 +133,13 @@ class Gateway:
         principal = self.principal_of(ctx)
         meta = _wire_meta(ctx)
         key = self._idempotency_key(ctx, principal, meta)
+        as_task = _wants_task(ctx)
         with self._slot(principal):
             tags = {"mcp.principal": principal, "mcp.tool_call": _text_id(ctx.request_id)}
             if session := _session_id(ctx):
                 tags["mcp.session"] = session[:256]
+            if as_task:  # the task id: 192 random bits, not the job id
+                tags["mcp.task"] = secrets.token_urlsafe(24)
             try:
                 ref = await self.client.enqueue(tool.name, arguments, idempotency_key=key,
                                                 tags=tags)
@@ -126,6 +149,9 @@ class Gateway:
                 log.warning("mcp call of %s: enqueue failed: %s", tool.name, one_line(str(exc)))
                 raise MCPError(code=INTERNAL_ERROR, message=(
                     f"the job could not be queued: {one_line(str(exc))}")) from None
+            if as_task:  # the handle at once; the job goes on without this request
+                job = await self.client.get(ref.id)
+                return {"resultType": "task", **self._task(job, with_result=False)}
             progress_token = meta.get("progressToken")
             if isinstance(progress_token, bool) or not isinstance(progress_token, str | int):
                 progress_token = None
@@ -177,6 +203,88 @@ class Gateway:
                     related_request_id=_text_id(ctx.request_id))
         raise MCPError(code=INTERNAL_ERROR, message=f"job {job_id}: its events ended early")
 
+    # --- tasks (the job row is the task's whole state) ---------------------------------
+
+    async def _own_task(self, ctx: Any, task_id: str) -> Any:
+        """The job behind ``task_id`` if the requesting principal created it as a task;
+        else the same INVALID_PARAMS as for a task that does not exist (another
+        principal's task is not even confirmed to exist)."""
+        principal = self.principal_of(ctx)
+        missing = MCPError(code=INVALID_PARAMS, message=f"no task {task_id[:80]!r}")
+        if not TASK_ID.fullmatch(task_id):
+            raise missing
+        rows = await self.client.jobs(tags={"mcp.task": task_id, "mcp.principal": principal},
+                                      limit=1)
+        if not rows:
+            raise missing
+        try:
+            return await self.client.get(rows[0]["id"])
+        except JobNotFound:  # pruned just now
+            raise missing from None
+
+    def _task(self, job: Any, with_result: bool = True) -> dict[str, Any]:
+        """The task of a job row: its status, times, TTL (the retention of its state,
+        SIDECAR_RETENTION_SECONDS / _FAILED_SECONDS; null when kept for ever), the poll
+        interval and, once completed, the tool result (``isError`` for a failed job)."""
+        status = _TASK_STATUS.get(job.state, "working")
+        moments = [job.created_at, job.first_claimed_at, job.finished_at]
+        progress = job.progress if isinstance(job.progress, dict) else {}
+        retention = (self.settings.retention_failed_seconds if job.state == "failed"
+                     else self.settings.retention_seconds) if self.settings else 0
+        task: dict[str, Any] = {
+            "taskId": job.tags["mcp.task"], "status": status, "createdAt": _iso(job.created_at),
+            "lastUpdatedAt": _iso(max(m for m in moments if m is not None)),
+            "ttlMs": int(retention * 1000) or None, "pollIntervalMs": TASK_POLL_MS}
+        if job.state == "queued":
+            task["statusMessage"] = "queued"
+        elif job.state == "running":
+            note = progress.get("message")
+            task["statusMessage"] = f"running, attempt {job.attempt}" + (
+                f": {note}" if isinstance(note, str) and note else "")
+        elif job.state == "failed" and isinstance(job.error, dict):
+            task["statusMessage"] = f"{job.error.get('kind')}: {job.error.get('message')}"
+        if with_result and status == "completed":
+            end = JobEnd(job.id, job.state, job.attempt, job.result, job.error)
+            task["result"] = _tool_result(end).model_dump(by_alias=True, mode="json",
+                                                          exclude_none=True)
+        return task
+
+    async def _task_get(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
+        job = await self._own_task(ctx, params.task_id)
+        return {"resultType": "complete", **self._task(job)}
+
+    async def _task_result(self, ctx: Any, params: TaskParams) -> types.CallToolResult:
+        """Wait for the task's job to end (no polling) and return its tool result."""
+        job = await self._own_task(ctx, params.task_id)
+        with self._slot(self.principal_of(ctx)):
+            end = await self._follow(ctx, job.id, None)
+        return _tool_result(end)
+
+    async def _task_cancel(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
+        """Cancel the task's job (its tree dies at its sidecar's next heartbeat); a
+        finished task stays as it is."""
+        job = await self._own_task(ctx, params.task_id)
+        await self.client.cancel(job.id)
+        return {"resultType": "complete"}
+
+    async def _task_list(self, ctx: Any, params: Any) -> dict[str, Any]:
+        """The principal's newest tasks (at most TASK_LIST_LIMIT), without results."""
+        principal = self.principal_of(ctx)
+        rows = await self.client.jobs(tags={"mcp.principal": principal},
+                                      limit=TASK_LIST_LIMIT)
+        tasks = []
+        for row in rows:
+            task_id = (row["tags"] or {}).get("mcp.task")
+            if not task_id:  # a plain call of the principal, not a task
+                continue
+            moments = [row["created_at"], row["finished_at"]]
+            tasks.append({"taskId": task_id,
+                          "status": _TASK_STATUS.get(row["state"], "working"),
+                          "createdAt": _iso(row["created_at"]),
+                          "lastUpdatedAt": _iso(max(m for m in moments if m is not None)),
+                          "ttlMs": None, "pollIntervalMs": TASK_POLL_MS})
+        return {"resultType": "complete", "tasks": tasks}
+
     async def _cancel(self, job_id: uuid.UUID) -> None:
         """Cancel the job of a request that was cancelled (shielded: the request's own
         scope is being cancelled)."""
@@ -187,6 +295,29 @@ class Gateway:
             except Exception as exc:  # noqa: BLE001 - logged; the request is gone anyway
                 log.warning("mcp call cancelled, but cancelling job %s failed: %s", job_id,
                             one_line(str(exc)))
+
+
+class TaskParams(types.RequestParams):
+    """Params of tasks/get, tasks/result and tasks/cancel: ``taskId``."""
+
+    task_id: str
+
+
+def _wants_task(ctx: Any) -> bool:
+    """The request is on a 2026-07-28 connection and its client lists the Tasks
+    extension in its per-request capabilities."""
+    from mcp_types import CLIENT_CAPABILITIES_META_KEY
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+    if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+        return False
+    capabilities = _wire_meta(ctx).get(CLIENT_CAPABILITIES_META_KEY)
+    extensions = capabilities.get("extensions") if isinstance(capabilities, Mapping) else None
+    return isinstance(extensions, Mapping) and TASKS_EXTENSION in extensions
+
+
+def _iso(moment: Any) -> str:
+    return moment.isoformat().replace("+00:00", "Z")
 
 
 def check_catalog(catalog: Sequence[McpTool]) -> None:

@@ -547,7 +547,7 @@ SELECT id, tool, state, stage FROM tool_jobs WHERE parent_id = $1 ORDER BY creat
 -- name: list_jobs
 -- $4: only jobs whose tags contain it (jsonb, read through tool_jobs_tags_idx).
 SELECT id, tool, state, attempt, max_attempts, fencing_token, owner_id, lease_until,
-       created_at, finished_at, error->>'kind' AS error_kind
+       created_at, finished_at, error->>'kind' AS error_kind, tags
 FROM tool_jobs
 WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR tool = $2)
   AND ($4::jsonb IS NULL OR (tags @> $4::jsonb AND tags <> '{}'::jsonb))
