@@ -419,3 +419,45 @@ def test_run_never_imports_the_mcp_sdk():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True,
                           env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert done.returncode == 0, done.stderr.decode()
+
+
+def _rpc(g: Gateway, body: dict, session: str | None = None) -> tuple[dict | None, str | None]:
+    """One JSON-RPC POST on the 2025 revision's session (raw HTTP); the response's JSON
+    (from a JSON body or the last SSE data line) and the session id header."""
+    headers = {"Accept": "application/json, text/event-stream",
+               "Content-Type": "application/json", "Authorization": f"Bearer {ALICE}",
+               "MCP-Protocol-Version": "2025-11-25"}
+    if session:
+        headers["Mcp-Session-Id"] = session
+    response = httpx2.post(g.url, json=body, headers=headers, timeout=60)
+    assert response.status_code in (200, 202), response.text
+    text = response.text
+    if response.headers.get("content-type", "").startswith("text/event-stream"):
+        data = [line[5:].strip() for line in text.splitlines() if line.startswith("data:")]
+        text = data[-1] if data else ""
+    return (orjson.loads(text) if text.strip() else None,
+            response.headers.get("mcp-session-id") or session)
+
+
+def test_a_retried_request_of_a_session_joins_its_job(dsn, sidecars, gateway, tmp_path):
+    """On a 2025-revision session, the same tools/call request sent twice (a client's
+    retry: same session, same JSON-RPC id) is one job, run once; another id is another
+    job."""
+    env = _gateway_env(dsn, tmp_path)
+    sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
+    g = gateway()
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": "2025-11-25", "capabilities": {},
+        "clientInfo": {"name": "retry-test", "version": "1"}}}
+    answer, session = _rpc(g, init)
+    assert answer["result"]["protocolVersion"] == "2025-11-25" and session
+    _rpc(g, {"jsonrpc": "2.0", "method": "notifications/initialized"}, session)
+    call = {"jsonrpc": "2.0", "id": 7, "method": "tools/call",
+            "params": {"name": "pt", "arguments": {"steps": []}}}
+    first, _ = _rpc(g, call, session)
+    again, _ = _rpc(g, call, session)
+    other, _ = _rpc(g, {**call, "id": 8}, session)
+    ids = [r["result"]["_meta"]["io.github.sidecar/job"]["id"] for r in (first, again, other)]
+    assert ids[0] == ids[1] != ids[2]
+    assert job_row(dsn, ids[0])["tags"]["mcp.session"] == session
+    assert scalar(dsn, "SELECT count(*) FROM tool_job_events WHERE event = 'job_claimed'") == 2
