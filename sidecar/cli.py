@@ -675,6 +675,7 @@ def cmd_mcp(args, settings: Settings) -> int:
         raise UsageError(_MCP_EXTRA.format(exc.name)) from None
     options = mcp_gateway.GatewayOptions(
         max_calls_per_principal=args.max_calls_per_principal,
+        max_tasks_per_principal=args.max_tasks_per_principal,
         max_request_bytes=args.max_request_bytes,
         allowed_hosts=tuple(args.allowed_host or ()),
         allowed_origins=tuple(args.allowed_origin or ()))
@@ -1042,6 +1043,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="serve one client over stdin/stdout instead (it started us)")
     p.add_argument("--max-calls-per-principal", type=_int_from(1, 100_000), default=64,
                    metavar="N", help="calls in flight at once per principal (default 64)")
+    p.add_argument("--max-tasks-per-principal", type=_int_from(1, 1_000_000), default=1000,
+                   metavar="N", help="unfinished MCP tasks per principal, fleet-wide "
+                                     "(default 1000)")
     p.add_argument("--max-request-bytes", type=_int_from(1024, 64 * 1024 * 1024),
                    default=1024 * 1024, metavar="N",
                    help="largest HTTP request body (default 1048576)")

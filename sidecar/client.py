@@ -539,6 +539,14 @@ class Client:
         rows = await self._opened().list_jobs(state, tool, limit, checked)
         return [dict(row) for row in rows]
 
+    async def count_unfinished(self, tags: Mapping[str, str], up_to: int = 10_000) -> int:
+        """How many queued or running jobs carry all of ``tags`` (a non-empty dict),
+        counted up to ``up_to`` + 1."""
+        if not tags:
+            raise UsageError("count_unfinished: give at least one tag")
+        return await self._opened().unfinished_jobs_tagged(
+            enqueue_args.check_tags(dict(tags)), up_to)
+
     async def get(self, job_id: JobId) -> Job:
         """The job's row as a Job; JobNotFound when there is none (never enqueued, or
         pruned)."""

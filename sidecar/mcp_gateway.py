@@ -67,6 +67,7 @@ _TASK_STATUS = {"queued": "working", "running": "working", "succeeded": "complet
 # Defaults of the command's bounds.
 DEFAULT_MAX_CALLS_PER_PRINCIPAL = 64
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
+DEFAULT_MAX_TASKS_PER_PRINCIPAL = 1000
 # How long cancelling a job may take when its request is cancelled (seconds).
 CANCEL_BOUND_SECONDS = 10.0
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -75,12 +76,14 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 @dataclass(frozen=True)
 class GatewayOptions:
     """How ``sidecar mcp`` serves: ``max_calls_per_principal`` (calls in flight at once
-    per principal; one more is refused with a JSON-RPC error) and, over HTTP,
+    per principal; one more is refused with a JSON-RPC error), ``max_tasks_per_principal``
+    (unfinished tasks per principal, counted in the database) and, over HTTP,
     ``max_request_bytes`` (a larger body gets 413), ``allowed_hosts`` and
     ``allowed_origins`` (``Host``/``Origin`` values accepted besides the loopback ones;
     ``host:*`` admits any port)."""
 
     max_calls_per_principal: int = DEFAULT_MAX_CALLS_PER_PRINCIPAL
+    max_tasks_per_principal: int = DEFAULT_MAX_TASKS_PER_PRINCIPAL
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
     allowed_hosts: Sequence[str] = ()
     allowed_origins: Sequence[str] = ()
@@ -139,7 +142,9 @@ class Gateway:
             if session := _session_id(ctx):
                 tags["mcp.session"] = session[:256]
             if as_task:  # the task id: 192 random bits, not the job id
+                await self._check_task_bound(principal)
                 tags["mcp.task"] = secrets.token_urlsafe(24)
+                tags["mcp.kind"] = "task"
             try:
                 ref = await self.client.enqueue(tool.name, arguments, idempotency_key=key,
                                                 tags=tags)
@@ -204,6 +209,18 @@ class Gateway:
         raise MCPError(code=INTERNAL_ERROR, message=f"job {job_id}: its events ended early")
 
     # --- tasks (the job row is the task's whole state) ---------------------------------
+
+    async def _check_task_bound(self, principal: str) -> None:
+        """INVALID_REQUEST when the principal has max_tasks_per_principal unfinished
+        tasks (counted in the database: the bound holds across replicas, give or take
+        the tasks being created at the same moment)."""
+        limit = self.options.max_tasks_per_principal
+        count = await self.client.count_unfinished(
+            {"mcp.principal": principal, "mcp.kind": "task"}, limit)
+        if count >= limit:
+            raise MCPError(code=INVALID_REQUEST, message=(
+                f"too many unfinished tasks for principal {principal} (at most {limit}); "
+                "wait for some to end or cancel them"))
 
     async def _own_task(self, ctx: Any, task_id: str) -> Any:
         """The job behind ``task_id`` if the requesting principal created it as a task;

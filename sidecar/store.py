@@ -520,6 +520,12 @@ class Store:
         with its slots taken (``running``; NULLs without flow control)."""
         return await self.db.fetchrow(Q["sample_tool"], tool, period, timeout=self.timeout)
 
+    async def unfinished_jobs_tagged(self, tags: dict[str, str], up_to: int) -> int:
+        """How many queued or running jobs carry all of ``tags``, counted up to ``up_to``
+        + 1 (enough to tell a bound is reached)."""
+        return await self.db.fetchval(Q["unfinished_jobs_tagged"], tags, up_to,
+                                      timeout=self.timeout)
+
     async def unfinished_jobs(self, tool: str) -> int:
         """Jobs of ``tool`` still queued or running."""
         return await self.db.fetchval(Q["unfinished_jobs_of_tool"], tool, timeout=self.timeout)

@@ -82,11 +82,11 @@ def test_a_task_outlives_its_connection_a_restart_and_is_served_by_any_replica(
     asyncio.run(after_the_restart())
 
 
-def test_tasks_of_one_principal_are_invisible_to_another_and_cancel_kills_the_tree(
+def test_tasks_are_private_bounded_per_principal_and_cancel_kills_the_tree(
         dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
     env = _gateway_env(dsn, tmp_path, SIDECAR_PROFILE_HANG_STAGE_TIMEOUT_SECONDS="600")
     sidecars(dsn, [str(TOOLS / "hang_tree.py")], "--tool", "hang", env=env)
-    g = gateway(env=env)
+    g = gateway("--max-tasks-per-principal", "1", env=env)
     pidfile = tmp_path / "hang.pids"
 
     async def main():
@@ -94,18 +94,27 @@ def test_tasks_of_one_principal_are_invisible_to_another_and_cancel_kills_the_tr
             handle = await alice.session.call_tool(
                 "hang", {"pidfile": str(pidfile), "tree": True}, allow_claimed=True)
             await asyncio.to_thread(read_pids, pidfile, 4)
+            # One unfinished task per principal here: alice is refused, bob is not.
+            with pytest.raises(MCPError) as bound:
+                await alice.session.call_tool("hang", {"pidfile": "x"}, allow_claimed=True)
+            assert "too many unfinished tasks for principal alice" in str(bound.value)
+            queued = await bob.session.call_tool("hang", {"pidfile": "x"}, allow_claimed=True)
+            assert queued.status == "working"
             for method in (get_task, task_result, cancel_task):
                 with pytest.raises(MCPError) as refused:
                     await method(bob.session, handle.task_id)
                 assert f"no task '{handle.task_id}'" in str(refused.value)
             with pytest.raises(MCPError):
                 await get_task(bob.session, str(uuid.uuid4()))
-            assert await list_tasks(bob.session) == []
+            assert [t["taskId"] for t in await list_tasks(bob.session)] == [queued.task_id]
             assert (await get_task(alice.session, handle.task_id))["status"] == "working"
             await cancel_task(alice.session, handle.task_id)
             ended = await task_result(alice.session, handle.task_id)
             assert ended.is_error and ended.structured_content["state"] == "cancelled"
             assert (await get_task(alice.session, handle.task_id))["status"] == "cancelled"
+            again = await alice.session.call_tool("hang", {"pidfile": "x"}, allow_claimed=True)
+            await cancel_task(alice.session, again.task_id)
+            await cancel_task(bob.session, queued.task_id)
             return handle.task_id
 
     task_id = asyncio.run(main())

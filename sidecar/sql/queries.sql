@@ -554,6 +554,14 @@ WHERE ($1::text IS NULL OR state = $1) AND ($2::text IS NULL OR tool = $2)
 ORDER BY created_at DESC, id
 LIMIT $3;
 
+-- name: unfinished_jobs_tagged
+-- How many queued or running jobs carry all of $1's tags (sidecar mcp's bound on a
+-- principal's unfinished tasks); through tool_jobs_tags_idx. Counts at most $2 + 1.
+SELECT count(*) FROM (
+  SELECT 1 FROM tool_jobs
+  WHERE tags @> $1::jsonb AND state IN ('queued', 'running')
+  LIMIT $2::int + 1) AS found;
+
 -- name: unfinished_jobs_of_tool
 -- --drain waits while any job of the tool is queued or running.
 SELECT count(*) FROM tool_jobs WHERE tool = $1 AND state IN ('queued', 'running');
