@@ -17,6 +17,7 @@ from bench import (
     fleet,
     flowctl,
     footprint,
+    gateway,
     health,
     heartbeat,
     hostscale,
@@ -55,6 +56,7 @@ SECTIONS = {
     "11": ("caller round trip", caller),
     "12": ("flow control", flowctl),
     "13": ("WAL per job", wal),
+    "14": ("MCP gateway", gateway),
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "RESULTS.md"
 
