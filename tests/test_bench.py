@@ -1,8 +1,8 @@
 """The benchmark's quick mode (what CI runs of it): `python -m bench --quick` against the test
 database server exits 0, prints one markdown table with every section, and writes it with
 the machine's description. Figures are not asserted: it is a benchmark, not a timed test.
-Section 11 (the caller's half) has a test of its own, so the run of sections 1-10 keeps
-within its time limit."""
+Sections 11-14 (the caller's half, flow control, WAL, the MCP gateway) have a test of
+their own each, so the run of sections 1-10 keeps within its time limit."""
 
 from __future__ import annotations
 
@@ -159,3 +159,47 @@ def test_quick_wal_section_splits_the_bytes_per_job_by_phase_relation_and_kind(s
     assert re.match(r"[\d,]+ \([\d.]+ per job\)", pages[2]), pages
     for phase in ("enqueue", "claim+run+complete", "prune", "vacuum"):
         assert f"- 13: {phase} " in written, phase
+
+
+@pytest.mark.timeout(120)
+def test_quick_gateway_section_measures_mcp_calls_against_client_call_and_memory(server_dsn,
+                                                                                 tmp_path):
+    """Section 14 (issue 29, point 7) alone, small: a no-op call through `sidecar mcp` (one
+    MCP session, calls one after another) against the same call by Client.call, p50 with a
+    verdict on its target and p99, and the gateway's RSS per call in flight beside its idle
+    RSS (no target yet), each a row with figures; the settings are written down."""
+    pytest.importorskip("mcp")
+    output = tmp_path / "RESULTS.md"
+    rows = _run_bench(server_dsn, output, "--only", "14", timeout=110)
+    assert rows and all(row[0] == "14" for row in rows)
+    assert not [row for row in rows if "not measured" in row[1]], rows
+    assert len(rows) == 3, rows
+    p50, p99, memory = rows
+    assert p50[1].startswith("MCP gateway round trip p50") and re.fullmatch(r"[\d.]+ ms", p50[2])
+    assert re.fullmatch(r"Client\.call [\d.]+ ms", p50[3]), p50
+    assert re.fullmatch(r"[\d.]+ × Client\.call", p50[4]), p50
+    assert p50[5] == "p50 ≤ 1.5 × Client.call" and p50[6] in ("yes", "**NO**"), p50
+    assert p99[1].startswith("MCP gateway round trip p99") and re.fullmatch(r"[\d.]+ ms", p99[2])
+    assert re.fullmatch(r"Client\.call [\d.]+ ms", p99[3]) and p99[5:] == ["-", "-"], p99
+    assert re.search(r"with \d+ calls in flight", memory[1]), memory
+    assert re.fullmatch(r"-?[\d,]+ KiB per call \([\d.]+ MiB in all\)", memory[2]), memory
+    assert re.fullmatch(r"idle [\d.]+ MiB", memory[3]) and memory[5:] == ["-", "-"], memory
+    written = output.read_text()
+    assert "- 14: `sidecar mcp --listen" in written
+
+
+def test_gateway_section_without_the_mcp_extra_gives_one_n_a_row(monkeypatch):
+    """Where the `mcp` package (the [mcp] extra) cannot be imported, section 14 measures
+    nothing and says so in one row whose target is there but not judged (n/a)."""
+    import asyncio
+
+    from bench import gateway
+
+    monkeypatch.setattr(gateway, "NEEDED", ("mcp", "no_such_package_for_bench_14"))
+    rows = asyncio.run(gateway.run(None, None))
+    assert len(rows) == 1, rows
+    cells = rows[0].cells()
+    assert cells[0] == "14" and "not measured" in cells[1]
+    assert cells[2].startswith("n/a: the [mcp] extra is not installed")
+    assert "no_such_package_for_bench_14" in cells[2]
+    assert cells[5] == "p50 ≤ 1.5 × Client.call" and cells[6] == "n/a"
