@@ -59,6 +59,7 @@ class Mode:
     bouncer_calls: int          # caller round trips behind PgBouncer (polling waiter)
     mcp_calls: int              # MCP gateway round trips measured (and as many Client.call)
     mcp_in_flight: int          # MCP calls in flight at once for the gateway's memory
+    mcp_tasks: int              # MCP tasks left pending at once for the gateway's memory
 
 
 SHAPES = ((1, 1), (1, 8), (2, 8), (4, 8))
@@ -68,17 +69,17 @@ MODES = {
                   poll_seconds=0.5, hb_window=1.0, reaction_trials=1, kill_trials=1,
                   lag_jobs=16, idle_window=1.5, health_jobs=400, caller_calls=12,
                   caller_waiters=20, bouncer_calls=3, mcp_calls=12,
-                  mcp_in_flight=20),
+                  mcp_in_flight=20, mcp_tasks=50),
     "medium": Mode("medium", jobs=3000, shapes=SHAPES, pickup_samples=100, poll_samples=20,
                    poll_seconds=2.0, hb_window=8.0, reaction_trials=6, kill_trials=2,
                    lag_jobs=48, idle_window=10.0, health_jobs=100_000,
                    caller_calls=200, caller_waiters=100, bouncer_calls=12,
-                   mcp_calls=200, mcp_in_flight=100),
+                   mcp_calls=200, mcp_in_flight=100, mcp_tasks=1000),
     "full": Mode("full", jobs=10_000, shapes=SHAPES, pickup_samples=200, poll_samples=40,
                  poll_seconds=2.0, hb_window=10.0, reaction_trials=10, kill_trials=3,
                  lag_jobs=80, idle_window=10.0, health_jobs=100_000,
                  caller_calls=400, caller_waiters=100, bouncer_calls=20,
-                 mcp_calls=400, mcp_in_flight=100),
+                 mcp_calls=400, mcp_in_flight=100, mcp_tasks=1000),
 }
 
 # The short lease profile of the pickup, heartbeat and reaction sidecars (keeps P10:

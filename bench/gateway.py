@@ -52,6 +52,8 @@ from bench.report import Row
 
 SECTION = "14"
 NOOP, HELD = "mcp-noop", "mcp-held"
+# A pending task is a job row, nothing in the gateway: its memory must not grow with them.
+TASK_KIB_TARGET = 4.0
 CAT = ["/bin/cat"]
 WARM_UP = 2  # calls of each side not measured (connections, prepared statements, imports)
 P50_TARGET = 1.5
@@ -110,7 +112,8 @@ class GatewayProcess:
             SIDECAR_PROFILE_MCP_NOOP_MCP_DESCRIPTION="No-op: returns its arguments.",
             SIDECAR_PROFILE_MCP_HELD_MCP_DESCRIPTION="No-op: returns its arguments.")
         argv = [sys.executable, "-m", "sidecar", "mcp", "--listen", f"127.0.0.1:{self.port}",
-                "--tool", NOOP, "--tool", HELD, "--max-calls-per-principal", str(max_calls)]
+                "--tool", NOOP, "--tool", HELD, "--max-calls-per-principal", str(max_calls),
+                "--max-tasks-per-principal", str(ctx.mode.mcp_tasks + 8)]
         self.proc = ctx.popen(argv, env=env, log=self.log_path)
         self.pid = self.proc.pid
 
@@ -153,6 +156,21 @@ class GatewayProcess:
             limits=httpx2.Limits(max_connections=connections,
                                  max_keepalive_connections=connections))
         async with http, Client(streamable_http_client(self.url, http_client=http)) as client:
+            yield client
+
+    @contextlib.asynccontextmanager
+    async def tasks_session(self):
+        """An MCP client session that declares the Tasks extension (sidecar.mcp_tasks):
+        tools/call answers with a task handle at once."""
+        from mcp import Client
+        from mcp.client.streamable_http import streamable_http_client
+        from mcp.shared._httpx_utils import create_mcp_http_client
+
+        from sidecar.mcp_tasks import TasksExtension
+
+        http = create_mcp_http_client(headers={"Authorization": f"Bearer {self.token}"})
+        async with http, Client(streamable_http_client(self.url, http_client=http),
+                                extensions=[TasksExtension()]) as client:
             yield client
 
     async def stop(self) -> None:
@@ -253,6 +271,32 @@ async def in_flight(ctx: Context, dsn: str, conn: asyncpg.Connection,
     return {"idle": idle, "busy": busy, "calls": calls, "settled": settled}
 
 
+async def pending_tasks(ctx: Context, dsn: str, gateway: GatewayProcess,
+                        count: int) -> dict[str, Any]:
+    """The gateway's RSS idle, then with ``count`` tasks of HELD pending (created one
+    after another with the Tasks extension; no sidecar of HELD runs them); each task read
+    back with tasks/get, then all cancelled. Bytes and seconds."""
+    from sidecar.client import Client
+    from sidecar.mcp_tasks import get_task
+
+    idle = await rss_settled(gateway.pid)
+    started = time.perf_counter()
+    async with gateway.tasks_session() as client:
+        handles = [await client.session.call_tool(HELD, {"n": n}, allow_claimed=True)
+                   for n in range(count)]
+        created = time.perf_counter() - started
+        busy = await rss_settled(gateway.pid)
+        for handle in handles[:: max(1, count // 20)]:
+            task = await get_task(client.session, handle.task_id)
+            if task["status"] != "working":
+                raise BenchError(f"pending task {handle.task_id}: {task!r:.200}")
+    async with Client(dsn) as caller:
+        cancelled = await caller.cancel(tag={"mcp.principal": PRINCIPAL, "mcp.kind": "task"})
+    if len(cancelled) != count:
+        raise BenchError(f"{count} pending tasks, {len(cancelled)} cancelled")
+    return {"idle": idle, "busy": busy, "count": count, "created": created}
+
+
 @contextlib.asynccontextmanager
 async def serving(ctx: Context, dsn: str, max_calls: int, name: str):
     """A sidecar of NOOP (concurrency 1, as section 11's) and a gateway on ``dsn``; yields
@@ -311,6 +355,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     async with serving(ctx, ctx.dsn, flying + 8, "mcp-gateway") as gateway, \
             gateway.session(flying + 8) as session:
         trips = await round_trips(ctx, gateway, session, calls)
+        tasks = await pending_tasks(ctx, ctx.dsn, gateway, mode.mcp_tasks)
         if here:
             memory = await in_flight(ctx, ctx.dsn, conn, gateway, session, flying)
     if memory is None:
@@ -328,6 +373,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     b50, b99 = percentile(base, 50), percentile(base, 99)
     idle, busy = memory["idle"], memory["busy"]
     per_call = (busy - idle) / memory["calls"]
+    task_bytes = max(0, tasks["busy"] - tasks["idle"]) / tasks["count"]
     rows = [
         Row(SECTION, "MCP gateway round trip p50, no-op tool (tools/call to result, one "
             "session, calls one after another)", ms(g50), f"Client.call {ms(b50)}",
@@ -338,6 +384,12 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
         Row(SECTION, f"MCP gateway RSS with {memory['calls']} calls in flight at once, "
             "per call in flight", f"{kib(per_call)} per call ({busy / 1048576:.1f} MiB "
             "in all)", f"idle {idle / 1048576:.1f} MiB", f"{busy / idle:.2f} × idle"),
+        Row(SECTION, f"MCP gateway RSS with {tasks['count']} tasks pending at once (Tasks "
+            "extension), per task", f"{kib(task_bytes)} per task "
+            f"({tasks['busy'] / 1048576:.1f} MiB in all)",
+            f"idle {tasks['idle'] / 1048576:.1f} MiB; created in {tasks['created']:.1f} s",
+            f"{tasks['busy'] / tasks['idle']:.2f} × idle",
+            f"≤ {TASK_KIB_TARGET:g} KiB per pending task", task_bytes <= TASK_KIB_TARGET * 1024),
     ]
     ctx.settings.append(
         f"{SECTION}: `sidecar mcp --listen 127.0.0.1:PORT --tool {NOOP} --tool {HELD} "
@@ -353,6 +405,9 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
         f"it until read: each call queued and waited for, its LISTEN connection open), in "
         f"flight {memory['settled']:.2f} s after the first was sent; then one sidecar at "
         f"concurrency 8 ran them, each result checked"
+        + f"; then {tasks['count']} tasks of `{HELD}` created one after another in a "
+        "session declaring the Tasks extension (sidecar.mcp_tasks), RSS read with all of "
+        "them pending, every twentieth read back with tasks/get, then all cancelled by tag"
         + ("" if here else "; the RSS on a second gateway and embedded PostgreSQL "
            f"(max_connections {need + 20}) after {WARM_UP} warm-up calls"))
     return rows
