@@ -126,9 +126,10 @@ def cmd_migrate(args, settings: Settings) -> int:
             store = Store(pool, settings.db_timeout_seconds)
             applied = await store.migrate()
             out = {"applied": applied, "version": await store.schema_version()}
-            if args.worker_role or args.scaler_role:
-                await store.grant_roles(args.worker_role, args.scaler_role)
-                out["granted"] = {"worker": args.worker_role, "scaler": args.scaler_role}
+            if args.worker_role or args.scaler_role or args.caller_role:
+                await store.grant_roles(args.worker_role, args.scaler_role, args.caller_role)
+                out["granted"] = {"worker": args.worker_role, "scaler": args.scaler_role,
+                                  "caller": args.caller_role}
             return out
         finally:
             await pool.close()
@@ -908,12 +909,17 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("migrate", cmd_migrate, "create or upgrade the schema; then, as its owner, "
-            "grant the worker's and the scaler's roles what they need and no more")
+            "grant the worker's, the scaler's and the callers' roles what they need "
+            "and no more")
     p.add_argument("--worker-role", metavar="ROLE",
                    help="grant ROLE the workers' privileges: rows of the queue's tables, "
                         "no DDL (docs/operations.md, 'Roles and Secrets')")
     p.add_argument("--scaler-role", metavar="ROLE",
                    help="grant ROLE EXECUTE on tool_job_demand only (KEDA's query)")
+    p.add_argument("--caller-role", metavar="ROLE",
+                   help="grant ROLE what a caller needs and no more: enqueue, wait, read "
+                        "and cancel jobs (the MCP gateway's, sidecar.client's); no UPDATE "
+                        "or DELETE of jobs, no DDL")
     p = add("enqueue", cmd_enqueue, "queue one job for TOOL; prints {id, created}")
     p.add_argument("tool", metavar="TOOL")
     p.add_argument("--payload", metavar="JSON")

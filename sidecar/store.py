@@ -174,13 +174,17 @@ class Store:
         except asyncpg.UndefinedTableError:
             return 0
 
-    async def grant_roles(self, worker: str | None, scaler: str | None) -> list[str]:
-        """Grant ``worker`` the worker's privileges and ``scaler`` EXECUTE on
-        tool_job_demand (sql/roles.sql), in one transaction; return the statements run.
-        Run as the schema owner after migrating; the roles themselves are the DBA's."""
+    async def grant_roles(self, worker: str | None, scaler: str | None,
+                          caller: str | None = None) -> list[str]:
+        """Grant ``worker`` the worker's privileges, ``scaler`` EXECUTE on tool_job_demand
+        and ``caller`` what enqueue, wait, get and cancel need (sql/roles.sql; each None
+        is skipped), in one transaction; return the statements run. Run as the schema
+        owner after migrating; the roles themselves are the DBA's (asyncpg's
+        UndefinedObjectError when one does not exist, and nothing is granted)."""
         done: list[str] = []
         async with self.pool.acquire() as conn, conn.transaction():
-            for name, role in (("worker_grants", worker), ("scaler_grants", scaler)):
+            for name, role in (("worker_grants", worker), ("scaler_grants", scaler),
+                               ("caller_grants", caller)):
                 if role is None:
                     continue
                 for row in await conn.fetch(Q[name], role, timeout=self.timeout):

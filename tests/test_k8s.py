@@ -26,17 +26,22 @@ from kit import base_env, enqueue, query, scalar
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
-OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+# The MCP gateway's overlay serves tools over MCP (docs/mcp.md); the others run tools.
+GATEWAY = "mcp-gateway"
+ALL_OVERLAYS = sorted(p.parent.name for p in (K8S / "overlays").glob("*/kustomization.yaml"))
+OVERLAYS = [name for name in ALL_OVERLAYS if name != GATEWAY]
 KEDA = Path(__file__).resolve().parent / "keda"
 KUBERNETES_VERSION = "1.32"  # the oldest release still maintained upstream in 2026
 # One Secret per database role (docs/operations.md "Roles and Secrets").
 OWNER_SECRET, WORKER_SECRET, SCALER_SECRET = ("sidecar-db-owner", "sidecar-db-worker",
                                               "sidecar-db-scaler")
+CALLER_SECRET, TOKENS_SECRET = "sidecar-db-caller", "sidecar-mcp-tokens"
 
 
 def test_there_is_an_overlay_per_kind_of_tool_image():
     # OCR: an image built on the sidecar image; browser: an unmodified image + the bundle.
     assert OVERLAYS == ["browser", "ocr"]
+    assert ALL_OVERLAYS == ["browser", "mcp-gateway", "ocr"]
 
 
 def _kubectl() -> str:
@@ -57,7 +62,7 @@ def _render(overlay: str) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
-    return {overlay: _render(overlay) for overlay in OVERLAYS}
+    return {overlay: _render(overlay) for overlay in ALL_OVERLAYS}
 
 
 def _of(docs: list[dict], kind: str) -> list[dict]:
@@ -73,7 +78,7 @@ def _containers(spec: dict) -> list[dict]:
     return spec.get("initContainers", []) + spec["containers"]
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_object_validates_against_the_kubernetes_schemas(rendered, overlay):
     kinds = set()
     for doc in rendered[overlay]:
@@ -81,6 +86,10 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered, overlay
         if doc["apiVersion"].startswith("keda.sh/"):
             continue  # a CRD: KEDA's own schema, below
         kubernetes_validate.validate(doc, KUBERNETES_VERSION, strict=True)
+    if overlay == GATEWAY:
+        assert kinds == {"Deployment", "Job", "Service", "NetworkPolicy",
+                         "PodDisruptionBudget", "ConfigMap"}
+        return
     assert {"Deployment", "Job", "NetworkPolicy", "PodDisruptionBudget", "ConfigMap",
             "ScaledObject", "TriggerAuthentication"} <= kinds
 
@@ -128,10 +137,10 @@ def test_the_keda_check_refuses_a_wrong_scaled_object(rendered, keda_validator):
     assert done.returncode == 1 and "INVALID" in done.stdout.decode()
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_container_runs_restricted_without_an_api_token(rendered, overlay):
     specs = _pod_specs(rendered[overlay])
-    assert len(specs) == 2  # the worker and the migration Job
+    assert len(specs) == 2  # the worker (or the gateway) and the migration Job
     for where, spec in specs:
         assert spec["automountServiceAccountToken"] is False, where
         pod = spec["securityContext"]
@@ -187,7 +196,15 @@ def test_probes_reach_this_containers_own_sidecar_port(rendered, overlay):
     assert tool["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+def _own_db_secret(overlay: str, where: str) -> str:
+    """The one database Secret a pod of ``overlay`` may hold: the owner's in a migration
+    Job, else the worker's (a tool overlay) or the callers' (the gateway)."""
+    if where.startswith("Job/"):
+        return OWNER_SECRET
+    return CALLER_SECRET if overlay == GATEWAY else WORKER_SECRET
+
+
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_the_database_url_comes_from_a_mounted_secret_that_is_not_rendered(rendered,
                                                                            overlay):
     docs = rendered[overlay]
@@ -201,32 +218,40 @@ def test_the_database_url_comes_from_a_mounted_secret_that_is_not_rendered(rende
             [mount] = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
             assert mount["readOnly"] is True
             secret = secrets[mount["name"]]
-            wanted = OWNER_SECRET if where.startswith("Job/") else WORKER_SECRET
-            assert secret["secretName"] == wanted, where
+            assert secret["secretName"] == _own_db_secret(overlay, where), where
             assert secret["defaultMode"] & 0o007 == 0, "world-readable secret file"
             # Owner root, group fsGroup: only the group bit lets the sidecar read it.
             assert secret["defaultMode"] & 0o040, "the sidecar (fsGroup) cannot read it"
             pod = spec["securityContext"]
             assert pod["fsGroup"] == pod["runAsGroup"], where
-    [auth] = _of(docs, "TriggerAuthentication")
-    assert auth["spec"]["secretTargetRef"] == [
-        {"parameter": "connection", "name": SCALER_SECRET, "key": "url"}]
+    for secret in (v["secret"] for _, spec in _pod_specs(docs) for v in spec["volumes"]
+                   if "secret" in v):  # the token file too: never world-readable
+        assert secret["defaultMode"] & 0o007 == 0 and secret["defaultMode"] & 0o040, secret
+    if overlay != GATEWAY:
+        [auth] = _of(docs, "TriggerAuthentication")
+        assert auth["spec"]["secretTargetRef"] == [
+            {"parameter": "connection", "name": SCALER_SECRET, "key": "url"}]
     shown = list(yaml.safe_load_all((K8S / "secret.example.yaml").read_text()))
     assert {d["kind"] for d in shown} == {"Secret"}
     assert [d["metadata"]["name"] for d in shown] == [OWNER_SECRET, WORKER_SECRET,
-                                                      SCALER_SECRET]
-    users = {urlsplit(d["stringData"]["url"]).username for d in shown}
-    assert len(users) == 3, "one database role per Secret"
+                                                      SCALER_SECRET, CALLER_SECRET,
+                                                      TOKENS_SECRET]
+    users = {urlsplit(d["stringData"]["url"]).username for d in shown
+             if "url" in d["stringData"]}
+    assert len(users) == 4, "one database role per Secret"
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_each_pod_mounts_only_its_own_roles_secret(rendered, overlay):
     """The worker pod holds the worker role's Secret and no other (a tool that reads it
-    gets rows of the queue, not the schema owner's rights); the migration Job holds only
-    the owner's; KEDA gets the scaler's, which no pod mounts."""
+    gets rows of the queue, not the schema owner's rights); the gateway the callers' role
+    and its token file; the migration Job holds only the owner's; KEDA gets the scaler's,
+    which no pod mounts."""
     docs = rendered[overlay]
     for where, spec in _pod_specs(docs):
-        wanted = {OWNER_SECRET} if where.startswith("Job/") else {WORKER_SECRET}
+        wanted = {_own_db_secret(overlay, where)}
+        if overlay == GATEWAY and where.startswith("Deployment/"):
+            wanted.add(TOKENS_SECRET)
         assert {v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v} == wanted
         projected = [v for v in spec["volumes"] if "projected" in v or "csi" in v]
         assert not projected, where
@@ -239,7 +264,10 @@ def test_each_pod_mounts_only_its_own_roles_secret(rendered, overlay):
     secret_volumes = {v["name"] for v in spec["volumes"] if "secret" in v}
     for c in _containers(spec):
         mounted = {m["name"] for m in c.get("volumeMounts", [])} & secret_volumes
-        assert mounted == ({"db"} if c["name"] == "tool" else set()), c["name"]
+        own = {"tool": {"db"}, "gateway": {"db", "tokens"}}.get(c["name"], set())
+        assert mounted == own, c["name"]
+    if overlay == GATEWAY:
+        return
     [auth] = _of(docs, "TriggerAuthentication")
     assert {r["name"] for r in auth["spec"]["secretTargetRef"]} == {SCALER_SECRET}
 
@@ -278,7 +306,7 @@ def test_the_pin_check_refuses_moving_and_missing_tags():
         assert _pinned(image), image
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_image_is_pinned_and_a_new_one_reruns_the_migration(rendered, overlay):
     """Every container's image is an exact tag or a digest; the migration Job's name ends
     with its image's tag, so applying a new image creates (and runs) a new Job instead of
@@ -436,3 +464,110 @@ def test_the_tools_attempts_can_be_sandboxed(rendered, overlay):
     assert tool["securityContext"]["procMount"] == "Unmasked"
     assert tool["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert not any(name.endswith("SANDBOX") and value == "off" for name, value in env.items())
+
+
+def _gateway(docs: list[dict]) -> tuple[dict, dict, dict[str, str]]:
+    [deployment] = _of(docs, "Deployment")
+    configmaps = {d["metadata"]["name"]: d for d in _of(docs, "ConfigMap")}
+    [gateway] = deployment["spec"]["template"]["spec"]["containers"]
+    assert gateway["name"] == "gateway"
+    return deployment, gateway, _env(gateway, configmaps)
+
+
+def _options(args: list[str]) -> dict[str, list[str]]:
+    """``sidecar mcp``'s options, each with every value it was given (they repeat)."""
+    assert args[0] == "mcp", args
+    out: dict[str, list[str]] = {}
+    for name, value in zip(args[1::2], args[2::2], strict=True):
+        out.setdefault(name, []).append(value)
+    return out
+
+
+def test_the_gateway_runs_two_replicas_probed_on_livez_with_the_callers_secret(rendered):
+    """The gateway's Deployment: at least two replicas (and a budget that keeps one), the
+    three probes on /livez at the port it listens on, the callers' database Secret and the
+    token Secret and no other, and a migration Job that grants the callers' role only."""
+    docs = rendered[GATEWAY]
+    deployment, gateway, env = _gateway(docs)
+    assert deployment["spec"]["replicas"] >= 2
+    options = _options(gateway["args"])
+    [listen] = options["--listen"]
+    port = int(listen.rpartition(":")[2])
+    assert listen == f"0.0.0.0:{port}"
+    assert {p["name"]: p["containerPort"] for p in gateway["ports"]} == {"mcp": port}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert gateway[probe]["httpGet"] == {"path": "/livez", "port": "mcp"}, probe
+    startup = gateway["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 120
+    spec = deployment["spec"]["template"]["spec"]
+    secrets = {v["name"]: v["secret"]["secretName"] for v in spec["volumes"] if "secret" in v}
+    assert secrets == {"db": CALLER_SECRET, "tokens": TOKENS_SECRET}
+    mounts = {m["name"]: m["mountPath"] for m in gateway["volumeMounts"]}
+    assert env["SIDECAR_DATABASE_URL_FILE"].startswith(mounts["db"] + "/")
+    assert env["SIDECAR_MCP_TOKEN_FILE"].startswith(mounts["tokens"] + "/")
+    assert gateway["securityContext"]["readOnlyRootFilesystem"] is True
+    [budget] = _of(docs, "PodDisruptionBudget")
+    selector = deployment["spec"]["selector"]["matchLabels"]
+    assert budget["spec"] == {"minAvailable": 1, "selector": {"matchLabels": selector}}
+    assert selector.get("app.kubernetes.io/instance") == GATEWAY
+    [job] = _of(docs, "Job")
+    [migrate] = job["spec"]["template"]["spec"]["containers"]
+    assert migrate["args"][0] == "migrate"
+    assert set(migrate["args"][1::2]) == {"--caller-role"}
+
+
+def test_the_gateways_service_policy_and_tools_fit_together(rendered, tmp_path):
+    """The Service's name is an --allowed-host (the Host check would refuse agents
+    otherwise) and it reaches the gateway's port; the NetworkPolicy lets only labelled
+    agents in, on that port, and lets out DNS and PostgreSQL only; every --tool has its
+    MCP_DESCRIPTION and a schema file in the mounted ConfigMap, and `sidecar config`
+    accepts them."""
+    docs = rendered[GATEWAY]
+    deployment, gateway, env = _gateway(docs)
+    options = _options(gateway["args"])
+    port = int(options["--listen"][0].rpartition(":")[2])
+    [service] = _of(docs, "Service")
+    name = service["metadata"]["name"]
+    assert f"{name}:*" in options["--allowed-host"]
+    assert service["spec"]["selector"].items() <= \
+        deployment["spec"]["template"]["metadata"]["labels"].items()
+    assert [(p["port"], p["targetPort"]) for p in service["spec"]["ports"]] == [(port, "mcp")]
+    [policy] = _of(docs, "NetworkPolicy")
+    assert policy["spec"]["podSelector"]["matchLabels"] == \
+        deployment["spec"]["selector"]["matchLabels"]
+    assert set(policy["spec"]["policyTypes"]) == {"Ingress", "Egress"}
+    [ingress] = policy["spec"]["ingress"]
+    assert ingress["ports"] == [{"port": port, "protocol": "TCP"}]
+    [peer] = ingress["from"]
+    assert set(peer) == {"namespaceSelector", "podSelector"}  # both: labelled agents only
+    assert all(peer[k]["matchLabels"] for k in peer)
+    egress_ports = {p["port"] for rule in policy["spec"]["egress"] for p in rule["ports"]}
+    assert egress_ports == {53, 5432, 6432}
+    assert all("to" not in rule for rule in policy["spec"]["egress"])
+    tools = options["--tool"]
+    assert tools == ["ocr", "browser"]
+    spec = deployment["spec"]["template"]["spec"]
+    [schemas] = [v["configMap"]["name"] for v in spec["volumes"] if "configMap" in v]
+    [schema_map] = [d for d in _of(docs, "ConfigMap") if d["metadata"]["name"] == schemas]
+    [mount] = [m["mountPath"] for m in gateway["volumeMounts"] if m["name"] == "schemas"]
+    check = {}
+    for tool in tools:
+        key = tool.upper()
+        assert env[f"SIDECAR_PROFILE_{key}_MCP_DESCRIPTION"]
+        path = env[f"SIDECAR_PROFILE_{key}_MCP_INPUT_SCHEMA_FILE"]
+        assert path.startswith(mount + "/")
+        local = tmp_path / path.rpartition("/")[2]
+        local.write_text(schema_map["data"][local.name])
+        check[f"SIDECAR_PROFILE_{key}_MCP_DESCRIPTION"] = \
+            env[f"SIDECAR_PROFILE_{key}_MCP_DESCRIPTION"]
+        check[f"SIDECAR_PROFILE_{key}_MCP_INPUT_SCHEMA_FILE"] = str(local)
+    environment = {k: v for k, v in base_env("postgresql://unused@127.0.0.1/none").items()
+                   if not k.startswith("SIDECAR_")}
+    for tool in tools:
+        done = subprocess.run([sys.executable, "-m", "sidecar", "config", "--tool", tool],
+                              env={**environment, **check}, capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stderr.decode()
+        [profile] = json.loads(done.stdout)["profiles"]
+        assert profile["tool"] == tool
+        assert profile["mcp_description"] == \
+            check[f"SIDECAR_PROFILE_{tool.upper()}_MCP_DESCRIPTION"], profile

@@ -375,41 +375,13 @@ ORDER BY id DESC LIMIT 1;
 -- name: cancel_job
 -- Cancels the job $1, or every queued or running job whose tags contain $2 (jsonb, e.g.
 -- {"run": "42"}; read through tool_jobs_tags_idx), and every later stage of them still
--- queued or running. A running job keeps its owner, token and lease end: its owner may
--- still run the tree until it notices at its next heartbeat (zero rows) and kills it
--- (acknowledge_cancel_if_owner) or, at the latest, until that lease ends, and retry_jobs
--- waits for one of the two (case F14). A cancelled job's completion is refused by its
--- fence, so it creates no next stage.
-WITH RECURSIVE chain AS (
-    SELECT id FROM tool_jobs WHERE id = $1
-    UNION
-    SELECT id FROM tool_jobs
-    WHERE $2::jsonb IS NOT NULL AND tags @> $2::jsonb AND tags <> '{}'::jsonb
-      AND state IN ('queued', 'running')
-    UNION ALL
-    SELECT c.id FROM tool_jobs c JOIN chain ON c.parent_id = chain.id
-), target AS (
-    SELECT j.id, j.state AS previous_state FROM tool_jobs j
-    WHERE j.id IN (SELECT id FROM chain) AND j.state IN ('queued', 'running')
-    FOR UPDATE
-), cancelled AS (
-    UPDATE tool_jobs j
-    SET state = 'cancelled', finished_at = now(),
-        lease_until = CASE WHEN target.previous_state = 'running' AND j.lease_until > now()
-                           THEN j.lease_until END,
-        -- its slot stays taken until the owner confirms the tree dead (migration 016)
-        cancel_pending = target.previous_state = 'running' AND j.lease_until > now(),
-        error = jsonb_build_object('kind', 'cancelled', 'message', 'cancelled by an operator')
-    FROM target
-    WHERE j.id = target.id
-    RETURNING j.id, j.fencing_token, target.previous_state
-), journal AS (
-    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, fencing_token, 'job_cancelled',
-           jsonb_build_object('previous_state', previous_state)
-    FROM cancelled
-)
-SELECT id, previous_state FROM cancelled;
+-- queued or running: tool_job_cancel (migration 018), which writes with the schema
+-- owner's rights so that the callers' role needs no UPDATE on tool_jobs. A running job
+-- keeps its owner, token and lease end: its owner may still run the tree until it notices
+-- at its next heartbeat (zero rows) and kills it (acknowledge_cancel_if_owner) or, at the
+-- latest, until that lease ends, and retry_jobs waits for one of the two (case F14). A
+-- cancelled job's completion is refused by its fence, so it creates no next stage.
+SELECT cancelled_id AS id, previous_state FROM tool_job_cancel($1::uuid, $2::jsonb);
 
 -- name: retry_jobs
 -- An operator's re-run: failed or cancelled jobs, one ($1) or every one of a tool ($3)

@@ -44,3 +44,45 @@ SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT EXECUTE ON FUNCTION %I.tool_job_demand(text) TO %I', current_schema(),
               $1::text);
+
+-- name: caller_grants
+-- A caller's role (the MCP gateway's, `sidecar mcp`; any producer that only enqueues,
+-- waits, reads and cancels through sidecar.client or the CLI), found by running those
+-- calls as a role with nothing and granting what each refusal named (tests/test_roles.py):
+-- the migration ledger read when a client opens; the job rows read (waiting reads the
+-- job's row and progress, get reads all of it); an INSERT of only the columns
+-- tool_job_enqueue writes (no state, owner, lease, token or attempt: a job it inserts is
+-- queued, not claimed), the enqueue journal row and its sequence; the idle sidecars' list
+-- that tool_job_wake takes a sidecar off (read and DELETE); the flow row a job with a
+-- concurrency key gives its tool (migration 016's trigger; INSERT of tool and updated_by);
+-- and EXECUTE on the functions it calls. No UPDATE or DELETE on tool_jobs: a cancel is
+-- tool_job_cancel (migration 018, the owner's rights). Not the journal's reads, the
+-- outbox, the sweeps, the fence_* tables, the demand function or the claim functions.
+SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
+UNION ALL
+SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations TO %I', current_schema(),
+              $1::text)
+UNION ALL
+SELECT format('GRANT SELECT, INSERT (id, tool, idempotency_key, payload, max_attempts, '
+              'priority, run_after, expires_at, tags, traceparent, tracestate, '
+              'concurrency_key) ON TABLE %I.tool_jobs TO %I', current_schema(), $1::text)
+UNION ALL
+SELECT format('GRANT INSERT (job_id, fencing_token, event, details) ON TABLE '
+              '%I.tool_job_events TO %I', current_schema(), $1::text)
+UNION ALL
+SELECT format('GRANT USAGE ON SEQUENCE %s TO %I',
+              pg_get_serial_sequence(format('%I.tool_job_events', current_schema()), 'id'),
+              $1::text)
+UNION ALL
+SELECT format('GRANT SELECT, UPDATE (seen_at), DELETE ON TABLE %I.tool_idle_sidecars TO %I',
+              current_schema(), $1::text)
+UNION ALL
+SELECT format('GRANT SELECT (tool), INSERT (tool, updated_by) ON TABLE %I.tool_flow TO %I',
+              current_schema(), $1::text)
+UNION ALL
+(SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, $1::text)
+ FROM pg_proc p
+ WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
+   AND p.proname IN ('tool_job_enqueue', 'sidecar_enqueue', 'tool_job_new_id',
+                     'tool_job_wake', 'tool_job_cancel')
+ ORDER BY p.proname);
