@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import re
 import secrets
@@ -37,6 +38,8 @@ import anyio
 import jsonschema
 import mcp_types as types
 import orjson
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
@@ -110,6 +113,7 @@ class Gateway:
                 "Each tool call runs as a leased job of the sidecar queue; a cancelled "
                 "request cancels its job."),
             on_list_tools=self._list_tools, on_call_tool=self._call_tool)
+        self.server.middleware.append(_clear_validation)
         # Tasks: every method reads the job row, so any replica serves any task.
         self.server.extensions[TASKS_EXTENSION] = {}
         self.server.add_request_handler("tasks/get", TaskParams, self._task_get)
@@ -138,7 +142,7 @@ class Gateway:
         key = self._idempotency_key(ctx, principal, meta)
         as_task = _wants_task(ctx)
         with self._slot(principal):
-            tags = {"mcp.principal": principal, "mcp.tool_call": _text_id(ctx.request_id)}
+            tags = {"mcp.principal": principal, "mcp.tool_call": _tag_id(ctx.request_id)}
             if session := _session_id(ctx):
                 tags["mcp.session"] = session[:256]
             if as_task:  # the task id: 192 random bits, not the job id
@@ -148,7 +152,10 @@ class Gateway:
             try:
                 ref = await self.client.enqueue(tool.name, arguments, idempotency_key=key,
                                                 tags=tags)
-            except (UsageError, ConfigError, IdempotencyConflict) as exc:
+            except IdempotencyConflict as exc:
+                raise MCPError(code=INVALID_PARAMS,
+                               message=_conflict(str(exc), meta, key)) from None
+            except (UsageError, ConfigError) as exc:
                 raise MCPError(code=INVALID_PARAMS, message=one_line(str(exc))) from None
             except (SidecarError, *db.DATABASE_ERRORS) as exc:
                 log.warning("mcp call of %s: enqueue failed: %s", tool.name, one_line(str(exc)))
@@ -156,16 +163,15 @@ class Gateway:
                     f"the job could not be queued: {one_line(str(exc))}")) from None
             if as_task:  # the handle at once; the job goes on without this request
                 job = await self.client.get(ref.id)
+                if "mcp.task" not in (job.tags or {}):  # the key named a plain call
+                    raise MCPError(code=INVALID_PARAMS, message=(
+                        f"_meta {IDEMPOTENCY_META}: this key already names a call made "
+                        f"without the Tasks extension (job {job.id}); use another key"))
                 return {"resultType": "task", **self._task(job, with_result=False)}
             progress_token = meta.get("progressToken")
             if isinstance(progress_token, bool) or not isinstance(progress_token, str | int):
                 progress_token = None
-            try:
-                end = await self._follow(ctx, ref.id, progress_token)
-            except BaseException:
-                if not self.stopping:
-                    await self._cancel(ref.id)
-                raise
+            end = await self._wait(ctx, ref.id, progress_token, cancel_on_cancel=True)
         return _tool_result(end)
 
     def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:
@@ -192,6 +198,27 @@ class Gateway:
             self.in_flight[principal] -= 1
             if not self.in_flight[principal]:
                 del self.in_flight[principal]
+
+    async def _wait(self, ctx: Any, job_id: uuid.UUID, progress_token: str | int | None,
+                    cancel_on_cancel: bool) -> JobEnd:
+        """``_follow``; a cancelled request cancels the job (``cancel_on_cancel``, unless
+        the gateway is stopping); losing sight of the job (the database away longer than
+        the waiter's reconnects) is INTERNAL_ERROR saying the job goes on."""
+        try:
+            return await self._follow(ctx, job_id, progress_token)
+        except asyncio.CancelledError:
+            if cancel_on_cancel and not self.stopping:
+                await self._cancel(job_id)
+            raise
+        except (SidecarError, *db.DATABASE_ERRORS) as exc:
+            if isinstance(exc, JobNotFound):
+                raise MCPError(code=INVALID_PARAMS, message=f"job {job_id} is gone "
+                               "(pruned after its retention)") from None
+            log.warning("mcp: lost sight of job %s: %s", job_id, one_line(str(exc)))
+            raise MCPError(code=INTERNAL_ERROR, message=(
+                f"the gateway lost sight of job {job_id}, which goes on; ask again (the "
+                f"same request or task) to wait for it: {one_line(str(exc))[:200]}")) \
+                from None
 
     async def _follow(self, ctx: Any, job_id: uuid.UUID,
                       progress_token: str | int | None) -> JobEnd:
@@ -246,12 +273,10 @@ class Gateway:
         status = _TASK_STATUS.get(job.state, "working")
         moments = [job.created_at, job.first_claimed_at, job.finished_at]
         progress = job.progress if isinstance(job.progress, dict) else {}
-        retention = (self.settings.retention_failed_seconds if job.state == "failed"
-                     else self.settings.retention_seconds) if self.settings else 0
         task: dict[str, Any] = {
             "taskId": job.tags["mcp.task"], "status": status, "createdAt": _iso(job.created_at),
             "lastUpdatedAt": _iso(max(m for m in moments if m is not None)),
-            "ttlMs": int(retention * 1000) or None, "pollIntervalMs": TASK_POLL_MS}
+            "ttlMs": self._ttl_ms(job.state), "pollIntervalMs": TASK_POLL_MS}
         if job.state == "queued":
             task["statusMessage"] = "queued"
         elif job.state == "running":
@@ -266,6 +291,15 @@ class Gateway:
                                                           exclude_none=True)
         return task
 
+    def _ttl_ms(self, state: str) -> int | None:
+        """The retention of a job in ``state`` in ms (SIDECAR_RETENTION_SECONDS, or
+        _FAILED_SECONDS for a failed one); None when kept for ever."""
+        if self.settings is None:
+            return None
+        seconds = (self.settings.retention_failed_seconds if state == "failed"
+                   else self.settings.retention_seconds)
+        return int(seconds * 1000) or None
+
     async def _task_get(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
         job = await self._own_task(ctx, params.task_id)
         return {"resultType": "complete", **self._task(job)}
@@ -274,7 +308,7 @@ class Gateway:
         """Wait for the task's job to end (no polling) and return its tool result."""
         job = await self._own_task(ctx, params.task_id)
         with self._slot(self.principal_of(ctx)):
-            end = await self._follow(ctx, job.id, None)
+            end = await self._wait(ctx, job.id, None, cancel_on_cancel=False)
         return _tool_result(end)
 
     async def _task_cancel(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
@@ -287,19 +321,20 @@ class Gateway:
     async def _task_list(self, ctx: Any, params: Any) -> dict[str, Any]:
         """The principal's newest tasks (at most TASK_LIST_LIMIT), without results."""
         principal = self.principal_of(ctx)
-        rows = await self.client.jobs(tags={"mcp.principal": principal},
+        rows = await self.client.jobs(tags={"mcp.principal": principal, "mcp.kind": "task"},
                                       limit=TASK_LIST_LIMIT)
         tasks = []
         for row in rows:
             task_id = (row["tags"] or {}).get("mcp.task")
-            if not task_id:  # a plain call of the principal, not a task
+            if not task_id:
                 continue
             moments = [row["created_at"], row["finished_at"]]
             tasks.append({"taskId": task_id,
                           "status": _TASK_STATUS.get(row["state"], "working"),
                           "createdAt": _iso(row["created_at"]),
                           "lastUpdatedAt": _iso(max(m for m in moments if m is not None)),
-                          "ttlMs": None, "pollIntervalMs": TASK_POLL_MS})
+                          "ttlMs": self._ttl_ms(row["state"]),
+                          "pollIntervalMs": TASK_POLL_MS})
         return {"resultType": "complete", "tasks": tasks}
 
     async def _cancel(self, job_id: uuid.UUID) -> None:
@@ -383,6 +418,47 @@ def _text_id(request_id: Any) -> str:
     return "" if request_id is None else str(request_id)[:256]
 
 
+def _conflict(message: str, meta: Mapping[str, Any], key: str | None) -> str:
+    """An idempotency conflict in the client's terms: its own ``_meta`` key, or its
+    session's request id, never the gateway's derived key."""
+    found = re.search(r"job ([0-9a-f-]{36})", message)
+    job = f" (job {found.group(1)})" if found else ""
+    given = meta.get(IDEMPOTENCY_META)
+    if isinstance(given, str):
+        return (f"_meta {IDEMPOTENCY_META} {given[:80]!r} already names a call with other "
+                f"arguments or another tool{job}; use another key")
+    return (f"this request id was already used in this session for a call with other "
+            f"arguments or another tool{job}; use a new request id")
+
+
+async def _clear_validation(ctx: Any, call_next: Any) -> Any:
+    """Server middleware: params the SDK refuses (pydantic, before any handler) become
+    INVALID_PARAMS naming the field and why, instead of a bare "Invalid request
+    parameters"."""
+    from pydantic import ValidationError
+
+    try:
+        return await call_next(ctx)
+    except ValidationError as exc:
+        if ctx.request_id is None:  # a notification: nobody to answer
+            raise
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ())) or "params"
+        raise MCPError(code=INVALID_PARAMS, message=(
+            f"{ctx.method}: params.{where}: {one_line(str(first.get('msg', 'invalid')))}"
+            [:300])) from None
+
+
+def _tag_id(request_id: Any) -> str:
+    """The request id as a tag value: as is when it is 1-256 printable characters, else
+    (an empty id, control characters, a longer one: all legal JSON-RPC) ``sha256:`` and
+    the first 32 hex digits of its digest."""
+    text = "" if request_id is None else str(request_id)
+    if 1 <= len(text) <= 256 and text.isprintable():
+        return text
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
 def _session_id(ctx: Any) -> str | None:
     """The Streamable HTTP session of the request (``Mcp-Session-Id``), if any."""
     request = getattr(ctx, "request", None)
@@ -444,6 +520,10 @@ class BearerAuth:
                          [(b"www-authenticate", b'Bearer realm="sidecar-mcp"')])
             return
         scope["sidecar.principal"] = principal
+        # The SDK binds a session to the credential that opened it (scope["user"]): a
+        # session id used with another principal's token is answered 404, as unknown.
+        scope["user"] = AuthenticatedUser(AccessToken(token="-", client_id=principal,
+                                                      scopes=[]))
         await self.app(scope, receive, send)
 
 

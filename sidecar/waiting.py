@@ -139,9 +139,13 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
         conn.add_termination_listener(on_close)
     try:
         if listen:
-            for job_id in pending:
-                listening[job_id] = job_channel(job_id)
-                await conn.add_listener(listening[job_id], on_notify)
+            # LISTEN and UNLISTEN are round trips like any statement: each is bounded, so
+            # a path that went silent ends in TimeoutError (follow connects again), never
+            # in a wait without end.
+            async with asyncio.timeout(statement_timeout):
+                for job_id in pending:
+                    listening[job_id] = job_channel(job_id)
+                    await conn.add_listener(listening[job_id], on_notify)
         rows = await _read(conn, pending, statement_timeout)
         while True:
             by_id = {row["id"]: row for row in rows}
@@ -156,7 +160,8 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
                     pending.remove(job_id)
                     channel = listening.pop(job_id, None)
                     if channel is not None and not conn.is_closed():
-                        await conn.remove_listener(channel, on_notify)
+                        async with asyncio.timeout(statement_timeout):
+                            await conn.remove_listener(channel, on_notify)
                     yield JobEnd(job_id, row["state"], row["attempt"], row["result"],
                                  row["error"])
             if not pending:
@@ -184,10 +189,13 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
     finally:
         if listen:
             conn.remove_termination_listener(on_close)
-            for channel in listening.values():
-                if not conn.is_closed():
-                    with contextlib.suppress(Exception):
-                        await conn.remove_listener(channel, on_notify)
+            if listening and not conn.is_closed():
+                # Bounded: after a failure the path may be silent (the caller terminates
+                # the connection next; the server forgets its LISTENs with it).
+                with contextlib.suppress(Exception):
+                    async with asyncio.timeout(statement_timeout):
+                        for channel in listening.values():
+                            await conn.remove_listener(channel, on_notify)
 
 
 async def _read(conn: asyncpg.Connection, job_ids: list[uuid.UUID],

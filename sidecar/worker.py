@@ -583,7 +583,10 @@ class Worker:
                 conn = await db.connect(listen_dsn, settings.db_timeout_seconds, pooler=pooler,
                                         application_name=db.LISTEN_APPLICATION_NAME, setting=via)
                 conn.add_termination_listener(lambda _conn, ended=closed: ended.set())
-                await conn.add_listener(self.channel, on_notify)
+                # LISTEN is a round trip too: a path that went silent after the connect
+                # must not hold the listener for good (it is retried like a failure).
+                await asyncio.wait_for(conn.add_listener(self.channel, on_notify),
+                                       settings.db_timeout_seconds)
                 self._set_listening(True)
                 up, off_list = True, False
                 self._idle_since = None  # (re-)register at the next empty claim

@@ -1,7 +1,7 @@
 """Hostile tests of `sidecar mcp` (issue 29): each one a promise of docs/mcp.md pushed on
 by a client that misbehaves or attacks, against a real gateway process, real sidecars and
-a real PostgreSQL (no mocks). Each test asserts the CORRECT behaviour; those marked
-"FAILS on 8bdf297" in their docstring reproduce a defect of that commit.
+a real PostgreSQL (no mocks). Each test asserts the correct behaviour; those that say
+"Was:" reproduce a defect found in commit 8bdf297, fixed since.
 
 Raw JSON-RPC over HTTP (the 2025-11-25 revision's session, or a 2026-07-28 request) is
 used where the SDK's client would refuse to send what a hostile client can."""
@@ -91,10 +91,10 @@ def _in_background(fn):
 
 def test_another_principal_can_neither_cancel_nor_end_a_session_it_did_not_open(
         dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
-    """FAILS on 8bdf297. Bob, holding his own valid token and Alice's Mcp-Session-Id (it
+    """Bob, holding his own valid token and Alice's Mcp-Session-Id (it
     is in every job's `mcp.session` tag, in logs, in proxies), must be answered as for a
-    session that does not exist (404). Today the session is bound to no principal
-    (BearerAuth puts the principal in scope["sidecar.principal"], never in scope["user"],
+    session that does not exist (404). Was: the session was bound to no principal
+    (BearerAuth put the principal in scope["sidecar.principal"], never in scope["user"],
     which is what the SDK's session manager compares): Bob's `notifications/cancelled`
     for Alice's request id is accepted (202) and cancels Alice's job, killing her tool's
     tree; Bob's DELETE ends Alice's session (200) and cancels her calls in flight."""
@@ -143,10 +143,10 @@ def test_another_principal_can_neither_cancel_nor_end_a_session_it_did_not_open(
 
 def test_a_task_call_reusing_a_plain_calls_key_is_answered_not_an_internal_error(
         dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
-    """FAILS on 8bdf297. A client's idempotency key first used by a plain call, then by a
+    """A client's idempotency key first used by a plain call, then by a
     call that asks for a task (the Tasks extension), joins a job that has no `mcp.task`
-    tag: `Gateway._task` reads job.tags["mcp.task"] and raises KeyError, which the client
-    sees as a bare -32603 "Internal server error" (the gateway logs `KeyError: 'mcp.task'`).
+    tag. Was: `Gateway._task` read job.tags["mcp.task"] and raised KeyError, which the
+    client saw as a bare -32603 "Internal server error" (the gateway logs `KeyError: 'mcp.task'`).
     Expected: a task handle for the job, or one clear -32602 line saying the key names a
     call that is not a task."""
     env = _gateway_env(dsn, tmp_path)
@@ -178,12 +178,11 @@ def test_a_task_call_reusing_a_plain_calls_key_is_answered_not_an_internal_error
 
 def test_an_idempotency_conflict_names_the_clients_own_key(
         dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
-    """FAILS on 8bdf297. The same `_meta` key with other arguments is a -32602 error (that
-    part holds), but its message names the gateway's internal derived key
+    """The same `_meta` key with other arguments is a -32602 error. Was: its
+    message named the gateway's internal derived key
     (`idempotency_key 'mcp:533a…' already names job …`), a value the client never sent and
     cannot match to anything; expected: the client's key (or the _meta field's name). The
-    same happens on a 2025 session when a request id is reused with other arguments: the
-    message names an idempotency key the client never gave."""
+    same happened on a 2025 session when a request id was reused with other arguments."""
     env = _gateway_env(dsn, tmp_path)
     sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
     g = gateway()
@@ -205,9 +204,9 @@ def test_an_idempotency_conflict_names_the_clients_own_key(
 @pytest.mark.parametrize("request_id", ["", "\t", "line\nbreak", "a\u0000b"])
 def test_any_legal_json_rpc_request_id_is_served(
         dsn, sidecars, gateway, tmp_path, request_id):  # noqa: F811 - the fixture
-    """FAILS on 8bdf297. JSON-RPC allows any string as a request id. The gateway copies the
+    """JSON-RPC allows any string as a request id. Was: the gateway copied the
     id into the job's `mcp.tool_call` tag, whose values must be 1-256 printable
-    characters, so a call whose id is "", or holds a tab, a newline or a NUL, is refused
+    characters, so a call whose id is "", or holds a tab, a newline or a NUL, was refused
     with `--tag mcp.tool_call: the value must be 1-256 printable characters of valid
     UTF-8`: a message about a command-line flag the client never used, for a request
     that is valid. Expected: the call is served (the id stored escaped or not at all)."""
@@ -231,9 +230,9 @@ def test_any_legal_json_rpc_request_id_is_served(
 ])
 def test_malformed_call_params_get_one_message_naming_the_field(
         dsn, gateway, tmp_path, params, what):  # noqa: F811 - the fixture
-    """FAILS on 8bdf297. Non-object `arguments`, a non-string tool name, a progressToken
-    or `_meta` of the wrong type: the answer is -32602 with nothing written (holds), but
-    its message is only "Invalid request parameters" with `data: ""`, naming nothing.
+    """Non-object `arguments`, a non-string tool name, a progressToken
+    or `_meta` of the wrong type: the answer is -32602 with nothing written. Was: its
+    message was only "Invalid request parameters" with `data: ""`, naming nothing.
     docs/mcp.md: bad input is a JSON-RPC error with one clear line naming what is
     wrong (as the schema check does: `pt: $.steps: 5 is not of type 'array'`)."""
     g = gateway()
@@ -293,10 +292,10 @@ def test_deep_nesting_and_oversized_bodies_are_refused_at_once(
 
 def test_tasks_list_shows_the_newest_tasks_however_many_plain_calls_came_after(
         dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
-    """FAILS on 8bdf297. docs/mcp.md: tasks/list is "the principal's newest 100 tasks".
-    It reads the principal's newest 100 *jobs* and drops those that are not tasks, so a
-    task followed by 100 plain calls of the same principal disappears from tasks/list
-    (which then answers [] with no cursor) although tasks/get still finds it."""
+    """docs/mcp.md: tasks/list is "the principal's newest 100 tasks".
+    Was: it read the principal's newest 100 *jobs* and dropped those that were not tasks,
+    so a task followed by 100 plain calls of the same principal disappeared from
+    tasks/list although tasks/get still found it."""
     env = _gateway_env(dsn, tmp_path)
     sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
     g = gateway()
@@ -360,12 +359,12 @@ def test_sigterm_leaves_calls_in_flight_running_and_a_modern_disconnect_cancels(
 
 def test_the_database_going_away_mid_call_is_a_clear_error_then_recovery(
         dsn, proxy, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
-    """FAILS on 8bdf297. The gateway reaches PostgreSQL through a proxy (the sidecar does
+    """The gateway reaches PostgreSQL through a proxy (the sidecar does
     not). While a call waits for its job, the gateway's path is blackholed for 15 s; the
     job ends meanwhile. Expected: a call made during the outage ends within a bound as
     an error (never hangs), and once the path is back the waiting call ends with the
     job's result (or a clear error) and new calls work, without restarting the gateway.
-    Observed: the waiting call never answers (still hung 45 s after the restore, though
+    Was: the waiting call never answered (still hung 45 s after the restore, though
     its job succeeded 60 s before)."""
     env = _gateway_env(dsn, tmp_path)
     sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
