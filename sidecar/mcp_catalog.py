@@ -116,7 +116,7 @@ def load_tokens(path: str) -> dict[str, str]:
     if len(data) > MAX_TOKEN_FILE_BYTES:
         raise ConfigError(f"{var}: larger than {MAX_TOKEN_FILE_BYTES} bytes")
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte order mark (some editors write one) is not text
     except UnicodeDecodeError:
         raise ConfigError(f"{var}: not UTF-8 text") from None
     tokens: dict[str, str] = {}

@@ -383,8 +383,9 @@ def test_token_file_rules(tmp_path):
     """One `PRINCIPAL TOKEN` per line; short tokens, repeats and empty files refused
     with the line named and no token shown; lookups in constant time per token."""
     path = tmp_path / "tokens"
-    path.write_text(f"alice {ALICE}\n\n# comment\nbob {BOB}\n")
-    tokens = mcp_catalog.load_tokens(str(path))
+    path.write_bytes(f"\ufeffalice {ALICE}\r\n\n# comment\nbob {BOB}\n".encode())
+    tokens = mcp_catalog.load_tokens(str(path))  # a BOM and CRLF, as some editors write
+    assert mcp_catalog.principal_of(tokens, ALICE) == "alice"
     assert mcp_catalog.principal_of(tokens, BOB) == "bob"
     assert mcp_catalog.principal_of(tokens, BOB[:-1]) is None
     for text, expected in [("", "no token"), ("alice short\n", "line 1: the token"),
