@@ -216,6 +216,9 @@ def run_check(server_dsn: str, tmp: Path) -> None:
         if row["state"] != "succeeded" or json.loads(row["result"]) != {"hello": "image"}:
             raise CheckFailed(f"the job in the image ended {dict(row)}")
 
+        step("sidecar mcp in the image (the [mcp] extra): /livez, a token, tools/list")
+        check_gateway(base_run, env, tmp)
+
         step("the bundle, installed by an init container, as PID 1 of an image "
              "without Python with a read-only root")
         sh(["podman", "volume", "create", volume], env=env)
@@ -360,6 +363,69 @@ def hostile_suite(dsn: str, tmp: Path, env: dict, run: list[str], user: str) -> 
                           f"{lines}")
     print(f"   masked /proc as {user}: auto fell back with the warning, required "
           "refused (exit 2)", flush=True)
+
+
+def check_gateway(base_run: list[str], env: dict[str, str], tmp: Path) -> None:
+    """The image's ``sidecar mcp`` on a free loopback port (host network): ``/livez``
+    answers, ``/mcp`` refuses a request without a token (401) and, with one, the SDK's
+    client lists exactly the tool it was given. CheckFailed otherwise."""
+    import socket
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    token = uuid.uuid4().hex + uuid.uuid4().hex
+    tokens = tmp / "mcp-tokens"
+    tokens.write_text(f"image-check {token}\n")
+    tokens.chmod(0o444)
+    name = f"sidecar-mcp-check-{uuid.uuid4().hex[:8]}"
+    sh([*base_run[:3], "-d", "--name", name, *base_run[3:],
+        "-v", f"{tokens}:/etc/sidecar/mcp/tokens:ro",
+        "-e", "SIDECAR_MCP_TOKEN_FILE=/etc/sidecar/mcp/tokens",
+        "-e", "SIDECAR_PROFILE_IMAGE_CAT_MCP_DESCRIPTION=Echoes its arguments.",
+        IMAGE, "mcp", "--listen", f"127.0.0.1:{port}", "--tool", "image-cat"], env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/livez",
+                                            timeout=2) as answer:
+                    if answer.status == 200:
+                        break
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                logs = subprocess.run(["podman", "logs", name], env=env,
+                                      capture_output=True).stderr.decode()[-800:]
+                raise CheckFailed(f"sidecar mcp in the image never served /livez: {logs}")
+            time.sleep(0.5)
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{port}/mcp", method="POST", data=b"{}",
+            headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request, timeout=5)
+            raise CheckFailed("sidecar mcp in the image answered /mcp without a token")
+        except urllib.error.HTTPError as exc:
+            if exc.code != 401:
+                raise CheckFailed(f"/mcp without a token: {exc.code}, expected 401") from None
+
+        async def listed() -> list[str]:
+            from mcp import Client
+            from mcp.client.streamable_http import streamable_http_client
+            from mcp.shared._httpx_utils import create_mcp_http_client
+
+            http = create_mcp_http_client(headers={"Authorization": f"Bearer {token}"})
+            async with Client(streamable_http_client(f"http://127.0.0.1:{port}/mcp",
+                                                     http_client=http)) as client:
+                return [tool.name for tool in (await client.list_tools()).tools]
+
+        names = asyncio.run(listed())
+        if names != ["image-cat"]:
+            raise CheckFailed(f"sidecar mcp in the image lists {names}, not ['image-cat']")
+    finally:
+        subprocess.run(["podman", "rm", "-f", name], env=env, capture_output=True)
 
 
 def main(argv: list[str] | None = None) -> int:
