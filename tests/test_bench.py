@@ -166,15 +166,16 @@ def test_quick_gateway_section_measures_mcp_calls_against_client_call_and_memory
                                                                                  tmp_path):
     """Section 14 (issue 29, point 7) alone, small: a no-op call through `sidecar mcp` (one
     MCP session, calls one after another) against the same call by Client.call, p50 with a
-    verdict on its target and p99, and the gateway's RSS per call in flight beside its idle
-    RSS (no target yet), each a row with figures; the settings are written down."""
+    verdict on its target and p99, the gateway's RSS per call in flight beside its idle
+    RSS (no target yet), and per pending task (target 4 KiB), each a row with figures; the
+    settings are written down."""
     pytest.importorskip("mcp")
     output = tmp_path / "RESULTS.md"
     rows = _run_bench(server_dsn, output, "--only", "14", timeout=110)
     assert rows and all(row[0] == "14" for row in rows)
     assert not [row for row in rows if "not measured" in row[1]], rows
-    assert len(rows) == 3, rows
-    p50, p99, memory = rows
+    assert len(rows) == 4, rows
+    p50, p99, memory, tasks = rows
     assert p50[1].startswith("MCP gateway round trip p50") and re.fullmatch(r"[\d.]+ ms", p50[2])
     assert re.fullmatch(r"Client\.call [\d.]+ ms", p50[3]), p50
     assert re.fullmatch(r"[\d.]+ × Client\.call", p50[4]), p50
@@ -184,6 +185,9 @@ def test_quick_gateway_section_measures_mcp_calls_against_client_call_and_memory
     assert re.search(r"with \d+ calls in flight", memory[1]), memory
     assert re.fullmatch(r"-?[\d,]+ KiB per call \([\d.]+ MiB in all\)", memory[2]), memory
     assert re.fullmatch(r"idle [\d.]+ MiB", memory[3]) and memory[5:] == ["-", "-"], memory
+    assert re.search(r"with \d+ tasks pending at once", tasks[1]), tasks
+    assert re.fullmatch(r"[\d,]+ KiB per task \([\d.]+ MiB in all\)", tasks[2]), tasks
+    assert tasks[5] == "≤ 4 KiB per pending task" and tasks[6] in ("yes", "**NO**"), tasks
     written = output.read_text()
     assert "- 14: `sidecar mcp --listen" in written
 
