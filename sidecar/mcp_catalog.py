@@ -77,19 +77,26 @@ def load_catalog(settings: Settings, tools: Iterable[str]) -> list[McpTool]:
     return catalog
 
 
+def _read_bounded(what: str, path: str, limit: int, fix: str) -> bytes:
+    """The bytes of ``path``, at most ``limit``; ConfigError naming ``what`` when it
+    cannot be read (with ``fix``) or is larger."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(limit + 1)
+    except OSError as exc:
+        raise ConfigError(f"{what}: cannot read it ({exc.strerror or exc}); {fix}") from None
+    if len(data) > limit:
+        raise ConfigError(f"{what}: larger than {limit} bytes")
+    return data
+
+
 def load_input_schema(var: str, path: str) -> dict[str, Any]:
     """The JSON Schema in ``path`` (named by the variable ``var`` in errors): at most
     MAX_SCHEMA_BYTES of JSON, an object whose ``type`` is ``"object"`` (MCP's rule for a
     tool's inputSchema). ConfigError otherwise. Whether it is a valid schema of its
     draft is checked by the gateway, which has ``jsonschema`` (sidecar.mcp_gateway)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_SCHEMA_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{var}={path}: cannot read it ({exc.strerror or exc}); mount "
-                          "the schema there, or unset the variable (any object)") from None
-    if len(data) > MAX_SCHEMA_BYTES:
-        raise ConfigError(f"{var}={path}: larger than {MAX_SCHEMA_BYTES} bytes")
+    data = _read_bounded(f"{var}={path}", path, MAX_SCHEMA_BYTES,
+                         "mount the schema there, or unset the variable (any object)")
     try:
         schema = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
@@ -107,14 +114,7 @@ def load_tokens(path: str) -> dict[str, str]:
     ConfigError when the file is unreadable, empty, or a line, principal or token is
     malformed or repeated (the message names the line, never a token)."""
     var = f"SIDECAR_MCP_TOKEN_FILE={path}"
-    try:
-        with open(path, "rb") as f:
-            data = f.read(MAX_TOKEN_FILE_BYTES + 1)
-    except OSError as exc:
-        raise ConfigError(f"{var}: cannot read it ({exc.strerror or exc}); mount the "
-                          "Secret there") from None
-    if len(data) > MAX_TOKEN_FILE_BYTES:
-        raise ConfigError(f"{var}: larger than {MAX_TOKEN_FILE_BYTES} bytes")
+    data = _read_bounded(var, path, MAX_TOKEN_FILE_BYTES, "mount the Secret there")
     try:
         text = data.decode("utf-8-sig")  # a byte order mark (some editors write one) is not text
     except UnicodeDecodeError:
