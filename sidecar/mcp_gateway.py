@@ -47,7 +47,14 @@ from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
 from sidecar import db, mcp_catalog
 from sidecar.client import Client, JobEnd, JobNotFound, JobProgress
 from sidecar.config import Settings
-from sidecar.errors import ConfigError, IdempotencyConflict, SidecarError, UsageError, one_line
+from sidecar.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    IdempotencyConflict,
+    SidecarError,
+    UsageError,
+    one_line,
+)
 from sidecar.mcp_catalog import McpTool
 
 log = logging.getLogger("sidecar.mcp")
@@ -434,11 +441,19 @@ def _conflict(message: str, meta: Mapping[str, Any], key: str | None) -> str:
 async def _clear_validation(ctx: Any, call_next: Any) -> Any:
     """Server middleware: params the SDK refuses (pydantic, before any handler) become
     INVALID_PARAMS naming the field and why, instead of a bare "Invalid request
-    parameters"."""
+    parameters"; a database failure in any handler is one INTERNAL_ERROR line (the
+    request may be sent again), never a traceback."""
     from pydantic import ValidationError
 
     try:
         return await call_next(ctx)
+    except (DatabaseUnavailable, *db.DATABASE_ERRORS) as exc:
+        if ctx.request_id is None:
+            raise
+        log.warning("mcp %s: %s", ctx.method, one_line(str(exc)))
+        raise MCPError(code=INTERNAL_ERROR, message=(
+            f"{ctx.method}: the database did not answer; send it again: "
+            f"{one_line(str(exc))[:200]}")) from None
     except ValidationError as exc:
         if ctx.request_id is None:  # a notification: nobody to answer
             raise
