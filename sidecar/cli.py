@@ -15,7 +15,6 @@ import os
 import select
 import shutil
 import sys
-import time
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -407,7 +406,7 @@ def cmd_cancel(args, settings: Settings) -> int:
 
     async def go():
         async with open_store(settings) as store:
-            cancelled = await store.cancel(job_id)
+            cancelled = await store.cancel(job_id, by=_operator("cancel"))
             return cancelled, await store.get_job(job_id)
 
     cancelled, row = run_async(settings, go())
@@ -432,7 +431,7 @@ def _cancel_tagged(args, settings: Settings) -> int:
 
     async def go():
         async with open_store(settings) as store:
-            return await store.cancel(None, tags)
+            return await store.cancel(None, tags, _operator("cancel"))
 
     cancelled = run_async(settings, go())
     _print_json({"cancelled": [str(i) for i in cancelled], "count": len(cancelled),
@@ -461,20 +460,11 @@ def cmd_retry(args, settings: Settings) -> int:
     async def go():
         async with open_store(settings) as store:
             # F14: a job cancelled while it ran is retried only once its owner has
-            # acknowledged the cancel (its tree is dead) or the lease it held has ended;
-            # wait for that, bounded by the database's own lease end. What is pending is
-            # read before each retry, so an acknowledgement between the two is not missed.
-            started, rows = time.monotonic(), []
-            while True:
-                pending = await store.unacknowledged_cancels(job_id, args.state, args.tool,
-                                                             tags)
-                rows += await store.retry(job_id, args.state, args.tool, "sidecar retry", tags)
-                if not pending:
-                    break
-                wait = max(row["wait_seconds"] for row in pending)
-                await asyncio.sleep(min(RETRY_ACK_POLL_SECONDS, max(wait, 0.0) + 0.01))
+            # acknowledged the cancel (its tree is dead) or the lease it held has ended.
+            rows, waited = await store.retry_when_acknowledged(
+                job_id, args.state, args.tool, "sidecar retry", tags, RETRY_ACK_POLL_SECONDS)
             row = await store.get_job(job_id) if job_id is not None and not rows else None
-            return rows, row, time.monotonic() - started
+            return rows, row, waited
 
     rows, row, waited = run_async(settings, go())
     if job_id is not None and not rows:
@@ -588,7 +578,7 @@ def cmd_pause(args, settings: Settings) -> int:
             if args.cancel_running:
                 # after the pause, so nothing claimed in between escapes it
                 for job_id in await store.running_jobs(tool):
-                    cancelled.update(await store.cancel(job_id))
+                    cancelled.update(await store.cancel(job_id, by=_operator("pause")))
             return row, cancelled
 
     row, cancelled = run_async(settings, go())
@@ -684,6 +674,23 @@ def cmd_mcp(args, settings: Settings) -> int:
 
     return run_async(settings, mcp_gateway.serve(settings, catalog, options, stdio=args.stdio,
                                                  host=host, port=port, tokens=tokens))
+
+
+def cmd_web(args, settings: Settings) -> int:
+    """Serve the operator's web view (sidecar.web; the ``[web]`` extra), read-only unless
+    SIDECAR_WEB_TOKEN_FILE names admin tokens (issue 30)."""
+    from sidecar import tokens
+
+    admin = (tokens.load_tokens(settings.web_token_file, "SIDECAR_WEB_TOKEN_FILE")
+             if settings.web_token_file else None)
+    try:
+        from sidecar import web
+    except ImportError as exc:
+        raise UsageError(f"sidecar web needs the web extra ({exc.name} is missing): "
+                         "pip install 'sidecar[web]'") from None
+    host, port = web.parse_listen(args.listen)
+    return run_async(settings, web.serve(settings, host, port, admin,
+                                         tuple(args.allowed_host or ())))
 
 
 DEFAULT_MCP_LISTEN = "127.0.0.1:8765"
@@ -1060,6 +1067,14 @@ def build_parser() -> argparse.ArgumentParser:
                         "Service's name: sidecar-mcp:*")
     p.add_argument("--allowed-origin", action="append", metavar="ORIGIN",
                    help="an Origin header to accept besides loopback (repeatable)")
+    p = add("web", cmd_web,
+            "serve the operator's web view: tools, running jobs, jobs, each job's timeline "
+            "(needs the [web] extra); read-only unless SIDECAR_WEB_TOKEN_FILE is set")
+    p.add_argument("--listen", default="127.0.0.1:8080", metavar="HOST:PORT",
+                   help="address to serve on (default 127.0.0.1:8080)")
+    p.add_argument("--allowed-host", action="append", metavar="HOST[:PORT|:*]",
+                   help="a Host header to accept besides loopback (repeatable), e.g. the "
+                        "Service's name: sidecar-web:*")
     p = add("demo", cmd_demo,
             "run the sidecar on real programs and a hung tool, print outcomes")
     p.add_argument("--yes", action="store_true",

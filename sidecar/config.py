@@ -394,6 +394,9 @@ GLOBAL_FIELDS: dict[str, _Field] = {
     "MCP_TOKEN_FILE": _Field(_absolute_path, "", "path",
                              "bearer tokens `sidecar mcp` accepts over HTTP, one "
                              "`PRINCIPAL TOKEN` line each (a mounted Secret)"),
+    "WEB_TOKEN_FILE": _Field(_absolute_path, "", "path",
+                             "admin tokens of `sidecar web` (cancel, retry, pause, resume), "
+                             "one `PRINCIPAL TOKEN` line each; unset: read-only"),
 }
 
 # Variables the sidecar sets for its child, and the test suite's own; allowed in
@@ -452,6 +455,7 @@ class Settings:
     retention_failed_seconds: float
     leftover_sweep_seconds: float
     mcp_token_file: str
+    web_token_file: str
     defaults: Mapping[str, tuple[object, str]]
     overrides: Mapping[str, Mapping[str, tuple[object, str]]]
     # True when SIDECAR_HTTP_ADDR is unset: a taken default port moves to the next free

@@ -14,26 +14,26 @@ Errors: ConfigError (exit 2), one line naming the variable and the fix.
 from __future__ import annotations
 
 import hashlib
-import hmac
-import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from sidecar import tokens
 from sidecar.config import Settings, validate_tool_name
 from sidecar.errors import ConfigError
 from sidecar.model import tool_env_key
 
-# Largest MCP_INPUT_SCHEMA_FILE (bytes) and SIDECAR_MCP_TOKEN_FILE (bytes).
+# Largest MCP_INPUT_SCHEMA_FILE (bytes).
 MAX_SCHEMA_BYTES = 256 * 1024
-MAX_TOKEN_FILE_BYTES = 64 * 1024
-# Shortest token accepted: 32 characters (a `openssl rand -hex 16` makes one).
-MIN_TOKEN_CHARS = 32
+# The token file's rules and its constant-time lookup are shared with `sidecar web`.
+MAX_TOKEN_FILE_BYTES = tokens.MAX_TOKEN_FILE_BYTES
+MIN_TOKEN_CHARS = tokens.MIN_TOKEN_CHARS
+PRINCIPAL = tokens.PRINCIPAL
+principal_of = tokens.principal_of
 # The schema of a tool that has no MCP_INPUT_SCHEMA_FILE: any JSON object.
 ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
-PRINCIPAL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._@-]{0,62}")
 # The principal of a `sidecar mcp --stdio` session: whoever started the process.
 STDIO_PRINCIPAL = "stdio"
 
@@ -77,25 +77,12 @@ def load_catalog(settings: Settings, tools: Iterable[str]) -> list[McpTool]:
     return catalog
 
 
-def _read_bounded(what: str, path: str, limit: int, fix: str) -> bytes:
-    """The bytes of ``path``, at most ``limit``; ConfigError naming ``what`` when it
-    cannot be read (with ``fix``) or is larger."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read(limit + 1)
-    except OSError as exc:
-        raise ConfigError(f"{what}: cannot read it ({exc.strerror or exc}); {fix}") from None
-    if len(data) > limit:
-        raise ConfigError(f"{what}: larger than {limit} bytes")
-    return data
-
-
 def load_input_schema(var: str, path: str) -> dict[str, Any]:
     """The JSON Schema in ``path`` (named by the variable ``var`` in errors): at most
     MAX_SCHEMA_BYTES of JSON, an object whose ``type`` is ``"object"`` (MCP's rule for a
     tool's inputSchema). ConfigError otherwise. Whether it is a valid schema of its
     draft is checked by the gateway, which has ``jsonschema`` (sidecar.mcp_gateway)."""
-    data = _read_bounded(f"{var}={path}", path, MAX_SCHEMA_BYTES,
+    data = tokens.read_bounded(f"{var}={path}", path, MAX_SCHEMA_BYTES,
                          "mount the schema there, or unset the variable (any object)")
     try:
         schema = orjson.loads(data)
@@ -108,54 +95,9 @@ def load_input_schema(var: str, path: str) -> dict[str, Any]:
 
 
 def load_tokens(path: str) -> dict[str, str]:
-    """``{token: principal}`` from SIDECAR_MCP_TOKEN_FILE: one ``PRINCIPAL TOKEN`` per
-    line (blank lines and ``#`` comments skipped). A principal is 1-63 letters, digits,
-    ``.``, ``_``, ``@`` or ``-``; a token at least MIN_TOKEN_CHARS printable characters.
-    ConfigError when the file is unreadable, empty, or a line, principal or token is
-    malformed or repeated (the message names the line, never a token)."""
-    var = f"SIDECAR_MCP_TOKEN_FILE={path}"
-    data = _read_bounded(var, path, MAX_TOKEN_FILE_BYTES, "mount the Secret there")
-    try:
-        text = data.decode("utf-8-sig")  # a byte order mark (some editors write one) is not text
-    except UnicodeDecodeError:
-        raise ConfigError(f"{var}: not UTF-8 text") from None
-    tokens: dict[str, str] = {}
-    principals: set[str] = set()
-    for number, line in enumerate(text.splitlines(), 1):
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        parts = line.split()
-        if len(parts) != 2:
-            raise ConfigError(f"{var}: line {number}: write PRINCIPAL TOKEN (two words)")
-        principal, token = parts
-        if not PRINCIPAL.fullmatch(principal):
-            raise ConfigError(f"{var}: line {number}: the principal must be 1-63 letters, "
-                              "digits, '.', '_', '@' or '-'")
-        if len(token) < MIN_TOKEN_CHARS or not token.isprintable() or not token.isascii():
-            raise ConfigError(f"{var}: line {number}: the token must be at least "
-                              f"{MIN_TOKEN_CHARS} printable ASCII characters "
-                              "(e.g. `openssl rand -hex 32`)")
-        if principal in principals:
-            raise ConfigError(f"{var}: line {number}: principal {principal} given twice")
-        if token in tokens:
-            raise ConfigError(f"{var}: line {number}: the same token as another line")
-        principals.add(principal)
-        tokens[token] = principal
-    if not tokens:
-        raise ConfigError(f"{var}: no token in it; write one PRINCIPAL TOKEN line")
-    return tokens
-
-
-def principal_of(tokens: Mapping[str, str], presented: str) -> str | None:
-    """The principal whose token ``presented`` is, or None. Compares with every token in
-    constant time each (hmac.compare_digest), so timing tells nothing of a token."""
-    found = None
-    given = presented.encode()
-    for token, principal in tokens.items():
-        if hmac.compare_digest(token.encode(), given):
-            found = principal
-    return found
+    """``{token: principal}`` from SIDECAR_MCP_TOKEN_FILE (sidecar.tokens.load_tokens: one
+    ``PRINCIPAL TOKEN`` per line); ConfigError naming the variable and the line."""
+    return tokens.load_tokens(path, "SIDECAR_MCP_TOKEN_FILE")
 
 
 def call_idempotency_key(principal: str, session_id: str | None,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import re
+import time
 import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -243,12 +244,14 @@ class Store:
         return row["id"], row["created"]
 
     async def cancel(self, job_id: uuid.UUID | None,
-                     tags: dict[str, str] | None = None) -> dict[uuid.UUID, str]:
+                     tags: dict[str, str] | None = None,
+                     by: str | None = None) -> dict[uuid.UUID, str]:
         """Cancel a job (``job_id``), or every queued or running job whose tags include
         all of ``tags``, and their later stages that are still queued or running; return
         ``{id: previous state}`` of every job cancelled (empty when none was). A running
-        one's owner kills its tree at its next heartbeat."""
-        rows = await self.db.fetch(Q["cancel_job"], job_id, tags or None,
+        one's owner kills its tree at its next heartbeat. ``by``: who asked, journaled as
+        ``job_cancelled``'s ``by`` (issue 30; None: not said)."""
+        rows = await self.db.fetch(Q["cancel_job"], job_id, tags or None, by,
                                    timeout=self.timeout)
         return {row["id"]: row["previous_state"] for row in rows}
 
@@ -264,6 +267,26 @@ class Store:
         gave it up by its local deadline): see ``unacknowledged_cancels`` (case F14)."""
         return await self.db.fetch(Q["retry_jobs"], job_id, state, tool, by, tags or None,
                                    timeout=self.timeout)
+
+    async def retry_when_acknowledged(
+        self, job_id: uuid.UUID | None, state: str | None, tool: str | None, by: str,
+        tags: dict[str, str] | None = None, poll_seconds: float = 0.2,
+    ) -> tuple[list[asyncpg.Record], float]:
+        """``retry``, and again until no cancelled job of the selection is left waiting
+        for its owner (case F14): a job cancelled while it ran is retried only once its
+        owner acknowledged the cancel (its tree is dead) or the lease it held has ended,
+        so the wait is bounded by the database's own lease end. What is pending is read
+        before each retry, so an acknowledgement between the two is not missed. Returns
+        the rows of every job retried and the seconds waited (what ``sidecar retry`` and
+        ``sidecar web``'s retry run)."""
+        started, rows = time.monotonic(), []
+        while True:
+            pending = await self.unacknowledged_cancels(job_id, state, tool, tags)
+            rows += await self.retry(job_id, state, tool, by, tags)
+            if not pending:
+                return rows, time.monotonic() - started
+            wait = max(row["wait_seconds"] for row in pending)
+            await asyncio.sleep(min(poll_seconds, max(wait, 0.0) + 0.01))
 
     async def unacknowledged_cancels(self, job_id: uuid.UUID | None, state: str | None,
                                      tool: str | None,
@@ -684,6 +707,21 @@ class Store:
         """The newest ``limit`` flow changes (of ``tool``, or of every tool), oldest
         first: ``id, tool, event, at, details``."""
         return await self.db.fetch(Q["flow_events"], tool, limit, timeout=self.timeout)
+
+    # --- the operator's web view (sidecar web, issue 30) ------------------------
+
+    async def web_read(self, name: str, *args: Any, method: str = "fetch") -> Any:
+        """Run the named read ``name`` of the web view in a transaction of its own that
+        plans it for its parameters (web_custom_plans; behind a transaction pooler with
+        the sidecar's settings too): ``fetch`` rows, ``fetchrow`` one or None, or
+        ``fetchval``."""
+        async with asyncio.timeout(self.timeout), self.pool.acquire() as conn, \
+                conn.transaction():
+            begin = db.local_settings_sql(conn)
+            if begin is not None:
+                await conn.execute(begin)
+            await conn.execute(Q["web_custom_plans"])
+            return await getattr(conn, method)(Q[name], *args)
 
     async def list_jobs(
         self, state: str | None, tool: str | None, limit: int,

@@ -381,7 +381,8 @@ ORDER BY id DESC LIMIT 1;
 -- at its next heartbeat (zero rows) and kills it (acknowledge_cancel_if_owner) or, at the
 -- latest, until that lease ends, and retry_jobs waits for one of the two (case F14). A
 -- cancelled job's completion is refused by its fence, so it creates no next stage.
-SELECT cancelled_id AS id, previous_state FROM tool_job_cancel($1::uuid, $2::jsonb);
+-- $3: who asked (journaled as job_cancelled's "by"; NULL: not said; migration 019).
+SELECT cancelled_id AS id, previous_state FROM tool_job_cancel($1::uuid, $2::jsonb, $3::text);
 
 -- name: retry_jobs
 -- An operator's re-run: failed or cancelled jobs, one ($1) or every one of a tool ($3)
@@ -767,3 +768,116 @@ WHERE k.tool = f.tool
 -- name: prune_flow_events
 -- Flow changes (limits set, pauses, resumes) older than $1 seconds.
 DELETE FROM tool_flow_events WHERE at < now() - $1::float8 * interval '1 second';
+
+-- The operator's web view (`sidecar web`, issue 30). Read-only statements; every one runs
+-- with custom plans (web_custom_plans), so an unset filter ($n IS NULL) drops out of the
+-- plan and each set one reads its own index (migration 019).
+
+-- name: web_custom_plans
+-- First statement of every transaction of `sidecar web`: plan each statement for its own
+-- parameters (a generic plan of "$1 IS NULL OR state = $1" reads the whole table).
+SET LOCAL plan_cache_mode = force_custom_plan;
+
+-- name: web_tools
+-- One row per tool that has jobs, a flow row or a live sidecar: jobs queued and running,
+-- failed in the last hour, the oldest due queued job's wait, the pause and limits (flow
+-- control, migration 016) and the sidecars seen (owners of live leases, idle ones
+-- registered in the last ten minutes). The tools are found with a skip scan of
+-- tool_jobs_tool_created_idx (one probe per tool, not a read of every job).
+WITH RECURSIVE job_tools AS (
+    (SELECT tool FROM tool_jobs ORDER BY tool LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.tool FROM tool_jobs j WHERE j.tool > t.tool ORDER BY j.tool LIMIT 1)
+    FROM job_tools t WHERE t.tool IS NOT NULL
+), tools AS (
+    SELECT tool FROM job_tools WHERE tool IS NOT NULL
+    UNION SELECT tool FROM tool_flow
+    UNION SELECT tool FROM tool_idle_sidecars
+)
+SELECT t.tool,
+       (SELECT count(*) FROM tool_jobs j WHERE j.tool = t.tool AND j.state = 'queued')
+           AS queued,
+       (SELECT count(*) FROM tool_jobs j WHERE j.tool = t.tool AND j.state = 'running')
+           AS running,
+       (SELECT count(*) FROM tool_jobs j
+        WHERE j.state = 'failed' AND j.finished_at > now() - interval '1 hour'
+          AND j.tool = t.tool) AS failed_last_hour,
+       (SELECT extract(epoch FROM now() - min(j.run_after))::float8 FROM tool_jobs j
+        WHERE j.tool = t.tool AND j.state = 'queued' AND j.run_after <= now())
+           AS oldest_queued_s,
+       f.paused_at, f.pause_reason, f.paused_by, f.max_running, f.max_running_per_key,
+       f.rate, f.rate_per_key, f.burst,
+       (SELECT count(DISTINCT owner) FROM (
+            SELECT j.owner_id AS owner FROM tool_jobs j
+            WHERE j.tool = t.tool AND j.state = 'running' AND j.lease_until > now()
+            UNION ALL
+            SELECT i.owner_id FROM tool_idle_sidecars i
+            WHERE i.tool = t.tool AND i.seen_at > now() - interval '10 minutes') seen)
+           AS sidecars_seen
+FROM tools t LEFT JOIN tool_flow f ON f.tool = t.tool
+ORDER BY t.tool;
+
+-- name: web_running
+-- Every running job (of tool $1, or all; at most $2), oldest claim first: owner, attempt,
+-- token, the lease's slack and the time since the claim by the database's clock, progress.
+-- Through tool_jobs_running_idx.
+SELECT id, tool, owner_id, attempt, max_attempts, fencing_token, stage, progress,
+       extract(epoch FROM lease_until - now())::float8 AS lease_slack_s,
+       extract(epoch FROM now() - claimed_at)::float8 AS in_stage_s,
+       extract(epoch FROM now() - heartbeat_at)::float8 AS since_heartbeat_s,
+       concurrency_key
+FROM tool_jobs
+WHERE state = 'running' AND ($1::text IS NULL OR tool = $1)
+ORDER BY claimed_at, id
+LIMIT $2;
+
+-- name: web_jobs_page
+-- One page of jobs, newest first, after the keyset ($5 created_at, $6 id: the last row of
+-- the page before; NULL for the first page): filtered by state $1, tool $2, tags $3 (all
+-- of them) and error kind $4; at most $7 rows. No OFFSET: a page costs its LIMIT.
+SELECT id, tool, state, attempt, max_attempts, fencing_token, owner_id, created_at,
+       finished_at, error->>'kind' AS error_kind, tags, stage
+FROM tool_jobs
+WHERE ($1::text IS NULL OR state = $1)
+  AND ($2::text IS NULL OR tool = $2)
+  AND ($3::jsonb IS NULL OR (tags @> $3::jsonb AND tags <> '{}'::jsonb))
+  AND ($4::text IS NULL OR (error IS NOT NULL AND error->>'kind' = $4))
+  AND ($5::timestamptz IS NULL OR (created_at, id) < ($5::timestamptz, $6::uuid))
+ORDER BY created_at DESC, id DESC
+LIMIT $7;
+
+-- name: web_job
+-- One job for its page: the row without the payload, result and checkpoint themselves,
+-- but each one's size and sha256 as stored (jsonb text), and the database's now() for the
+-- lease's slack.
+SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, attempt,
+       max_attempts, idempotency_key, error, run_after, created_at, first_claimed_at,
+       claimed_at, finished_at, parent_id, stage, priority, expires_at, tags, traceparent,
+       progress, concurrency_key, unstarted_expiries,
+       extract(epoch FROM lease_until - now())::float8 AS lease_slack_s,
+       octet_length(payload::text) AS payload_bytes,
+       encode(sha256(convert_to(payload::text, 'UTF8')), 'hex') AS payload_sha256,
+       octet_length(result::text) AS result_bytes,
+       encode(sha256(convert_to(result::text, 'UTF8')), 'hex') AS result_sha256,
+       octet_length(checkpoint::text) AS checkpoint_bytes
+FROM tool_jobs WHERE id = $1;
+
+-- name: web_job_content
+-- The payload ($2 = 'payload') or result ('result') of job $1 as JSON text, at most $3
+-- characters, and its whole length; no row when the job does not exist.
+SELECT left(CASE $2::text WHEN 'payload' THEN payload::text
+                          WHEN 'result' THEN result::text END, $3::int) AS text,
+       length(CASE $2::text WHEN 'payload' THEN payload::text
+                            WHEN 'result' THEN result::text END) AS chars
+FROM tool_jobs WHERE id = $1;
+
+-- name: web_job_events
+-- The journal of job $1, oldest first, at most $2 rows (the newest), through
+-- tool_job_events_job_idx; and how many there are.
+SELECT id, fencing_token, event, at, details FROM (
+    SELECT id, fencing_token, event, at, details FROM tool_job_events
+    WHERE job_id = $1 ORDER BY id DESC LIMIT $2) newest
+ORDER BY at, id;
+
+-- name: web_job_event_count
+SELECT count(*) FROM tool_job_events WHERE job_id = $1;
