@@ -197,7 +197,8 @@ def parse_filter(request: web.Request) -> JobFilter:
     try:
         tags = enqueue_args.parse_tags(t for t in raw_tags if t) if raw_tags else {}
     except UsageError as exc:
-        raise BadInput("query parameter " + exc.message.removeprefix("--")) from None
+        raise BadInput("query parameter tag: " + exc.message.removeprefix("--tag ")) \
+            from None
     kind = _param(request, "kind")
     if kind is not None and not KIND.fullmatch(kind):
         raise BadInput("query parameter kind: an error kind, 1-64 lower-case letters, "
@@ -240,7 +241,9 @@ def _tool(request: web.Request) -> str:
 async def _form(request: web.Request) -> dict[str, str]:
     """The POSTed form's fields (urlencoded, each once, each at most MAX_PARAM_CHARS);
     BadInput otherwise."""
-    if request.content_type not in ("application/x-www-form-urlencoded", ""):
+    if not request.can_read_body:
+        return {}
+    if request.content_type != "application/x-www-form-urlencoded":
         raise BadInput("the body must be a form (application/x-www-form-urlencoded)")
     data = await request.post()
     out: dict[str, str] = {}
@@ -394,7 +397,7 @@ async def jobs_page(request: web.Request) -> web.Response:
     after = wanted.after or (None, None)
     rows = await request.app[STATE].store.web_read(
         "web_jobs_page", wanted.state, wanted.tool,
-        db.encode_json(dict(wanted.tags)) if wanted.tags else None, wanted.kind,
+        dict(wanted.tags) or None, wanted.kind,
         after[0], after[1], wanted.limit + 1)
     more = len(rows) > wanted.limit
     rows = rows[:wanted.limit]
@@ -551,11 +554,11 @@ async def login(request: web.Request) -> web.Response:
                                   time.monotonic() + SESSION_SECONDS)
     while len(state.sessions) > MAX_SESSIONS:
         state.sessions.popitem(last=False)
-    response = web.HTTPSeeOther(_next(form.get("next")))
+    response = _see_other(_next(form.get("next")))
     response.set_cookie(SESSION_COOKIE, key, max_age=SESSION_SECONDS, httponly=True,
                         samesite="Strict", secure=request.secure, path="/")
     log_mod.log.emit("web_login", principal=who)
-    raise response
+    return response
 
 
 async def logout(request: web.Request) -> web.Response:
@@ -564,9 +567,14 @@ async def logout(request: web.Request) -> web.Response:
     if found is not None and hmac.compare_digest(form.get("csrf", "").encode(),
                                                  found.csrf.encode()):
         request.app[STATE].sessions.pop(request.cookies.get(SESSION_COOKIE, ""), None)
-    response = web.HTTPSeeOther("/tools")
+    response = _see_other("/tools")
     response.del_cookie(SESSION_COOKIE, path="/")
-    raise response
+    return response
+
+
+def _see_other(location: str) -> web.Response:
+    """A 303 to ``location`` as a plain response (one that keeps the cookies it sets)."""
+    return web.Response(status=303, headers={"Location": location})
 
 
 async def static(request: web.Request) -> web.Response:

@@ -182,3 +182,14 @@ def test_the_worker_never_reaches_the_mcp_gateway(start):
     bad = sorted(t for t in via if t in CALLER_COMMANDS or t.split(".")[0] in
                  ("mcp", "mcp_types", "uvicorn", "starlette", "jsonschema"))
     assert not bad, "; ".join(chain(via, start, t) for t in bad)
+
+
+@pytest.mark.parametrize("start", ["sidecar.bootstrap", "sidecar.worker",
+                                   "sidecar.supervisor"])
+def test_the_worker_never_reaches_the_web_view(start):
+    """`sidecar run` reaches neither `sidecar web` (issue 30) nor its templates' library
+    (the `[web]` extra); only cmd_web imports it, lazily."""
+    via = reached(GRAPH, start)
+    bad = sorted(t for t in via if t == "sidecar.web" or t.split(".")[0] == "jinja2")
+    assert not bad, "; ".join(chain(via, start, t) for t in bad)
+    assert "sidecar.web" in GRAPH["sidecar.cli"]  # the check sees the lazy import

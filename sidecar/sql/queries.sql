@@ -841,7 +841,7 @@ FROM tool_jobs
 WHERE ($1::text IS NULL OR state = $1)
   AND ($2::text IS NULL OR tool = $2)
   AND ($3::jsonb IS NULL OR (tags @> $3::jsonb AND tags <> '{}'::jsonb))
-  AND ($4::text IS NULL OR (error IS NOT NULL AND error->>'kind' = $4))
+  AND ($4::text IS NULL OR error->>'kind' = $4)
   AND ($5::timestamptz IS NULL OR (created_at, id) < ($5::timestamptz, $6::uuid))
 ORDER BY created_at DESC, id DESC
 LIMIT $7;
