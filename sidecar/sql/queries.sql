@@ -775,15 +775,21 @@ DELETE FROM tool_flow_events WHERE at < now() - $1::float8 * interval '1 second'
 
 -- name: web_custom_plans
 -- First statement of every transaction of `sidecar web`: plan each statement for its own
--- parameters (a generic plan of "$1 IS NULL OR state = $1" reads the whole table).
-SET LOCAL plan_cache_mode = force_custom_plan;
+-- parameters (a generic plan of "$1 IS NULL OR state = $1" reads the whole table), and
+-- without JIT (the tools' counts on a large queue are estimated costly enough to compile
+-- for 0.7 s, several times what they take).
+-- One statement (every named query must prepare: tests/test_pgbouncer.py), local to the
+-- transaction.
+SELECT set_config('plan_cache_mode', 'force_custom_plan', true), set_config('jit', 'off', true);
 
 -- name: web_tools
 -- One row per tool that has jobs, a flow row or a live sidecar: jobs queued and running,
 -- failed in the last hour, the oldest due queued job's wait, the pause and limits (flow
 -- control, migration 016) and the sidecars seen (owners of live leases, idle ones
 -- registered in the last ten minutes). The tools are found with a skip scan of
--- tool_jobs_tool_created_idx (one probe per tool, not a read of every job).
+-- tool_jobs_tool_created_idx (one probe per tool, not a read of every job); the counts
+-- per tool read the partial indexes of queued and running jobs; the failures of the last
+-- hour and the live owners are each read once for every tool.
 WITH RECURSIVE job_tools AS (
     (SELECT tool FROM tool_jobs ORDER BY tool LIMIT 1)
     UNION ALL
@@ -793,28 +799,35 @@ WITH RECURSIVE job_tools AS (
     SELECT tool FROM job_tools WHERE tool IS NOT NULL
     UNION SELECT tool FROM tool_flow
     UNION SELECT tool FROM tool_idle_sidecars
+), failed AS (
+    SELECT tool, count(*) AS n FROM tool_jobs
+    WHERE state = 'failed' AND finished_at > now() - interval '1 hour'
+    GROUP BY tool
+), seen AS (
+    SELECT tool, count(DISTINCT owner) AS n FROM (
+        SELECT tool, owner_id AS owner FROM tool_jobs
+        WHERE state = 'running' AND lease_until > now()
+        UNION ALL
+        SELECT tool, owner_id FROM tool_idle_sidecars
+        WHERE seen_at > now() - interval '10 minutes') owners
+    GROUP BY tool
 )
 SELECT t.tool,
        (SELECT count(*) FROM tool_jobs j WHERE j.tool = t.tool AND j.state = 'queued')
            AS queued,
        (SELECT count(*) FROM tool_jobs j WHERE j.tool = t.tool AND j.state = 'running')
            AS running,
-       (SELECT count(*) FROM tool_jobs j
-        WHERE j.state = 'failed' AND j.finished_at > now() - interval '1 hour'
-          AND j.tool = t.tool) AS failed_last_hour,
+       coalesce(failed.n, 0) AS failed_last_hour,
        (SELECT extract(epoch FROM now() - min(j.run_after))::float8 FROM tool_jobs j
         WHERE j.tool = t.tool AND j.state = 'queued' AND j.run_after <= now())
            AS oldest_queued_s,
        f.paused_at, f.pause_reason, f.paused_by, f.max_running, f.max_running_per_key,
        f.rate, f.rate_per_key, f.burst,
-       (SELECT count(DISTINCT owner) FROM (
-            SELECT j.owner_id AS owner FROM tool_jobs j
-            WHERE j.tool = t.tool AND j.state = 'running' AND j.lease_until > now()
-            UNION ALL
-            SELECT i.owner_id FROM tool_idle_sidecars i
-            WHERE i.tool = t.tool AND i.seen_at > now() - interval '10 minutes') seen)
-           AS sidecars_seen
-FROM tools t LEFT JOIN tool_flow f ON f.tool = t.tool
+       coalesce(seen.n, 0) AS sidecars_seen
+FROM tools t
+LEFT JOIN tool_flow f ON f.tool = t.tool
+LEFT JOIN failed ON failed.tool = t.tool
+LEFT JOIN seen ON seen.tool = t.tool
 ORDER BY t.tool;
 
 -- name: web_running
