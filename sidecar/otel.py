@@ -41,9 +41,9 @@ from opentelemetry.trace import Link, SpanContext, SpanKind, Status, StatusCode,
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from sidecar import __version__, clock
-from sidecar.log import log
+from sidecar.log import log, log_fields
 from sidecar.masking import mask_url
-from sidecar.tracing import FLUSH_SECONDS, AttemptTrace, Tracer
+from sidecar.tracing import FLUSH_SECONDS, NO_TRACE, AttemptTrace, Tracer
 from sidecar.vocabulary import Outcome
 
 # Outcomes that are not an error of the attempt: its result is stored, or its lease was
@@ -108,7 +108,14 @@ class OtelTracer(Tracer):
         self.tool = tool
 
     def attempt(self, job: Any, claim_sent_at: float) -> AttemptTrace:
-        return OtelAttempt(self, job, claim_sent_at)
+        """The attempt's span, started now (back-dated to the claim); NO_TRACE, logged as
+        ``tracing_error``, should the SDK fail: a trace never stops a job."""
+        try:
+            return OtelAttempt(self, job, claim_sent_at)
+        except Exception as exc:  # noqa: BLE001 - the attempt runs untraced
+            log.emit("tracing_error", "warning", **log_fields(job),
+                     reason=f"{type(exc).__name__}: {exc}"[:200])
+            return NO_TRACE
 
     def shutdown(self) -> None:
         """Export the spans still queued and stop, waiting at most FLUSH_SECONDS (an
