@@ -31,6 +31,7 @@ from sidecar.errors import NextStageConflict, OwnershipUnknown
 from sidecar.lease import Lease
 from sidecar.log import log, log_fields
 from sidecar.model import ClaimedJob, JobState, LeaseProfile
+from sidecar.tracing import NO_TRACE, AttemptTrace
 from sidecar.verdict import Ending, Failure, Reject, Release, Succeeded, failure
 from sidecar.vocabulary import FailureKind, Outcome, StopReason
 
@@ -64,8 +65,10 @@ class FencedCommit:
     letter), release, or record that the lease was lost. Each method returns the Outcome.
     ``resources`` (peak memory, CPU time) go into every journaled summary."""
 
-    def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease, started: float):
+    def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease, started: float,
+                 trace: AttemptTrace = NO_TRACE):
         self.ctx = ctx
+        self.trace = trace  # the attempt's trace: the write's span, a stale result's event
         self.job = job
         self.lease = lease
         self.started = started  # monotonic seconds at the claim
@@ -123,7 +126,9 @@ class FencedCommit:
         report it once: its log line (``ENDING_REPORTS``), the attempt's outcome and
         duration metrics. The only place an attempt's outcome is written, logged and
         counted."""
+        self.trace.committing()
         outcome, how, fields = await _ENDERS[type(ending)](self, ending)
+        self.trace.ended(outcome, how, fields)
         report = ENDING_REPORTS[how]
         if report.event is not None:
             log.emit(report.event, report.level, **log_fields(self.job), **fields)
@@ -269,6 +274,7 @@ class FencedCommit:
         if digest is not None:
             details["result"] = digest
         log.emit("result_rejected", "warning", **log_fields(self.job), reason=why)
+        self.trace.rejected(digest, why)
         metrics.COMPLETIONS_REJECTED.labels(self.job.tool, self.ctx.profile.provider).inc()
         if self.lease.abandoned:
             self.lease.keep_evidence(details)
