@@ -105,7 +105,7 @@ def test_promtool_unit_tests_every_alert_firing_and_not(rules_dir):
     assert firing == _alerts() and quiet == _alerts()
 
 
-def test_promtool_fails_an_alert_that_does_not_fire_as_expected(rules_dir, tmp_path):
+def test_promtool_fails_an_alert_that_does_not_fire_as_expected(tmp_path):
     """The unit tests can fail: with SidecarQueueTooOld's threshold raised past what the
     series reach, its firing case fails."""
     groups = _rule_groups()
