@@ -162,6 +162,7 @@ class Prom:
         self.url, self.proc, self.log = url, proc, log
 
     def api(self, path: str, **params: str):
+        """GET /api/v1/PATH?PARAMS; its ``data`` (the status must be success)."""
         query_string = urllib.parse.urlencode(params)
         with urllib.request.urlopen(f"{self.url}/api/v1/{path}?{query_string}",
                                     timeout=10) as response:
@@ -170,6 +171,7 @@ class Prom:
         return body["data"]
 
     def query(self, expr: str) -> list[dict]:
+        """An instant query now: its series (metric labels and value)."""
         data = self.api("query", query=expr)
         assert data["resultType"] == "vector", (expr, data)
         return data["result"]
