@@ -132,7 +132,8 @@ class FencedCommit:
         report = ENDING_REPORTS[how]
         if report.event is not None:
             log.emit(report.event, report.level, **log_fields(self.job), **fields)
-        self._count(outcome)
+        self._count(outcome, fields.get("reason")
+                    if outcome in (Outcome.FAILED, Outcome.REQUEUED) else None)
         return outcome
 
     def crashed(self) -> None:
@@ -140,9 +141,13 @@ class FencedCommit:
         abandoned, as the lease expires by itself."""
         self._count(Outcome.ABANDONED)
 
-    def _count(self, outcome: Outcome) -> None:
+    def _count(self, outcome: Outcome, kind: str | None = None) -> None:
+        """Count one attempt's end: its outcome, its duration and, for a failure (failed
+        or requeued), its error.kind."""
         labels = (self.job.tool, self.ctx.profile.provider)
         metrics.ATTEMPTS_FINISHED.labels(*labels, outcome).inc()
+        if kind is not None:
+            metrics.ATTEMPT_FAILURES.labels(*labels, kind).inc()
         metrics.ATTEMPT_DURATION.labels(*labels).observe(time.monotonic() - self.started)
 
     async def _succeed(self, ending: Succeeded) -> Ended:

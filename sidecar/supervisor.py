@@ -333,7 +333,11 @@ class JobSupervisor:
         self.trace.stopped(reason)
         if reason is not StopReason.EXITED:
             self.lease.stop(reason)  # the guard refuses from now on ("deadline")
+        kill_started = time.monotonic()
         report = await child.kill_tree(profile.kill_grace_seconds)
+        if report.signal is not None:  # a kill that signalled: its latency (issue 30)
+            metrics.KILL_DURATION.labels(self.job.tool, profile.provider).observe(
+                time.monotonic() - kill_started)
         sandbox.tree_clean = (reason is StopReason.EXITED and report.signal is None
                               and not report.survivors)
         await child.close_pipes(timeout=1.0)

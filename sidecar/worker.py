@@ -298,6 +298,8 @@ class Worker:
                     # nothing (a job queued since sends its NOTIFY after this read).
                     nothing_due = sample["depth"] == 0
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(sample["depth"])
+                    metrics.QUEUE_AGE.labels(*self.labels).set(sample["queue_age"])
+                    metrics.FORWARD_BACKLOG.labels(*self.labels).set(sample["forward_backlog"])
                     self._sample_flow(sample if sample["has_flow"] else None)
                     if sample["sweep"]:
                         await self._sweep(store)
