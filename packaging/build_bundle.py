@@ -50,6 +50,11 @@ def pyinstaller_args(dist: Path, work: Path) -> list[str]:
         # Optional integrations of yarl and others that the sidecar never uses.
         "--exclude-module", "pydantic",
         "--exclude-module", "pydantic_core",
+        # Traces (the [otel] extra, issue 30) are not in the bundle: the SDK finds its
+        # parts through package metadata, which a frozen bundle does not carry. A bundle
+        # asked for traces refuses to start with one line (sidecar.tracing).
+        "--exclude-module", "sidecar.otel",
+        "--exclude-module", "opentelemetry",
     ]
 
 

@@ -49,6 +49,7 @@ import asyncpg
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from containment_suite import TOOL as PROBE_TOOL  # noqa: E402
 from containment_suite import probe_beside_held, reached  # noqa: E402
+from otlp_receiver import OtlpReceiver  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE, MIRROR = "bookworm", "http://deb.debian.org/debian"
@@ -205,16 +206,27 @@ def run_check(server_dsn: str, tmp: Path) -> None:
         if name not in shown or config["settings"]["database_url_file"] == "":
             raise CheckFailed(f"config did not read the mounted URL: {config['settings']}")
 
-        step("one real job run by the image's sidecar (tini as PID 1)")
+        step("one real job run by the image's sidecar (tini as PID 1), traced over OTLP "
+             "(the [otel] extra) to a receiver on the host")
         migrate = sh([*base_run, IMAGE, "migrate"], env=env)
         print(f"   {migrate.stdout.decode().strip()[:200]}", flush=True)
         job = host_sidecar(dsn, "enqueue", "image-cat", "--payload", '{"hello": "image"}')
-        sh([*base_run, IMAGE, "run", "--drain", "--tool", "image-cat", "--", "/bin/cat"],
-           env=env, timeout=300)
+        receiver = OtlpReceiver()
+        endpoint = receiver.start()
+        try:
+            sh([*base_run, "-e", "OTEL_TRACES_EXPORTER=otlp",
+                "-e", f"OTEL_EXPORTER_OTLP_ENDPOINT={endpoint}", IMAGE, "run", "--drain",
+                "--tool", "image-cat", "--", "/bin/cat"], env=env, timeout=300)
+            spans = [span for span in receiver.spans()
+                     if span.attributes.get("sidecar.job.id") == job["id"]]
+        finally:
+            receiver.stop()
         row = db(dsn, "SELECT state, result FROM tool_jobs WHERE id = $1",
                  uuid.UUID(job["id"]))[0]
         if row["state"] != "succeeded" or json.loads(row["result"]) != {"hello": "image"}:
             raise CheckFailed(f"the job in the image ended {dict(row)}")
+        if not any(span.name == "execute_tool image-cat" for span in spans):
+            raise CheckFailed(f"no attempt span of the job reached the receiver: {spans}")
 
         step("sidecar mcp in the image (the [mcp] extra): /livez, a token, tools/list")
         check_gateway(base_run, env, tmp)

@@ -6,6 +6,8 @@ raises UsageError with one line. ``run`` is the bootstrap, one function per step
 
 1. *parse and configure signals*: done by ``cli.main`` before this module is reached
    (the inherited signal state is reset before any thread exists, case F10);
+   ``tracing_step``: whether OTEL_* asks for traces, and the ``[otel]`` extra is there
+   when it does (a refusal, exit 2, before anything changes);
 2. ``host_step`` (cgroups): detect the cgroup host and check the profile and the work
    root against it; every refusal (exit 2) comes here, before anything process-wide
    changes;
@@ -16,8 +18,9 @@ raises UsageError with one line. ``run`` is the bootstrap, one function per step
    refuses;
 5. ``parent_death_step`` (signals): drain when our parent dies (F8), unless the launcher
    ignored SIGHUP (F24);
-6. ``worker_step``: the Worker, leftovers of dead sidecars swept, the guardian started,
-   then the claim loop until drained or stopped.
+6. ``worker_step``: the Worker (and its tracer, issue 30), leftovers of dead sidecars
+   swept, the guardian started, then the claim loop until drained or stopped; the last
+   spans are exported at the end.
 
 The order is the one ``sidecar run`` always had: the cgroup checks, which may refuse
 to start, come first, so a refused start changes nothing in the process.
@@ -33,7 +36,7 @@ import shutil
 import signal
 from dataclasses import dataclass
 
-from sidecar import cgroups, db, guardian, isolation, leftovers, linux
+from sidecar import cgroups, db, guardian, isolation, leftovers, linux, tracing
 from sidecar.child import ProcessTable
 from sidecar.config import Settings, validate_tool_name
 from sidecar.errors import UsageError
@@ -181,17 +184,31 @@ def parent_death_step(config: RunConfig) -> tuple[bool, int | None]:
     return True, parent
 
 
+def tracing_step() -> bool:
+    """Whether the OTEL_* variables ask for traces (sidecar.tracing.asked); when they do,
+    the ``[otel]`` extra is imported now. Imports nothing of OpenTelemetry otherwise.
+    Raises ConfigError (exit 2, one line) for an exporter or protocol the extra does not
+    bring, or when the extra is missing (issue 30)."""
+    traced = tracing.asked(os.environ)
+    if traced:
+        tracing.implementation()
+    return traced
+
+
 def worker_step(config: RunConfig, settings: Settings, host: Host, dsn: str,
-                processes: ProcessTable, parent: int | None) -> int:
-    """Make the Worker, sweep what sidecars that died here left (ours will be, however we
-    die: the worker holds its owner lock while it runs; the guardian clears after it),
-    start the guardian, and run the worker until drained or stopped. Returns the exit
-    code (0 clean, 1 failure)."""
+                processes: ProcessTable, parent: int | None, traced: bool = False) -> int:
+    """Make the Worker (with the SDK's tracer when ``traced``), sweep what sidecars that
+    died here left (ours will be, however we die: the worker holds its owner lock while
+    it runs; the guardian clears after it), start the guardian, and run the worker until
+    drained or stopped; then export the spans still queued (at most
+    tracing.FLUSH_SECONDS). Returns the exit code (0 clean, 1 failure)."""
     from sidecar.worker import Worker, install_signal_handlers
 
     worker = Worker(settings, config.profile, dsn, config.argv, config.concurrency,
                     config.drain, adopt_orphans=processes.subreaper, serve_http=True,
                     cgroup_host=host.cgroups, processes=processes, sandbox=host.sandbox)
+    if traced:
+        worker.tracer = tracing.start(os.environ, worker.owner_id, config.tool)
     swept = leftovers.sweep_dead_owners(host.work_root, host.cgroups.parents)
     if swept:
         log.emit("leftovers_removed", tool=config.tool, count=swept,
@@ -212,16 +229,18 @@ def worker_step(config: RunConfig, settings: Settings, host: Host, dsn: str,
         return run_async(settings, go())
     finally:
         keeper.stdin.close()
+        worker.tracer.shutdown()
 
 
 def run(config: RunConfig, settings: Settings) -> int:
     """The bootstrap of ``sidecar run`` (see the module): each step in order; returns the
     process exit code. Raises SidecarError subclasses (one line, their exit code) for a
     refused start."""
+    traced = tracing_step()
     host = host_step(config, settings)
     dsn = non_dumpable_step(settings)
     processes = subreaper_step(config.tool)
     go_on, parent = parent_death_step(config)
     if not go_on:
         return 0
-    return worker_step(config, settings, host, dsn, processes, parent)
+    return worker_step(config, settings, host, dsn, processes, parent, traced)

@@ -31,6 +31,7 @@ from sidecar.errors import NextStageConflict, OwnershipUnknown
 from sidecar.lease import Lease
 from sidecar.log import log, log_fields
 from sidecar.model import ClaimedJob, JobState, LeaseProfile
+from sidecar.tracing import NO_TRACE, AttemptTrace
 from sidecar.verdict import Ending, Failure, Reject, Release, Succeeded, failure
 from sidecar.vocabulary import FailureKind, Outcome, StopReason
 
@@ -64,8 +65,10 @@ class FencedCommit:
     letter), release, or record that the lease was lost. Each method returns the Outcome.
     ``resources`` (peak memory, CPU time) go into every journaled summary."""
 
-    def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease, started: float):
+    def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease, started: float,
+                 trace: AttemptTrace = NO_TRACE):
         self.ctx = ctx
+        self.trace = trace  # the attempt's trace: the write's span, a stale result's event
         self.job = job
         self.lease = lease
         self.started = started  # monotonic seconds at the claim
@@ -123,11 +126,14 @@ class FencedCommit:
         report it once: its log line (``ENDING_REPORTS``), the attempt's outcome and
         duration metrics. The only place an attempt's outcome is written, logged and
         counted."""
+        self.trace.committing()
         outcome, how, fields = await _ENDERS[type(ending)](self, ending)
+        self.trace.ended(outcome, how, fields)
         report = ENDING_REPORTS[how]
         if report.event is not None:
             log.emit(report.event, report.level, **log_fields(self.job), **fields)
-        self._count(outcome)
+        self._count(outcome, fields.get("reason")
+                    if outcome in (Outcome.FAILED, Outcome.REQUEUED) else None)
         return outcome
 
     def crashed(self) -> None:
@@ -135,9 +141,13 @@ class FencedCommit:
         abandoned, as the lease expires by itself."""
         self._count(Outcome.ABANDONED)
 
-    def _count(self, outcome: Outcome) -> None:
+    def _count(self, outcome: Outcome, kind: str | None = None) -> None:
+        """Count one attempt's end: its outcome, its duration and, for a failure (failed
+        or requeued), its error.kind."""
         labels = (self.job.tool, self.ctx.profile.provider)
         metrics.ATTEMPTS_FINISHED.labels(*labels, outcome).inc()
+        if kind is not None:
+            metrics.ATTEMPT_FAILURES.labels(*labels, kind).inc()
         metrics.ATTEMPT_DURATION.labels(*labels).observe(time.monotonic() - self.started)
 
     async def _succeed(self, ending: Succeeded) -> Ended:
@@ -269,6 +279,7 @@ class FencedCommit:
         if digest is not None:
             details["result"] = digest
         log.emit("result_rejected", "warning", **log_fields(self.job), reason=why)
+        self.trace.rejected(digest, why)
         metrics.COMPLETIONS_REJECTED.labels(self.job.tool, self.ctx.profile.provider).inc()
         if self.lease.abandoned:
             self.lease.keep_evidence(details)

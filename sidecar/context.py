@@ -16,6 +16,7 @@ from sidecar.lease import LeaseKeeper
 from sidecar.model import LeaseProfile
 from sidecar.shortage import ClaimPause
 from sidecar.store import Store
+from sidecar.tracing import OFF, Tracer
 
 if TYPE_CHECKING:
     from sidecar.guard import GuardServer
@@ -46,3 +47,5 @@ class WorkerContext:
     # How each attempt is wrapped in bubblewrap (sidecar.isolation.check_sandbox at
     # start); None: attempts run unsandboxed (SANDBOX=off, or auto where it cannot work).
     sandbox: SandboxPlan | None = None
+    # Each attempt's trace (issue 30): sidecar.tracing.OFF unless OTEL_* asks for traces.
+    tracer: Tracer = OFF

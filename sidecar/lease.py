@@ -31,7 +31,7 @@ import time
 import asyncpg
 
 from sidecar import clock, db, metrics
-from sidecar.lease_state import Lease
+from sidecar.lease_state import Lease, LeaseState
 from sidecar.log import log, log_fields
 from sidecar.model import ClaimedJob, JobState, LeaseProfile
 from sidecar.store import Store
@@ -71,6 +71,15 @@ class LeaseKeeper:
         self.abandoned: dict[AttemptId, Lease] = {}
         self._conn: asyncpg.Connection | None = None
         self.labels = (profile.tool, profile.provider)
+        # Counted at each scrape, never stale: an episode shows as long as it lasts.
+        metrics.LEASES_UNKNOWN.labels(*self.labels).set_function(self.unknown_count)
+
+    def unknown_count(self) -> int:
+        """How many leases held now have their ownership unknown (LeaseState.UNKNOWN: a
+        renewal failed or skipped them, or the host was suspended, and none has confirmed
+        them since); the gauge sidecar_leases_ownership_unknown (issue 30)."""
+        return sum(1 for lease in list(self.leases.values())
+                   if lease.state is LeaseState.UNKNOWN)
 
     def hold(self, job: ClaimedJob, claim_sent_at: float) -> Lease:
         """Start heartbeating ``job``; ``claim_sent_at`` is when the claim was sent

@@ -104,13 +104,23 @@ MIN_SECRET_CHARS = 4
 # ``bytes.find`` per spelling (measured: 15 ms for 19 spellings over a 6 MB result, where
 # the alternation takes 58 ms; 2 us against 8 us for a 170-byte log line).
 REGEX_LIMIT = 64 * 1024
-# The alternation is compiled only once a set of secrets has been searched this many
-# times; until then each search is one ``in`` per spelling. Compiling costs about 300 us
-# per kind (str, bytes) for a set of 11 spellings, and the guard changes the set twice
-# per attempt (its token in, its token out): compiled at once, the no-op jobs of bench
-# section 1 spent 0.4 ms of sidecar CPU each on compiles. A find costs a few us more than
-# the compiled search, so an unchanging set still gets its alternation after these few.
+# A group of spellings (one ``add``: the database URL and its password, or one attempt's
+# guard token) is searched with one ``in`` per spelling until it has been searched this
+# many times, then by its own compiled alternation (about 300 us per kind, str or bytes,
+# for 11 spellings). Each group compiles at most once in its life, so a guard token coming
+# and going (twice per attempt) never recompiles the database URL's alternation: when the
+# whole set was one alternation, rebuilt at every change, the no-op jobs of bench section
+# 1 spent 0.4 ms of sidecar CPU each on compiles, and still about 10 % of the event
+# loop's time at 1x8 with the search threshold (issue 28's profile).
 REGEX_AFTER_SEARCHES = 16
+# A group with at most this many spellings is never compiled: that many ``in`` tests cost
+# no more than one compiled search (a guard token is one spelling: URL-safe base64).
+INLINE_FORMS = 4
+
+
+# The printable ASCII characters some JSON encoder escapes: the quote, the backslash and
+# (PHP's json_encode) the slash.
+_ESCAPED_ASCII = frozenset('"\\/')
 
 
 def secret_forms(value: str) -> tuple[str, ...]:
@@ -119,6 +129,8 @@ def secret_forms(value: str) -> tuple[str, ...]:
     ``json.dumps`` does by default (non-ASCII as ``\\uXXXX``), each also with ``/``
     escaped as ``\\/`` (PHP's json_encode). Deliberate encodings (base64, hex) are not
     found: what this catches is a tool that echoes what it read."""
+    if value.isascii() and value.isprintable() and not _ESCAPED_ASCII.intersection(value):
+        return (value,)  # every encoder writes it as it is (a guard token: URL-safe base64)
     escaped = orjson.dumps(value).decode()[1:-1]
     ascii_escaped = json.dumps(value)[1:-1]
     forms = {value, escaped, ascii_escaped}
@@ -127,41 +139,70 @@ def secret_forms(value: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class _Snapshot:
-    """One immutable view of the registry (swapped whole on every change, so threads
-    that scrub while the event loop adds a token see either the old or the new set)."""
+class _Group:
+    """The spellings of one ``add`` (one key), fixed for the key's life, and the
+    alternations compiled of them on first need (per kind: ``str`` or ``bytes``)."""
 
-    forms: tuple[str, ...] = ()                    # longest first
-    labels: Mapping[str, str] = field(default_factory=dict)  # form -> label
-    encoded: tuple[tuple[bytes, str], ...] = ()    # (UTF-8 form, label)
-    compiled: dict[type, re.Pattern] = field(default_factory=dict)  # on first use
-    # Searches of this snapshot so far (an estimate: threads may race on it).
+    label: str
+    forms: tuple[str, ...]                         # longest first
+    encoded: tuple[bytes, ...]                     # UTF-8, same order
+    compiled: dict[type, re.Pattern] = field(default_factory=dict)
+    # Searches of this group so far (an estimate: threads may race on it).
     searches: list[int] = field(default_factory=lambda: [0])
 
-    def search(self, data: str | bytes | bytearray) -> bool:
-        """True when ``data`` (text or UTF-8 bytes, at most REGEX_LIMIT characters) holds
-        any form: the compiled alternation once this snapshot has been searched
-        REGEX_AFTER_SEARCHES times, one ``in`` per form before that (same answer)."""
-        kind = str if isinstance(data, str) else bytes
+    def search(self, data: str | bytes | bytearray, text: bool) -> bool:
+        """True when ``data`` (``text``: a str; else UTF-8 bytes) holds one of the
+        spellings: one ``in`` per spelling until this group has been searched
+        REGEX_AFTER_SEARCHES times, its compiled alternation after (same answer)."""
+        forms = self.forms if text else self.encoded
+        kind = str if text else bytes
         pattern = self.compiled.get(kind)
         if pattern is None:
             self.searches[0] += 1
             if self.searches[0] <= REGEX_AFTER_SEARCHES:
-                if kind is str:
-                    return any(form in data for form in self.forms)
-                return any(form in data for form, _ in self.encoded)
-            pattern = self.regex(kind)
+                return any(form in data for form in forms)
+            if text:
+                pattern = re.compile("|".join(map(re.escape, forms)))
+            else:
+                pattern = re.compile(b"|".join(map(re.escape, forms)))
+            self.compiled[kind] = pattern
         return pattern.search(data) is not None
 
-    def regex(self, kind: type = str) -> re.Pattern:
-        """One alternation of every form, longest first (for ``str`` or ``bytes``)."""
-        pattern = self.compiled.get(kind)
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """One immutable view of the registry (swapped whole on every change, so threads
+    that scrub while the event loop adds a token see either the old or the new set).
+    Its groups are shared with the snapshots before and after: what a group compiled
+    stays compiled across changes of other keys."""
+
+    # The spellings of every group of at most INLINE_FORMS (a guard token each), searched
+    # one ``in`` at a time, and the larger groups, searched each by its own alternation.
+    inline: tuple[str, ...] = ()
+    inline_encoded: tuple[bytes, ...] = ()
+    groups: tuple[_Group, ...] = ()
+    forms: tuple[str, ...] = ()                    # every group's, longest first
+    labels: Mapping[str, str] = field(default_factory=dict)  # form -> label
+    encoded: tuple[tuple[bytes, str], ...] = ()    # (UTF-8 form, label)
+    compiled: dict[type, re.Pattern] = field(default_factory=dict)  # on first use
+
+    def search(self, data: str | bytes | bytearray) -> bool:
+        """True when ``data`` (text or UTF-8 bytes, at most REGEX_LIMIT characters) holds
+        any form: each spelling of the small groups, then ``_Group.search`` of each larger
+        group."""
+        text = isinstance(data, str)
+        for form in self.inline if text else self.inline_encoded:
+            if form in data:
+                return True
+        return any(group.search(data, text) for group in self.groups)
+
+    def regex(self) -> re.Pattern:
+        """One alternation of every form, longest first, for replacing them in text: only
+        text that holds a secret (rare) or is longer than REGEX_LIMIT needs it."""
+        pattern = self.compiled.get(str)
         if pattern is None:
-            if kind is str:
-                pattern = re.compile("|".join(map(re.escape, self.forms)))
-            else:
-                pattern = re.compile(b"|".join(re.escape(f) for f, _ in self.encoded))
-            self.compiled[kind] = pattern
+            pattern = re.compile("|".join(map(re.escape, self.forms)))
+            self.compiled[str] = pattern
         return pattern
 
 
@@ -178,22 +219,26 @@ class SecretRegistry:
 
     Cost: finding is one ``bytes.find`` per spelling (``secret_forms``), so checking a
     multi-MB result costs a few scans of it; scrubbing is one compiled alternation over
-    text that holds a secret (text that holds none is returned as it is). The alternation
-    of a set is compiled only once that set has been searched REGEX_AFTER_SEARCHES times.
+    text that holds a secret (text that holds none is returned as it is). Short text is
+    searched key by key: each key's own alternation, compiled once that key has been
+    searched REGEX_AFTER_SEARCHES times (never for a key of INLINE_FORMS spellings or
+    fewer, such as a guard token), so adding or discarding one key recompiles nothing.
     With no secret registered both return at once."""
 
     def __init__(self) -> None:
         # key -> (label, the spellings of its values): each value's secret_forms are
         # worked out once, when it is added, not again at every change of another key.
-        self._groups: dict[Hashable, tuple[str, tuple[str, ...]]] = {}
+        self._groups: dict[Hashable, _Group] = {}
         self._snapshot = _Snapshot()
 
     def add(self, key: Hashable, label: str, values: Iterable[str]) -> None:
         """Register ``values`` (strings; shorter than MIN_SECRET_CHARS ignored) under
         ``key``, replacing what ``key`` held."""
         kept = tuple(v for v in values if v and len(v) >= MIN_SECRET_CHARS)
-        self._groups[key] = (label, tuple(form for value in kept
-                                          for form in secret_forms(value)))
+        forms = tuple(sorted({form for value in kept for form in secret_forms(value)},
+                             key=len, reverse=True))
+        self._groups[key] = _Group(label, forms, tuple(f.encode("utf-8", "surrogatepass")
+                                                       for f in forms))
         self._rebuild()
 
     def discard(self, key: Hashable) -> None:
@@ -203,23 +248,27 @@ class SecretRegistry:
 
     def _rebuild(self) -> None:
         labels: dict[str, str] = {}
-        for label, forms in self._groups.values():
-            for form in forms:
-                labels.setdefault(form, label)
+        for group in self._groups.values():
+            for form in group.forms:
+                labels.setdefault(form, group.label)
         forms = tuple(sorted(labels, key=len, reverse=True))
-        self._snapshot = _Snapshot(forms, labels,
-                                   tuple((f.encode("utf-8", "surrogatepass"), labels[f])
-                                         for f in forms))
+        small = [g for g in self._groups.values() if len(g.forms) <= INLINE_FORMS]
+        self._snapshot = _Snapshot(
+            tuple(form for group in small for form in group.forms),
+            tuple(form for group in small for form in group.encoded),
+            tuple(g for g in self._groups.values() if len(g.forms) > INLINE_FORMS),
+            forms, labels,
+            tuple((f.encode("utf-8", "surrogatepass"), labels[f]) for f in forms))
 
     def __bool__(self) -> bool:
         return bool(self._snapshot.forms)
 
     def holds(self, data: str | bytes | bytearray) -> bool:
         """True when ``data`` (text or UTF-8 bytes) holds a registered secret in any
-        spelling. For short data one compiled search (a log line: about 2 us) once the set
-        of secrets has been searched REGEX_AFTER_SEARCHES times, one ``in`` per spelling
-        before that (a few us, no compile); one ``bytes.find`` per spelling beyond
-        REGEX_LIMIT characters (faster there)."""
+        spelling. For short data, per key: one compiled search (a log line: about 2 us)
+        once that key has been searched REGEX_AFTER_SEARCHES times, one ``in`` per
+        spelling before that or for a key of at most INLINE_FORMS spellings (no compile);
+        one ``bytes.find`` per spelling beyond REGEX_LIMIT characters (faster there)."""
         snap = self._snapshot
         if not snap.forms:
             return False
@@ -246,8 +295,8 @@ class SecretRegistry:
         snap = self._snapshot
         if not snap.forms:
             return text
-        # Text that holds no secret (nearly all) is left as it is, without an alternation
-        # compiled for it (REGEX_AFTER_SEARCHES).
+        # Text that holds no secret (nearly all) is left as it is, without the whole set's
+        # alternation compiled for it.
         if len(text) > REGEX_LIMIT or snap.search(text):
             text = snap.regex().sub(SECRET_MARK, text)
         if cut_start:

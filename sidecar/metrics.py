@@ -1,11 +1,11 @@
 """Ownership metrics (P21) with prometheus-client, in the process-wide registry.
 
 Names follow Prometheus conventions: prefix ``sidecar_``, base units (seconds), ``_total``
-counters (the client appends it), timestamps rather than ages. Labels are the ``tool`` and
-the profile's ``provider``, plus a bounded reason where one is named (outcome, heartbeat
-result, kill reason and signal, shortage errno); never a job id. ``start_at_zero``
-creates every known label set, so a rate() over a fresh sidecar sees zeros instead of
-missing series.
+counters (the client appends it), timestamps rather than ages (but the queue's age, by the
+database's clock). Labels are the ``tool`` and the profile's ``provider``, plus a bounded
+reason where one is named (outcome, failure kind, heartbeat result, kill reason and signal,
+shortage errno); never a job id. ``start_at_zero`` creates every known label set, so a
+rate() over a fresh sidecar sees zeros instead of missing series.
 
 A name says what it counts (case F24): a job may take several attempts, so what counts
 attempts says ``attempts``. No series carries the label value ``none`` (a kill that found
@@ -20,6 +20,7 @@ from prometheus_client import Counter, Gauge, Histogram, disable_created_metrics
 from sidecar.shortage import SHORTAGE_NAMES
 from sidecar.vocabulary import (
     ConnectionRefusal,
+    FailureKind,
     HeartbeatResult,
     KillSignal,
     Outcome,
@@ -34,6 +35,7 @@ _FAST = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5)
 
 # Every label set comes from sidecar.vocabulary: a new reason gets its series at start.
 OUTCOMES = tuple(Outcome)
+FAILURE_KINDS = tuple(FailureKind)
 HEARTBEAT_RESULTS = tuple(HeartbeatResult)
 KILL_REASONS = tuple(reason for reason in StopReason if reason is not StopReason.EXITED)
 KILL_SIGNALS = tuple(KillSignal)
@@ -55,6 +57,11 @@ JOBS_RECLAIMED = Counter("sidecar_jobs_reclaimed",
 ATTEMPTS_FINISHED = Counter("sidecar_attempts_finished",
                             "Attempts ended, by outcome (a job may take several).",
                             (*_TP, "outcome"))
+# The error.kind of each failed attempt (issue 30: a dashboard's outcomes by kind, an alert
+# on one kind failing above a rate); a bounded set (sidecar.vocabulary.FailureKind).
+ATTEMPT_FAILURES = Counter("sidecar_attempt_failures",
+                           "Attempts that ended failed or requeued for a retry, by the "
+                           "error.kind written to the job row.", (*_TP, "kind"))
 ATTEMPT_DURATION = Histogram("sidecar_attempt_duration_seconds",
                              "Attempt duration, claim to end.", _TP, buckets=_DURATIONS)
 HEARTBEATS = Counter("sidecar_heartbeats",
@@ -68,12 +75,23 @@ LEASE_SLACK = Histogram("sidecar_lease_slack_seconds",
 LAST_HEARTBEAT = Gauge("sidecar_last_heartbeat_timestamp_seconds",
                        "Unix time of the last successful renewal.", _TP)
 LEASES_HELD = Gauge("sidecar_leases_held", "Leases this sidecar holds now.", _TP)
+# Read at each scrape from the lease keeper (sidecar.lease.LeaseKeeper), so an episode that
+# lasts shows as long as it lasts (issue 30: the alert on ownership unknown sustained).
+LEASES_UNKNOWN = Gauge("sidecar_leases_ownership_unknown",
+                       "Leases this sidecar holds whose ownership is unknown now: the "
+                       "database has not confirmed them since a renewal failed (P14b).", _TP)
 LEASES_EXPIRED = Counter("sidecar_leases_expired",
                          "Leases lost before the job ended: zero rows or local deadline.", _TP)
 OWNERSHIP_UNKNOWN = Counter("sidecar_ownership_unknown_episodes",
                             "Episodes where the database did not answer a renewal (P14b).", _TP)
 CHILD_KILLS = Counter("sidecar_child_kills", "Tree kills by reason and strongest signal.",
                       (*_TP, "reason", "signal"))
+# From the first signal of a tree kill to the tree gone and the child reaped (issue 30);
+# kills that found the tree already gone signal nothing and are not observed.
+KILL_DURATION = Histogram("sidecar_kill_duration_seconds",
+                          "Tree kills that sent a signal: first signal to every process "
+                          "gone.", _TP, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30,
+                                                 60))
 PROCESSES_LEFT = Counter("sidecar_processes_left_after_kill",
                          "Processes still alive after a tree kill finished.", _TP)
 ATTEMPT_SHORTAGES = Counter("sidecar_attempt_shortages",
@@ -94,6 +112,17 @@ FLOW_RUNNING = Gauge("sidecar_flow_running", "Jobs of the tool running under a l
 FLOW_PAUSED = Gauge("sidecar_flow_paused", "1 while the tool is paused fleet-wide "
                     "(sidecar pause), else 0.", ("tool",))
 QUEUE_DEPTH = Gauge("sidecar_queue_depth", "Jobs of the tool claimable now (sampled).", _TP)
+# An age by the database's clock, not a timestamp: the queue's own clock decides when a
+# job became due, and an empty queue has an age (0) where a timestamp has none.
+QUEUE_AGE = Gauge("sidecar_queue_oldest_age_seconds",
+                  "How long the oldest queued job of the tool has been due (now() - "
+                  "run_after by the database's clock; 0 when none is due; sampled).", _TP)
+FORWARD_BACKLOG = Gauge("sidecar_forward_backlog",
+                        "Results of the tool's jobs waiting in the outbox to be forwarded "
+                        "to RESULT_URL, fleet-wide (sampled).", _TP)
+# 1 from start to exit: a tool none of whose sidecars exports it has no live sidecar
+# (issue 30: the alert on a tool left without one).
+UP = Gauge("sidecar_up", "1 while this sidecar runs for the tool.", _TP)
 LISTENING = Gauge("sidecar_listening",
                   "1 while the sidecar's LISTEN connection is up, so a NOTIFY wakes it; 0 "
                   "while it only polls (SIDECAR_POLL_SECONDS): behind a transaction pooler "
@@ -132,11 +161,16 @@ SERVICE_RUNS = Counter("sidecar_service_runs",
 
 
 def start_at_zero(tool: str, provider: str) -> None:
-    """Create every known label set of ``tool``/``provider`` at zero."""
+    """Create every known label set of ``tool``/``provider`` at zero, and set
+    ``sidecar_up`` of the pair to 1."""
     for metric in (JOBS_CLAIMED, JOBS_RECLAIMED, ATTEMPT_DURATION, HEARTBEAT_SECONDS, LEASE_SLACK,
                    LAST_HEARTBEAT, LEASES_HELD, LEASES_EXPIRED, OWNERSHIP_UNKNOWN,
-                   PROCESSES_LEFT, COMPLETIONS_REJECTED, QUEUE_DEPTH, LISTENING):
+                   PROCESSES_LEFT, COMPLETIONS_REJECTED, QUEUE_DEPTH, LISTENING, KILL_DURATION,
+                   LEASES_UNKNOWN, QUEUE_AGE, FORWARD_BACKLOG):
         metric.labels(tool, provider)
+    UP.labels(tool, provider).set(1)
+    for kind in FAILURE_KINDS:
+        ATTEMPT_FAILURES.labels(tool, provider, kind)
     for outcome in CLAIM_OUTCOMES:
         CLAIM_ATTEMPTS.labels(tool, provider, outcome)
     for table in PRUNED_TABLES:

@@ -543,7 +543,9 @@ class Store:
         """One poll's reading of ``tool`` (issue 28), in one statement: ``sweep`` (True when
         this caller takes the fleet's turn to run the lease and expiry sweeps: the tool's
         last sweep is at least ``period`` seconds old), ``depth`` (jobs claimable now:
-        queued and due, or under an expired lease), ``has_flow`` and the tool's flow row
+        queued and due, or under an expired lease), ``queue_age`` (seconds the oldest queued
+        job has been due, by the database's clock; 0 when none), ``forward_backlog``
+        (pending outbox rows of the tool), ``has_flow`` and the tool's flow row
         with its slots taken (``running``; NULLs without flow control)."""
         return await self.db.fetchrow(Q["sample_tool"], tool, period, timeout=self.timeout)
 

@@ -44,6 +44,7 @@ from sidecar.results import (
     stderr_tail_text,
 )
 from sidecar.shortage import shortage_errno
+from sidecar.tracing import NO_TRACE, AttemptTrace
 from sidecar.verdict import (
     Commit,
     Failure,
@@ -155,23 +156,26 @@ class JobSupervisor:
     sidecar.commit."""
 
     def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease,
-                 predecessors: Collection[asyncio.Task] = ()):
+                 predecessors: Collection[asyncio.Task] = (), trace: AttemptTrace = NO_TRACE):
         """``predecessors``: the supervisors of older attempts of the same job this
         sidecar still runs (their leases already marked lost, case F14); this attempt
         spawns nothing before every one of them has ended, so at most one tree of a job
-        is alive here at any time."""
+        is alive here at any time. ``trace``: the attempt's trace (sidecar.tracing,
+        issue 30), told of the spawn, the race's end, the kill and the end."""
         self.ctx = ctx
         self.job = job
         self.lease = lease
         self.predecessors = tuple(predecessors)
         self.started = time.monotonic()
         self.claimed_at = clock.ownership_now()  # the lifetime cap's origin (F20)
-        self.commit = FencedCommit(ctx, job, lease, self.started)
+        self.trace = trace
+        self.commit = FencedCommit(ctx, job, lease, self.started, trace)
         # The tool's progress reports (guard and SIDECAR_PROGRESS_FILE, issue 26).
         self.progress = ProgressReporter(ctx.store, ctx.owner_id, job, lease)
 
     async def run(self) -> Outcome:
         """Supervise the job; return how the attempt ended."""
+        error: BaseException | None = None
         try:
             if self.predecessors:
                 await asyncio.wait(self.predecessors)  # each kills its tree, bounded by grace
@@ -182,11 +186,13 @@ class JobSupervisor:
             await self.commit.journal(None, {})  # whatever the attempt noted and no end wrote
             if outcome in ACKNOWLEDGING_OUTCOMES:
                 await self._acknowledge_cancel(outcome)
-        except Exception:
+        except Exception as exc:
+            error = exc
             self.commit.crashed()  # a bug: counted once, then the worker logs it
             raise
         finally:
             self.ctx.keeper.drop(self.job.attempt_id)
+            self.trace.finish(error)
         return outcome
 
     async def _acknowledge_cancel(self, outcome: Outcome) -> None:
@@ -259,6 +265,10 @@ class JobSupervisor:
                      reason=note + "; this attempt runs under rlimits only")
         env = child_environment(self.ctx.base_env, profile,
                                 job_variables(job, profile, self.ctx.owner_id, sandbox))
+        # Traced: the tool's TRACEPARENT names this attempt's span (the same trace).
+        tool_context = self.trace.tool_context()
+        if tool_context:
+            env.update(tool_context)
         try:
             if files:
                 env["SIDECAR_CHECKPOINT_FILE"] = os.path.join(sandbox.job_dir,
@@ -285,6 +295,7 @@ class JobSupervisor:
         profile = self.ctx.profile
         cookie = {k: env[k] for k in ("SIDECAR_JOB_ID", "SIDECAR_FENCING_TOKEN")}
         relay = _StderrRelay(self.job, self.ctx.settings.log_tool_stderr)
+        self.trace.spawning()
         try:
             child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
                                       relay, cookie, cwd=sandbox.job_dir,
@@ -294,6 +305,7 @@ class JobSupervisor:
                                       processes=self.ctx.processes,
                                       wrap=self._sandbox_wrap(sandbox))
             child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
+            self.trace.spawned(child.pid)
         except SpawnShortage as exc:
             return await self._short_before_spawn("spawn", exc.errno_name, exc.message)
         except SpawnSetupFailed as exc:
@@ -318,9 +330,14 @@ class JobSupervisor:
             reason = await self._race(child, sandbox)
         finally:
             progress_file.cancel()
+        self.trace.stopped(reason)
         if reason is not StopReason.EXITED:
             self.lease.stop(reason)  # the guard refuses from now on ("deadline")
+        kill_started = time.monotonic()
         report = await child.kill_tree(profile.kill_grace_seconds)
+        if report.signal is not None:  # a kill that signalled: its latency (issue 30)
+            metrics.KILL_DURATION.labels(self.job.tool, profile.provider).observe(
+                time.monotonic() - kill_started)
         sandbox.tree_clean = (reason is StopReason.EXITED and report.signal is None
                               and not report.survivors)
         await child.close_pipes(timeout=1.0)
@@ -361,6 +378,8 @@ class JobSupervisor:
         metrics.CHILD_KILLS.labels(*labels, reason, sig).inc()
         metrics.PROCESSES_LEFT.labels(*labels).inc(len(report.survivors))
         self.commit.note("child_killed", details)
+        self.trace.killed(str(reason), details["signal"], len(report.killed),
+                          len(report.survivors))
 
     async def _race(self, child: Child, sandbox: Sandbox) -> StopReason:
         """Wait for the first of: the child exits, the lease is lost (or cancelled), the

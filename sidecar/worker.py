@@ -39,6 +39,7 @@ from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
 from sidecar.store import Store
 from sidecar.supervisor import JobSupervisor
+from sidecar.tracing import OFF, Tracer
 from sidecar.vocabulary import AttemptId, FailureKind
 
 # An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
@@ -115,6 +116,9 @@ class Worker:
         self.adopt_orphans = adopt_orphans
         self.processes = processes if processes is not None else ProcessTable()
         self.spares = SparePool()
+        # Each attempt's trace (issue 30); bootstrap's worker_step sets the SDK's when the
+        # environment asks for traces (sidecar.tracing.start).
+        self.tracer: Tracer = OFF
         self.owner_id = owner_id or worker_identity(settings.worker_name)
         self.stopping = asyncio.Event()
         self.shutdown_kill = asyncio.Event()
@@ -236,7 +240,7 @@ class Worker:
                                   self.settings, guard, guard_url, self.cgroup_host,
                                   ClaimPause(on_end=self.wake.set),
                                   processes=self.processes, spares=self.spares,
-                                  sandbox=self.sandbox)
+                                  sandbox=self.sandbox, tracer=self.tracer)
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict(),
                  http_addr=http_addr, guard_url=guard_url,
@@ -294,6 +298,8 @@ class Worker:
                     # nothing (a job queued since sends its NOTIFY after this read).
                     nothing_due = sample["depth"] == 0
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(sample["depth"])
+                    metrics.QUEUE_AGE.labels(*self.labels).set(sample["queue_age"])
+                    metrics.FORWARD_BACKLOG.labels(*self.labels).set(sample["forward_backlog"])
                     self._sample_flow(sample if sample["has_flow"] else None)
                     if sample["sweep"]:
                         await self._sweep(store)
@@ -381,7 +387,9 @@ class Worker:
             metrics.JOBS_RECLAIMED.labels(*self.labels).inc()
         predecessors = self._supersede(store, job)
         lease = ctx.keeper.hold(job, sent)
-        task = asyncio.create_task(JobSupervisor(ctx, job, lease, predecessors).run())
+        supervisor = JobSupervisor(ctx, job, lease, predecessors,
+                                   trace=ctx.tracer.attempt(job, sent))
+        task = asyncio.create_task(supervisor.run())
         self.running[job.attempt_id] = task
         task.add_done_callback(lambda t, attempt=job.attempt_id: self._job_done(attempt, t))
 

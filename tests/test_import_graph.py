@@ -184,6 +184,42 @@ def test_the_worker_never_reaches_the_mcp_gateway(start):
     assert not bad, "; ".join(chain(via, start, t) for t in bad)
 
 
+# Tracing (issue 30): OpenTelemetry is imported by sidecar.otel alone, and sidecar.otel by
+# sidecar.tracing alone, inside the function that runs only when OTEL_* asks for traces.
+TRACING_IMPLEMENTATION = "sidecar.otel"
+
+
+def top_level_imports(path: Path) -> set[str]:
+    """The modules ``path`` imports at module level (not inside a function or class)."""
+    found: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8"), str(path)).body:
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.add(node.module or "")
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_opentelemetry_is_reached_only_through_the_lazy_seam():
+    assert {m for m, targets in GRAPH.items() if "opentelemetry" in targets} \
+        == {TRACING_IMPLEMENTATION}
+    assert {m for m, targets in GRAPH.items() if TRACING_IMPLEMENTATION in targets} \
+        == {"sidecar.tracing"}
+    assert TRACING_IMPLEMENTATION not in top_level_imports(PACKAGE / "tracing.py")
+
+
+@pytest.mark.parametrize("start", ["sidecar.cli", "sidecar.bootstrap", "sidecar.worker",
+                                   "sidecar.supervisor", "sidecar.commit"])
+def test_the_worker_imports_opentelemetry_only_when_asked(start):
+    """Past the lazy import in sidecar.tracing, `sidecar run` reaches no OpenTelemetry
+    module (tests/test_tracing.py checks a real process under ``-X importtime`` too)."""
+    graph = {m: t for m, t in GRAPH.items() if m != TRACING_IMPLEMENTATION}
+    via = reached(graph, start)
+    assert "sidecar.tracing" in via  # the seam is on the path, so the check means something
+    assert "opentelemetry" not in via, chain(via, start, "opentelemetry")
+
+
 @pytest.mark.parametrize("start", ["sidecar.bootstrap", "sidecar.worker",
                                    "sidecar.supervisor"])
 def test_the_worker_never_reaches_the_web_view(start):

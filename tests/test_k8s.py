@@ -104,11 +104,13 @@ def test_a_broken_manifest_is_caught_by_the_validation():
 
 @pytest.fixture(scope="module")
 def keda_validator() -> Path:
-    """tests/keda with its node_modules (npm ci from the lock file on first use)."""
+    """tests/keda with its node_modules (npm ci from the lock file on first use): the CRD
+    schemas of KEDA and of the Prometheus Operator."""
     node, npm = shutil.which("node"), shutil.which("npm")
     if node is None or npm is None:
         pytest.fail("node and npm are needed to check KEDA's CRD schemas; install nodejs")
-    if not (KEDA / "node_modules" / "@kubernetes-models" / "keda").is_dir():
+    if not all((KEDA / "node_modules" / "@kubernetes-models" / name).is_dir()
+               for name in ("keda", "prometheus-operator")):
         done = subprocess.run([npm, "ci", "--no-audit", "--no-fund", "--loglevel=error"],
                               cwd=KEDA, capture_output=True, timeout=300)
         assert done.returncode == 0, done.stderr.decode()[-2000:]
@@ -571,3 +573,93 @@ def test_the_gateways_service_policy_and_tools_fit_together(rendered, tmp_path):
         assert profile["tool"] == tool
         assert profile["mcp_description"] == \
             check[f"SIDECAR_PROFILE_{tool.upper()}_MCP_DESCRIPTION"], profile
+
+
+# --- k8s/monitoring: the dashboard, the alerts and the scrape (issue 30) ----------------------
+
+MONITORING = K8S / "monitoring"
+OPERATIONS = ROOT / "docs" / "operations.md"
+
+
+@pytest.fixture(scope="module")
+def monitoring() -> list[dict]:
+    done = subprocess.run([_kubectl(), "kustomize", str(MONITORING)], capture_output=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr.decode()
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def test_monitoring_renders_a_rule_a_pod_monitor_and_the_dashboard(monitoring,
+                                                                   keda_validator):
+    """k8s/monitoring renders the PrometheusRule, the PodMonitor (each valid against the
+    Prometheus Operator's CRD schema) and a ConfigMap (valid against Kubernetes' schema)
+    holding the committed dashboard under the label Grafana's dashboard sidecar loads."""
+    assert sorted(d["kind"] for d in monitoring) == ["ConfigMap", "PodMonitor",
+                                                     "PrometheusRule"]
+    assert {d["metadata"]["namespace"] for d in monitoring} == {"monitoring"}
+    crds = [d for d in monitoring if d["apiVersion"] == "monitoring.coreos.com/v1"]
+    done = _keda_check(keda_validator, crds)
+    assert done.returncode == 0, done.stdout.decode() + done.stderr.decode()
+    assert done.stdout.decode().count(": valid") == 2
+    [configmap] = _of(monitoring, "ConfigMap")
+    kubernetes_validate.validate(configmap, KUBERNETES_VERSION, strict=True)
+    assert configmap["metadata"]["labels"]["grafana_dashboard"] == "1"
+    assert configmap["data"] == {
+        "sidecar-dashboard.json": (MONITORING / "sidecar-dashboard.json").read_text()}
+    assert json.loads(configmap["data"]["sidecar-dashboard.json"])["panels"]
+
+
+def test_the_crd_check_refuses_a_wrong_rule_and_pod_monitor(monitoring, keda_validator):
+    rule = json.loads(json.dumps(_of(monitoring, "PrometheusRule")[0]))
+    rule["spec"]["groups"][0]["rules"][0]["for"] = 10
+    monitor = json.loads(json.dumps(_of(monitoring, "PodMonitor")[0]))
+    monitor["spec"]["podMetricsEndpoints"] = "http"
+    for doc in (rule, monitor):
+        done = _keda_check(keda_validator, [doc])
+        assert done.returncode == 1 and "INVALID" in done.stdout.decode(), doc["kind"]
+
+
+def test_the_pod_monitor_scrapes_every_overlays_workers(monitoring, rendered):
+    """The PodMonitor's selector matches each tool overlay's worker pods and names the port
+    the sidecar serves /metrics on; their NetworkPolicy lets the monitoring namespace in."""
+    [monitor] = _of(monitoring, "PodMonitor")
+    assert monitor["spec"]["namespaceSelector"] == {"any": True}
+    wanted = monitor["spec"]["selector"]["matchLabels"]
+    [endpoint] = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["path"] == "/metrics"
+    for overlay in OVERLAYS:
+        deployment, tool, _ = _worker(rendered[overlay])
+        labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert all(labels.get(k) == v for k, v in wanted.items()), overlay
+        port = {p["name"]: p["containerPort"] for p in tool["ports"]}[endpoint["port"]]
+        [policy] = _of(rendered[overlay], "NetworkPolicy")
+        assert any(rule["ports"] == [{"port": port, "protocol": "TCP"}] and
+                   {"namespaceSelector": {"matchLabels": {
+                       "kubernetes.io/metadata.name": "monitoring"}}} in rule["from"]
+                   for rule in policy["spec"]["ingress"]), overlay
+    [gateway] = _of(rendered[GATEWAY], "Deployment")  # runs no tool: not scraped here
+    assert not all(gateway["spec"]["template"]["metadata"]["labels"].get(k) == v
+                   for k, v in wanted.items())
+
+
+def _anchors(markdown: str) -> set[str]:
+    """GitHub's anchors of the headings of ``markdown`` (lower case, punctuation dropped,
+    spaces to dashes)."""
+    return {re.sub(r"[^a-z0-9 _-]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in markdown.splitlines() if line.startswith("#")}
+
+
+def test_every_alert_says_how_bad_what_and_where_the_runbook_is(monitoring):
+    [rule] = _of(monitoring, "PrometheusRule")
+    alerts = [r for group in rule["spec"]["groups"] for r in group["rules"]]
+    assert {a["alert"] for a in alerts} == {
+        "SidecarJobsFailing", "SidecarStaleResults", "SidecarOwnershipUnknown",
+        "SidecarQueueTooOld", "SidecarToolWithoutSidecar", "SidecarForwardDeadLetters"}
+    anchors = _anchors(OPERATIONS.read_text())
+    for alert in alerts:
+        assert alert["labels"]["severity"] in ("warning", "critical"), alert["alert"]
+        notes = alert["annotations"]
+        assert set(notes) == {"summary", "description", "runbook_url"}, alert["alert"]
+        page, _, anchor = notes["runbook_url"].partition("#")
+        assert page == "docs/operations.md" and anchor == alert["alert"].lower()
+        assert anchor in anchors, f"docs/operations.md has no heading {alert['alert']}"

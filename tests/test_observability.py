@@ -58,6 +58,51 @@ def test_metrics_start_at_zero_and_count_ownership_events(dsn, sidecars):
     assert metric_value(text, "sidecar_lease_slack_seconds_count", **labels) >= 1
     assert metric_value(text, "sidecar_attempt_duration_seconds_count", **labels) == 1
     assert metric_value(text, "sidecar_queue_depth", **labels) == 0
+    # Issue 30's series: the failure under its kind, the kill's latency, and this one
+    # sidecar alive; nothing waits in the queue or the outbox.
+    assert metric_value(text, "sidecar_attempt_failures_total", kind="stage_timeout",
+                        **labels) == 1
+    assert metric_value(text, "sidecar_attempt_failures_total", kind="exit_code",
+                        **labels) == 0
+    assert metric_value(text, "sidecar_kill_duration_seconds_count", **labels) == 1
+    assert 0 < metric_value(text, "sidecar_kill_duration_seconds_sum", **labels) < 10
+    assert metric_value(text, "sidecar_up", **labels) == 1
+    assert metric_value(text, "sidecar_queue_oldest_age_seconds", **labels) == 0
+    assert metric_value(text, "sidecar_forward_backlog", **labels) == 0
+    assert metric_value(text, "sidecar_leases_ownership_unknown", **labels) == 0
+
+
+def test_leases_of_unknown_ownership_are_counted_while_the_database_is_silent(dsn, sidecars,
+                                                                             tmp_path):
+    """sidecar_leases_ownership_unknown (issue 30) is 1 while a running job's renewals go
+    unanswered (a blackholed path, well inside the local deadline of a 20 s lease) and 0
+    again once the database confirms the lease; the job succeeds."""
+    proxy = BlackholeProxy(upstream_of(dsn))
+    proxy.start()
+    try:
+        side_dsn = through(dsn, proxy.port)
+        env = base_env(side_dsn, SIDECAR_LEASE_SECONDS="20")
+        sc = sidecars(side_dsn, ["fault_sleep.py"], env=env)
+        base = _addr(sc)
+        labels = {"tool": "fault_sleep.py", "provider": ""}
+
+        def unknown() -> float | None:
+            return metric_value(_get(base + "/metrics")[1],
+                                "sidecar_leases_ownership_unknown", **labels)
+
+        assert unknown() == 0
+        job_id = enqueue(dsn, "fault_sleep.py", {"seconds": 6, "pidfile": str(tmp_path / "p")})
+        sc.wait_event("tool_request_started", job_id=job_id)
+        proxy.blackhole()
+        sc.wait_event("ownership_unknown", job_id=job_id)
+        wait_until(lambda: unknown() == 1, 10, what="the gauge to count the lease")
+        proxy.restore()
+        sc.wait_event("ownership_confirmed", job_id=job_id)
+        wait_until(lambda: unknown() == 0, 10, what="the gauge back at zero")
+        wait_until(lambda: query(dsn, "SELECT state FROM tool_jobs WHERE id = $1", job_id)[0]
+                   ["state"] == "succeeded", 30, what="the job to succeed")
+    finally:
+        proxy.stop()
 
 
 def test_livez_and_readyz_and_draining(dsn, sidecars):

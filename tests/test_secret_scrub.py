@@ -280,3 +280,48 @@ def test_a_checkpoint_holding_the_password_is_refused(secret_env, sidecars):
     assert row["checkpoint"] is None, row
     assert_nothing_holds(url, env, sc, job, PASSWORD, url)
 
+
+
+def test_a_guard_token_coming_and_going_recompiles_nothing():
+    """Each key's spellings are searched on their own: once the database password's
+    alternation is compiled, a guard token added and discarded (twice per attempt) leaves
+    that alternation as it is, and a token (one spelling) is never compiled at all."""
+    from sidecar.masking import INLINE_FORMS, REGEX_AFTER_SEARCHES
+
+    password = 'pä/ss"word'
+    registry = SecretRegistry()
+    registry.add("db", "database_password", [password])
+    (db_group,) = registry._snapshot.groups  # the large groups, searched by alternation
+    assert len(db_group.forms) > INLINE_FORMS  # else it would never compile
+    for _ in range(REGEX_AFTER_SEARCHES + 1):
+        assert not registry.holds("a clean log line")
+    compiled = db_group.compiled[str]
+    for attempt in range(50):
+        token = f"tok{attempt}-" + "c" * 40
+        registry.add(("guard", attempt), "guard_token", [token])
+        for _ in range(REGEX_AFTER_SEARCHES + 1):
+            assert registry.holds(f"x {token} y") and not registry.holds("clean")
+        assert registry.holds(password) and registry.labels_in(token) == ["guard_token"]
+        registry.discard(("guard", attempt))
+        assert not registry.holds(token)
+    db_group_now, = registry._snapshot.groups
+    assert db_group_now is db_group and db_group.compiled[str] is compiled
+
+
+def test_every_printable_ascii_secret_is_found_as_each_encoder_writes_it():
+    """A plain ASCII value is registered as one spelling only when every encoder writes
+    it unchanged: a value holding any character an encoder escapes is still found in
+    JSON written by orjson, Python's json and PHP's slash-escaping encoder."""
+    import json
+    import string
+
+    for char in string.printable:
+        value = f"sec{char}ret"
+        registry = SecretRegistry()
+        registry.add("k", "database_password", [value])
+        written = [value, orjson.dumps(value).decode(), json.dumps(value),
+                   json.dumps(value).replace("/", "\\/")]
+        for text in written:
+            assert registry.holds(f"x {text} y"), (char, text)
+            assert registry.holds(f"x {text} y".encode()), (char, text)
+            assert SECRET_MARK in registry.scrub(f"x {text} y"), (char, text)

@@ -130,6 +130,7 @@ def test_every_failure_kind_has_a_retry_rule():
 
 def test_metric_label_sets_cover_the_whole_vocabulary():
     assert set(metrics.OUTCOMES) == set(Outcome)
+    assert set(metrics.FAILURE_KINDS) == set(FailureKind)
     assert set(metrics.HEARTBEAT_RESULTS) == set(HeartbeatResult)
     assert set(metrics.KILL_SIGNALS) == set(KillSignal)
     assert set(metrics.KILL_REASONS) == set(StopReason) - {StopReason.EXITED}

@@ -550,10 +550,11 @@ RETURNING id;
 -- name: sample_tool
 -- Once per poll period per sidecar (issue 28): whether it is this sidecar's turn to sweep
 -- ($2: its poll period in seconds; the tool's last sweep is at least that old), the queue
--- depth (jobs claimable now: queued and due, or under an expired lease) and the tool's
--- flow row with its slots taken (has_flow false and NULLs without one), in one round
--- trip, in place of the four statements a poll used to cost. The
--- turn moves with a plain UPDATE: a concurrent sample waits for it, then finds it taken,
+-- depth (jobs claimable now: queued and due, or under an expired lease), how long the
+-- oldest queued job has been due (queue_age, seconds; 0 when none), the results waiting in
+-- the outbox (forward_backlog, issue 30) and the tool's flow row with its slots taken
+-- (has_flow false and NULLs without one), in one round trip, in place of the four
+-- statements a poll used to cost. The turn moves with a plain UPDATE: a concurrent sample waits for it, then finds it taken,
 -- so one sidecar of the fleet sweeps per period. The first sample of a tool makes its row.
 WITH turn AS (
     UPDATE tool_sweeps SET swept_at = now()
@@ -570,6 +571,11 @@ SELECT EXISTS (SELECT FROM turn) OR EXISTS (SELECT FROM first_turn) AS sweep,
         WHERE tool = $1
           AND ((state = 'queued' AND run_after <= now())
                OR (state = 'running' AND lease_until < now()))) AS depth,
+       (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(run_after))::float8, 0)
+        FROM tool_jobs WHERE tool = $1 AND state = 'queued' AND run_after <= now())
+           AS queue_age,
+       (SELECT count(*) FROM tool_job_outbox WHERE tool = $1 AND state = 'pending')
+           AS forward_backlog,
        f.tool IS NOT NULL AS has_flow,
        f.max_running, f.max_running_per_key, f.rate, f.rate_per_key, f.burst,
        f.rate_per_second, f.key_rate_per_second, f.paused_at, f.pause_reason,
