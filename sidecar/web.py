@@ -155,15 +155,15 @@ def _param(request: web.Request, name: str) -> str | None:
 class JobFilter:
     """The jobs list's filters and page, from the query string: ``state`` (one of
     STATES), ``tool``, ``tag`` (``KEY=VALUE``, repeatable), ``kind`` (an error kind),
-    ``limit`` (1 to MAX_PAGE) and ``after`` (the keyset: ``created_at`` ISO time and id
-    of the previous page's last row, as ``TIME,ID``)."""
+    ``limit`` (1 to MAX_PAGE) and ``after`` (the keyset: the id of the previous page's
+    last row; ids are time-ordered, so newest first is highest id first)."""
 
     state: str | None = None
     tool: str | None = None
     tags: tuple[tuple[str, str], ...] = ()
     kind: str | None = None
     limit: int = DEFAULT_PAGE
-    after: tuple[dt.datetime, uuid.UUID] | None = None
+    after: uuid.UUID | None = None
 
     def query(self, **changes: Any) -> str:
         """This filter as a query string, with ``changes`` (``after=None`` for the first
@@ -175,7 +175,7 @@ class JobFilter:
         pairs = [(k, str(v)) for k, v in values.items() if v is not None]
         pairs += [("tag", f"{k}={v}") for k, v in self.tags]
         if after is not None:
-            pairs.append(("after", f"{after[0].isoformat()},{after[1]}"))
+            pairs.append(("after", str(after)))
         return urlencode(pairs)
 
 
@@ -213,14 +213,11 @@ def parse_filter(request: web.Request) -> JobFilter:
     after_text = _param(request, "after")
     after = None
     if after_text is not None:
-        when, _, ident = after_text.rpartition(",")
         try:
-            after = (dt.datetime.fromisoformat(when), uuid.UUID(ident))
-            if after[0].tzinfo is None:
-                raise ValueError("no offset")
+            after = uuid.UUID(after_text)
         except ValueError:
-            raise BadInput("query parameter after: TIME,ID as the 'older' link gives it "
-                           "(an ISO time with its offset, a comma, a job id)") from None
+            raise BadInput("query parameter after: a job id, as the 'older' link gives "
+                           "it") from None
     return JobFilter(state, tool, tuple(tags.items()), kind, limit, after)
 
 
@@ -394,14 +391,12 @@ async def running_page(request: web.Request) -> web.Response:
 
 async def jobs_page(request: web.Request) -> web.Response:
     wanted = parse_filter(request)
-    after = wanted.after or (None, None)
     rows = await request.app[STATE].store.web_read(
         "web_jobs_page", wanted.state, wanted.tool,
-        dict(wanted.tags) or None, wanted.kind,
-        after[0], after[1], wanted.limit + 1)
+        dict(wanted.tags) or None, wanted.kind, wanted.after, wanted.limit + 1)
     more = len(rows) > wanted.limit
     rows = rows[:wanted.limit]
-    older = wanted.query(after=(rows[-1]["created_at"], rows[-1]["id"])) if more else None
+    older = wanted.query(after=rows[-1]["id"]) if more else None
     return _render(request, "jobs.html", jobs=rows, filter=wanted, states=STATES,
                    older=older, first=wanted.query(after=None) if wanted.after else None)
 

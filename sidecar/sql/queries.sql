@@ -793,7 +793,7 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', true), set_config('jit
 -- failed in the last hour, the oldest due queued job's wait, the pause and limits (flow
 -- control, migration 016) and the sidecars seen (owners of live leases, idle ones
 -- registered in the last ten minutes). The tools are found with a skip scan of
--- tool_jobs_tool_created_idx (one probe per tool, not a read of every job); the counts
+-- tool_jobs_tool_id_idx (one probe per tool, not a read of every job); the counts
 -- per tool read the partial indexes of queued and running jobs; the failures of the last
 -- hour and the live owners are each read once for every tool.
 WITH RECURSIVE job_tools AS (
@@ -851,9 +851,10 @@ ORDER BY claimed_at, id
 LIMIT $2;
 
 -- name: web_jobs_page
--- One page of jobs, newest first, after the keyset ($5 created_at, $6 id: the last row of
--- the page before; NULL for the first page): filtered by state $1, tool $2, tags $3 (all
--- of them) and error kind $4; at most $7 rows. No OFFSET: a page costs its LIMIT.
+-- One page of jobs, newest first (ids are time-ordered: migration 017), after the keyset
+-- ($5: the id of the last row of the page before; NULL for the first page): filtered by
+-- state $1, tool $2, tags $3 (all of them) and error kind $4; at most $6 rows. No OFFSET:
+-- a page costs its LIMIT.
 SELECT id, tool, state, attempt, max_attempts, fencing_token, owner_id, created_at,
        finished_at, error->>'kind' AS error_kind, tags, stage
 FROM tool_jobs
@@ -861,9 +862,9 @@ WHERE ($1::text IS NULL OR state = $1)
   AND ($2::text IS NULL OR tool = $2)
   AND ($3::jsonb IS NULL OR (tags @> $3::jsonb AND tags <> '{}'::jsonb))
   AND ($4::text IS NULL OR error->>'kind' = $4)
-  AND ($5::timestamptz IS NULL OR (created_at, id) < ($5::timestamptz, $6::uuid))
-ORDER BY created_at DESC, id DESC
-LIMIT $7;
+  AND ($5::uuid IS NULL OR id < $5)
+ORDER BY id DESC
+LIMIT $6;
 
 -- name: web_job
 -- One job for its page: the row without the payload, result and checkpoint themselves,
