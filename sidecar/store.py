@@ -716,14 +716,28 @@ class Store:
         """Run the named read ``name`` of the web view in a transaction of its own that
         plans it for its parameters (web_custom_plans; behind a transaction pooler with
         the sidecar's settings too): ``fetch`` rows, ``fetchrow`` one or None, or
-        ``fetchval``."""
-        async with asyncio.timeout(self.timeout), self.pool.acquire() as conn, \
-                conn.transaction():
-            begin = db.local_settings_sql(conn)
-            if begin is not None:
-                await conn.execute(begin)
-            await conn.execute(Q["web_custom_plans"])
-            return await getattr(conn, method)(Q[name], *args)
+        ``fetchval``. Bounded by ``timeout`` for acquiring and again for the reads
+        (TimeoutError), a connection that failed terminated (as BoundedPool)."""
+        # Bounded end to end as BoundedPool's calls are: a transaction block's ROLLBACK
+        # on the way out of a timeout would wait forever on a blackholed path, so the
+        # connection is terminated instead (its transaction ends with it).
+        async with asyncio.timeout(self.timeout):
+            conn = await self.pool.acquire()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await conn.execute("BEGIN")
+                begin = db.local_settings_sql(conn)
+                if begin is not None:
+                    await conn.execute(begin)
+                await conn.execute(Q["web_custom_plans"])
+                result = await getattr(conn, method)(Q[name], *args)
+                await conn.execute("COMMIT")
+            return result
+        except BaseException:
+            conn.terminate()
+            raise
+        finally:
+            await self.pool.release(conn, timeout=self.timeout)
 
     async def list_jobs(
         self, state: str | None, tool: str | None, limit: int,
