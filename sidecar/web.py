@@ -333,6 +333,24 @@ def _compact(value: Any) -> str:
     return jsontext.dumps(value, other_as_str=True).decode()
 
 
+def _pairs(value: Any) -> list[tuple[str, Any]]:
+    """A JSON object's items as the page lists them; any other JSON value (a row written
+    around the checks: tags, journal details) as one item with an empty key, none for
+    null."""
+    if isinstance(value, dict):
+        return list(value.items())
+    return [] if value is None else [("", value)]
+
+
+def _progress(value: Any) -> str:
+    """A job's progress as one line: ``VALUE MESSAGE`` of the object a tool reports, or
+    any other JSON value (a row written around the checks) compact."""
+    if isinstance(value, dict):
+        parts = [value.get("value"), value.get("message")]
+        return " ".join(_compact(part) for part in parts if part is not None)
+    return _compact(value)
+
+
 def make_templates() -> jinja2.Environment:
     """The page templates (sidecar/web_templates), autoescaped: every value from the
     database is HTML-escaped unless a template says otherwise (none does)."""
@@ -340,7 +358,8 @@ def make_templates() -> jinja2.Environment:
         loader=jinja2.PackageLoader("sidecar", "web_templates"),
         autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
         lstrip_blocks=True)
-    env.filters.update(seconds=_seconds, when=_when, compact=_compact)
+    env.filters.update(seconds=_seconds, when=_when, compact=_compact, pairs=_pairs,
+                       progress=_progress)
     env.globals.update(quote=lambda text: quote(str(text), safe=""))
     return env
 
@@ -428,13 +447,12 @@ async def job_page(request: web.Request) -> web.Response:
     timeline, previous, first = [], None, None
     for row in events:
         first = first or row["at"]
-        details = row["details"] if isinstance(row["details"], dict) else {"": row["details"]}
         timeline.append({
             "at": row["at"], "event": row["event"], "token": row["fencing_token"],
             "class": EVENT_CLASS.get(row["event"], "other"),
             "since_start": (row["at"] - first).total_seconds(),
             "gap": (row["at"] - previous).total_seconds() if previous else None,
-            "details": [(k, v) for k, v in details.items() if v is not None]})
+            "details": [(k, v) for k, v in _pairs(row["details"]) if v is not None]})
         previous = row["at"]
     forwarding = await state.store.outbox_of_job(job_id)
     children = await state.store.children(job_id)
@@ -623,6 +641,11 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
                                           f"{db.describe_error(exc)}"))
     except TimeoutError:
         response = _as_response(_plain(503, "database unavailable: no answer in time"))
+    except Exception as exc:  # a bug or a row of a shape no page expects: one line, logged
+        log_mod.log.emit("web_error", "error", reason=f"{type(exc).__name__}: {exc}"[:300],
+                         path=request.path[:200])
+        response = web.Response(status=500, text="internal error: the server's log has "
+                                "the reason (event web_error)\n", content_type="text/plain")
     for name, value in SECURITY_HEADERS.items():
         response.headers.setdefault(name, value)
     return response
