@@ -542,10 +542,16 @@ async def tool_action(request: web.Request) -> web.Response:
 
 # --- logging in -----------------------------------------------------------------------------
 
+# A path of this server as a login's "next": printable ASCII without a space or a
+# backslash (a browser's URL parser drops tabs and newlines and reads "\\" as "/", so
+# "/\t/evil" or "/\\evil" would leave for another host), not starting "//".
+_NEXT = re.compile(r"/(?![/\\])[!-\[\]-~]*")
+
+
 def _next(text: str | None) -> str:
-    """Where a login goes back to: a path of this server only (never ``//host``)."""
-    if text and text.startswith("/") and not text.startswith("//") and "\\" not in text \
-            and len(text) <= MAX_PARAM_CHARS:
+    """Where a login goes back to: a path of this server only (_NEXT, at most
+    MAX_PARAM_CHARS), else ``/tools``."""
+    if text and len(text) <= MAX_PARAM_CHARS and _NEXT.fullmatch(text):
         return text
     return "/tools"
 
