@@ -278,7 +278,11 @@ def principal(request: web.Request) -> tuple[str | None, Session | None]:
         return None, None
     header = request.headers.get("Authorization", "")
     if header[:7].lower() == "bearer ":
-        return tokens.principal_of(state.tokens, header[7:].strip()[:MAX_PARAM_CHARS]), None
+        # compared whole: a longer header is no token (a prefix must not pass as one)
+        presented = header[7:].strip()
+        if len(presented) > MAX_PARAM_CHARS:
+            return None, None
+        return tokens.principal_of(state.tokens, presented), None
     found = _session(request)
     return (found.principal, found) if found else (None, None)
 
