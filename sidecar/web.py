@@ -218,7 +218,13 @@ def parse_filter(request: web.Request) -> JobFilter:
             after = (dt.datetime.fromisoformat(when), uuid.UUID(ident))
             if after[0].tzinfo is None:
                 raise ValueError("no offset")
-        except ValueError:
+            # as the database driver sends it (UTC): a time at the ends of the calendar
+            # overflows there, the caller's mistake and not the database's
+            after = (after[0].astimezone(dt.UTC), after[1])
+            if not dt.datetime(1, 1, 2, tzinfo=dt.UTC) <= after[0] \
+                    <= dt.datetime(9999, 12, 30, tzinfo=dt.UTC):
+                raise ValueError("out of range")
+        except (ValueError, OverflowError):
             raise BadInput("query parameter after: TIME,ID as the 'older' link gives it "
                            "(an ISO time with its offset, a comma, a job id)") from None
     return JobFilter(state, tool, tuple(tags.items()), kind, limit, after)
