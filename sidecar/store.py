@@ -19,7 +19,8 @@ from typing import Any
 import asyncpg
 
 from sidecar import db
-from sidecar.enqueue_args import EnqueueOptions
+from sidecar import log as log_mod
+from sidecar.enqueue_args import EnqueueOptions, stored_trace_context
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
 from sidecar.flow import ClaimHeld, Held
 from sidecar.masking import SECRETS
@@ -65,6 +66,23 @@ class Renewal:
 
     lease_until: dt.datetime
     lease_remaining: float
+
+
+def _trace_context(row: asyncpg.Record) -> dict[str, str | None]:
+    """``traceparent``/``tracestate`` of a claimed row, each dropped (and logged as
+    trace_context_ignored) unless it is W3C trace context: the enqueue function checks
+    them, a row written around it may hold anything (an environment string the kernel
+    refuses to exec, issue 30)."""
+    given = (row["traceparent"], row["tracestate"])
+    kept = stored_trace_context(*given)
+    if kept != given:
+        log_mod.log.emit("trace_context_ignored", "warning", job_id=str(row["id"]),
+                         traceparent_chars=len(given[0] or ""),
+                         tracestate_chars=len(given[1] or ""),
+                         kept=[name for name, value in zip(("traceparent", "tracestate"),
+                                                           kept, strict=True)
+                               if value is not None])
+    return {"traceparent": kept[0], "tracestate": kept[1]}
 
 
 class BoundedPool:
@@ -366,7 +384,7 @@ class Store:
                 reclaimed=row["previous_state"] == JobState.RUNNING,
                 checkpoint_text=row["checkpoint_text"], stage=row["stage"],
                 lifetime_remaining=row["lifetime_remaining"],
-                traceparent=row["traceparent"], tracestate=row["tracestate"]))
+                **_trace_context(row)))
         return jobs, held
 
     async def release_unheld_claims(self, tool: str, owner_id: str,
