@@ -58,6 +58,13 @@ MAX_RUNNING_ROWS = 500
 MAX_TIMELINE_EVENTS = 2000
 # Payload or result content shown on request: at most this many characters.
 MAX_CONTENT_CHARS = 64 * 1024
+# Any other value from a row (an error field, a tag, progress, an outbox error) shows at
+# most MAX_VALUE_CHARS characters, a key MAX_KEY_CHARS, an object MAX_PAIRS items; one
+# journal event's details MAX_EVENT_CHARS in all (2000 events of a few lines each).
+MAX_VALUE_CHARS = 4096
+MAX_KEY_CHARS = 64
+MAX_PAIRS = 64
+MAX_EVENT_CHARS = 1000
 KIND = re.compile(r"[a-z0-9_]{1,64}")
 SESSION_COOKIE = "sidecar_web_session"
 SESSION_SECONDS = 8 * 3600
@@ -337,10 +344,19 @@ def _when(value: dt.datetime | None) -> str:
     return value.astimezone(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _compact(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return jsontext.dumps(value, other_as_str=True).decode()
+def _clip(text: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    """``text`` (str() of it) cut to ``limit`` characters, saying how long it was."""
+    text = "" if text is None else str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text)} characters)"
+
+
+def _compact(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    """A JSON value as compact text (a string as is), at most ``limit`` characters."""
+    if not isinstance(value, str):
+        value = jsontext.dumps(value, other_as_str=True).decode()
+    return _clip(value, limit)
 
 
 def _pairs(value: Any) -> list[tuple[str, Any]]:
@@ -348,8 +364,33 @@ def _pairs(value: Any) -> list[tuple[str, Any]]:
     around the checks: tags, journal details) as one item with an empty key, none for
     null."""
     if isinstance(value, dict):
-        return list(value.items())
-    return [] if value is None else [("", value)]
+        items = list(value.items())
+    else:
+        items = [] if value is None else [("", value)]
+    shown = [(_clip(k, MAX_KEY_CHARS), v if k == "stderr_tail" and isinstance(v, str)
+              else _compact(v)) for k, v in items[:MAX_PAIRS]]
+    if len(items) > MAX_PAIRS:
+        shown.append(("…", f"{len(items) - MAX_PAIRS} more"))
+    return shown
+
+
+def _event_details(value: Any) -> list[tuple[str, str]]:
+    """One journal event's details as _pairs shows an object (null values left out), at
+    most MAX_EVENT_CHARS characters of keys and values in all."""
+    if isinstance(value, dict):
+        items = [(k, v) for k, v in value.items() if v is not None]
+    else:
+        items = [] if value is None else [("", value)]
+    out, room = [], MAX_EVENT_CHARS
+    for number, (key, raw) in enumerate(items):
+        if room <= 0:
+            out.append(("…", f"{len(items) - number} more"))
+            break
+        key = _clip(key, MAX_KEY_CHARS)
+        text = _compact(raw, max(room - len(key), 16))
+        room -= len(key) + len(text)
+        out.append((key, text))
+    return out
 
 
 def _progress(value: Any) -> str:
@@ -357,7 +398,7 @@ def _progress(value: Any) -> str:
     any other JSON value (a row written around the checks) compact."""
     if isinstance(value, dict):
         parts = [value.get("value"), value.get("message")]
-        return " ".join(_compact(part) for part in parts if part is not None)
+        return _clip(" ".join(_compact(part) for part in parts if part is not None))
     return _compact(value)
 
 
@@ -369,7 +410,7 @@ def make_templates() -> jinja2.Environment:
         autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
         lstrip_blocks=True)
     env.filters.update(seconds=_seconds, when=_when, compact=_compact, pairs=_pairs,
-                       progress=_progress)
+                       progress=_progress, clip=_clip)
     env.globals.update(quote=lambda text: quote(str(text), safe=""))
     return env
 
@@ -462,7 +503,7 @@ async def job_page(request: web.Request) -> web.Response:
             "class": EVENT_CLASS.get(row["event"], "other"),
             "since_start": (row["at"] - first).total_seconds(),
             "gap": (row["at"] - previous).total_seconds() if previous else None,
-            "details": [(k, v) for k, v in _pairs(row["details"]) if v is not None]})
+            "details": _event_details(row["details"])})
         previous = row["at"]
     forwarding = await state.store.outbox_of_job(job_id)
     children = await state.store.children(job_id)
