@@ -682,6 +682,13 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise _plain(403, f"Host {request.host[:80]!r} is not allowed; start sidecar "
                               "web with --allowed-host for a name other than loopback")
         if request.method == "POST":
+            # A browser names where a form came from in Sec-Fetch-Site even when the page
+            # hides its origin ("null" under no-referrer): another site, or another port
+            # of this host (the same site, to which a SameSite cookie is still sent).
+            if request.headers.get("Sec-Fetch-Site", "same-origin") not in (
+                    "same-origin", "none"):
+                raise _plain(403, "Sec-Fetch-Site: a form of another site or port; actions "
+                                  "are taken from this server's own pages only")
             origin = request.headers.get("Origin")
             if origin is not None and origin != "null" and \
                     origin.split("://", 1)[-1] != request.host:

@@ -88,6 +88,17 @@ def world(server_dsn, tmp_path_factory):
         kit.query(dsn, "UPDATE tool_jobs SET state = 'failed', finished_at = now(), "
                        "error = '[\"<i>not an object</i>\"]' WHERE id = $1::uuid",
                   jobs["kinds"])
+        jobs["big"] = kit.enqueue(dsn, "web-hostile", {"k": "big"})
+        kit.query(dsn, "UPDATE tool_jobs SET state = 'succeeded', finished_at = now(), "
+                       "result = jsonb_build_object('s', repeat('<', 8 * 1024 * 1024)) "
+                       "WHERE id = $1::uuid", jobs["big"])
+        kit.query(dsn, "INSERT INTO tool_job_events (job_id, fencing_token, event, details) "
+                       "SELECT $1::uuid, 1, 'job_progress', jsonb_build_object('n', n, "
+                       "'<k>', repeat('<', 200)) FROM generate_series(1, 100000) n",
+                  jobs["big"])
+        kit.query(dsn, "INSERT INTO tool_job_events (job_id, fencing_token, event, details) "
+                       "VALUES ($1::uuid, 1, 'job_progress', jsonb_build_object('m', "
+                       "repeat('<', 1024 * 1024), 'n', repeat('x', 5000)))", jobs["big"])
         proxy = BlackholeProxy(upstream_of(dsn))
         proxy.start()
         token_file = tmp / "tokens"
@@ -144,6 +155,18 @@ def _raw(url: str, request_line: str) -> bytes:
     parts = urllib.parse.urlsplit(url)
     with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
         sock.sendall(f"{request_line}\r\nHost: {parts.netloc}\r\nConnection: close\r\n\r\n"
+                     .encode("latin-1"))
+        chunks = []
+        while chunk := sock.recv(65536):
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _raw_host(url: str, host: str) -> bytes:
+    """The raw answer to GET /tools sent with ``host`` as the Host header."""
+    parts = urllib.parse.urlsplit(url)
+    with socket.create_connection((parts.hostname, parts.port), timeout=30) as sock:
+        sock.sendall(f"GET /tools HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n"
                      .encode("latin-1"))
         chunks = []
         while chunk := sock.recv(65536):
@@ -264,3 +287,57 @@ def test_a_database_that_stops_answering_is_a_bounded_503(world):
         world.proxy.restore()
     kit.wait_until(lambda: _get(world.url + "/tools")[0] == 200, 30,
                    what="the web view answering again")
+
+
+def test_a_huge_result_and_journal_make_a_bounded_page(world):
+    """An 8 MiB result shown on request and 100,000 journal events, the newest with a
+    megabyte of details: the page holds the first MAX_CONTENT_CHARS of the content and the
+    newest MAX_TIMELINE_EVENTS events, each cut to MAX_EVENT_CHARS, escaped, and says
+    so."""
+    from sidecar.web import MAX_CONTENT_CHARS, MAX_EVENT_CHARS, MAX_TIMELINE_EVENTS
+
+    status, body, _ = _get(world.url + f"/jobs/{world.jobs['big']}?show=result",
+                           {"Authorization": f"Bearer {ALICE}"})
+    assert status == 200, body[:300]
+    assert f"The newest {MAX_TIMELINE_EVENTS} of 100002 events." in body
+    assert f"the first {MAX_CONTENT_CHARS} of" in body
+    assert "<<" not in body and "<k>" not in body
+    assert "… (1048576 characters)" in body  # the megabyte detail, cut
+    # 2000 events of at most MAX_EVENT_CHARS each, escaped, and the content
+    assert len(body) < MAX_TIMELINE_EVENTS * (MAX_EVENT_CHARS * 5 + 400) \
+        + MAX_CONTENT_CHARS * 5 + 100_000, len(body)
+
+
+def test_posts_from_another_site_are_refused_even_with_a_null_origin(world):
+    """A form another site (or another port of this host: the same site to a cookie)
+    makes the browser POST says so in Sec-Fetch-Site even where Origin is "null" (a
+    no-referrer page): refused, so no login can be forced on a browser (login CSRF) and
+    no action taken from there; this server's own forms (same-origin) pass."""
+    for site in ("cross-site", "same-site"):
+        status, body, _ = _post(world.url + "/login", {"token": ALICE, "next": "/tools"},
+                                {"Origin": "null", "Sec-Fetch-Site": site})
+        assert status == 403, (site, status, body)
+        assert "Set-Cookie" not in _, site
+        status, body, _ = _post(world.url + "/tools/web-hostile/pause", {},
+                                {"Authorization": f"Bearer {ALICE}", "Origin": "null",
+                                 "Sec-Fetch-Site": site})
+        assert status == 403, (site, status, body)
+    status, _, headers = _post(world.url + "/login", {"token": ALICE, "next": "/tools"},
+                               {"Origin": "null", "Sec-Fetch-Site": "same-origin"})
+    assert status == 303 and "sidecar_web_session" in headers.get("Set-Cookie", "")
+
+
+def test_odd_methods_hosts_and_paths_are_one_line_with_the_headers(world):
+    """GET on a POST-only route, a Host with a port that is not a number or a trailing
+    dot, a static path that climbs, a job id that is not a UUID: each one line of text
+    (405, 403, 404, 400) with the security headers."""
+    for path, status_wanted in (("/logout", 405), ("/static/..%2Fweb.py", 404),
+                                ("/static/%2e%2e/web.py", 404), ("/jobs/..%2Fetc", 400),
+                                ("/jobs/1%20OR%201=1", 400)):
+        status, body, headers = _get(world.url + path)
+        assert status == status_wanted, (path, status, body[:200])
+        assert "Content-Security-Policy" in headers, path
+        assert "<" not in body, path
+    for host in ("localhost.:80", "127.0.0.1.evil.example", "evil.example:80@127.0.0.1"):
+        raw = _raw_host(world.url, host)
+        assert raw.startswith(b"HTTP/1.1 403"), (host, raw[:200])
