@@ -19,7 +19,6 @@ from typing import Any
 import asyncpg
 
 from sidecar import db
-from sidecar import log as log_mod
 from sidecar.enqueue_args import EnqueueOptions, stored_trace_context
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
 from sidecar.flow import ClaimHeld, Held
@@ -68,21 +67,17 @@ class Renewal:
     lease_remaining: float
 
 
-def _trace_context(row: asyncpg.Record) -> dict[str, str | None]:
-    """``traceparent``/``tracestate`` of a claimed row, each dropped (and logged as
-    trace_context_ignored) unless it is W3C trace context: the enqueue function checks
-    them, a row written around it may hold anything (an environment string the kernel
-    refuses to exec, issue 30)."""
+def _trace_context(row: asyncpg.Record) -> dict[str, Any]:
+    """``traceparent``/``tracestate`` of a claimed row, each dropped unless it is W3C trace
+    context, and the names of those dropped (``trace_context_ignored``, logged when the
+    attempt starts): the enqueue function checks them, a row written around it may hold
+    anything (an environment string the kernel refuses to exec, issue 30)."""
     given = (row["traceparent"], row["tracestate"])
     kept = stored_trace_context(*given)
-    if kept != given:
-        log_mod.log.emit("trace_context_ignored", "warning", job_id=str(row["id"]),
-                         traceparent_chars=len(given[0] or ""),
-                         tracestate_chars=len(given[1] or ""),
-                         kept=[name for name, value in zip(("traceparent", "tracestate"),
-                                                           kept, strict=True)
-                               if value is not None])
-    return {"traceparent": kept[0], "tracestate": kept[1]}
+    return {"traceparent": kept[0], "tracestate": kept[1],
+            "trace_context_ignored": tuple(
+                name for name, was, now in zip(("traceparent", "tracestate"), given, kept,
+                                               strict=True) if was is not None and now is None)}
 
 
 class BoundedPool:

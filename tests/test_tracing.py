@@ -243,6 +243,8 @@ def test_a_hostile_trace_context_in_a_row_never_stops_the_job(db, receiver):
                                "--drain", "--", "trace_probe.py"], env=env,
                               capture_output=True, timeout=90)
         assert done.returncode == 0, done.stderr.decode()[-2000:]
+        ignored = kit.parse_events(done.stderr, "trace_context_ignored")
+        assert sorted(e["job_id"] for e in ignored) == sorted(ids.values()), ignored
         for name, job_id in ids.items():
             row = kit.job_row(db, job_id)
             assert row["state"] == "succeeded", (traced, name, row["error"])
