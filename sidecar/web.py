@@ -55,6 +55,7 @@ MAX_PAGE = 200
 MAX_PARAM_CHARS = 300
 MAX_BODY_BYTES = 16 * 1024
 MAX_RUNNING_ROWS = 500
+MAX_TOOLS = 500
 MAX_TIMELINE_EVENTS = 2000
 # Payload or result content shown on request: at most this many characters.
 MAX_CONTENT_CHARS = 64 * 1024
@@ -428,8 +429,9 @@ def _render(request: web.Request, name: str, status: int = 200,
 # --- pages ----------------------------------------------------------------------------------
 
 async def tools_page(request: web.Request) -> web.Response:
-    rows = await request.app[STATE].store.web_read("web_tools")
-    return _render(request, "tools.html", tools=rows,
+    rows = await request.app[STATE].store.web_read("web_tools", MAX_TOOLS + 1)
+    return _render(request, "tools.html", tools=rows[:MAX_TOOLS],
+                   more_tools=len(rows) > MAX_TOOLS, max_tools=MAX_TOOLS,
                    done=DONE.get(request.query.get("done", "")))
 
 

@@ -341,3 +341,23 @@ def test_odd_methods_hosts_and_paths_are_one_line_with_the_headers(world):
     for host in ("localhost.:80", "127.0.0.1.evil.example", "evil.example:80@127.0.0.1"):
         raw = _raw_host(world.url, host)
         assert raw.startswith(b"HTTP/1.1 403"), (host, raw[:200])
+
+
+def test_the_tools_page_is_bounded_however_many_tool_names_there_are(world):
+    """Callers can make any number of tool names (and SQL any length of one): /tools
+    lists the first MAX_TOOLS by name and says so; a long name is cut, escaped. Runs last:
+    it leaves 601 tools behind."""
+    from sidecar.web import MAX_TOOLS
+
+    kit.query(world.dsn, "INSERT INTO tool_jobs (id, tool, max_attempts, idempotency_key, "
+                         "payload) SELECT gen_random_uuid(), 'many-' || lpad(n::text, 4, "
+                         "'0'), 1, 'many-' || n, '{}' FROM generate_series(1, 600) n")
+    kit.query(world.dsn, "INSERT INTO tool_jobs (id, tool, max_attempts, idempotency_key, "
+                         "payload) VALUES (gen_random_uuid(), 'a' || repeat('<', 100000), "
+                         "1, 'long-tool', '{}')")
+    status, body, _ = _get(world.url + "/tools")
+    assert status == 200, body[:300]
+    assert body.count("<tr data-tool=") == MAX_TOOLS
+    assert 'id="more-tools"' in body
+    assert "<<" not in body and "… (100001 characters)" in body
+    assert len(body) < 2_000_000, len(body)
