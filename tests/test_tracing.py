@@ -200,6 +200,17 @@ def test_without_the_variables_nothing_is_imported_or_sent(db, receiver):
     ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER=zipkin"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
       "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL=grpc"),
+    # values the SDK itself refuses at start with a traceback
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_BSP_MAX_QUEUE_SIZE": "-5"},
+     "OTEL_BSP_MAX_QUEUE_SIZE=-5"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+      "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "0"}, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=0"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+      "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "-3"}, "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT=-3"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+      "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "abc"}, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT=abc"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_BSP_MAX_QUEUE_SIZE": "10",
+      "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "20"}, "refused an OTEL_* variable"),
 ])
 def test_traces_the_install_cannot_send_are_refused_in_one_line(db, variables, named):
     done = kit.cli(db, "run", "--tool", "refused", "--", "trace_probe.py",
