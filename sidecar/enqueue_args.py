@@ -158,6 +158,26 @@ def check_traceparent(value: str) -> str:
     return value
 
 
+def stored_trace_context(traceparent: str | None, tracestate: str | None
+                         ) -> tuple[str | None, str | None]:
+    """The trace context of a claimed row as the tool and the trace may use it: each part
+    that passes check_traceparent / check_tracestate, None for a part that does not (a
+    row written around tool_job_enqueue's checks, issue 30), and no tracestate without a
+    traceparent. Never raises: a bad context costs the job its trace, never its run."""
+    if traceparent is None:
+        return None, None
+    try:
+        check_traceparent(traceparent)
+    except UsageError:
+        return None, None
+    if tracestate is not None:
+        try:
+            check_tracestate(tracestate)
+        except UsageError:
+            tracestate = None
+    return traceparent, tracestate
+
+
 def check_tracestate(value: str) -> str:
     """``value`` if it is a W3C tracestate: at most 512 characters and 32 list members
     ``key=value`` (blank members skipped), each key once; else UsageError."""

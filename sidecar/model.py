@@ -61,7 +61,8 @@ class ClaimedJob:
     ``stage`` counts the stages before this one (0 for a producer's job);
     ``lifetime_remaining`` is seconds left of MAX_LIFETIME_SECONDS (P12), None without a cap.
     ``traceparent``/``tracestate``: the W3C trace context given at enqueue (issue 26), the
-    tool's TRACEPARENT/TRACESTATE; None when none was.
+    tool's TRACEPARENT/TRACESTATE; None when none was, or when the row's was not W3C trace
+    context (``trace_context_ignored`` names those dropped, issue 30).
     """
 
     id: uuid.UUID
@@ -79,6 +80,7 @@ class ClaimedJob:
     lifetime_remaining: float | None = None
     traceparent: str | None = None
     tracestate: str | None = None
+    trace_context_ignored: tuple[str, ...] = ()
 
     @property
     def attempt_id(self) -> AttemptId:

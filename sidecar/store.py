@@ -19,7 +19,7 @@ from typing import Any
 import asyncpg
 
 from sidecar import db
-from sidecar.enqueue_args import EnqueueOptions
+from sidecar.enqueue_args import EnqueueOptions, stored_trace_context
 from sidecar.errors import IdempotencyConflict, NextStageConflict, UsageError
 from sidecar.flow import ClaimHeld, Held
 from sidecar.masking import SECRETS
@@ -65,6 +65,19 @@ class Renewal:
 
     lease_until: dt.datetime
     lease_remaining: float
+
+
+def _trace_context(row: asyncpg.Record) -> dict[str, Any]:
+    """``traceparent``/``tracestate`` of a claimed row, each dropped unless it is W3C trace
+    context, and the names of those dropped (``trace_context_ignored``, logged when the
+    attempt starts): the enqueue function checks them, a row written around it may hold
+    anything (an environment string the kernel refuses to exec, issue 30)."""
+    given = (row["traceparent"], row["tracestate"])
+    kept = stored_trace_context(*given)
+    return {"traceparent": kept[0], "tracestate": kept[1],
+            "trace_context_ignored": tuple(
+                name for name, was, now in zip(("traceparent", "tracestate"), given, kept,
+                                               strict=True) if was is not None and now is None)}
 
 
 class BoundedPool:
@@ -366,7 +379,7 @@ class Store:
                 reclaimed=row["previous_state"] == JobState.RUNNING,
                 checkpoint_text=row["checkpoint_text"], stage=row["stage"],
                 lifetime_remaining=row["lifetime_remaining"],
-                traceparent=row["traceparent"], tracestate=row["tracestate"]))
+                **_trace_context(row)))
         return jobs, held
 
     async def release_unheld_claims(self, tool: str, owner_id: str,
@@ -716,14 +729,28 @@ class Store:
         """Run the named read ``name`` of the web view in a transaction of its own that
         plans it for its parameters (web_custom_plans; behind a transaction pooler with
         the sidecar's settings too): ``fetch`` rows, ``fetchrow`` one or None, or
-        ``fetchval``."""
-        async with asyncio.timeout(self.timeout), self.pool.acquire() as conn, \
-                conn.transaction():
-            begin = db.local_settings_sql(conn)
-            if begin is not None:
-                await conn.execute(begin)
-            await conn.execute(Q["web_custom_plans"])
-            return await getattr(conn, method)(Q[name], *args)
+        ``fetchval``. Bounded by ``timeout`` for acquiring and again for the reads
+        (TimeoutError), a connection that failed terminated (as BoundedPool)."""
+        # Bounded end to end as BoundedPool's calls are: a transaction block's ROLLBACK
+        # on the way out of a timeout would wait forever on a blackholed path, so the
+        # connection is terminated instead (its transaction ends with it).
+        async with asyncio.timeout(self.timeout):
+            conn = await self.pool.acquire()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await conn.execute("BEGIN")
+                begin = db.local_settings_sql(conn)
+                if begin is not None:
+                    await conn.execute(begin)
+                await conn.execute(Q["web_custom_plans"])
+                result = await getattr(conn, method)(Q[name], *args)
+                await conn.execute("COMMIT")
+            return result
+        except BaseException:
+            conn.terminate()
+            raise
+        finally:
+            await self.pool.release(conn, timeout=self.timeout)
 
     async def list_jobs(
         self, state: str | None, tool: str | None, limit: int,

@@ -91,6 +91,9 @@ def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
         SIDECAR_PROGRESS_FILE=os.path.join(sandbox.job_dir, PROGRESS_FILE_NAME),
     )
     # The caller's trace context, by OpenTelemetry's environment-carrier convention.
+    if job.trace_context_ignored:
+        log.emit("trace_context_ignored", "warning", job_id=str(job.id),
+                 ignored=list(job.trace_context_ignored))
     if job.traceparent:
         variables["TRACEPARENT"] = job.traceparent
         if job.tracestate:

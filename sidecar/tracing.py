@@ -36,7 +36,8 @@ def asked(environ: Mapping[str, str]) -> bool:
     when it is unset and an OTLP endpoint variable (``OTEL_EXPORTER_OTLP_ENDPOINT``,
     ``OTEL_EXPORTER_OTLP_TRACES_ENDPOINT``) is set. Raises ConfigError (one line, exit 2)
     for an exporter other than ``otlp``/``none`` or an OTLP protocol other than
-    ``http/protobuf``: the only ones the ``[otel]`` extra brings (issue 30)."""
+    ``http/protobuf``: the only ones the ``[otel]`` extra brings (issue 30), and for an
+    OTEL_* number the SDK would refuse with a traceback (_check_sdk_numbers)."""
     if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return False
     exporters = [e.strip() for e in environ.get("OTEL_TRACES_EXPORTER", "").split(",")
@@ -55,6 +56,7 @@ def asked(environ: Mapping[str, str]) -> bool:
                     raise ConfigError(f"{name}={protocol}: the [otel] extra exports over "
                                       f"{PROTOCOL} only; set {PROTOCOL} or unset it")
                 break
+        _check_sdk_numbers(environ)
     return on
 
 
@@ -63,6 +65,10 @@ def implementation():
     Raises ConfigError (one line, exit 2) when the ``[otel]`` extra is not installed."""
     try:
         from sidecar import otel
+    except ValueError as exc:  # an OTEL_* value the SDK reads as it is imported
+        raise ConfigError(f"traces: the OpenTelemetry SDK refused an OTEL_* variable "
+                          f"({str(exc)[:200]}); fix it, or set OTEL_SDK_DISABLED=true to "
+                          "run without traces") from None
     except ImportError as exc:
         raise ConfigError(f"traces are asked for (OTEL_TRACES_EXPORTER or an OTLP endpoint "
                           f"is set) but the [otel] extra is missing ({exc.name or exc}): "
@@ -133,7 +139,33 @@ OFF = Tracer()
 def start(environ: Mapping[str, str], owner_id: str, tool: str) -> Tracer:
     """The tracer of one sidecar: ``OFF`` unless ``asked(environ)``, else the SDK's (the
     OTEL_* variables configure it: endpoint, headers, timeout, sampler, resource,
-    batching). Raises ConfigError as ``asked`` and ``implementation`` do."""
+    batching). Raises ConfigError as ``asked`` and ``implementation`` do, and for an
+    OTEL_* value the SDK would refuse (one line, never its traceback)."""
     if not asked(environ):
         return OFF
-    return implementation().OtelTracer(owner_id, tool)
+    otel = implementation()
+    try:
+        return otel.OtelTracer(owner_id, tool)
+    except ValueError as exc:  # the SDK's own check of a variable it reads at start
+        raise ConfigError(f"traces: the OpenTelemetry SDK refused an OTEL_* variable "
+                          f"({str(exc)[:200]}); fix it, or set OTEL_SDK_DISABLED=true to "
+                          "run without traces") from None
+
+
+# OTEL_* numbers the SDK refuses at start with a traceback (ValueError) instead of falling
+# back to its default: batch sizes must be positive, limits not negative.
+_POSITIVE = ("OTEL_BSP_MAX_QUEUE_SIZE", "OTEL_BSP_MAX_EXPORT_BATCH_SIZE")
+
+
+def _check_sdk_numbers(environ: Mapping[str, str]) -> None:
+    """ConfigError (one line naming the variable, exit 2) for a batch size that is not a
+    positive integer or an ``OTEL_*_LIMIT`` that is not a non-negative one (issue 30)."""
+    for name, value in environ.items():
+        if not name.startswith("OTEL_") or not value.strip():
+            continue
+        if name in _POSITIVE or name.endswith("_LIMIT"):
+            text = value.strip()
+            least = 1 if name in _POSITIVE else 0
+            if not (text.isascii() and text.isdigit() and int(text) >= least):
+                raise ConfigError(f"{name}={value[:40]}: must be an integer of at least "
+                                  f"{least}; fix it or unset it")

@@ -55,9 +55,17 @@ MAX_PAGE = 200
 MAX_PARAM_CHARS = 300
 MAX_BODY_BYTES = 16 * 1024
 MAX_RUNNING_ROWS = 500
+MAX_TOOLS = 500
 MAX_TIMELINE_EVENTS = 2000
 # Payload or result content shown on request: at most this many characters.
 MAX_CONTENT_CHARS = 64 * 1024
+# Any other value from a row (an error field, a tag, progress, an outbox error) shows at
+# most MAX_VALUE_CHARS characters, a key MAX_KEY_CHARS, an object MAX_PAIRS items; one
+# journal event's details MAX_EVENT_CHARS in all (2000 events of a few lines each).
+MAX_VALUE_CHARS = 4096
+MAX_KEY_CHARS = 64
+MAX_PAIRS = 64
+MAX_EVENT_CHARS = 1000
 KIND = re.compile(r"[a-z0-9_]{1,64}")
 SESSION_COOKIE = "sidecar_web_session"
 SESSION_SECONDS = 8 * 3600
@@ -275,7 +283,11 @@ def principal(request: web.Request) -> tuple[str | None, Session | None]:
         return None, None
     header = request.headers.get("Authorization", "")
     if header[:7].lower() == "bearer ":
-        return tokens.principal_of(state.tokens, header[7:].strip()[:MAX_PARAM_CHARS]), None
+        # compared whole: a longer header is no token (a prefix must not pass as one)
+        presented = header[7:].strip()
+        if len(presented) > MAX_PARAM_CHARS:
+            return None, None
+        return tokens.principal_of(state.tokens, presented), None
     found = _session(request)
     return (found.principal, found) if found else (None, None)
 
@@ -324,10 +336,62 @@ def _when(value: dt.datetime | None) -> str:
     return value.astimezone(dt.UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
 
 
-def _compact(value: Any) -> str:
-    if isinstance(value, str):
-        return value
-    return jsontext.dumps(value, other_as_str=True).decode()
+def _clip(text: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    """``text`` (str() of it) cut to ``limit`` characters, saying how long it was."""
+    text = "" if text is None else str(text)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text)} characters)"
+
+
+def _compact(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
+    """A JSON value as compact text (a string as is), at most ``limit`` characters."""
+    if not isinstance(value, str):
+        value = jsontext.dumps(value, other_as_str=True).decode()
+    return _clip(value, limit)
+
+
+def _pairs(value: Any) -> list[tuple[str, Any]]:
+    """A JSON object's items as the page lists them; any other JSON value (a row written
+    around the checks: tags, journal details) as one item with an empty key, none for
+    null."""
+    if isinstance(value, dict):
+        items = list(value.items())
+    else:
+        items = [] if value is None else [("", value)]
+    shown = [(_clip(k, MAX_KEY_CHARS), v if k == "stderr_tail" and isinstance(v, str)
+              else _compact(v)) for k, v in items[:MAX_PAIRS]]
+    if len(items) > MAX_PAIRS:
+        shown.append(("…", f"{len(items) - MAX_PAIRS} more"))
+    return shown
+
+
+def _event_details(value: Any) -> list[tuple[str, str]]:
+    """One journal event's details as _pairs shows an object (null values left out), at
+    most MAX_EVENT_CHARS characters of keys and values in all."""
+    if isinstance(value, dict):
+        items = [(k, v) for k, v in value.items() if v is not None]
+    else:
+        items = [] if value is None else [("", value)]
+    out, room = [], MAX_EVENT_CHARS
+    for number, (key, raw) in enumerate(items):
+        if room <= 0:
+            out.append(("…", f"{len(items) - number} more"))
+            break
+        key = _clip(key, MAX_KEY_CHARS)
+        text = _compact(raw, max(room - len(key), 16))
+        room -= len(key) + len(text)
+        out.append((key, text))
+    return out
+
+
+def _progress(value: Any) -> str:
+    """A job's progress as one line: ``VALUE MESSAGE`` of the object a tool reports, or
+    any other JSON value (a row written around the checks) compact."""
+    if isinstance(value, dict):
+        parts = [value.get("value"), value.get("message")]
+        return _clip(" ".join(_compact(part) for part in parts if part is not None))
+    return _compact(value)
 
 
 def make_templates() -> jinja2.Environment:
@@ -337,7 +401,8 @@ def make_templates() -> jinja2.Environment:
         loader=jinja2.PackageLoader("sidecar", "web_templates"),
         autoescape=True, undefined=jinja2.StrictUndefined, trim_blocks=True,
         lstrip_blocks=True)
-    env.filters.update(seconds=_seconds, when=_when, compact=_compact)
+    env.filters.update(seconds=_seconds, when=_when, compact=_compact, pairs=_pairs,
+                       progress=_progress, clip=_clip)
     env.globals.update(quote=lambda text: quote(str(text), safe=""))
     return env
 
@@ -355,8 +420,9 @@ def _render(request: web.Request, name: str, status: int = 200,
 # --- pages ----------------------------------------------------------------------------------
 
 async def tools_page(request: web.Request) -> web.Response:
-    rows = await request.app[STATE].store.web_read("web_tools")
-    return _render(request, "tools.html", tools=rows,
+    rows = await request.app[STATE].store.web_read("web_tools", MAX_TOOLS + 1)
+    return _render(request, "tools.html", tools=rows[:MAX_TOOLS],
+                   more_tools=len(rows) > MAX_TOOLS, max_tools=MAX_TOOLS,
                    done=DONE.get(request.query.get("done", "")))
 
 
@@ -423,13 +489,12 @@ async def job_page(request: web.Request) -> web.Response:
     timeline, previous, first = [], None, None
     for row in events:
         first = first or row["at"]
-        details = row["details"] if isinstance(row["details"], dict) else {"": row["details"]}
         timeline.append({
             "at": row["at"], "event": row["event"], "token": row["fencing_token"],
             "class": EVENT_CLASS.get(row["event"], "other"),
             "since_start": (row["at"] - first).total_seconds(),
             "gap": (row["at"] - previous).total_seconds() if previous else None,
-            "details": [(k, v) for k, v in details.items() if v is not None]})
+            "details": _event_details(row["details"])})
         previous = row["at"]
     forwarding = await state.store.outbox_of_job(job_id)
     children = await state.store.children(job_id)
@@ -519,10 +584,16 @@ async def tool_action(request: web.Request) -> web.Response:
 
 # --- logging in -----------------------------------------------------------------------------
 
+# A path of this server as a login's "next": printable ASCII without a space or a
+# backslash (a browser's URL parser drops tabs and newlines and reads "\\" as "/", so
+# "/\t/evil" or "/\\evil" would leave for another host), not starting "//".
+_NEXT = re.compile(r"/(?![/\\])[!-\[\]-~]*")
+
+
 def _next(text: str | None) -> str:
-    """Where a login goes back to: a path of this server only (never ``//host``)."""
-    if text and text.startswith("/") and not text.startswith("//") and "\\" not in text \
-            and len(text) <= MAX_PARAM_CHARS:
+    """Where a login goes back to: a path of this server only (_NEXT, at most
+    MAX_PARAM_CHARS), else ``/tools``."""
+    if text and len(text) <= MAX_PARAM_CHARS and _NEXT.fullmatch(text):
         return text
     return "/tools"
 
@@ -602,6 +673,13 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
             raise _plain(403, f"Host {request.host[:80]!r} is not allowed; start sidecar "
                               "web with --allowed-host for a name other than loopback")
         if request.method == "POST":
+            # A browser names where a form came from in Sec-Fetch-Site even when the page
+            # hides its origin ("null" under no-referrer): another site, or another port
+            # of this host (the same site, to which a SameSite cookie is still sent).
+            if request.headers.get("Sec-Fetch-Site", "same-origin") not in (
+                    "same-origin", "none"):
+                raise _plain(403, "Sec-Fetch-Site: a form of another site or port; actions "
+                                  "are taken from this server's own pages only")
             origin = request.headers.get("Origin")
             if origin is not None and origin != "null" and \
                     origin.split("://", 1)[-1] != request.host:
@@ -618,6 +696,11 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
                                           f"{db.describe_error(exc)}"))
     except TimeoutError:
         response = _as_response(_plain(503, "database unavailable: no answer in time"))
+    except Exception as exc:  # a bug or a row of a shape no page expects: one line, logged
+        log_mod.log.emit("web_error", "error", reason=f"{type(exc).__name__}: {exc}"[:300],
+                         path=request.path[:200])
+        response = web.Response(status=500, text="internal error: the server's log has "
+                                "the reason (event web_error)\n", content_type="text/plain")
     for name, value in SECURITY_HEADERS.items():
         response.headers.setdefault(name, value)
     return response

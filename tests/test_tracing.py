@@ -13,6 +13,7 @@ install cannot serve is one line, exit 2.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import uuid
@@ -27,6 +28,7 @@ TOOL = "traced"
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"
 TRACEPARENT = f"00-{CALLER_TRACE}-{CALLER_SPAN}-01"
+TRACEPARENT_RE = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +200,17 @@ def test_without_the_variables_nothing_is_imported_or_sent(db, receiver):
     ({"OTEL_TRACES_EXPORTER": "zipkin"}, "OTEL_TRACES_EXPORTER=zipkin"),
     ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
       "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc"}, "OTEL_EXPORTER_OTLP_PROTOCOL=grpc"),
+    # values the SDK itself refuses at start with a traceback
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_BSP_MAX_QUEUE_SIZE": "-5"},
+     "OTEL_BSP_MAX_QUEUE_SIZE=-5"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+      "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "0"}, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE=0"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+      "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT": "-3"}, "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT=-3"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1",
+      "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT": "abc"}, "OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT=abc"),
+    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:1", "OTEL_BSP_MAX_QUEUE_SIZE": "10",
+      "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "20"}, "refused an OTEL_* variable"),
 ])
 def test_traces_the_install_cannot_send_are_refused_in_one_line(db, variables, named):
     done = kit.cli(db, "run", "--tool", "refused", "--", "trace_probe.py",
@@ -217,3 +230,36 @@ def test_traces_asked_for_without_the_extra_are_one_line(db):
     assert done.returncode == 2
     line = kit.one_line_error(done, no_stdout=True)
     assert "[otel] extra is missing" in line and "pip install 'sidecar[otel]'" in line
+
+
+def test_a_hostile_trace_context_in_a_row_never_stops_the_job(db, receiver):
+    """A row written around the enqueue checks (by SQL): a traceparent that is not one, a
+    tracestate far beyond 512 characters (larger than an environment string may be) and
+    one of 40 members. Traced or not, the sidecar runs each job to success and keeps
+    running; the tool gets a trace context it can parse or none."""
+    tool = "traced-hostile"
+    hostile = {
+        "garbage": ("zz-<script>-not-a-traceparent", "a=b"),
+        "huge": (TRACEPARENT, "k=" + "v" * 200_000),
+        "members": (TRACEPARENT, ",".join(f"k{i}=v" for i in range(40))),
+    }
+    for traced in (True, False):
+        ids = {}
+        for name, (parent, state) in hostile.items():
+            ids[name] = kit.enqueue(db, tool, {"mode": "ok"})
+            kit.query(db, "UPDATE tool_jobs SET traceparent = $2, tracestate = $3 "
+                          "WHERE id = $1::uuid", ids[name], parent, state)
+        env = traced_env(db, receiver) if traced else kit.base_env(db)
+        done = subprocess.run([sys.executable, "-m", "sidecar", "run", "--tool", tool,
+                               "--drain", "--", "trace_probe.py"], env=env,
+                              capture_output=True, timeout=90)
+        assert done.returncode == 0, done.stderr.decode()[-2000:]
+        ignored = kit.parse_events(done.stderr, "trace_context_ignored")
+        assert sorted(e["job_id"] for e in ignored) == sorted(ids.values()), ignored
+        for name, job_id in ids.items():
+            row = kit.job_row(db, job_id)
+            assert row["state"] == "succeeded", (traced, name, row["error"])
+            got = row["result"]
+            if got["traceparent"] is not None:
+                assert TRACEPARENT_RE.fullmatch(got["traceparent"]), (traced, name, got)
+            assert len(got["tracestate"] or "") <= 512, (traced, name)

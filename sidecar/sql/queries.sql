@@ -795,16 +795,19 @@ SELECT set_config('plan_cache_mode', 'force_custom_plan', true), set_config('jit
 -- registered in the last ten minutes). The tools are found with a skip scan of
 -- tool_jobs_tool_id_idx (one probe per tool, not a read of every job); the counts
 -- per tool read the partial indexes of queued and running jobs; the failures of the last
--- hour and the live owners are each read once for every tool.
+-- hour and the live owners are each read once for every tool. At most $1 tools, in
+-- name order (callers can make any number of tool names: the page stays bounded).
 WITH RECURSIVE job_tools AS (
-    (SELECT tool FROM tool_jobs ORDER BY tool LIMIT 1)
+    (SELECT tool, 1 AS n FROM tool_jobs ORDER BY tool LIMIT 1)
     UNION ALL
-    SELECT (SELECT j.tool FROM tool_jobs j WHERE j.tool > t.tool ORDER BY j.tool LIMIT 1)
-    FROM job_tools t WHERE t.tool IS NOT NULL
+    SELECT (SELECT j.tool FROM tool_jobs j WHERE j.tool > t.tool ORDER BY j.tool LIMIT 1),
+           t.n + 1
+    FROM job_tools t WHERE t.tool IS NOT NULL AND t.n < $1::int
 ), tools AS (
-    SELECT tool FROM job_tools WHERE tool IS NOT NULL
-    UNION SELECT tool FROM tool_flow
-    UNION SELECT tool FROM tool_idle_sidecars
+    (SELECT tool FROM job_tools WHERE tool IS NOT NULL
+     UNION SELECT tool FROM tool_flow
+     UNION SELECT tool FROM tool_idle_sidecars)
+    ORDER BY tool LIMIT $1::int
 ), failed AS (
     SELECT tool, count(*) AS n FROM tool_jobs
     WHERE state = 'failed' AND finished_at > now() - interval '1 hour'
