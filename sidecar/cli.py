@@ -689,6 +689,7 @@ def cmd_web(args, settings: Settings) -> int:
         raise UsageError(f"sidecar web needs the web extra ({exc.name} is missing): "
                          "pip install 'sidecar[web]'") from None
     host, port = web.parse_listen(args.listen)
+    web.check_exposure(host, admin)
     return run_async(settings, web.serve(settings, host, port, admin,
                                          tuple(args.allowed_host or ())))
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hmac
+import ipaddress
 import re
 import secrets
 import signal
@@ -746,6 +747,23 @@ def parse_listen(text: str) -> tuple[str, int]:
         raise UsageError(f"--listen {text!r}: expected HOST:PORT with a port from 0 to 65535, "
                          f"e.g. {DEFAULT_LISTEN}")
     return match["host"].strip("[]"), int(match["port"])
+
+
+def check_exposure(host: str, admin_tokens: dict[str, str] | None) -> None:
+    """Refuse to serve beyond loopback without admin tokens: a read-only server shows
+    payload and result content to whoever reaches it, and a client names any Host it
+    likes, so only the listening address tells who can. UsageError (exit 2) naming
+    --listen and the fix; loopback (127.0.0.0/8, ::1, localhost) always passes."""
+    if admin_tokens is not None or host == "localhost":
+        return
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        loopback = False  # a host name: whatever it resolves to, it may be more than us
+    if not loopback:
+        raise UsageError(f"--listen {host}: beyond loopback, sidecar web needs "
+                         "SIDECAR_WEB_TOKEN_FILE (else payloads and results are open to "
+                         "whoever reaches it); set it, or listen on 127.0.0.1")
 
 
 async def serve(settings: Settings, host: str, port: int,

@@ -364,3 +364,23 @@ def test_the_tools_page_is_bounded_however_many_tool_names_there_are(world):
     assert 'id="more-tools"' in body
     assert "<<" not in body and "… (100001 characters)" in body
     assert len(body) < 2_000_000, len(body)
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:0", "[::]:0", "example.org:0"])
+def test_listening_beyond_loopback_needs_the_token_file(world, tmp_path, listen):
+    """A read-only server shows payloads and results to whoever reaches it (a client
+    sends any Host it likes): `sidecar web --listen` beyond loopback without
+    SIDECAR_WEB_TOKEN_FILE is refused at start, one line naming --listen and the fix,
+    exit 2, before anything listens. With the token file the same check passes."""
+    env = kit.base_env(world.dsn)
+    env.pop("SIDECAR_WEB_TOKEN_FILE", None)
+    done = subprocess.run([sys.executable, "-m", "sidecar", "web", "--listen", listen],
+                          env=env, capture_output=True, timeout=60)
+    err = done.stderr.decode()
+    assert done.returncode == 2, err
+    assert err.count("\n") == 1 and "--listen" in err and "SIDECAR_WEB_TOKEN_FILE" in err, err
+    from sidecar.web import check_exposure
+
+    check_exposure(listen.rpartition(":")[0].strip("[]"), {"alice": ALICE})  # no raise
+    for loopback in ("127.0.0.1", "127.3.4.5", "::1", "localhost"):
+        check_exposure(loopback, None)
