@@ -122,7 +122,7 @@ async def lease_lost(conn: asyncpg.Connection, sc: Sidecar, how: str) -> float:
                 "UPDATE tool_jobs SET owner_id = 'bench-thief', fencing_token = fencing_token "
                 "+ 1, lease_until = now() + interval '1 hour' WHERE id = $1", job_id)
         else:
-            await conn.fetch(Q["cancel_job"], job_id, None)
+            await conn.fetch(Q["cancel_job"], job_id, None, None)
         t0 = time.monotonic()
         dead = await asyncio.wait_for(watch.dead, H + GRACE + 10)
     finally:
@@ -181,7 +181,7 @@ async def reclaim(ctx: Context, conn: asyncpg.Connection, pair: list[Sidecar],
             "AND event = 'job_claimed' AND (details->>'reclaimed')::bool", job_id)
 
     at = await until(reclaimed, L + 30, interval=0.02, what="the job re-claimed")
-    await conn.fetch(Q["cancel_job"], job_id, None)
+    await conn.fetch(Q["cancel_job"], job_id, None, None)
     await _idle(survivor)
     killed_db = killed_wall + ctx.clock_offset
     return dead - killed, at - killed_db, lease_until - killed_db, survivor

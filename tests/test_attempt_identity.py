@@ -210,7 +210,7 @@ async def _cancel_and_requeue(dsn: str, job_id: uuid.UUID) -> None:
     try:
         await init_connection(conn)
         async with conn.transaction():
-            assert await conn.fetch(Q["cancel_job"], job_id, None)
+            assert await conn.fetch(Q["cancel_job"], job_id, None, None)
             assert await conn.fetch(REQUEUE_AT_ONCE, job_id)
     finally:
         await conn.close()
