@@ -9,7 +9,7 @@ Grafana variables given concrete values, must return data from that Prometheus; 
 staged events must show in the series they feed; and the rules, evaluated by that
 Prometheus, must be healthy, with the dead-letter alert firing on the refused result.
 Each panel's queries are drawn into a static page and screenshot with headless Chromium
-(SIDECAR_TEST_ARTIFACTS, default /tmp/sidecar-test-artifacts): Grafana itself is not
+(TEST_ARTIFACTS_DIR, default /tmp/sidecar-test-artifacts): Grafana itself is not
 installable here. One Prometheus, one database and one pair of sidecars for the module.
 """
 
@@ -51,7 +51,7 @@ MONITORING = ROOT / "k8s" / "monitoring"
 ALERT_TESTS = Path(__file__).resolve().parent / "monitoring" / "alerts_test.yaml"
 TOOL = "stage_tool.py"
 RATE_WINDOW = "2m"  # $__rate_interval: longer than the module, so rates see every event
-ARTIFACTS = Path(os.environ.get("SIDECAR_TEST_ARTIFACTS", "/tmp/sidecar-test-artifacts"))
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR", "/tmp/sidecar-test-artifacts"))
 
 sys.path.insert(0, str(ROOT / "packaging"))
 import dashboard  # noqa: E402 - packaging/dashboard.py, not a package
@@ -358,7 +358,7 @@ def test_the_rules_evaluate_on_the_real_series_and_the_dead_letter_fires(stage):
 
 def test_the_panels_are_drawn_for_a_screenshot(stage, tmp_path):
     """Each panel's queries over the module's span, drawn as lines on a static page and
-    screenshot by headless Chromium into SIDECAR_TEST_ARTIFACTS/dashboard-panels.png
+    screenshot by headless Chromium into TEST_ARTIFACTS_DIR/dashboard-panels.png
     (docs/img/dashboard-panels.png is one such)."""
     prom, started, _ = stage
     chromium = shutil.which("chromium")

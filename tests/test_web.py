@@ -7,7 +7,7 @@ hosts and origins, bad query parameters. EXPLAIN shows that each filter of the j
 reads an index in page order.
 
 One database, one set of sidecars, two servers (admin and read-only) and one browser for
-the whole module. A screenshot of a job's page goes to $SIDECAR_TEST_ARTIFACTS (default
+the whole module. A screenshot of a job's page goes to $TEST_ARTIFACTS_DIR (default
 /tmp/sidecar-test-artifacts).
 """
 
@@ -40,7 +40,7 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 HOSTILE_TAG = "<script>alert('tag')</script>"
 HOSTILE_RESULT = '{"html": "<img src=x onerror=alert(1)>"}'
 HOSTILE_STDERR = "<script>alert('stderr')</script>\n"
-ARTIFACTS = Path(os.environ.get("SIDECAR_TEST_ARTIFACTS", "/tmp/sidecar-test-artifacts"))
+ARTIFACTS = Path(os.environ.get("TEST_ARTIFACTS_DIR", "/tmp/sidecar-test-artifacts"))
 
 
 @dataclass
