@@ -35,7 +35,7 @@ from sidecar.config import Settings
 from sidecar.log import log
 from sidecar.masking import mask_url
 from sidecar.model import LeaseProfile
-from sidecar.periodic import Periodic
+from sidecar.periodic import POLL_SPREAD, Periodic
 from sidecar.store import Store
 
 if TYPE_CHECKING:
@@ -85,7 +85,8 @@ class Forwarder:
 
         try:
             await Periodic("forwarder", lambda: self.settings.poll_seconds, step, first=0,
-                           wake=self._wake, errors=(Exception,), error_event="forward_error",
+                           spread=POLL_SPREAD, wake=self._wake, errors=(Exception,),
+                           error_event="forward_error",
                            error_fields=lambda exc: {"reason": f"{type(exc).__name__}: {exc}"}
                            if self.log_errors else None).run()
         finally:

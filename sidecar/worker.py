@@ -11,6 +11,7 @@ import asyncio
 import contextlib
 import hashlib
 import os
+import random
 import resource
 import signal
 import socket
@@ -34,7 +35,7 @@ from sidecar.leftovers import OwnerLock, sweep_dead_owners
 from sidecar.log import log
 from sidecar.masking import SECRETS, mask_url
 from sidecar.model import ClaimedJob, LeaseProfile
-from sidecar.periodic import Periodic
+from sidecar.periodic import POLL_SPREAD, Periodic, spread_period
 from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
 from sidecar.store import Store
@@ -66,6 +67,11 @@ def worker_identity(worker_name: str) -> str:
     leases (case F3)."""
     name = worker_name or socket.gethostname()
     return f"{name}:{os.getpid()}:{uuid.uuid4().hex[:12]}"
+
+
+# The first poll period of a claim loop is drawn over [0.1, 1] x SIDECAR_POLL_SECONDS
+# (spread_period), the later ones over [0.8, 1] x (POLL_SPREAD).
+FIRST_POLL_SPREAD = 0.9
 
 
 def may_claim(running: int, concurrency: int, stopping: bool, pause_left: float) -> bool:
@@ -285,12 +291,18 @@ class Worker:
     async def _claim_loop(self, store: Store, ctx: WorkerContext) -> None:
         tool, poll = self.profile.tool, self.settings.poll_seconds
         last_sweep = 0.0
+        # This poll period's length (spread_period, issue 28): the first drawn over
+        # [0.1, 1] x poll, so sidecars started together poll at spread phases at once;
+        # each later one over [0.8, 1] x poll, so their phases keep drifting apart.
+        interval, spread = poll, FIRST_POLL_SPREAD
         while not self.stopping.is_set():
             self.wake.clear()
             nothing_due = False
             try:
-                if time.monotonic() - last_sweep >= poll:
+                if time.monotonic() - last_sweep >= interval:
                     last_sweep = time.monotonic()
+                    interval = spread_period(poll, random.random(), spread)
+                    spread = POLL_SPREAD
                     # One statement a poll; the sweeps only on the fleet's turn, taken by
                     # one sidecar of the tool per poll period (issue 28).
                     sample = await store.sample_tool(tool, poll)
@@ -368,11 +380,11 @@ class Worker:
             except db.DATABASE_ERRORS as exc:
                 log.emit("claim_error", "warning", tool=tool, reason=db.describe_error(exc),
                          sqlstate=db.sqlstate(exc))
-            timeout = poll
+            timeout = interval
             if self._rate_turn_at is not None:
-                timeout = min(poll, max(0.0, self._rate_turn_at - time.monotonic()))
+                timeout = min(interval, max(0.0, self._rate_turn_at - time.monotonic()))
             elif self._retry_at is not None:
-                timeout = min(poll, max(0.0, self._retry_at - time.monotonic()))
+                timeout = min(interval, max(0.0, self._retry_at - time.monotonic()))
                 self._retry_at = None
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout)
