@@ -235,9 +235,33 @@ def base_env(dsn: str, **extra: str) -> dict[str, str]:
 
 def cli(dsn: str, *args: str, env: dict | None = None, input: bytes | None = None,
         timeout: float = 60) -> subprocess.CompletedProcess:
-    """Run ``sidecar ARGS`` to completion."""
-    return subprocess.run([sys.executable, "-m", "sidecar", *args], env=env or base_env(dsn),
-                          capture_output=True, input=input, timeout=timeout)
+    """Run ``sidecar ARGS`` to completion. One still running after ``timeout`` seconds is
+    a hang: it is made to print every thread's Python stack (PYTHONFAULTHANDLER, SIGABRT
+    to the pid started here), then killed, and HangError carries the end of its stderr
+    with those stacks, so a hang in CI says where it was."""
+    env = dict(env or base_env(dsn))
+    env.setdefault("PYTHONFAULTHANDLER", "1")
+    proc = subprocess.Popen([sys.executable, "-m", "sidecar", *args], env=env,
+                            stdin=subprocess.PIPE if input is not None else None,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        out, err = proc.communicate(input, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGABRT)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        raise HangError(f"sidecar {shlex.join(args)} still ran after {timeout} s; the end of "
+                        f"its stderr, stacks last:\n{err.decode(errors='replace')[-8000:]}"
+                        ) from None
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+class HangError(AssertionError):
+    """A ``sidecar`` command (kit.cli) that did not end in time; the message holds the
+    end of its stderr with every thread's stack."""
 
 
 def enqueue(dsn: str, tool: str, payload=None, *extra: str, env=None) -> str:
