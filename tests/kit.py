@@ -256,6 +256,10 @@ def cli(dsn: str, *args: str, env: dict | None = None, input: bytes | None = Non
         raise HangError(f"sidecar {shlex.join(args)} still ran after {timeout} s; the end of "
                         f"its stderr, stacks last:\n{err.decode(errors='replace')[-8000:]}"
                         ) from None
+    except BaseException:  # the test itself was stopped: never leave the sidecar running
+        proc.kill()
+        proc.wait()
+        raise
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
