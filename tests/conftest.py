@@ -4,6 +4,7 @@ a zombie behind. The helpers they use, and tests import, are in tests/kit.py."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import shutil
@@ -43,32 +44,48 @@ def server_dsn():
     shutil.rmtree(root, ignore_errors=True)  # the data directory's parent too
 
 
+@pytest.fixture(scope="session")
+def migrated_template(server_dsn):
+    """Name of a database migrated once per session (per xdist worker) by a real `sidecar
+    migrate`; each test's ``dsn`` is a copy of it (CREATE DATABASE ... TEMPLATE), which
+    costs a fraction of a migrate per test. Dropped at the end of the session."""
+    name = f"sidecar_tpl_{uuid.uuid4().hex[:12]}"
+    kit.run(_admin(server_dsn, f'CREATE DATABASE "{name}"'))
+    try:
+        url = with_database(server_dsn, name)
+        migrate = subprocess.run([sys.executable, "-m", "sidecar", "migrate"],
+                                 env=kit.base_env(url), capture_output=True, timeout=120)
+        assert migrate.returncode == 0, migrate.stderr.decode()
+        yield name
+    finally:
+        kit.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
 @pytest.fixture
-def dsn(server_dsn):
-    """A fresh, migrated database for this test; dropped afterwards."""
+def dsn(server_dsn, migrated_template):
+    """A fresh, migrated database for this test (a copy of the session's template);
+    dropped afterwards."""
     name = f"sidecar_t_{uuid.uuid4().hex[:12]}"
+    kit.run(_admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{migrated_template}"'))
+    yield with_database(server_dsn, name)
+    kit.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
 
-    async def create():
+
+async def _admin(server_dsn: str, sql: str) -> None:
+    """Run one statement on the server's maintenance database (CREATE/DROP DATABASE).
+    A copy from a template fails while another session is connected to the template, so
+    it is retried briefly (only this module connects to it, but a copy takes a moment)."""
+    for attempt in range(50):
         conn = await asyncpg.connect(server_dsn)
         try:
-            await conn.execute(f'CREATE DATABASE "{name}"')
+            await conn.execute(sql)
+            return
+        except asyncpg.ObjectInUseError:
+            if attempt == 49:
+                raise
         finally:
             await conn.close()
-
-    async def drop():
-        conn = await asyncpg.connect(server_dsn)
-        try:
-            await conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-        finally:
-            await conn.close()
-
-    kit.run(create())
-    url = with_database(server_dsn, name)
-    migrate = subprocess.run([sys.executable, "-m", "sidecar", "migrate"],
-                             env=kit.base_env(url), capture_output=True, timeout=60)
-    assert migrate.returncode == 0, migrate.stderr.decode()
-    yield url
-    kit.run(drop())
+        await asyncio.sleep(0.1)
 
 
 @pytest.fixture
@@ -189,3 +206,52 @@ def bouncer(server_dsn):
         pytest.fail(f"{exc} (the tests behind PgBouncer need it)")
     yield proc
     proc.stop()
+
+
+# --- test layers (docs/development.md, "Test layers") -----------------------------------------
+
+LAYERS = ("unit", "database", "e2e")
+# Fixtures that reach a PostgreSQL server or start processes: never in the unit layer.
+NOT_UNIT_FIXTURES = {"server_dsn", "migrated_template", "dsn", "sidecars", "proxy",
+                     "receiver", "bouncer", "sink", "public_dir"}
+
+
+def layer_of(item: pytest.Item) -> str | None:
+    """The test's layer: its closest unit/database/e2e marker (the test's own, else its
+    class's, else its module's ``pytestmark``); None when it declares none."""
+    return next((m.name for m in item.iter_markers() if m.name in LAYERS), None)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Refuse a run where a test declares no layer, a unit test asks for a server or a
+    process, or ``server`` marks a test outside the e2e layer (a database test always runs
+    on the second server)."""
+    wrong = []
+    for item in items:
+        layer = layer_of(item)
+        if layer is None:
+            wrong.append(f"{item.nodeid}: declares no layer (mark it unit, database or e2e)")
+        elif layer == "unit" and NOT_UNIT_FIXTURES & set(item.fixturenames):
+            wrong.append(f"{item.nodeid}: a unit test uses "
+                         f"{sorted(NOT_UNIT_FIXTURES & set(item.fixturenames))}")
+        elif layer != "e2e" and item.get_closest_marker("server"):
+            wrong.append(f"{item.nodeid}: server marks e2e tests only ({layer} always reruns)")
+    if wrong:
+        raise pytest.UsageError("test layers:\n  " + "\n  ".join(wrong))
+
+
+@pytest.fixture(autouse=True)
+def _unit_layer_starts_nothing(request, monkeypatch):
+    """A unit test that starts a subprocess or connects to PostgreSQL fails on the spot:
+    the unit layer runs first and alone in CI because it needs neither."""
+    if layer_of(request.node) != "unit":
+        yield
+        return
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a unit test may not start a process or connect to PostgreSQL: "
+                             "mark it database or e2e")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(asyncpg, "connect", refuse)
+    yield
