@@ -4,7 +4,7 @@ of ending (a verdict: Succeeded, Failure, Release, Reject) picks one fenced writ
 local deadline allows; and one table (``ENDING_REPORTS``) says how each way of ending is
 logged and journaled; its outcome is counted in one place (sidecar_attempts_finished_total).
 
-A fenced write (``*_if_owner`` in sidecar.store) carries the job id, owner, token and
+A fenced write (``*_if_owner`` in sidecar.worker_store) carries the job id, owner, token and
 ``lease_until > now()`` (P6). "Not accepted" means another owner holds the job: the
 outcome is journaled as ``result_rejected`` (hash and size only), never published. "The
 database failed" (``db.UNAVAILABLE_ERRORS``: no answer, a dropped connection, a read-only
@@ -92,7 +92,7 @@ class FencedCommit:
             self._flushing = asyncio.ensure_future(self._write(self._pop_noted(), None, {}))
 
     async def _take_noted(self) -> list[dict[str, Any]]:
-        """The noted events not yet written, as the ``earlier`` of a Store statement;
+        """The noted events not yet written, as the ``earlier`` of a WorkerStore statement;
         waits for a flush already on its way, so the journal keeps their order."""
         if self._flush_timer is not None:
             self._flush_timer.cancel()
