@@ -44,6 +44,10 @@ Ended = tuple[Outcome, "How", dict[str, Any]]
 LEASE_ENDING_OUTCOMES = {StopReason.LEASE_LOST: Outcome.LEASE_LOST,
                          StopReason.CANCELLED: Outcome.CANCELLED,
                          StopReason.LOCAL_DEADLINE: Outcome.ABANDONED}
+# Attempts that ended without writing their outcome: the job may have been cancelled under
+# them, and their tree is dead now (case F14).
+ACKNOWLEDGING_OUTCOMES = frozenset({Outcome.CANCELLED, Outcome.LEASE_LOST, Outcome.REJECTED,
+                                    Outcome.ABANDONED})
 
 
 # How long an event noted during an attempt (tool_request_started, child_killed) may wait
@@ -61,9 +65,11 @@ def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
 
 
 class FencedCommit:
-    """Ends one attempt of ``job`` held under ``lease``: commit, fail (requeue or dead
-    letter), release, or record that the lease was lost. Each method returns the Outcome.
-    ``resources`` (peak memory, CPU time) go into every journaled summary."""
+    """Ends one attempt of ``job`` held under ``lease`` by one call, ``end(ending)``:
+    commit, fail (requeue or dead letter), release, or record that the lease was lost,
+    returning the Outcome. Besides: ``note`` (events to journal with the end),
+    ``journal``, ``acknowledge_cancel`` (after the end) and ``crashed``. ``resources``
+    (peak memory, CPU time) go into every journaled summary."""
 
     def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease, started: float,
                  trace: AttemptTrace = NO_TRACE):
@@ -135,6 +141,24 @@ class FencedCommit:
         self._count(outcome, fields.get("reason")
                     if outcome in (Outcome.FAILED, Outcome.REQUEUED) else None)
         return outcome
+
+    async def acknowledge_cancel(self, outcome: Outcome) -> None:
+        """After ``end``, once the attempt's tree is dead: an attempt that ended without
+        writing its outcome (``ACKNOWLEDGING_OUTCOMES``) says so if the job was cancelled
+        under it, so ``sidecar retry`` need not wait for the lease to end (case F14).
+        Best effort, never raises: without it, retry waits until the lease ends."""
+        if outcome not in ACKNOWLEDGING_OUTCOMES:
+            return
+        try:
+            acknowledged = await self.ctx.store.acknowledge_cancel_if_owner(
+                self.job, self.ctx.owner_id,
+                {"owner_id": self.ctx.owner_id, "outcome": str(outcome)})
+        except Exception as exc:  # noqa: BLE001 - the lease end releases the retry anyway
+            log.emit("journal_error", "warning", **log_fields(self.job),
+                     reason=f"cancel_acknowledged: {type(exc).__name__}")
+            return
+        if acknowledged:
+            log.emit("cancel_acknowledged", **log_fields(self.job), outcome=str(outcome))
 
     def crashed(self) -> None:
         """The supervisor raised before an outcome was written (a bug): counted as
