@@ -38,7 +38,8 @@ ALLOWED_EXTERNAL = frozenset({
 ALLOWED_FOR = {"sidecar.lease_state": frozenset({"asyncio"})}
 # Named in the rule: a pure module never reaches one of these, whatever the lists above say.
 IO_MODULES = frozenset({
-    "sidecar.db", "sidecar.store", "sidecar.cgroups", "sidecar.child", "sidecar.isolation",
+    "sidecar.db", "sidecar.store", "sidecar.worker_store", "sidecar.caller_store",
+    "sidecar.operator_store", "sidecar.cgroups", "sidecar.child", "sidecar.isolation",
     "asyncpg", "aiohttp", "psutil",
 })
 
