@@ -3,7 +3,7 @@ fan-out of completion notifications to waiting callers, and the round trip behin
 
 Round trip: enqueue a no-op job, then wait until the wait returns with its result. The
 tool is ``/bin/cat``: its result is its payload (``{"n": i}``, checked). The sidecar's
-path is what a caller of the project uses: ``Store.enqueue`` over a pool (the statement
+path is what a caller of the project uses: ``CallerStore.enqueue`` over a pool (the statement
 ``sidecar enqueue`` and the SQL function ``sidecar_enqueue`` share: tool_job_enqueue),
 then ``sidecar.waiting.watch`` on a connection of its own (LISTEN on the job's channel,
 read, NOTIFY from the fenced end, read, UNLISTEN), served by a real ``sidecar run``. The
@@ -46,9 +46,9 @@ from bench.common import (
 )
 from bench.report import Row
 from sidecar import db, waiting
+from sidecar.caller_store import CallerStore
 from sidecar.model import JobState, RawJson
 from sidecar.queries import Q
-from sidecar.store import Store
 from sidecar.worker import wake_channel
 
 CAT = ["/bin/cat"]
@@ -72,7 +72,7 @@ def _check(n: int, state: str, result: Any, who: str) -> None:
         raise BenchError(f"{who} call {n} ended {state} with {result!r}, not {{'n': {n}}}")
 
 
-async def real_call(store: Store, waiter: asyncpg.Connection, tool: str, n: int, *,
+async def real_call(store: CallerStore, waiter: asyncpg.Connection, tool: str, n: int, *,
                     listen: bool = True) -> float:
     """One caller's round trip through the sidecar's path; seconds."""
     started = time.perf_counter()
@@ -162,7 +162,7 @@ async def round_trips(ctx: Context) -> dict[str, list[float]]:
         for sc in sidecars:
             await sc.ready()
         await asyncio.wait_for(ready.wait(), 30)
-        store = Store(pool, 10)
+        store = CallerStore(pool, 10)
         for n in range(WARM_UP + calls):
             for side in sides[n % 3:] + sides[:n % 3]:  # each side first in turn
                 await asyncio.sleep(random.uniform(0.02, 0.1))
@@ -328,7 +328,7 @@ async def behind_bouncer(ctx: Context) -> list[float]:
         await sc.ready()
         pool = await db.create_pool(bdsn, 10, max_size=1, pooler="transaction")
         waiter = await db.connect(bdsn, 10, pooler="transaction")
-        store = Store(pool, 10)
+        store = CallerStore(pool, 10)
         out = []
         for n in range(ctx.mode.bouncer_calls + 1):
             await asyncio.sleep(random.uniform(0, poll))  # a random phase of the polls

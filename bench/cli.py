@@ -133,10 +133,10 @@ async def amain(args: argparse.Namespace) -> int:
         conn = await connect(dsn)
         try:
             from sidecar.db import create_pool
-            from sidecar.store import Store
+            from sidecar.store import StoreBase
 
             pool = await create_pool(dsn, 10, max_size=1)
-            await Store(pool, 10).migrate()
+            await StoreBase(pool, 10).migrate()
             await pool.close()
             ctx.clock_offset = await measure_clock_offset(conn)
             pg_version = await conn.fetchval("SELECT version()")

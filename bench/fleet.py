@@ -272,7 +272,7 @@ async def _roomy_server(ctx: Context, connections: int):
 
     from bench.common import connect, create_scratch_database
     from sidecar.db import create_pool
-    from sidecar.store import Store
+    from sidecar.store import StoreBase
 
     data = ctx.tmp / "fleet-pg" / "data"
     data.parent.mkdir(parents=True, exist_ok=True)
@@ -289,7 +289,7 @@ async def _roomy_server(ctx: Context, connections: int):
     try:
         dsn = await create_scratch_database(admin)
         pool = await create_pool(dsn, 10, max_size=1)
-        await Store(pool, 10).migrate()
+        await StoreBase(pool, 10).migrate()
         await pool.close()
         conn = await connect(dsn)
         await conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")

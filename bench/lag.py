@@ -51,8 +51,8 @@ def summary(lags: list[float], seconds: float) -> dict:
 async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
     from sidecar import cgroups, child, db, isolation, linux
     from sidecar import log as log_mod
+    from sidecar.caller_store import CallerStore
     from sidecar.config import load_settings
-    from sidecar.store import Store
     from sidecar.worker import Worker
 
     settings = load_settings()
@@ -86,7 +86,7 @@ async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
         await running
 
         pool = await db.create_pool(dsn, 5, max_size=2)
-        store = Store(pool, 5)
+        store = CallerStore(pool, 5)
         for i in range(jobs):
             await store.enqueue("flood", payload(i), None, 1, {})
         await pool.close()

@@ -37,8 +37,8 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     from sidecar.model import JobState
     from sidecar.queries import Q
     from sidecar.retention import prune
-    from sidecar.store import Store
     from sidecar.vocabulary import FailureKind
+    from sidecar.worker_store import WorkerStore
 
     total = 10_000 if ctx.mode.name == "quick" else 1_000_000
     tool, owner = "soak", f"bench-soak:{uuid.uuid4().hex[:12]}"
@@ -52,7 +52,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     conns = [await connect(ctx.dsn) for _ in range(CONSUMERS)]
     producer, sampler = await connect(ctx.dsn), await connect(ctx.dsn)
     pool = await create_pool(ctx.dsn, 10, max_size=1)
-    store = Store(pool, 30)
+    store = WorkerStore(pool, 30)
     error = {"kind": FailureKind.BAD_RESULT, "message": "exit 0 but stdout is not one JSON value"}
     earlier = [{"event": "tool_request_started", "age_s": 0.001,
                 "details": {"pid": 0, "argv0": "/bin/true"}}]

@@ -384,10 +384,10 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     dsn = await create_scratch_database(ctx.admin_dsn)
     try:
         from sidecar.db import create_pool
-        from sidecar.store import Store
+        from sidecar.store import StoreBase
 
         pool = await create_pool(dsn, 10, max_size=1)
-        await Store(pool, 10).migrate()
+        await StoreBase(pool, 10).migrate()
         await pool.close()
         own = await connect(dsn)
         try:

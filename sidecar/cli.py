@@ -20,12 +20,13 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from datetime import UTC
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
 from sidecar import __version__, db, enqueue_args, jsontext, linux
 from sidecar import log as log_mod
+from sidecar.caller_store import CallerStore
 from sidecar.config import (
     GLOBAL_FIELDS,
     MAX_ATTEMPTS_LIMIT,
@@ -44,7 +45,8 @@ from sidecar.errors import (
 from sidecar.loop import run_async
 from sidecar.masking import mask_url
 from sidecar.model import FINISHED_STATES, JobState, RawJson, tool_env_key
-from sidecar.store import Store, check_producer_key
+from sidecar.operator_store import OperatorStore
+from sidecar.store import StoreBase, check_producer_key
 
 # Plain strings: argparse shows choices with repr() in its errors.
 STATES = tuple(state.value for state in JobState)
@@ -53,6 +55,8 @@ RETRY_ACK_POLL_SECONDS = 0.2
 # `wait`: a job waited for ended failed or cancelled; the timeout passed first.
 EXIT_JOB_FAILED = 3
 EXIT_TIMEOUT = 4
+# The store a command opens: the one of its audience (sidecar.store).
+S = TypeVar("S", bound=StoreBase)
 
 
 class OutputClosed(SidecarError):
@@ -94,12 +98,15 @@ def _print_lines(lines: list[str]) -> None:
 
 
 @asynccontextmanager
-async def open_store(settings: Settings, dsn: str | None = None) -> AsyncIterator[Store]:
-    """A Store on a small pool, schema migrated (idempotent, safe concurrently)."""
+async def open_store(settings: Settings, kind: type[S],
+                     dsn: str | None = None) -> AsyncIterator[S]:
+    """A store of ``kind`` (the command's audience: CallerStore for enqueue, wait and
+    cancel, OperatorStore for the operator's commands) on a small pool, schema migrated
+    (idempotent, safe concurrently)."""
     dsn = dsn or db.resolve_dsn(settings)
     pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=2)
     try:
-        store = Store(pool, settings.db_timeout_seconds)
+        store = kind(pool, settings.db_timeout_seconds)
         await store.migrate()
         yield store
     finally:
@@ -122,7 +129,7 @@ def cmd_migrate(args, settings: Settings) -> int:
         dsn = db.resolve_dsn(settings)
         pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=1)
         try:
-            store = Store(pool, settings.db_timeout_seconds)
+            store = OperatorStore(pool, settings.db_timeout_seconds)
             applied = await store.migrate()
             out = {"applied": applied, "version": await store.schema_version()}
             if args.worker_role or args.scaler_role or args.caller_role:
@@ -205,7 +212,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
         raise UsageError("--progress prints the reports --wait follows; give --wait too")
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, CallerStore) as store:
             try:
                 job_id, created = await store.enqueue(
                     tool, None if payload is None else text, args.idempotency_key,
@@ -252,7 +259,7 @@ def cmd_wait(args, settings: Settings) -> int:
     timeout = _wait_timeout(args)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, CallerStore) as store:
             ids = job_ids
             if tags:
                 rows = await store.list_jobs(None, None, MAX_WAIT_JOBS + 1, tags)
@@ -270,7 +277,7 @@ def cmd_wait(args, settings: Settings) -> int:
     return run_async(settings, go())
 
 
-async def _wait(settings: Settings, store: Store, job_ids: list[uuid.UUID], *,
+async def _wait(settings: Settings, store: CallerStore, job_ids: list[uuid.UUID], *,
                 timeout: float | None, first: bool = False, progress: bool = False) -> int:
     """Wait for ``job_ids`` (sidecar.waiting.watch) on a connection of its own, printing
     each end on stdout as it comes and, with ``progress``, each progress report on stderr;
@@ -336,7 +343,7 @@ def cmd_show(args, settings: Settings) -> int:
     job_id = _job_id(args.job_id)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             row = await store.get_job(job_id)
             if row is None:
                 return None
@@ -361,7 +368,7 @@ def cmd_jobs(args, settings: Settings) -> int:
     tags = _tags(args)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             return (await store.list_jobs(args.state, args.tool, args.limit, tags),
                     await store.limits(args.tool))
 
@@ -405,7 +412,7 @@ def cmd_cancel(args, settings: Settings) -> int:
     job_id = _job_id(args.job_id)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, CallerStore) as store:
             cancelled = await store.cancel(job_id, by=_operator("cancel"))
             return cancelled, await store.get_job(job_id)
 
@@ -430,7 +437,7 @@ def _cancel_tagged(args, settings: Settings) -> int:
     tags = _tags(args)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, CallerStore) as store:
             return await store.cancel(None, tags, _operator("cancel"))
 
     cancelled = run_async(settings, go())
@@ -458,7 +465,7 @@ def cmd_retry(args, settings: Settings) -> int:
     tags = _tags(args)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             # F14: a job cancelled while it ran is retried only once its owner has
             # acknowledged the cancel (its tree is dead) or the lease it held has ended.
             rows, waited = await store.retry_when_acknowledged(
@@ -490,7 +497,7 @@ def _retry_forwarding(args, settings: Settings) -> int:
     job_id = _job_id(args.job_id)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             redone = await store.outbox_redeliver(job_id, "sidecar retry --forwarding")
             if redone:
                 return redone, None, []
@@ -535,7 +542,7 @@ def cmd_limit(args, settings: Settings) -> int:
                                  args.rate_per_key, args.burst, args.clear)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             await store.set_limits(tool, changes, _operator("limit"))
             return await store.limits(tool)
 
@@ -551,7 +558,7 @@ def cmd_limits(args, settings: Settings) -> int:
         raise UsageError(f"--events {args.events}: must be 1 or more")
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             rows = await store.limits(args.tool)
             events = (await store.flow_events(args.tool, args.events)
                       if args.events else None)
@@ -572,7 +579,7 @@ def cmd_pause(args, settings: Settings) -> int:
     reason = flow.check_reason(args.reason) if args.reason is not None else None
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             row = await store.pause(tool, reason, _operator("pause"))
             cancelled: dict[uuid.UUID, str] = {}
             if args.cancel_running:
@@ -594,7 +601,7 @@ def cmd_resume(args, settings: Settings) -> int:
     tool = validate_tool_name(args.tool)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             return await store.resume(tool, _operator("resume"))
 
     if not run_async(settings, go()):
@@ -619,7 +626,7 @@ def cmd_prune(args, settings: Settings) -> int:
     kept = sorted(state for state, age in ages.items() if age <= 0)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             return await retention.prune(store, ages, dry_run=args.dry_run)
 
     done = run_async(settings, go())
@@ -823,7 +830,7 @@ def cmd_events(args, settings: Settings) -> int:
     job_id = _job_id(args.job_id)
 
     async def go():
-        async with open_store(settings) as store:
+        async with open_store(settings, OperatorStore) as store:
             if await store.get_job(job_id) is None:
                 return None
             return await store.job_events(job_id)

@@ -10,7 +10,7 @@ async with Client() as sidecar:            # the DSN as the CLI resolves it
 A thin layer over what the CLI uses, with no second implementation: the DSN resolved as
 the CLI does (``SIDECAR_DATABASE_URL``, ``SIDECAR_DATABASE_URL_FILE``, else the embedded
 PostgreSQL: sidecar.config.load_settings, sidecar.db.resolve_dsn), the options checked by
-sidecar.enqueue_args and then by the database in ``tool_job_enqueue`` (Store.enqueue, the
+sidecar.enqueue_args and then by the database in ``tool_job_enqueue`` (CallerStore.enqueue, the
 statement ``sidecar enqueue`` and ``sidecar_enqueue`` run), the waiter of ``sidecar wait``
 (sidecar.waiting.follow: LISTEN on each job's own channel, on
 ``SIDECAR_LISTEN_DATABASE_URL`` when it is set; or, with
@@ -40,6 +40,7 @@ from typing import Any
 import asyncpg
 
 from sidecar import db, enqueue_args, flow, jsontext, waiting
+from sidecar.caller_store import CallerStore
 from sidecar.config import (
     MAX_ATTEMPTS_LIMIT,
     POOLER_MODES,
@@ -50,7 +51,7 @@ from sidecar.config import (
 )
 from sidecar.errors import UsageError, one_line
 from sidecar.model import RawJson
-from sidecar.store import Store, check_producer_key
+from sidecar.store import check_producer_key
 from sidecar.waiting import JobEnd, JobNotFound, JobProgress
 
 __all__ = ["Client", "Job", "JobEnd", "JobFailed", "JobNotFound", "JobProgress", "JobRef",
@@ -281,7 +282,7 @@ class Client:
         self._listen_dsn_given = listen_dsn
         self._max_connections = max_connections
         self._pool: asyncpg.Pool | None = None
-        self._store: Store | None = None
+        self._store: CallerStore | None = None
         self.dsn: str | None = None
         self.settings: Settings | None = None
         self.pooler = "none"
@@ -314,7 +315,7 @@ class Client:
         pool = await db.create_pool(dsn, settings.db_timeout_seconds, self._max_connections,
                                     pooler=pooler)
         try:
-            store = Store(pool, settings.db_timeout_seconds)
+            store = CallerStore(pool, settings.db_timeout_seconds)
             await store.migrate()
         except BaseException:
             pool.terminate()
@@ -345,7 +346,7 @@ class Client:
     def _timeout(self) -> float:
         return self.settings.db_timeout_seconds if self.settings else 10.0
 
-    def _opened(self) -> Store:
+    def _opened(self) -> CallerStore:
         if self._store is None:
             raise RuntimeError("the Client is not open: use 'async with Client() as c' or "
                                "'await Client.connect()'")

@@ -4,7 +4,7 @@ of ending (a verdict: Succeeded, Failure, Release, Reject) picks one fenced writ
 local deadline allows; and one table (``ENDING_REPORTS``) says how each way of ending is
 logged and journaled; its outcome is counted in one place (sidecar_attempts_finished_total).
 
-A fenced write (``*_if_owner`` in sidecar.store) carries the job id, owner, token and
+A fenced write (``*_if_owner`` in sidecar.worker_store) carries the job id, owner, token and
 ``lease_until > now()`` (P6). "Not accepted" means another owner holds the job: the
 outcome is journaled as ``result_rejected`` (hash and size only), never published. "The
 database failed" (``db.UNAVAILABLE_ERRORS``: no answer, a dropped connection, a read-only
@@ -44,6 +44,10 @@ Ended = tuple[Outcome, "How", dict[str, Any]]
 LEASE_ENDING_OUTCOMES = {StopReason.LEASE_LOST: Outcome.LEASE_LOST,
                          StopReason.CANCELLED: Outcome.CANCELLED,
                          StopReason.LOCAL_DEADLINE: Outcome.ABANDONED}
+# Attempts that ended without writing their outcome: the job may have been cancelled under
+# them, and their tree is dead now (case F14).
+ACKNOWLEDGING_OUTCOMES = frozenset({Outcome.CANCELLED, Outcome.LEASE_LOST, Outcome.REJECTED,
+                                    Outcome.ABANDONED})
 
 
 # How long an event noted during an attempt (tool_request_started, child_killed) may wait
@@ -61,9 +65,11 @@ def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
 
 
 class FencedCommit:
-    """Ends one attempt of ``job`` held under ``lease``: commit, fail (requeue or dead
-    letter), release, or record that the lease was lost. Each method returns the Outcome.
-    ``resources`` (peak memory, CPU time) go into every journaled summary."""
+    """Ends one attempt of ``job`` held under ``lease`` by one call, ``end(ending)``:
+    commit, fail (requeue or dead letter), release, or record that the lease was lost,
+    returning the Outcome. Besides: ``note`` (events to journal with the end),
+    ``journal``, ``acknowledge_cancel`` (after the end) and ``crashed``. ``resources``
+    (peak memory, CPU time) go into every journaled summary."""
 
     def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease, started: float,
                  trace: AttemptTrace = NO_TRACE):
@@ -92,7 +98,7 @@ class FencedCommit:
             self._flushing = asyncio.ensure_future(self._write(self._pop_noted(), None, {}))
 
     async def _take_noted(self) -> list[dict[str, Any]]:
-        """The noted events not yet written, as the ``earlier`` of a Store statement;
+        """The noted events not yet written, as the ``earlier`` of a WorkerStore statement;
         waits for a flush already on its way, so the journal keeps their order."""
         if self._flush_timer is not None:
             self._flush_timer.cancel()
@@ -135,6 +141,24 @@ class FencedCommit:
         self._count(outcome, fields.get("reason")
                     if outcome in (Outcome.FAILED, Outcome.REQUEUED) else None)
         return outcome
+
+    async def acknowledge_cancel(self, outcome: Outcome) -> None:
+        """After ``end``, once the attempt's tree is dead: an attempt that ended without
+        writing its outcome (``ACKNOWLEDGING_OUTCOMES``) says so if the job was cancelled
+        under it, so ``sidecar retry`` need not wait for the lease to end (case F14).
+        Best effort, never raises: without it, retry waits until the lease ends."""
+        if outcome not in ACKNOWLEDGING_OUTCOMES:
+            return
+        try:
+            acknowledged = await self.ctx.store.acknowledge_cancel_if_owner(
+                self.job, self.ctx.owner_id,
+                {"owner_id": self.ctx.owner_id, "outcome": str(outcome)})
+        except Exception as exc:  # noqa: BLE001 - the lease end releases the retry anyway
+            log.emit("journal_error", "warning", **log_fields(self.job),
+                     reason=f"cancel_acknowledged: {type(exc).__name__}")
+            return
+        if acknowledged:
+            log.emit("cancel_acknowledged", **log_fields(self.job), outcome=str(outcome))
 
     def crashed(self) -> None:
         """The supervisor raised before an outcome was written (a bug): counted as

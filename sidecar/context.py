@@ -15,8 +15,8 @@ from sidecar.isolation import SandboxPlan, SparePool
 from sidecar.lease import LeaseKeeper
 from sidecar.model import LeaseProfile
 from sidecar.shortage import ClaimPause
-from sidecar.store import Store
 from sidecar.tracing import OFF, Tracer
+from sidecar.worker_store import WorkerStore
 
 if TYPE_CHECKING:
     from sidecar.guard import GuardServer
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 class WorkerContext:
     """What every supervisor of one sidecar shares."""
 
-    store: Store
+    store: WorkerStore
     keeper: LeaseKeeper
     profile: LeaseProfile
     owner_id: str

@@ -15,10 +15,10 @@ from pathlib import Path
 
 from sidecar import db
 from sidecar import log as log_mod
+from sidecar.caller_store import CallerStore
 from sidecar.config import Settings, load_settings
 from sidecar.loop import run_async
 from sidecar.model import JobState
-from sidecar.store import Store
 from sidecar.vocabulary import FailureKind
 from sidecar.worker import Worker
 
@@ -53,7 +53,7 @@ def _summary(row) -> str:
 async def _demo(settings: Settings) -> int:
     dsn = db.resolve_dsn(settings)
     pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=2)
-    store = Store(pool, settings.db_timeout_seconds)
+    store = CallerStore(pool, settings.db_timeout_seconds)
     try:
         await store.migrate()
         jobs = []

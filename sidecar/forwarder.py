@@ -36,7 +36,7 @@ from sidecar.log import log
 from sidecar.masking import mask_url
 from sidecar.model import LeaseProfile
 from sidecar.periodic import POLL_SPREAD, Periodic
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 
 if TYPE_CHECKING:
     import aiohttp
@@ -55,7 +55,7 @@ def is_permanent_refusal(status: int) -> bool:
 class Forwarder:
     """One sidecar's delivery loop. ``wake()`` makes it look for work at once."""
 
-    def __init__(self, store: Store, settings: Settings, owner_id: str):
+    def __init__(self, store: WorkerStore, settings: Settings, owner_id: str):
         self.store = store
         self.settings = settings
         self.owner_id = owner_id

@@ -120,8 +120,8 @@ from sidecar.progress import (
     parse_report,
     report_answer,
 )
-from sidecar.store import Store
 from sidecar.vocabulary import AttemptId, ConnectionRefusal, GuardRefusal, StopReason
+from sidecar.worker_store import WorkerStore
 
 GUARD_PATH = "/v1/guard"
 CHECKPOINT_PATH = "/v1/checkpoint"
@@ -172,7 +172,7 @@ class _Registration:
 class GuardServer:
     """The guard of one sidecar (one tool, one lease profile, one owner).
 
-    ``store``: the sidecar's Store (checkpoint writes use its pool and timeout).
+    ``store``: the sidecar's WorkerStore (checkpoint writes use its pool and timeout).
     ``profile``: the tool's lease profile; H + J = ``heartbeat_seconds + jitter_seconds``
     is the least time (seconds) that must remain before a lease's local deadline for a 200.
     ``owner_id``: this sidecar's owner id, which fences the checkpoint writes.
@@ -181,7 +181,7 @@ class GuardServer:
     total cap on connections.
     """
 
-    def __init__(self, store: Store, profile: LeaseProfile, owner_id: str, *,
+    def __init__(self, store: WorkerStore, profile: LeaseProfile, owner_id: str, *,
                  body_timeout: float = DEFAULT_BODY_TIMEOUT, attempts: int = 1):
         self.store = store
         self.profile = profile

@@ -38,7 +38,7 @@ class Readiness:
 
     expected_schema: int
     schema: int = 0
-    # A newer schema this release was declared compatible with (Store.schema_compatibility)
+    # A newer schema this release was declared compatible with (StoreBase.schema_compatibility)
     schema_compatible: bool = False
     db_ok_at: float = 0.0
     db_fresh_seconds: float = 10.0

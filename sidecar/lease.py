@@ -34,8 +34,8 @@ from sidecar import clock, db, metrics
 from sidecar.lease_state import Lease, LeaseState
 from sidecar.log import log, log_fields
 from sidecar.model import ClaimedJob, JobState, LeaseProfile
-from sidecar.store import Store
 from sidecar.vocabulary import AttemptId, HeartbeatResult, StopReason
+from sidecar.worker_store import WorkerStore
 
 
 class RowLocked(Exception):
@@ -58,7 +58,7 @@ class LeaseKeeper:
     below the heartbeat period so a dead path is noticed, never waited on.
     """
 
-    def __init__(self, dsn: str, owner_id: str, profile: LeaseProfile, store: Store,
+    def __init__(self, dsn: str, owner_id: str, profile: LeaseProfile, store: WorkerStore,
                  db_timeout: float):
         self.dsn = dsn
         self.owner_id = owner_id
@@ -147,7 +147,7 @@ class LeaseKeeper:
             conn = await self._connection()
             renewed = {}
             if held:
-                renewed = await Store.extend_leases_if_owner(
+                renewed = await WorkerStore.extend_leases_if_owner(
                     conn, self.owner_id, [(h.job.id, h.job.fencing_token) for h in held],
                     self.profile.lease_seconds, self.statement_timeout,
                 )
@@ -238,8 +238,8 @@ class LeaseKeeper:
         """Write the events kept while the database did not answer."""
         while lease.unjournaled:
             event, details = lease.unjournaled[0]
-            await Store.record_event_on(conn, lease.job.id, lease.job.fencing_token, event,
-                                        details, self.statement_timeout)
+            await WorkerStore.record_event_on(conn, lease.job.id, lease.job.fencing_token,
+                                              event, details, self.statement_timeout)
             lease.journaled_first()
 
     async def _zero_rows(self, lease: Lease) -> None:
@@ -271,7 +271,7 @@ class LeaseKeeper:
             job = lease.job
             conn = await self._connection()
             await self._flush_journal(conn, lease)
-            still_ours = await Store.expire_lease_if_owner(
+            still_ours = await WorkerStore.expire_lease_if_owner(
                 conn, self.owner_id, job.id, job.fencing_token, self.statement_timeout)
             base = {"owner_id": self.owner_id, "last_lease_until": lease.lease_until.isoformat()}
             if not still_ours:
@@ -280,13 +280,14 @@ class LeaseKeeper:
                 now_owned = await self.store.ownership(job.id)
                 explained = {"state": now_owned["state"],
                              "current_token": now_owned["fencing_token"]} if now_owned else {}
-                await Store.record_event_on(conn, job.id, job.fencing_token, "heartbeat_lost",
-                                            {**base, "reason": "zero_rows", **explained},
-                                            self.statement_timeout)
+                await WorkerStore.record_event_on(
+                    conn, job.id, job.fencing_token, "heartbeat_lost",
+                    {**base, "reason": "zero_rows", **explained}, self.statement_timeout)
             if lease.evidence is not None:
-                await Store.record_event_on(conn, job.id, job.fencing_token, "result_rejected",
-                                            {**base, **lease.evidence}, self.statement_timeout)
-            await Store.record_event_on(
+                await WorkerStore.record_event_on(
+                    conn, job.id, job.fencing_token, "result_rejected",
+                    {**base, **lease.evidence}, self.statement_timeout)
+            await WorkerStore.record_event_on(
                 conn, job.id, job.fencing_token, "lease_abandoned",
                 {**base, "reason": "ownership_unknown", "lease_ended_by_us": still_ours},
                 self.statement_timeout)

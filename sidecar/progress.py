@@ -12,7 +12,7 @@ characters):
   work directory's descriptor (no link followed, bounded size: sidecar.safefs); only a
   rewrite (a new modification time or content) counts as a report.
 
-Each report is written by a fenced statement (Store.report_progress_if_owner: owner,
+Each report is written by a fenced statement (WorkerStore.report_progress_if_owner: owner,
 token and a live lease), at most once per WRITE_SECONDS per attempt: a report that comes
 sooner is kept (the latest wins) and written when that second is over. The journal gets a
 ``job_progress`` row at most every JOURNAL_SECONDS per attempt.
@@ -32,7 +32,7 @@ from sidecar.lease_state import Lease
 from sidecar.log import log, log_fields
 from sidecar.masking import SECRETS
 from sidecar.model import ClaimedJob
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 
 PROGRESS_FILE_NAME = "progress.json"
 PROGRESS_BODY_LIMIT = 4096   # bytes of one report (HTTP body or file)
@@ -89,7 +89,7 @@ class ProgressReporter:
     ``reports`` counts the reports accepted (the idle watchdog's activity, sidecar.
     supervisor.watch_idle); ``fenced_out`` is set once a write found the job not ours."""
 
-    def __init__(self, store: Store, owner_id: str, job: ClaimedJob, lease: Lease):
+    def __init__(self, store: WorkerStore, owner_id: str, job: ClaimedJob, lease: Lease):
         self.store = store
         self.owner_id = owner_id
         self.job = job

@@ -24,7 +24,7 @@ from sidecar.config import Settings
 from sidecar.errors import SidecarError, UsageError
 from sidecar.fence import FencedRequest, fence_middleware, fenced
 from sidecar.queries import Q
-from sidecar.store import Store
+from sidecar.store import StoreBase
 
 POOL = web.AppKey("pool", asyncpg.Pool)
 _LISTEN = re.compile(r"(?P<host>\[[^\]]+\]|[^\s\[\]]+):(?P<port>[0-9]{1,5})")
@@ -94,7 +94,7 @@ async def serve(settings: Settings, host: str, port: int) -> int:
     pool = await db.create_pool(db.resolve_dsn(settings), settings.db_timeout_seconds,
                                 max_size=10)
     try:
-        await Store(pool, settings.db_timeout_seconds).migrate()
+        await StoreBase(pool, settings.db_timeout_seconds).migrate()
         runner = web.AppRunner(make_app(pool), access_log=None, shutdown_timeout=5)
         await runner.setup()
         try:

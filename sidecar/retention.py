@@ -20,7 +20,7 @@ from sidecar.config import Settings
 from sidecar.log import log
 from sidecar.model import JobState
 from sidecar.periodic import Periodic
-from sidecar.store import Store
+from sidecar.store import Pruning
 
 PRUNE_LOCK_KEY = 0x5DECA4_0002    # the advisory lock one pruner at a time holds
 BATCH = 500                        # jobs one statement deletes at most
@@ -36,7 +36,7 @@ def retention_by_state(settings: Settings) -> dict[str, float]:
             JobState.CANCELLED.value: settings.retention_seconds}
 
 
-async def prune(store: Store, ages: dict[str, float], *, dry_run: bool = False,
+async def prune(store: Pruning, ages: dict[str, float], *, dry_run: bool = False,
                 batch: int = BATCH, pause: float = 0.0) -> dict[str, Any]:
     """Delete, per state in ``ages`` (state -> seconds; 0 or less keeps that state), the
     jobs finished longer ago, in batches of ``batch`` jobs with ``pause`` seconds between
@@ -70,7 +70,7 @@ async def prune(store: Store, ages: dict[str, float], *, dry_run: bool = False,
     return {"dry_run": dry_run, "busy": busy, "removed": removed, **totals}
 
 
-async def run_pruner(store: Store, settings: Settings, tool: str,
+async def run_pruner(store: Pruning, settings: Settings, tool: str,
                      period: float = PRUNE_PERIOD_SECONDS) -> None:
     """Prune every ``period`` seconds (the first time 1-5 s after start, at a random
     moment, so sidecars started together do not all try at once) until cancelled; also

@@ -1,13 +1,17 @@
 """One job, start to end: spawn -> race(exit | lease lost | cancel | stage deadline |
 lifetime cap | idle tree | shutdown) -> kill the tree -> fenced commit.
 
-The race lives in ``JobSupervisor.run``; its outcome is one ``stop_reason`` that decides
-the final state, the journal event and the log line (P8, P13).
+The race lives in ``JobSupervisor._race``; its outcome is one ``stop_reason`` that decides
+the verdict (P8, P13). Every path of an attempt, those that end it before its tool ran
+included, yields one ending (sidecar.verdict.Ending), and ``JobSupervisor.run`` hands it to
+the one call that ends the attempt, ``FencedCommit.end``: the fenced write, its journal
+row, log line and metrics are all there (tests/test_supervisor_ending.py holds it so).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import time
 from collections.abc import Callable, Collection
@@ -47,6 +51,7 @@ from sidecar.shortage import shortage_errno
 from sidecar.tracing import NO_TRACE, AttemptTrace
 from sidecar.verdict import (
     Commit,
+    Ending,
     Failure,
     Observed,
     Reject,
@@ -65,10 +70,6 @@ if TYPE_CHECKING:
 CHECKPOINT_FILE_NAME = "checkpoint.json"
 
 _STDERR_LINES_PER_SECOND = 200
-# Attempts that ended without writing their outcome: the job may have been cancelled under
-# them, and their tree is dead now (case F14).
-ACKNOWLEDGING_OUTCOMES = frozenset({Outcome.CANCELLED, Outcome.LEASE_LOST, Outcome.REJECTED,
-                                    Outcome.ABANDONED})
 # Results up to this many bytes are parsed on the event loop (well under a millisecond).
 PARSE_ON_LOOP_BYTES = 64 * 1024
 
@@ -182,13 +183,13 @@ class JobSupervisor:
         try:
             if self.predecessors:
                 await asyncio.wait(self.predecessors)  # each kills its tree, bounded by grace
-            if self.lease.lost.is_set():  # lost (cancelled again?) while we waited
-                outcome = await self.commit.end(Reject(self._lease_ending()))
-            else:
-                outcome = await self._run()
+            # What the attempt holds (its work directory and cgroup, its guard registration,
+            # its progress reports) is let go once its end is written.
+            async with contextlib.AsyncExitStack() as held:
+                # The one place an attempt ends, whichever way it went.
+                outcome = await self.commit.end(await self._attempt(held))
             await self.commit.journal(None, {})  # whatever the attempt noted and no end wrote
-            if outcome in ACKNOWLEDGING_OUTCOMES:
-                await self._acknowledge_cancel(outcome)
+            await self.commit.acknowledge_cancel(outcome)
         except Exception as exc:
             error = exc
             self.commit.crashed()  # a bug: counted once, then the worker logs it
@@ -198,26 +199,18 @@ class JobSupervisor:
             self.trace.finish(error)
         return outcome
 
-    async def _acknowledge_cancel(self, outcome: Outcome) -> None:
-        """The attempt ended without writing its outcome and its tree is dead: if the job
-        was cancelled under it, say so, so ``sidecar retry`` need not wait for the lease
-        to end (case F14). Best effort: without it, retry waits until the lease ends."""
-        try:
-            acknowledged = await self.ctx.store.acknowledge_cancel_if_owner(
-                self.job, self.ctx.owner_id,
-                {"owner_id": self.ctx.owner_id, "outcome": str(outcome)})
-        except Exception as exc:  # noqa: BLE001 - the lease end releases the retry anyway
-            log.emit("journal_error", "warning", **log_fields(self.job),
-                     reason=f"cancel_acknowledged: {type(exc).__name__}")
-            return
-        if acknowledged:
-            log.emit("cancel_acknowledged", **log_fields(self.job), outcome=str(outcome))
+    async def _attempt(self, held: contextlib.AsyncExitStack) -> Ending:
+        """Run the attempt up to its verdict: how it is to end (sidecar.verdict.Ending).
+        What it holds until that end is written goes on ``held``."""
+        if self.lease.lost.is_set():  # lost (cancelled again?) while we waited
+            return Reject(self._lease_ending())
+        return await self._run(held)
 
-    async def _fail_before_spawn(self, fault: Failure) -> Outcome:
+    def _fail_before_spawn(self, fault: Failure) -> Failure:
         self.lease.settle()
-        return await self.commit.end(fault)
+        return fault
 
-    async def _short_before_spawn(self, stage: str, errno_name: str, reason: str) -> Outcome:
+    def _short_before_spawn(self, stage: str, errno_name: str, reason: str) -> Release:
         """Case F19: the host ran short of processes, memory, descriptors or disk while
         this attempt was set up (``stage``: sandbox, checkpoint or spawn) before its tool
         ran. Not the job's fault: journal ``attempt_shortage``, count it, give the lease
@@ -233,16 +226,16 @@ class JobSupervisor:
         self.commit.note("attempt_shortage", {"stage": stage, "errno": errno_name,
                                               "reason": reason, "attempt": self.job.attempt,
                                               "claim_pause_s": pause})
-        return await self.commit.end(Release("shortage"))
+        return Release("shortage")
 
-    async def _run(self) -> Outcome:
+    async def _run(self, held: contextlib.AsyncExitStack) -> Ending:
         job, profile = self.job, self.ctx.profile
         payload = job.payload_text.encode()
         self.payload_digest = payload_digest(payload)  # logged here, journaled at the start
         log.emit("job_claimed", **log_fields(job), lease_until=job.lease_until,
                  reclaimed=job.reclaimed or None, payload=self.payload_digest)
         if job.lifetime_remaining is not None and job.lifetime_remaining <= 0:
-            return await self._fail_before_spawn(lifetime_failure(profile))
+            return self._fail_before_spawn(lifetime_failure(profile))
         # The checkpoint is written while the work directory is still the sidecar's own,
         # before the RUN_AS user (and so a sibling attempt) can plant a link in it (F15).
         files = {} if job.checkpoint_text is None else {CHECKPOINT_FILE_NAME: job.checkpoint_text}
@@ -258,9 +251,9 @@ class JobSupervisor:
             await loop.run_in_executor(None, sandbox.close)
             short = shortage_errno(exc)
             if short is not None:
-                return await self._short_before_spawn("sandbox", short, str(exc))
+                return self._short_before_spawn("sandbox", short, str(exc))
             log.emit("sandbox_failed", "error", **log_fields(job), reason=str(exc))
-            return await self._fail_before_spawn(failure(
+            return self._fail_before_spawn(failure(
                 FailureKind.SANDBOX_FAILED, f"cannot set up the attempt's work directory or "
                 f"cgroup: {exc}; check SIDECAR_WORK_DIR and the cgroup filesystem"))
         for note in sandbox.notes:
@@ -272,29 +265,33 @@ class JobSupervisor:
         tool_context = self.trace.tool_context()
         if tool_context:
             env.update(tool_context)
-        try:
-            if files:
-                env["SIDECAR_CHECKPOINT_FILE"] = os.path.join(sandbox.job_dir,
-                                                              CHECKPOINT_FILE_NAME)
-            # A tool in an empty network namespace (NETWORK=none) cannot reach the
-            # loopback guard: it gets neither its URL nor a secret (docs/isolation.md).
-            if self.ctx.guard is not None and (self.ctx.sandbox is None
-                                               or self.ctx.sandbox.network != "none"):
-                env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
-                env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease,
-                                                                     self.progress)
-            return await self._supervise(env, payload, sandbox)
-        finally:
-            self.progress.close()
-            if self.ctx.guard is not None:
-                self.ctx.guard.unregister(job.attempt_id)
-            left = [] if sandbox.close_kept() else \
-                await loop.run_in_executor(None, sandbox.close)
-            if left:
-                log.emit("sandbox_left", "warning", **log_fields(job), paths=left)
+        held.push_async_callback(self._let_go, sandbox)
+        if files:
+            env["SIDECAR_CHECKPOINT_FILE"] = os.path.join(sandbox.job_dir,
+                                                          CHECKPOINT_FILE_NAME)
+        # A tool in an empty network namespace (NETWORK=none) cannot reach the
+        # loopback guard: it gets neither its URL nor a secret (docs/isolation.md).
+        if self.ctx.guard is not None and (self.ctx.sandbox is None
+                                           or self.ctx.sandbox.network != "none"):
+            env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
+            env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease,
+                                                                 self.progress)
+        return await self._supervise(env, payload, sandbox)
+
+    async def _let_go(self, sandbox: Sandbox) -> None:
+        """Let go of what the attempt held once its end is written (or the supervisor
+        raised): its progress reports, its guard registration, its work directory and
+        cgroup (``sandbox_left`` logged for paths that could not be removed)."""
+        self.progress.close()
+        if self.ctx.guard is not None:
+            self.ctx.guard.unregister(self.job.attempt_id)
+        left = [] if sandbox.close_kept() else \
+            await asyncio.get_running_loop().run_in_executor(None, sandbox.close)
+        if left:
+            log.emit("sandbox_left", "warning", **log_fields(self.job), paths=left)
 
     async def _supervise(self, env: dict[str, str], payload: bytes, sandbox: Sandbox
-                         ) -> Outcome:
+                         ) -> Ending:
         profile = self.ctx.profile
         cookie = {k: env[k] for k in ("SIDECAR_JOB_ID", "SIDECAR_FENCING_TOKEN")}
         relay = _StderrRelay(self.job, self.ctx.settings.log_tool_stderr)
@@ -310,14 +307,14 @@ class JobSupervisor:
             child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
             self.trace.spawned(child.pid)
         except SpawnShortage as exc:
-            return await self._short_before_spawn("spawn", exc.errno_name, exc.message)
+            return self._short_before_spawn("spawn", exc.errno_name, exc.message)
         except SpawnSetupFailed as exc:
             log.emit("sandbox_failed", "error", **log_fields(self.job), reason=exc.message)
-            return await self._fail_before_spawn(failure(
+            return self._fail_before_spawn(failure(
                 FailureKind.SANDBOX_FAILED, f"{exc.message}; the tool did not run"))
         except SpawnFailed as exc:
             log.emit("spawn_failed", "error", **log_fields(self.job), reason=exc.message)
-            return await self._fail_before_spawn(failure(
+            return self._fail_before_spawn(failure(
                 FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
 
         self.ctx.claim_pause.started()
@@ -432,7 +429,7 @@ class JobSupervisor:
         return reason if reason in LEASE_ENDINGS else StopReason.LEASE_LOST
 
     async def _settle(self, reason: StopReason, child: Child, sandbox: Sandbox,
-                      usage: Usage) -> Outcome:
+                      usage: Usage) -> Ending:
         self.lease.settle()
         if self.lease.lost.is_set():  # lost during the kill too: ownership first (P13)
             reason = self._lease_ending()
@@ -446,9 +443,9 @@ class JobSupervisor:
             # tool's exit status (retried, as any sandbox_failed).
             last = (stderr_tail or "").strip().splitlines()[-1:] or ["no message"]
             log.emit("sandbox_failed", "error", **log_fields(self.job), reason=last[0])
-            return await self.commit.end(failure(
+            return failure(
                 FailureKind.SANDBOX_FAILED, f"the sandbox (bwrap) did not start the tool: "
-                f"{last[0]}", stderr_tail=stderr_tail))
+                f"{last[0]}", stderr_tail=stderr_tail)
         seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
                         child.stdout_bytes, usage, stderr_tail,
                         sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)
@@ -461,19 +458,18 @@ class JobSupervisor:
                 # the other jobs' leases.
                 digest = await asyncio.get_running_loop().run_in_executor(
                     None, self._output_digest, child, sandbox) if returned else None
-                return await self.commit.end(Reject(ending, digest))
-            case Release():
-                return await self.commit.end(verdict)
-            case Failure():
-                return await self.commit.end(verdict)
+                return Reject(ending, digest)
+            case Release() | Failure():
+                return verdict
             case Commit():
                 return await self._commit_output(child, sandbox, stderr_tail)
         raise AssertionError(f"no verdict handled: {verdict!r}")
 
     async def _commit_output(self, child: Child, sandbox: Sandbox,
-                             stderr_tail: str | None) -> Outcome:
-        """Read what the tool returned (its result file, else its stdout), check it, and
-        commit it. The output is held once: parsed, then only the text for PostgreSQL."""
+                             stderr_tail: str | None) -> Succeeded | Failure:
+        """Read what the tool returned (its result file, else its stdout) and check it:
+        Succeeded with the result to commit, or the Failure it is. The output is held
+        once: parsed, then only the text for PostgreSQL."""
         profile = self.ctx.profile
         try:
             # The result file, when there is one, is the result; stdout is ignored.
@@ -490,8 +486,7 @@ class JobSupervisor:
             output, child.stdout = child.stdout, bytearray()  # handed over, not copied
             source = "stdout"
         except BadResult as exc:
-            return await self.commit.end(failure(FailureKind(exc.kind), exc.message,
-                                                 stderr_tail=stderr_tail))
+            return failure(FailureKind(exc.kind), exc.message, stderr_tail=stderr_tail)
         digest = payload_digest(output)
         try:
             if len(output) > PARSE_ON_LOOP_BYTES:
@@ -504,14 +499,13 @@ class JobSupervisor:
                                                    profile)
             del output  # a large result is held once, as the text sent to PostgreSQL
         except SecretInOutput as exc:
-            return await self._refuse_secret(exc, digest, source, stderr_tail)
+            return self._refuse_secret(exc, digest, source, stderr_tail)
         except BadResult as exc:
-            return await self.commit.end(failure(FailureKind(exc.kind), exc.message,
-                                                 stderr_tail=stderr_tail))
-        return await self.commit.end(Succeeded(result, digest, next_stage, stderr_tail))
+            return failure(FailureKind(exc.kind), exc.message, stderr_tail=stderr_tail)
+        return Succeeded(result, digest, next_stage, stderr_tail)
 
-    async def _refuse_secret(self, exc: SecretInOutput, digest: dict[str, Any], source: str,
-                             stderr_tail: str | None) -> Outcome:
+    def _refuse_secret(self, exc: SecretInOutput, digest: dict[str, Any], source: str,
+                       stderr_tail: str | None) -> Failure:
         """The output holds a secret (issue 25): nothing of it is stored; the attempt fails
         ``secret_in_output`` (not retried), journaled with the output's sha256 and size and
         the kinds of secret found, never the value."""
@@ -519,9 +513,8 @@ class JobSupervisor:
         log.emit("secret_in_output", "error", **log_fields(self.job), reason=exc.message,
                  result=digest, secrets=exc.labels)
         self.commit.note("secret_in_output", details)
-        return await self.commit.end(failure(FailureKind.SECRET_IN_OUTPUT, exc.message,
-                                             stderr_tail=stderr_tail, secrets=exc.labels,
-                                             result=digest))
+        return failure(FailureKind.SECRET_IN_OUTPUT, exc.message, stderr_tail=stderr_tail,
+                       secrets=exc.labels, result=digest)
 
     def _output_digest(self, child: Child, sandbox: Sandbox) -> dict[str, Any] | None:
         """payload_digest of what the tool returned (its result file, else its stdout),

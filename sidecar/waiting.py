@@ -29,9 +29,9 @@ import asyncpg
 import orjson
 
 from sidecar import db
+from sidecar.caller_store import CallerStore
 from sidecar.errors import SidecarError
 from sidecar.model import FINISHED_STATES, JobState
-from sidecar.store import Store
 
 # Behind a transaction pooler (no LISTEN): how often the unfinished jobs are read again.
 POLL_SECONDS = 1.0
@@ -202,7 +202,7 @@ async def _read(conn: asyncpg.Connection, job_ids: list[uuid.UUID],
                 timeout: float) -> list[asyncpg.Record]:
     """The rows of ``job_ids``; raises JobNotFound for one that does not exist (never
     enqueued, or deleted while waited for: pruned, or removed by hand)."""
-    rows = await Store.jobs_to_wait_for(conn, job_ids, timeout)
+    rows = await CallerStore.jobs_to_wait_for(conn, job_ids, timeout)
     missing = set(job_ids) - {row["id"] for row in rows}
     if missing:
         raise JobNotFound("no job " + ", ".join(str(j) for j in job_ids if j in missing))

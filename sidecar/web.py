@@ -44,7 +44,7 @@ from sidecar import log as log_mod
 from sidecar.config import Settings, validate_tool_name
 from sidecar.errors import ConfigError, SidecarError, UsageError
 from sidecar.model import JobState
-from sidecar.store import Store
+from sidecar.operator_store import OperatorStore
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
 _LISTEN = re.compile(r"(?P<host>\[[^\]]+\]|[^\s\[\]]+):(?P<port>[0-9]{1,5})")
@@ -134,7 +134,7 @@ class WebState:
     deadline of each tool's profile), the admin tokens (None: read-only), the sessions,
     the Host headers accepted besides loopback, and the templates."""
 
-    store: Store
+    store: OperatorStore
     settings: Settings
     tokens: dict[str, str] | None
     allowed_hosts: frozenset[str]
@@ -711,7 +711,7 @@ def _as_response(exc: web.HTTPException) -> web.Response:
     return web.Response(status=exc.status, body=exc.body, headers=exc.headers)
 
 
-def make_app(store: Store, settings: Settings, admin_tokens: dict[str, str] | None,
+def make_app(store: OperatorStore, settings: Settings, admin_tokens: dict[str, str] | None,
              allowed_hosts: tuple[str, ...] = ()) -> web.Application:
     """The web view's aiohttp application on ``store`` (migrated). ``admin_tokens``:
     ``{token: principal}`` (sidecar.tokens.load_tokens), None for a read-only server;
@@ -778,7 +778,7 @@ async def serve(settings: Settings, host: str, port: int,
     pool = await db.create_pool(db.resolve_dsn(settings), settings.db_timeout_seconds,
                                 max_size=4)
     try:
-        store = Store(pool, settings.db_timeout_seconds)
+        store = OperatorStore(pool, settings.db_timeout_seconds)
         await store.migrate()
         runner = web.AppRunner(make_app(store, settings, admin_tokens, allowed_hosts),
                                access_log=None, shutdown_timeout=5)

@@ -38,10 +38,10 @@ from sidecar.model import ClaimedJob, LeaseProfile
 from sidecar.periodic import POLL_SPREAD, Periodic, spread_period
 from sidecar.queries import migrations
 from sidecar.shortage import ClaimPause
-from sidecar.store import Store
 from sidecar.supervisor import JobSupervisor
 from sidecar.tracing import OFF, Tracer
 from sidecar.vocabulary import AttemptId, FailureKind
+from sidecar.worker_store import WorkerStore
 
 # An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
 # function skips places older than two minutes (migration 008).
@@ -144,7 +144,7 @@ class Worker:
         self._background: list[asyncio.Task] = []
         self._writes: set[asyncio.Future] = set()  # journal writes in flight
         self._claim_unsettled = False  # a claim's answer was lost (F16)
-        self._store: Store | None = None
+        self._store: WorkerStore | None = None
         self.readiness = Readiness(expected_schema=migrations()[-1].version,
                                    db_fresh_seconds=max(10.0, 3 * settings.poll_seconds),
                                    draining=self.stopping.is_set)
@@ -204,7 +204,7 @@ class Worker:
         stack.callback(self.spares.close)
         pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
         stack.push_async_callback(lambda: asyncio.wait_for(pool.close(), timeout))
-        store = Store(pool, timeout)
+        store = WorkerStore(pool, timeout)
         self._store = store
         stack.push_async_callback(self._leave_idle_list)
         await store.migrate()
@@ -288,7 +288,7 @@ class Worker:
         self.shutdown_kill.set()
         self.wake.set()
 
-    async def _claim_loop(self, store: Store, ctx: WorkerContext) -> None:
+    async def _claim_loop(self, store: WorkerStore, ctx: WorkerContext) -> None:
         tool, poll = self.profile.tool, self.settings.poll_seconds
         last_sweep = 0.0
         # This poll period's length (spread_period, issue 28): the first drawn over
@@ -389,7 +389,7 @@ class Worker:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self.wake.wait(), timeout)
 
-    def _start_attempt(self, store: Store, ctx: WorkerContext, job: ClaimedJob,
+    def _start_attempt(self, store: WorkerStore, ctx: WorkerContext, job: ClaimedJob,
                        sent: float) -> None:
         """Supervise one claimed attempt: its lease held from ``sent`` (the monotonic time
         the claim was sent, F20), after any older attempt of the same job here is killed
@@ -405,7 +405,7 @@ class Worker:
         self.running[job.attempt_id] = task
         task.add_done_callback(lambda t, attempt=job.attempt_id: self._job_done(attempt, t))
 
-    async def _sweep(self, store: Store) -> None:
+    async def _sweep(self, store: WorkerStore) -> None:
         """The fleet's sweep, on this sidecar's turn: expired leases of the tool with no
         attempt left end failed (P16); jobs of any tool whose expiry passed before an
         attempt started end ``expired`` (issue 26; a job whose tool has no sidecar running
@@ -421,7 +421,7 @@ class Worker:
                      fencing_token=row["fencing_token"], attempt=row["attempt"],
                      reason=FailureKind.EXPIRED)
 
-    async def _settle_claims(self, store: Store) -> None:
+    async def _settle_claims(self, store: WorkerStore) -> None:
         """Case F16: a claim whose answer was lost may have committed, leaving a job running
         under this sidecar's own owner id with no lease held here and no tool started. Once
         the database answers, every such job goes back to the queue without spending the
@@ -435,7 +435,7 @@ class Worker:
                             "without spending the attempt")
         self._claim_unsettled = False
 
-    async def _check_schema(self, store: Store) -> None:
+    async def _check_schema(self, store: WorkerStore) -> None:
         """Read the schema's version and whether this release may run on it (readiness)."""
         self.readiness.schema, self.readiness.schema_compatible = \
             await store.schema_compatibility(self.readiness.expected_schema)
@@ -443,7 +443,7 @@ class Worker:
 
     def _sample_flow(self, row) -> None:
         """Publish the tool's flow control as read (issue 27; ``row`` from
-        Store.sample_tool, None without flow control): gauges of its limits, running jobs
+        WorkerStore.sample_tool, None without flow control): gauges of its limits, running jobs
         and pause, and the detail /readyz shows."""
         tool = self.profile.tool
         limits = {"max_running": row and row["max_running"],
@@ -469,7 +469,7 @@ class Worker:
             "rate": row["rate"], "rate_per_key": row["rate_per_key"], "burst": row["burst"],
             "running": row["running"]}
 
-    async def _stay_idle(self, store: Store) -> None:
+    async def _stay_idle(self, store: WorkerStore) -> None:
         """Room for a job and none to claim: be on the idle list, so the next job queued
         for the tool wakes this sidecar (or another idle one) and no other. Only while our
         own channel is listened to; refreshed every IDLE_REFRESH_SECONDS."""
@@ -499,7 +499,7 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self._store.drop_rate_turns(self.profile.tool, self.owner_id)
 
-    def _supersede(self, store: Store, job: ClaimedJob) -> list[asyncio.Task]:
+    def _supersede(self, store: WorkerStore, job: ClaimedJob) -> list[asyncio.Task]:
         """This sidecar just claimed ``job`` anew (token N) while it still supervises an
         older attempt of it (an operator cancelled and retried it within a heartbeat, or
         its lease ran out here): each older attempt's lease is marked lost at once, its

@@ -18,7 +18,7 @@ from test_roles import _as
 
 from kit import TOOLS, base_env, cli, job_row, pid_alive, query, read_pids, wait_until
 from sidecar.client import Client, JobEnd, JobFailed, JobProgress
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 
 TOOL = "pt"
 COMMAND = [str(TOOLS / "progress_tool.py")]
@@ -219,7 +219,7 @@ def test_the_caller_may_not_change_the_schema_claim_or_rewrite_jobs(dsn, caller)
     async def claim():  # the worker's claim, through the worker's own code
         pool = await asyncpg.create_pool(as_caller, min_size=1, max_size=1)
         try:
-            return await Store(pool, 10).claim("pt", "intruder", 60)
+            return await WorkerStore(pool, 10).claim("pt", "intruder", 60)
         finally:
             await pool.close()
 

@@ -33,8 +33,8 @@ from kit import (
 )
 from sidecar import db
 from sidecar import log as log_mod
+from sidecar.caller_store import CallerStore
 from sidecar.config import load_settings
-from sidecar.store import Store
 from sidecar.worker import Worker
 
 MIB = 1024 * 1024
@@ -452,7 +452,7 @@ def test_event_loop_lag_stays_low_while_children_flood_and_spawn(dsn, monkeypatc
 
     async def go():
         pool = await db.create_pool(dsn, 5, max_size=2)
-        store = Store(pool, 5)
+        store = CallerStore(pool, 5)
         ids = [(await store.enqueue(tool, payload(i), None, 1, {}))[0] for i in range(jobs)]
         await pool.close()
         worker = Worker(settings, profile, dsn, [CP_FLOOD], concurrency=concurrency,

@@ -13,9 +13,10 @@ import pytest
 
 from kit import query, run
 from sidecar import db
+from sidecar.caller_store import CallerStore
 from sidecar.model import new_job_id
 from sidecar.queries import Q
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 
 
 def _fill(dsn: str, tool: str, queued: int, running: int = 20) -> None:
@@ -64,9 +65,9 @@ def test_the_claim_reads_the_backlog_in_order_from_its_index_without_sorting_it(
 def test_an_expired_lease_is_claimed_before_the_queue_and_the_queue_oldest_first(dsn):
     async def go():
         pool = await db.create_pool(dsn, 5, max_size=2)
-        store = Store(pool, 5)
+        store, caller = WorkerStore(pool, 5), CallerStore(pool, 5)
         try:
-            ids = [(await store.enqueue("ocr", {"n": n}, None, 3, {}))[0] for n in range(3)]
+            ids = [(await caller.enqueue("ocr", {"n": n}, None, 3, {}))[0] for n in range(3)]
             first = await store.claim("ocr", "a", 30.0)
             # a's tool started (journaled: an expiry spends the attempt, case F16), then
             # a's lease on the oldest job expires; the next claim takes it over first
@@ -112,10 +113,10 @@ def test_one_claim_takes_a_job_for_each_free_slot_expired_leases_first(dsn):
     job_claimed row; a claim that takes fewer than asked found nothing more."""
     async def go():
         pool = await db.create_pool(dsn, 5, max_size=2)
-        store = Store(pool, 5)
+        store, caller = WorkerStore(pool, 5), CallerStore(pool, 5)
         try:
-            low = [(await store.enqueue("pdf", {"n": n}, None, 3, {}))[0] for n in range(3)]
-            high = (await store.enqueue("pdf", {"n": 9}, None, 3, {}))[0]  # priority 0
+            low = [(await caller.enqueue("pdf", {"n": n}, None, 3, {}))[0] for n in range(3)]
+            high = (await caller.enqueue("pdf", {"n": 9}, None, 3, {}))[0]  # priority 0
             await pool.execute("UPDATE tool_jobs SET priority = 5 WHERE id = ANY($1::uuid[])",
                                low)
             first = await store.claim("pdf", "a", 30.0)
@@ -152,9 +153,9 @@ def test_job_ids_are_time_ordered_from_sql_and_from_python(dsn):
     land on the rightmost index pages; the rest stays random."""
     async def go():
         pool = await db.create_pool(dsn, 5, max_size=2)
-        store = Store(pool, 5)
+        caller = CallerStore(pool, 5)
         try:
-            ids = [(await store.enqueue("ids", {"n": n}, None, 3, {}))[0] for n in range(5)]
+            ids = [(await caller.enqueue("ids", {"n": n}, None, 3, {}))[0] for n in range(5)]
             made = await pool.fetch("SELECT tool_job_new_id() AS id, "
                                     "(extract(epoch FROM clock_timestamp()) * 1000)::bigint "
                                     "AS ms FROM generate_series(1, 50)")

@@ -34,12 +34,13 @@ import pytest
 
 from kit import FAST_PROFILE, base_env, enqueue, query, run, wait_until
 from sidecar import clock, supervisor
+from sidecar.caller_store import CallerStore
 from sidecar.config import load_settings
 from sidecar.db import init_connection
 from sidecar.guard import GuardServer
 from sidecar.lease import LeaseKeeper
-from sidecar.store import Store
 from sidecar.vocabulary import StopReason
+from sidecar.worker_store import WorkerStore
 
 TOOL = "clocked"
 # L = 10 s, H = 0.5 s, J = 0.5 s: the local deadline lies 8 s after a renewal is sent
@@ -76,8 +77,8 @@ def test_the_ownership_clock_is_boottime_and_the_jump_rule():
     assert clock.jumped(base, base + 5.0)
 
 
-async def _claim(store: Store, owner: str):
-    await store.enqueue(TOOL, {"n": uuid.uuid4().hex}, None, 3, {})
+async def _claim(store: WorkerStore, owner: str):
+    await CallerStore(store.pool, store.timeout).enqueue(TOOL, {"n": uuid.uuid4().hex}, None, 3, {})
     job = await store.claim(TOOL, owner, PROFILE.lease_seconds)
     assert job is not None
     return job
@@ -97,7 +98,7 @@ async def held_lease(dsn: str):
     freshly claimed job whose lease was renewed twice: yields (store, guard URL, lease,
     guard secret, job)."""
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=init_connection)
-    store = Store(pool, timeout=5)
+    store = WorkerStore(pool, timeout=5)
     keeper = LeaseKeeper(dsn, "w1", PROFILE, store, db_timeout=2)
     guard = GuardServer(store, PROFILE, "w1")
     url = await guard.start()

@@ -6,7 +6,7 @@ never created, because an unrelated job already held the derived key ``K:stage:1
 
 Fixes: the stage-key namespace (``...:stage:N``) is reserved for the stages a job creates
 (P19) and refused at enqueue with one line naming ``--idempotency-key`` (exit 2), in the
-CLI and in ``Store.enqueue`` (the only SQL enqueue); and every insert a conflict can skip is
+CLI and in ``CallerStore.enqueue`` (the only SQL enqueue); and every insert a conflict can skip is
 detected and handled. The audit of every ``ON CONFLICT`` in sidecar/sql and sidecar/*.py
 (``test_every_on_conflict_is_audited`` fails when one is added or removed without
 updating this list):
@@ -15,7 +15,7 @@ updating this list):
   ``enqueue_job`` and ``sidecar_enqueue``): ``ON CONFLICT (idempotency_key) DO NOTHING``.
   On a skip the function reads the holder: same tool and payload -> the existing job,
   ``created: false`` (the idempotent replay); another tool or payload -> SQLSTATE 23505,
-  IdempotencyConflict in ``Store.enqueue`` (exit 2); the holder gone in between (pruned)
+  IdempotencyConflict in ``CallerStore.enqueue`` (exit 2); the holder gone in between (pruned)
   -> the insert is tried again, never a crash or a silent "done".
 - ``queries.sql`` ``finish_job_if_owner`` (next stage): no ``ON CONFLICT`` any more. The
   insert skips only the parent's own stage (``NOT EXISTS`` a row with the same key,
@@ -49,10 +49,11 @@ import asyncpg
 import pytest
 
 from kit import base_env, cli, enqueue, job_row, one_line_error, parse_events, query, run
+from sidecar.caller_store import CallerStore
 from sidecar.db import init_connection
 from sidecar.errors import NextStageConflict, UsageError
 from sidecar.model import NextStage, RawJson
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 
 TOOL = "stage_tool.py"
 ROOT = Path(__file__).resolve().parent.parent / "sidecar"
@@ -101,7 +102,7 @@ def test_the_store_refuses_a_stage_key_too(dsn):
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1, init=init_connection)
         try:
             with pytest.raises(UsageError, match="--idempotency-key"):
-                await Store(pool, 10).enqueue("report", {}, "K:stage:1", 1, {})
+                await CallerStore(pool, 10).enqueue("report", {}, "K:stage:1", 1, {})
         finally:
             await pool.close()
 
@@ -142,10 +143,10 @@ def test_the_store_tells_its_own_stage_from_someone_elses(dsn):
 
     async def go():
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2, init=init_connection)
-        store = Store(pool, 10)
+        store, caller = WorkerStore(pool, 10), CallerStore(pool, 10)
         try:
             nxt = NextStage("pub", {"n": 1}, 3)
-            own_id, _ = await store.enqueue("ocr", {}, "own", 3, {})
+            own_id, _ = await caller.enqueue("ocr", {}, "own", 3, {})
             job = await store.claim("ocr", "w1", 30)
             assert await store.finish_if_owner(job, "w1", "succeeded", RawJson("{}"), None,
                                                "job_succeeded", {}, None, nxt)
@@ -158,7 +159,7 @@ def test_the_store_tells_its_own_stage_from_someone_elses(dsn):
             await pool.execute("INSERT INTO tool_jobs (id, tool, idempotency_key, payload, "
                                "max_attempts) VALUES ($1, 'report', 'other:stage:1', '{}', 1)",
                                uuid.UUID(holder))
-            other_id, _ = await store.enqueue("ocr", {}, "other", 3, {})
+            other_id, _ = await caller.enqueue("ocr", {}, "other", 3, {})
             other = await store.claim("ocr", "w1", 30)
             assert other.id == other_id
             with pytest.raises(NextStageConflict) as caught:

@@ -54,7 +54,7 @@ def test_readme_is_for_users_and_its_links_resolve():
 # --- the event catalog ----------------------------------------------------------------------
 # Every event the code emits is found statically: log events are the first argument of
 # ``<log>.emit(NAME, LEVEL, ...)``; journal events are the ``event: str`` argument of the
-# functions that write the journal (Store.record_event, FencedCommit.note, ...), the events
+# functions that write the journal (WorkerStore.record_event, FencedCommit.note, ...), the events
 # a lease keeps to journal later (``unjournaled.append((NAME, ...))``), and the literal
 # event of every INSERT INTO tool_job_events in sidecar/sql.
 

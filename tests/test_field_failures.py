@@ -35,9 +35,9 @@ from kit import (
 )
 from sidecar import db
 from sidecar import log as log_mod
+from sidecar.caller_store import CallerStore
 from sidecar.cgroups import detect
 from sidecar.config import load_settings
-from sidecar.store import Store
 from sidecar.worker import Worker
 
 LAUNCHER = [sys.executable, str(TOOLS / "signal_launcher.py")]
@@ -56,7 +56,7 @@ def _events(dsn: str, job_id: str) -> list[str]:
 async def _enqueue_many(dsn: str, tool: str, count: int, max_attempts: int = 1) -> list:
     pool = await db.create_pool(dsn, 5, max_size=2)
     try:
-        store = Store(pool, 5)
+        store = CallerStore(pool, 5)
         return [(await store.enqueue(tool, {"n": i}, None, max_attempts, {}))[0]
                 for i in range(count)]
     finally:

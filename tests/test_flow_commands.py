@@ -18,7 +18,7 @@ from sidecar import db
 from sidecar.client import Client
 from sidecar.flow import limit_changes
 from sidecar.model import JobState, RawJson
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 from tests.kit import (
     TOOLS,
     base_env,
@@ -199,7 +199,7 @@ def test_a_freed_slot_wakes_an_idle_sidecar_without_waiting_for_its_poll(dsn, si
     async def with_store(action):
         pool = await db.create_pool(dsn, 10, max_size=1)
         try:
-            return await action(Store(pool, 10))
+            return await action(WorkerStore(pool, 10))
         finally:
             await pool.close()
 

@@ -1,6 +1,6 @@
 """Flow control in the claim (issue 27): caps per tool and per key, rates, keys in turn,
 pause and resume, enforced by the claim statement every sidecar runs against a real
-PostgreSQL. Claims here are the sidecar's own statement (Store.claim) on connections of
+PostgreSQL. Claims here are the sidecar's own statement (WorkerStore.claim) on connections of
 their own, as many sidecars would run it; the invariants are read back from the database.
 The command line and real sidecars are in tests/test_flow_commands.py."""
 
@@ -14,31 +14,39 @@ import asyncpg
 import pytest
 
 from sidecar import db
+from sidecar.caller_store import CallerStore
 from sidecar.enqueue_args import EnqueueOptions
 from sidecar.flow import ClaimHeld, Held, limit_changes, parse_rate
 from sidecar.model import ClaimedJob, JobState, RawJson
-from sidecar.store import Store
+from sidecar.operator_store import OperatorStore
+from sidecar.worker_store import WorkerStore
 from tests.kit import run
 
 LEASE = 60.0  # long enough that no lease ends by itself during a test
 
 
 class Fleet:
-    """``size`` claimers, each a Store on a one-connection pool of its own (as separate
-    sidecars would be), and one more Store for enqueues, limits and checks."""
+    """``size`` claimers, each a WorkerStore on a one-connection pool of its own (as
+    separate sidecars would be), and one more pool for enqueues (``caller``), limits and
+    checks (``admin``, the operator's store) and the statements of a sidecar that claims
+    nothing here (``worker``: wake-ups, sweeps, fenced ends)."""
 
     def __init__(self, dsn: str, size: int):
         self.dsn, self.size = dsn, size
         self.pools: list[asyncpg.Pool] = []
-        self.stores: list[Store] = []
-        self.admin: Store | None = None
+        self.stores: list[WorkerStore] = []
+        self.admin: OperatorStore | None = None
+        self.caller: CallerStore | None = None
+        self.worker: WorkerStore | None = None
 
     async def __aenter__(self) -> Fleet:
         for _ in range(self.size + 1):
             pool = await db.create_pool(self.dsn, 30, max_size=1)
             self.pools.append(pool)
-            self.stores.append(Store(pool, 30))
-        self.admin = self.stores.pop()
+            self.stores.append(WorkerStore(pool, 30))
+        self.worker = self.stores.pop()
+        self.admin = OperatorStore(self.worker.pool, 30)
+        self.caller = CallerStore(self.worker.pool, 30)
         return self
 
     async def __aexit__(self, *exc) -> None:
@@ -49,7 +57,7 @@ class Fleet:
                       priority: int = 0) -> list[uuid.UUID]:
         ids = []
         for _ in range(count):
-            job_id, _ = await self.admin.enqueue(
+            job_id, _ = await self.caller.enqueue(
                 tool, RawJson("{}"), None, 3, {"by": "test"},
                 EnqueueOptions(priority=priority, concurrency_key=key))
             ids.append(job_id)
@@ -63,7 +71,7 @@ class Fleet:
 
     async def claim_batches(self, tool: str, who: list[int], sizes: list[int]) -> list:
         """One claim of up to ``sizes[n]`` jobs from each claimer ``who[n]`` at once
-        (Store.claim_many, issue 28): a list of (jobs, held) per claimer."""
+        (WorkerStore.claim_many, issue 28): a list of (jobs, held) per claimer."""
         return list(await asyncio.gather(*(
             self.stores[i].claim_many(tool, f"owner-{i}", LEASE, size, None, 3)
             for i, size in zip(who, sizes, strict=True))))
@@ -76,8 +84,8 @@ class Fleet:
         return {row["concurrency_key"]: row["n"] for row in rows}
 
     async def finish(self, job: ClaimedJob, owner: str) -> None:
-        assert await self.admin.finish_if_owner(job, owner, JobState.SUCCEEDED, RawJson("{}"),
-                                                None, "job_succeeded", {})
+        assert await self.worker.finish_if_owner(job, owner, JobState.SUCCEEDED, RawJson("{}"),
+                                                 None, "job_succeeded", {})
 
 
 def claimed(results: list) -> list[ClaimedJob]:
@@ -124,7 +132,7 @@ def test_an_expired_lease_frees_its_slot(dsn):
             # job): the lease is over by the database's clock, and the slot is free.
             conn = await asyncpg.connect(dsn)
             try:
-                assert await Store.expire_lease_if_owner(conn, "owner-0", job.id,
+                assert await WorkerStore.expire_lease_if_owner(conn, "owner-0", job.id,
                                                          job.fencing_token, 10)
             finally:
                 await conn.close()
@@ -352,7 +360,7 @@ def test_a_freed_slot_wakes_one_idle_sidecar_at_commit(dsn):
             try:
                 await listener.add_listener("idle_test_channel",
                                             lambda *args: woken.put_nowait(args[3]))
-                await fleet.admin.register_idle("idle-1", "erp", "idle_test_channel")
+                await fleet.worker.register_idle("idle-1", "erp", "idle_test_channel")
                 ender = await asyncpg.connect(dsn)
                 try:
                     async with ender.transaction():
@@ -449,12 +457,12 @@ def test_property_no_claim_breaks_a_limit_and_no_free_slot_is_left_idle(dsn, see
                     elif roll < 0.4:
                         conn = await asyncpg.connect(dsn)
                         try:
-                            assert await Store.expire_lease_if_owner(
+                            assert await WorkerStore.expire_lease_if_owner(
                                 conn, owner, job.id, job.fencing_token, 10)
                         finally:
                             await conn.close()
                         del held[job_id]
-                await fleet.admin.fail_exhausted_leases(tool)
+                await fleet.worker.fail_exhausted_leases(tool)
                 if rng.random() < 0.2:
                     await change_limits()
                 if rng.random() < 0.1:
@@ -577,7 +585,7 @@ def test_a_cancelled_job_keeps_its_slot_until_its_owner_confirms_the_tree_dead(d
                 ClaimHeld(Held.MAX_RUNNING)
             [row] = await fleet.admin.limits("erp")
             assert row["running"] == 1  # shown as taken too
-            assert await fleet.admin.acknowledge_cancel_if_owner(job, "owner-0",
+            assert await fleet.worker.acknowledge_cancel_if_owner(job, "owner-0",
                                                                  {"signal": "SIGKILL"})
             assert isinstance(await store.claim("erp", "owner-0", LEASE, None, 3), ClaimedJob)
 
@@ -672,7 +680,7 @@ def test_a_stopping_sidecar_gives_up_its_rate_turns(dsn):
                 assert (await fleet.stores[1].claim("search", owner, LEASE, None, 3)).reason \
                     == Held.RATE
             queue = "SELECT rate_queue FROM tool_flow WHERE tool = 'search'"
-            await fleet.admin.drop_rate_turns("search", "a")
+            await fleet.worker.drop_rate_turns("search", "a")
             assert [t["o"] for t in await fleet.admin.db.fetchval(queue)] == ["b"]
 
     run(go())

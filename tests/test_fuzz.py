@@ -47,6 +47,7 @@ from hypothesis import strategies as st
 
 from kit import FAST_PROFILE, base_env, cli
 from sidecar import jsontext
+from sidecar.caller_store import CallerStore
 from sidecar.cli import main as cli_main
 from sidecar.clock import ownership_now
 from sidecar.config import (
@@ -66,7 +67,7 @@ from sidecar.lease import Lease
 from sidecar.masking import mask_url
 from sidecar.model import RawJson, tool_env_key
 from sidecar.results import BadResult, parse_result, scrub_text
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 
 
 def fuzz(examples: int):
@@ -722,10 +723,10 @@ def guard(dsn):
 
     async def start():
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=init_connection)
-        store = Store(pool, timeout=10)
+        store, caller = WorkerStore(pool, timeout=10), CallerStore(pool, timeout=10)
         server = GuardServer(store, load_settings(FAST_PROFILE).profile(GUARD_TOOL), "fuzz-w1")
         url = await server.start()
-        await store.enqueue(GUARD_TOOL, {"n": 1}, None, 3, {})
+        await caller.enqueue(GUARD_TOOL, {"n": 1}, None, 3, {})
         job = await store.claim(GUARD_TOOL, "fuzz-w1", 300)
         lease = Lease(job, local_deadline=ownership_now() + 600, lease_until=job.lease_until)
         state.update(pool=pool, server=server)

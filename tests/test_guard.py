@@ -30,13 +30,14 @@ from kit import (
     run,
     wait_until_async,
 )
+from sidecar.caller_store import CallerStore
 from sidecar.clock import ownership_now
 from sidecar.config import load_settings
 from sidecar.db import init_connection
 from sidecar.guard import CHECKPOINT_LIMIT, CONNECTIONS_PER_ATTEMPT, GuardServer
 from sidecar.lease import Lease
-from sidecar.store import Store
 from sidecar.vocabulary import StopReason
+from sidecar.worker_store import WorkerStore
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 TOOL = "guarded"
@@ -47,7 +48,7 @@ UNAUTHORIZED = {"error": "unauthorized"}
 
 @dataclass
 class Harness:
-    store: Store
+    store: WorkerStore
     guard: GuardServer
     url: str
     owner: str
@@ -55,7 +56,8 @@ class Harness:
     async def claim(self, remaining: float = 60.0) -> tuple[Lease, str]:
         """Enqueue and claim one job; hold it as a Lease with ``remaining`` seconds before
         its local deadline; register it with the guard. Returns (lease, secret)."""
-        await self.store.enqueue(TOOL, {"n": time.monotonic_ns()}, None, 3, {})
+        caller = CallerStore(self.store.pool, self.store.timeout)
+        await caller.enqueue(TOOL, {"n": time.monotonic_ns()}, None, 3, {})
         job = await self.store.claim(TOOL, self.owner, 30)
         assert job is not None
         lease = Lease(job, local_deadline=ownership_now() + remaining,
@@ -66,7 +68,7 @@ class Harness:
 @contextlib.asynccontextmanager
 async def guarded(dsn: str, owner: str = "w1", store_timeout: float = 10, **options):
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=4, init=init_connection)
-    store = Store(pool, timeout=store_timeout)
+    store = WorkerStore(pool, timeout=store_timeout)
     guard = GuardServer(store, PROFILE, owner, **options)
     url = await guard.start()
     try:

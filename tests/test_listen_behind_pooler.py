@@ -36,8 +36,8 @@ from kit import (
     wait_until,
 )
 from sidecar import db
+from sidecar.caller_store import CallerStore
 from sidecar.client import Client
-from sidecar.store import Store
 
 TOOL = "listen-echo"
 TOOL_OK = [sys.executable, "-c", "import sys; sys.stdin.read(); print('{\"ok\": true}')"]
@@ -193,7 +193,7 @@ def test_server_connections_are_the_pool_and_one_listener_per_sidecar(dsn, bounc
     async def enqueue_all() -> None:
         pool = await db.create_pool(bdsn, 10, max_size=2, pooler="transaction")
         try:
-            store = Store(pool, 10)
+            store = CallerStore(pool, 10)
             for n in range(jobs):
                 await store.enqueue(TOOL, {"n": n}, f"listen-{n}", 3, {})
         finally:

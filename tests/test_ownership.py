@@ -42,7 +42,7 @@ from kit import (
 )
 from sidecar.db import init_connection
 from sidecar.model import ClaimedJob
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 
 LEASE = float(FAST_PROFILE["SIDECAR_LEASE_SECONDS"])          # L = 3 s
 HEARTBEAT = float(FAST_PROFILE["SIDECAR_HEARTBEAT_SECONDS"])  # H = 0.5 s
@@ -87,7 +87,7 @@ def claim_as(dsn: str, tool: str, owner_id: str, lease_seconds: float) -> Claime
     async def go():
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2, init=init_connection)
         try:
-            return await Store(pool, timeout=10).claim(tool, owner_id, lease_seconds)
+            return await WorkerStore(pool, timeout=10).claim(tool, owner_id, lease_seconds)
         finally:
             await pool.close()
 

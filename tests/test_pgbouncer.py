@@ -19,7 +19,7 @@ import orjson
 
 from kit import Receiver, base_env, cli, query
 from sidecar import db
-from sidecar.store import Store
+from sidecar.caller_store import CallerStore
 
 JOBS = 200
 SIDECARS = 4
@@ -45,7 +45,7 @@ def _enqueue_many(bouncer_dsn: str, count: int) -> list[str]:
     async def go():
         pool = await db.create_pool(bouncer_dsn, 5, max_size=4, pooler="transaction")
         try:
-            store = Store(pool, 10)
+            store = CallerStore(pool, 10)
             ids = []
             for start in range(0, count, 20):
                 batch = await asyncio.gather(*(

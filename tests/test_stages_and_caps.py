@@ -17,11 +17,12 @@ from kit import (
     run,
     wait_until,
 )
+from sidecar.caller_store import CallerStore
 from sidecar.commit import backoff_seconds
 from sidecar.config import load_settings
 from sidecar.db import init_connection
 from sidecar.model import NextStage, RawJson
-from sidecar.store import Store
+from sidecar.worker_store import WorkerStore
 
 TOOL = "stage_tool.py"
 
@@ -65,8 +66,8 @@ def test_a_next_stage_tool_not_in_the_profile_fails_stage_not_allowed(dsn):
 def test_a_repeated_completion_never_creates_two_next_stages(dsn):
     async def go():
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2, init=init_connection)
-        store = Store(pool, 10)
-        job_id, _ = await store.enqueue("fetch", {}, "k-1", 3, {})
+        store, caller = WorkerStore(pool, 10), CallerStore(pool, 10)
+        job_id, _ = await caller.enqueue("fetch", {}, "k-1", 3, {})
         job = await store.claim("fetch", "w1", 30)
         nxt = NextStage("publish", {"n": 1}, 3)
         first = await store.finish_if_owner(job, "w1", "succeeded", RawJson("{}"), None,

@@ -36,8 +36,8 @@ from kit import (
 from sidecar import db
 from sidecar.model import JobState, RawJson
 from sidecar.queries import Q
-from sidecar.store import Store
 from sidecar.waiting import job_channel
+from sidecar.worker_store import WorkerStore
 
 TOOL = "pt"
 COMMAND = [str(TOOLS / "progress_tool.py")]
@@ -71,8 +71,8 @@ def _finish(proc: subprocess.Popen, timeout: float = 30) -> tuple[int, bytes, by
     return proc.returncode, out, err
 
 
-async def _store(dsn: str) -> Store:
-    return Store(await db.create_pool(dsn, 10, max_size=2), 10)
+async def _store(dsn: str) -> WorkerStore:
+    return WorkerStore(await db.create_pool(dsn, 10, max_size=2), 10)
 
 
 # --- wait ------------------------------------------------------------------------------------
