@@ -213,24 +213,31 @@ def bouncer(server_dsn):
 LAYERS = ("unit", "database", "e2e")
 # Fixtures that reach a PostgreSQL server or start processes: never in the unit layer.
 NOT_UNIT_FIXTURES = {"server_dsn", "migrated_template", "dsn", "sidecars", "proxy",
-                     "receiver", "bouncer", "sink", "public_dir"}
+                     "receiver", "bouncer"}
+
+
+def layers_of(item: pytest.Item) -> set[str]:
+    """The layers the test declares: its own unit/database/e2e markers and its module's
+    (``pytestmark``). A test must declare exactly one, since ``-m`` selects on them all."""
+    return {m.name for m in item.iter_markers() if m.name in LAYERS}
 
 
 def layer_of(item: pytest.Item) -> str | None:
-    """The test's layer: its closest unit/database/e2e marker (the test's own, else its
-    class's, else its module's ``pytestmark``); None when it declares none."""
-    return next((m.name for m in item.iter_markers() if m.name in LAYERS), None)
+    """The test's one layer; None when it declares none or several."""
+    layers = layers_of(item)
+    return layers.pop() if len(layers) == 1 else None
 
 
 def pytest_collection_modifyitems(config, items):
-    """Refuse a run where a test declares no layer, a unit test asks for a server or a
+    """Refuse a run where a test declares no layer or several, a unit test asks for a server or a
     process, or ``server`` marks a test outside the e2e layer (a database test always runs
     on the second server)."""
     wrong = []
     for item in items:
         layer = layer_of(item)
         if layer is None:
-            wrong.append(f"{item.nodeid}: declares no layer (mark it unit, database or e2e)")
+            wrong.append(f"{item.nodeid}: declares {sorted(layers_of(item)) or 'no layer'}: "
+                         "mark it with exactly one of unit, database and e2e")
         elif layer == "unit" and NOT_UNIT_FIXTURES & set(item.fixturenames):
             wrong.append(f"{item.nodeid}: a unit test uses "
                          f"{sorted(NOT_UNIT_FIXTURES & set(item.fixturenames))}")

@@ -36,6 +36,8 @@ from kit import base_env, cli, enqueue, job_processes, job_row, query, run, scal
 from sidecar.db import init_connection
 from sidecar.queries import Q
 
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
 PROBE = "attempt_probe.py"
 
 # H = 2 s, so an operator's cancel and retry (or requeue) fit in one heartbeat; L = 12 s

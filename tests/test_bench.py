@@ -21,6 +21,7 @@ HEADER = "| # | measure | sidecar | baseline (same run) | ratio | target | met? 
 
 # Room for a loaded machine: the sections take about 130 s on a quiet one (issue 28 added
 # the fleets listening past PgBouncer). How long it takes is the bench's own business.
+@pytest.mark.e2e
 @pytest.mark.timeout(330)
 def test_quick_bench_runs_every_section_and_prints_the_table(server_dsn, tmp_path):
     output = tmp_path / "RESULTS.md"
@@ -66,6 +67,7 @@ def _run_bench(dsn: str, output: Path, *args: str, timeout: float) -> list[list[
     return [[cell.strip() for cell in line.strip("|").split(" | ")] for line in lines[2:]]
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_quick_caller_section_measures_round_trips_fan_out_and_pgbouncer(server_dsn,
                                                                            tmp_path):
@@ -96,6 +98,7 @@ def test_quick_caller_section_measures_round_trips_fan_out_and_pgbouncer(server_
     assert "- 11: tool `/bin/cat`" in written  # the section's settings are written down
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(180)
 def test_quick_flow_control_section_gives_its_four_rows(server_dsn, tmp_path):
     """Section 12 (issue 27, point 5) alone, small: the cost of a max_running cap against
@@ -120,6 +123,7 @@ def test_quick_flow_control_section_gives_its_four_rows(server_dsn, tmp_path):
     assert "- 12: fairness:" in written and "- 12: rate:" in written
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(150)
 def test_quick_wal_section_splits_the_bytes_per_job_by_phase_relation_and_kind(server_dsn,
                                                                                  tmp_path):
@@ -161,6 +165,7 @@ def test_quick_wal_section_splits_the_bytes_per_job_by_phase_relation_and_kind(s
         assert f"- 13: {phase} " in written, phase
 
 
+@pytest.mark.e2e
 @pytest.mark.timeout(120)
 def test_quick_gateway_section_measures_mcp_calls_against_client_call_and_memory(server_dsn,
                                                                                  tmp_path):
@@ -192,6 +197,7 @@ def test_quick_gateway_section_measures_mcp_calls_against_client_call_and_memory
     assert "- 14: `sidecar mcp --listen" in written
 
 
+@pytest.mark.unit
 def test_gateway_section_without_the_mcp_extra_gives_one_n_a_row(monkeypatch):
     """Where the `mcp` package (the [mcp] extra) cannot be imported, section 14 measures
     nothing and says so in one row whose target is there but not judged (n/a)."""

@@ -22,6 +22,8 @@ from sidecar.errors import UsageError
 from sidecar.log import log
 from sidecar.periodic import Periodic
 
+pytestmark = pytest.mark.unit
+
 # --- the argument check -------------------------------------------------------------------
 
 

@@ -21,7 +21,11 @@ import pytest
 from kit import base_env, cli, enqueue, pid_alive, query, read_pids, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.timeout(600)
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.xdist_group("bundle"),
+    pytest.mark.timeout(600),
+]
 
 
 @pytest.fixture(scope="module")

@@ -31,6 +31,8 @@ from kit import (
     wait_until,
 )
 
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 

@@ -20,6 +20,8 @@ from kit import TOOLS, base_env, cli, job_row, pid_alive, query, read_pids, wait
 from sidecar.client import Client, JobEnd, JobFailed, JobProgress
 from sidecar.worker_store import WorkerStore
 
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
 TOOL = "pt"
 COMMAND = [str(TOOLS / "progress_tool.py")]
 

@@ -37,6 +37,8 @@ from sidecar.caller_store import CallerStore
 from sidecar.config import load_settings
 from sidecar.worker import Worker
 
+pytestmark = pytest.mark.e2e
+
 MIB = 1024 * 1024
 HANG_TREE = str(TOOLS / "hang_tree.py")
 CP_SLOW = str(TOOLS / "cp_slow.py")

@@ -18,6 +18,8 @@ from sidecar.model import new_job_id
 from sidecar.queries import Q
 from sidecar.worker_store import WorkerStore
 
+pytestmark = pytest.mark.database
+
 
 def _fill(dsn: str, tool: str, queued: int, running: int = 20) -> None:
     query(dsn, "INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts) "

@@ -10,6 +10,8 @@ import pytest
 
 from sidecar.worker import drained, may_claim
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("running, concurrency, stopping, pause_left", list(itertools.product(
     [0, 1, 2, 3], [1, 2, 3], [False, True], [0.0, 0.5, 30.0])))

@@ -17,6 +17,8 @@ from kit import base_env, cli, enqueue, one_line_error, query, run, scalar
 from sidecar.db import with_database
 from sidecar.queries import migrations
 
+pytestmark = pytest.mark.e2e
+
 ALL_VERSIONS = [m.version for m in migrations()]
 LATEST = ALL_VERSIONS[-1]
 

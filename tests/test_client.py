@@ -43,6 +43,8 @@ def _idle_channel(dsn: str) -> str:
     return scalar(dsn, "SELECT channel FROM tool_idle_sidecars")
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_enqueue_in_the_callers_transaction_rolled_back_then_committed(dsn, sidecars):
     """The caller's own asyncpg connection (no codec of the sidecar's on it): rolled back,
     neither the job nor the caller's row exists and no idle sidecar is woken; committed,
@@ -97,6 +99,8 @@ def test_enqueue_in_the_callers_transaction_rolled_back_then_committed(dsn, side
     asyncio.run(main())
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_call_returns_the_result_raises_job_failed_and_times_out(dsn, sidecars):
     sidecars(dsn, COMMAND, "--tool", TOOL, "--concurrency", "2")
 
@@ -154,6 +158,8 @@ def test_call_returns_the_result_raises_job_failed_and_times_out(dsn, sidecars):
     asyncio.run(main())
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_cancel_by_tag_cancels_every_job_of_the_tag_and_kills_running_trees(dsn, sidecars):
     sidecars(dsn, COMMAND, "--tool", TOOL, "--concurrency", "2")
 
@@ -184,6 +190,8 @@ def test_cancel_by_tag_cancels_every_job_of_the_tag_and_kills_running_trees(dsn,
     asyncio.run(main())
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_progress_is_an_async_iterator_until_the_job_ends(dsn, sidecars, tmp_path):
     release = tmp_path / "release"
     sidecars(dsn, COMMAND, "--tool", TOOL)
@@ -210,6 +218,7 @@ def test_progress_is_an_async_iterator_until_the_job_ends(dsn, sidecars, tmp_pat
     asyncio.run(main())
 
 
+@pytest.mark.database
 def test_options_reach_the_row_and_bad_input_writes_nothing(dsn):
     async def main():
         async with Client(dsn) as client:
@@ -285,6 +294,7 @@ def test_options_reach_the_row_and_bad_input_writes_nothing(dsn):
     asyncio.run(main())
 
 
+@pytest.mark.database
 def test_the_dsn_is_resolved_as_the_cli_resolves_it(dsn, monkeypatch, tmp_path):
     """SIDECAR_DATABASE_URL, then SIDECAR_DATABASE_URL_FILE; a bad variable is the CLI's
     ConfigError; an explicit dsn wins."""
@@ -326,6 +336,8 @@ def test_the_dsn_is_resolved_as_the_cli_resolves_it(dsn, monkeypatch, tmp_path):
     asyncio.run(not_open())
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_the_client_behind_pgbouncer_in_transaction_mode(dsn, bouncer, sidecars):
     """Enqueue in the caller's transaction through the pooler, then ``call`` and
     ``progress``: the waiter cannot LISTEN there and reads the jobs every second."""

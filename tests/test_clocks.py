@@ -65,6 +65,7 @@ class Suspend:
         self.extra += seconds
 
 
+@pytest.mark.unit
 def test_the_ownership_clock_is_boottime_and_the_jump_rule():
     """Case F20 (pure): the ownership clock reads CLOCK_BOOTTIME, and only a growth of
     (BOOTTIME - MONOTONIC) beyond the tolerance counts as a suspend."""
@@ -116,6 +117,7 @@ async def held_lease(dsn: str):
         await pool.close()
 
 
+@pytest.mark.database
 def test_a_suspend_past_the_lease_makes_ownership_unknown_at_once_and_kills(
         dsn, monkeypatch):
     """Case F20: a suspend longer than the lease, during which the job is taken over in the
@@ -149,6 +151,7 @@ def test_a_suspend_past_the_lease_makes_ownership_unknown_at_once_and_kills(
     run(go())
 
 
+@pytest.mark.database
 def test_a_short_suspend_is_unknown_until_a_renewal_after_it_confirms(dsn, monkeypatch):
     """Case F20: a suspend shorter than the local deadline. The lease is unknown from the
     resume (guard: ownership_unknown, ``clock_jump`` handled once) until a renewal sent
@@ -180,6 +183,7 @@ def test_a_short_suspend_is_unknown_until_a_renewal_after_it_confirms(dsn, monke
     run(go())
 
 
+@pytest.mark.unit
 def test_the_stage_deadline_counts_suspended_time(monkeypatch):
     """Case F20: the stage deadline runs on CLOCK_BOOTTIME: after a suspend longer than the
     time left, the deadline watcher returns within DEADLINE_CHECK_SECONDS of the resume,
@@ -220,6 +224,8 @@ while True:
 """
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_control_a_stopped_sidecar_never_answers_go_after_a_takeover(
         dsn, sidecars, tmp_path):
     """Case F20, the control: the sidecar is SIGSTOPped past its lease while its tool asks

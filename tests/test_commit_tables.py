@@ -12,6 +12,9 @@ from test_docs import _catalog
 from sidecar.commit import _ENDERS, ENDING_REPORTS, How, backoff_seconds
 from sidecar.model import LeaseProfile
 from sidecar.verdict import Ending
+import pytest
+
+pytestmark = pytest.mark.unit
 
 
 def test_every_kind_of_ending_has_one_fenced_write():

@@ -51,6 +51,7 @@ def config_error(env: dict[str, str]) -> str:
 # --- load_settings: defaults and overrides -----------------------------------------------
 
 
+@pytest.mark.unit
 def test_defaults():
     settings = load_settings({})
     p = settings.profile("ocr")
@@ -61,12 +62,14 @@ def test_defaults():
     assert p.lease_seconds > p.tolerated_misses * p.heartbeat_seconds + p.jitter_seconds
 
 
+@pytest.mark.unit
 def test_environment_outside_the_prefix_is_ignored():
     settings = load_settings({"PATH": "/bin", "HOME": "/root", "SIDECARX": "1",
                               "sidecar_lease_seconds": "1"})
     assert settings.profile("ocr").lease_seconds == 90
 
 
+@pytest.mark.unit
 def test_passive_variables_are_allowed():
     settings = load_settings({"SIDECAR_JOB_ID": str(uuid.uuid4()), "SIDECAR_TOOL": "ocr",
                               "SIDECAR_ATTEMPT": "1", "SIDECAR_FENCING_TOKEN": "4",
@@ -74,6 +77,7 @@ def test_passive_variables_are_allowed():
     assert settings.profile("ocr").lease_seconds == 90
 
 
+@pytest.mark.unit
 def test_global_values_apply_to_every_tool():
     settings = load_settings({"SIDECAR_LEASE_SECONDS": "120", "SIDECAR_MAX_ATTEMPTS": "6"})
     for tool in ("ocr", "pdf"):
@@ -81,6 +85,7 @@ def test_global_values_apply_to_every_tool():
         assert p.lease_seconds == 120 and p.max_attempts == 6
 
 
+@pytest.mark.unit
 def test_per_tool_override_beats_the_global():
     settings = load_settings({
         "SIDECAR_LEASE_SECONDS": "120",
@@ -96,6 +101,7 @@ def test_per_tool_override_beats_the_global():
     assert other.sources["LEASE_SECONDS"] == "SIDECAR_LEASE_SECONDS"
 
 
+@pytest.mark.unit
 def test_tool_key_maps_other_characters_to_underscore():
     assert tool_env_key("ocr-fast") == "OCR_FAST"
     assert tool_env_key("ocr.v2") == "OCR_V2"
@@ -104,6 +110,7 @@ def test_tool_key_maps_other_characters_to_underscore():
     assert settings.profile("ocr").max_attempts == 3
 
 
+@pytest.mark.unit
 def test_fractions_are_accepted():
     settings = load_settings({"SIDECAR_LEASE_SECONDS": "1.5", "SIDECAR_HEARTBEAT_SECONDS": "0.5",
                               "SIDECAR_JITTER_SECONDS": "0.5",
@@ -115,6 +122,7 @@ def test_fractions_are_accepted():
     assert settings.poll_seconds == 0.1
 
 
+@pytest.mark.unit
 def test_per_tool_fraction_override():
     settings = load_settings({"SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS": "0.5",
                               "SIDECAR_PROFILE_OCR_JITTER_SECONDS": "0.5",
@@ -124,6 +132,7 @@ def test_per_tool_fraction_override():
     assert (p.lease_seconds, p.heartbeat_seconds, p.jitter_seconds) == (1.5, 0.5, 0.5)
 
 
+@pytest.mark.unit
 def test_a_lease_too_short_to_kill_the_tool_before_it_ends_is_refused():
     """P10 holds (1.5 > 1 x 0.5 + 0.5) but the default kill grace (5 s) cannot fit: the
     tree could not be dead before the lease ends (P14b)."""
@@ -137,6 +146,7 @@ def test_a_lease_too_short_to_kill_the_tool_before_it_ends_is_refused():
 # --- load_settings: rule P10 ------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_p10_global_lease_too_short():
     message = config_error({"SIDECAR_LEASE_SECONDS": "30"})
     assert "SIDECAR_LEASE_SECONDS" in message
@@ -144,6 +154,7 @@ def test_p10_global_lease_too_short():
     assert "30" in message and "20" in message and "50" in message
 
 
+@pytest.mark.unit
 def test_p10_per_tool_lease_too_short_names_the_tool_variable():
     message = config_error({"SIDECAR_PROFILE_OCR_LEASE_SECONDS": "30"})
     assert "SIDECAR_PROFILE_OCR_LEASE_SECONDS" in message
@@ -151,11 +162,13 @@ def test_p10_per_tool_lease_too_short_names_the_tool_variable():
     assert "30" in message and "50" in message
 
 
+@pytest.mark.unit
 def test_p10_equality_is_refused():
     message = config_error({"SIDECAR_LEASE_SECONDS": "50"})
     assert "P10" in message and "50" in message
 
 
+@pytest.mark.unit
 def test_p10_just_above_is_accepted():
     # 1 x 10 + 40.4 = 50.4 < 50.5; and 50.5 - 10 - 5 - 5.05 = 30.45 s of silence >= 10
     env = {"SIDECAR_LEASE_SECONDS": "50.5", "SIDECAR_HEARTBEAT_SECONDS": "10",
@@ -163,6 +176,7 @@ def test_p10_just_above_is_accepted():
     assert load_settings(env).profile("ocr").lease_seconds == 50.5
 
 
+@pytest.mark.unit
 def test_p10_alone_is_not_enough_when_a_missed_heartbeat_would_abandon_the_job():
     """90 > 1 x 30 + 20 holds for 50.5 too, but after one missed heartbeat the local
     deadline (50.5 - 5 - 5.05 s after the last renewal sent) passes before the next one."""
@@ -170,6 +184,7 @@ def test_p10_alone_is_not_enough_when_a_missed_heartbeat_would_abandon_the_job()
     assert "SIDECAR_LEASE_SECONDS=50.5" in message and "missed heartbeat" in message
 
 
+@pytest.mark.unit
 def test_p10_counts_tolerated_misses():
     # 3 x 30 + 20 = 110 > 90 (default lease)
     message = config_error({"SIDECAR_TOLERATED_MISSES": "3"})
@@ -179,6 +194,7 @@ def test_p10_counts_tolerated_misses():
     assert load_settings(env).profile("x").tolerated_misses == 2
 
 
+@pytest.mark.unit
 def test_p10_heartbeat_too_long_names_the_heartbeat_variable():
     message = config_error({"SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS": "80"})
     assert "P10" in message
@@ -186,6 +202,7 @@ def test_p10_heartbeat_too_long_names_the_heartbeat_variable():
     assert "100" in message  # 1 x 80 + 20
 
 
+@pytest.mark.unit
 def test_invalid_profile_of_another_tool_is_refused_at_start():
     env = {"SIDECAR_PROFILE_PDF_LEASE_SECONDS": "10"}
     message = config_error(env)
@@ -195,6 +212,7 @@ def test_invalid_profile_of_another_tool_is_refused_at_start():
 # --- load_settings: numbers -------------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("var", [
     "SIDECAR_LEASE_SECONDS", "SIDECAR_HEARTBEAT_SECONDS", "SIDECAR_TOLERATED_MISSES",
     "SIDECAR_MAX_ATTEMPTS", "SIDECAR_STAGE_TIMEOUT_SECONDS", "SIDECAR_MAX_RESULT_BYTES",
@@ -207,6 +225,7 @@ def test_zero_and_negative_are_refused(var, value):
     assert var in message
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("var", [
     "SIDECAR_JITTER_SECONDS", "SIDECAR_KILL_GRACE_SECONDS", "SIDECAR_BACKOFF_BASE_SECONDS",
     "SIDECAR_BACKOFF_MAX_SECONDS", "SIDECAR_DRAIN_SECONDS", "SIDECAR_PROFILE_OCR_JITTER_SECONDS",
@@ -216,6 +235,7 @@ def test_negative_durations_are_refused(var):
     assert var in message
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("var", [
     "SIDECAR_LEASE_SECONDS", "SIDECAR_HEARTBEAT_SECONDS", "SIDECAR_JITTER_SECONDS",
     "SIDECAR_PROFILE_OCR_LEASE_SECONDS", "SIDECAR_POLL_SECONDS",
@@ -227,6 +247,7 @@ def test_non_numeric_and_non_finite_are_refused(var, value):
     assert value in message
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("var", ["SIDECAR_TOLERATED_MISSES", "SIDECAR_MAX_ATTEMPTS",
                                  "SIDECAR_PROFILE_OCR_MAX_ATTEMPTS",
                                  "SIDECAR_MAX_RESULT_BYTES"])
@@ -239,6 +260,7 @@ def test_counts_must_be_integers(var, value):
 # --- load_settings: unknown variables ------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("var", [
     "SIDECAR_LEASE_SECONDSS", "SIDECAR_LEASE_SECOND", "SIDECAR_HEARTBEAT", "SIDECAR_FOO",
     "SIDECAR_PROFILE_OCR_LEASE_SECOND", "SIDECAR_PROFILE_OCR_LEASESECONDS",
@@ -252,6 +274,7 @@ def test_unknown_variables_are_errors(var):
 # --- load_settings: NON_RETRYABLE_EXIT_CODES --------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text,codes", [
     ("64, 65", {64, 65}),
     ("64,65", {64, 65}),
@@ -265,18 +288,21 @@ def test_non_retryable_exit_codes_parse(text, codes):
     assert settings.profile("ocr").non_retryable_exit_codes == frozenset(codes)
 
 
+@pytest.mark.unit
 def test_non_retryable_exit_codes_per_tool():
     settings = load_settings({"SIDECAR_PROFILE_OCR_NON_RETRYABLE_EXIT_CODES": "3,4"})
     assert settings.profile("ocr").non_retryable_exit_codes == frozenset({3, 4})
     assert settings.profile("pdf").non_retryable_exit_codes == frozenset({64, 65})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("text", ["300", "0", "-1", "abc", "64;65", "64,abc", "1.5", "256"])
 def test_non_retryable_exit_codes_invalid(text):
     message = config_error({"SIDECAR_NON_RETRYABLE_EXIT_CODES": text})
     assert "SIDECAR_NON_RETRYABLE_EXIT_CODES" in message
 
 
+@pytest.mark.unit
 def test_non_retryable_exit_codes_invalid_per_tool():
     message = config_error({"SIDECAR_PROFILE_OCR_NON_RETRYABLE_EXIT_CODES": "300"})
     assert "SIDECAR_PROFILE_OCR_NON_RETRYABLE_EXIT_CODES" in message
@@ -285,6 +311,7 @@ def test_non_retryable_exit_codes_invalid_per_tool():
 # --- load_settings: other globals ----------------------------------------------------------
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("var,value", [
     ("SIDECAR_LOG_LEVEL", "verbose"),
     ("SIDECAR_LOG_FORMAT", "xml"),
@@ -298,6 +325,7 @@ def test_enumerated_globals_refuse_unknown_values(var, value):
 LISTEN_PASSWORD = "Listen-pw-do-not-print-3e1"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("value", [
     f"mysql://app:{LISTEN_PASSWORD}@db/app",
     f"host=db password={LISTEN_PASSWORD}",
@@ -311,6 +339,7 @@ def test_a_listen_url_that_is_not_a_postgresql_url_is_one_line_naming_it(value):
     assert LISTEN_PASSWORD not in message
 
 
+@pytest.mark.unit
 def test_the_listen_url_may_not_be_the_transaction_pooler_itself():
     bouncer = f"postgresql://app:{LISTEN_PASSWORD}@pgbouncer:6432/app"
     env = {"SIDECAR_DATABASE_URL": bouncer, "SIDECAR_LISTEN_DATABASE_URL": bouncer}
@@ -320,6 +349,7 @@ def test_the_listen_url_may_not_be_the_transaction_pooler_itself():
     assert load_settings(env).listen_database_url == bouncer  # no pooler: one server
 
 
+@pytest.mark.unit
 def test_a_valid_listen_url_is_kept_and_its_password_is_a_secret():
     listen = f"postgresql://app:{LISTEN_PASSWORD}@db:5432/app"
     settings = load_settings({"SIDECAR_DATABASE_POOLER": "transaction",
@@ -331,6 +361,7 @@ def test_a_valid_listen_url_is_kept_and_its_password_is_a_secret():
     assert {LISTEN_PASSWORD, "other-pw-123"} <= set(secrets["database_password"])
 
 
+@pytest.mark.unit
 def test_the_listen_url_may_come_from_a_mounted_secret_file(tmp_path):
     """SIDECAR_LISTEN_DATABASE_URL_FILE, like SIDECAR_DATABASE_URL_FILE: its first line is
     the URL, checked as the variable is, a secret, and a file the sandbox hides."""
@@ -362,16 +393,19 @@ def test_the_listen_url_may_come_from_a_mounted_secret_file(tmp_path):
 # --- the command refuses to start --------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_cli_global_lease_breaking_p10():
     refused(["SIDECAR_LEASE_SECONDS", "P10", "30", "50"], SIDECAR_LEASE_SECONDS="30")
 
 
+@pytest.mark.e2e
 def test_cli_tool_lease_breaking_p10():
     line = refused(["SIDECAR_PROFILE_OCR_LEASE_SECONDS", "P10", "30", "20", "50"],
                    SIDECAR_PROFILE_OCR_LEASE_SECONDS="30")
     assert "s3cretpw" not in line
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("var,value", [
     ("SIDECAR_LEASE_SECONDS", "0"),
     ("SIDECAR_LEASE_SECONDS", "-5"),
@@ -385,6 +419,7 @@ def test_cli_zero_or_negative(var, value):
     refused([var], **{var: value})
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("value", ["abc", "nan", "inf"])
 def test_cli_non_numeric(value):
     refused(["SIDECAR_LEASE_SECONDS", value], SIDECAR_LEASE_SECONDS=value)
@@ -392,19 +427,23 @@ def test_cli_non_numeric(value):
             SIDECAR_PROFILE_OCR_HEARTBEAT_SECONDS=value)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("var", ["SIDECAR_LEASE_SECONDSS", "SIDECAR_PROFILE_OCR_LEASE_SECOND"])
 def test_cli_misspelled_variable(var):
     refused([var], **{var: "100"})
 
 
+@pytest.mark.e2e
 def test_cli_invalid_profile_of_another_tool_is_refused():
     refused(["SIDECAR_PROFILE_PDF_LEASE_SECONDS", "P10"], SIDECAR_PROFILE_PDF_LEASE_SECONDS="10")
 
 
+@pytest.mark.e2e
 def test_cli_invalid_exit_codes():
     refused(["SIDECAR_NON_RETRYABLE_EXIT_CODES", "300"], SIDECAR_NON_RETRYABLE_EXIT_CODES="300")
 
 
+@pytest.mark.e2e
 def test_cli_valid_profile_reaches_the_database():
     """Control for `refused`: with a valid profile the same command gets as far as the
     (unreachable) database and exits 1, so exit 2 above really is the configuration."""
@@ -415,6 +454,7 @@ def test_cli_valid_profile_reaches_the_database():
     assert "cannot reach" in one_line_error(done)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("extra", [
     {"SIDECAR_LEASE_SECONDS": "30"},
     {"SIDECAR_PROFILE_TRUE_LEASE_SECONDS": "30"},
@@ -431,6 +471,7 @@ def test_run_with_bad_profile_exits_2_before_touching_the_database(extra):
     assert "cannot reach" not in line
 
 
+@pytest.mark.e2e
 def test_run_with_bad_tool_profile_via_tool_option_exits_2():
     done = cli(UNREACHABLE, "run", "--drain", "--tool", "ocr", "--", "true",
                env=plain_env(UNREACHABLE, SIDECAR_PROFILE_OCR_LEASE_SECONDS="30"), timeout=60)
@@ -439,6 +480,7 @@ def test_run_with_bad_tool_profile_via_tool_option_exits_2():
     assert "SIDECAR_PROFILE_OCR_LEASE_SECONDS" in line and "P10" in line
 
 
+@pytest.mark.e2e
 def test_run_with_valid_profile_and_unreachable_database_exits_1():
     done = cli(UNREACHABLE, "run", "--drain", "--", "true", env=plain_env(UNREACHABLE),
                timeout=60)
@@ -452,6 +494,7 @@ def test_run_with_valid_profile_and_unreachable_database_exits_1():
 # --- the command with a valid profile, on the real database --------------------------------
 
 
+@pytest.mark.e2e
 def test_cli_fractions_are_accepted(dsn):
     env = plain_env(dsn, SIDECAR_LEASE_SECONDS="1.5", SIDECAR_HEARTBEAT_SECONDS="0.25",
                     SIDECAR_JITTER_SECONDS="0.5", SIDECAR_POLL_SECONDS="0.5",
@@ -460,6 +503,7 @@ def test_cli_fractions_are_accepted(dsn):
     assert scalar(dsn, "SELECT count(*) FROM tool_jobs WHERE id = $1", uuid.UUID(job_id)) == 1
 
 
+@pytest.mark.e2e
 def test_cli_per_tool_override_beats_the_global(dsn):
     """MAX_ATTEMPTS of the profile of the sidecar that claims a job (issue 26: not the
     producer's): the per-tool value for ocr, the global one for pdf."""
@@ -473,6 +517,7 @@ def test_cli_per_tool_override_beats_the_global(dsn):
     assert scalar(dsn, "SELECT max_attempts FROM tool_jobs WHERE id = $1", uuid.UUID(pdf)) == 7
 
 
+@pytest.mark.e2e
 def test_cli_per_tool_lease_can_fix_a_global_that_only_it_uses(dsn):
     """A valid per-tool lease with the defaults elsewhere starts fine."""
     env = plain_env(dsn, SIDECAR_PROFILE_OCR_LEASE_SECONDS="75")
@@ -480,6 +525,7 @@ def test_cli_per_tool_lease_can_fix_a_global_that_only_it_uses(dsn):
     assert scalar(dsn, "SELECT tool FROM tool_jobs WHERE id = $1", uuid.UUID(job_id)) == "ocr"
 
 
+@pytest.mark.e2e
 def test_cli_drain_run_with_valid_profile_and_no_jobs_exits_0(dsn):
     done = cli(dsn, "run", "--drain", "--", "true", timeout=60)
     assert done.returncode == 0, done.stderr.decode(errors="replace")

@@ -12,6 +12,9 @@ from urllib.parse import urlsplit, urlunsplit
 import orjson
 
 from kit import base_env, cli, enqueue, one_line_error, query
+import pytest
+
+pytestmark = pytest.mark.e2e
 
 PASSWORD = "Pw-do-not-print-7f3a"
 TOKEN = "tok-do-not-print-91c2"

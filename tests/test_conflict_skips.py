@@ -82,6 +82,8 @@ def _insert_legacy_job(dsn, tool, key):
     return str(job_id)
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 @pytest.mark.parametrize("key", ["K:stage:1", "report-7:stage:12", "a:stage:0"])
 def test_a_stage_key_is_refused_at_enqueue_with_one_line(dsn, key):
     done = cli(dsn, "enqueue", "report", "--idempotency-key", key)
@@ -91,12 +93,15 @@ def test_a_stage_key_is_refused_at_enqueue_with_one_line(dsn, key):
     assert query(dsn, "SELECT id FROM tool_jobs") == []
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 @pytest.mark.parametrize("key", ["K:stage", "K:stage:x", "K:stage:1:final", "stage:1"])
 def test_keys_outside_the_stage_namespace_are_accepted(dsn, key):
     job_id = enqueue(dsn, "report", {}, "--idempotency-key", key)
     assert job_row(dsn, job_id)["idempotency_key"] == key
 
 
+@pytest.mark.database
 def test_the_store_refuses_a_stage_key_too(dsn):
     async def go():
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1, init=init_connection)
@@ -110,6 +115,8 @@ def test_the_store_refuses_a_stage_key_too(dsn):
     assert query(dsn, "SELECT id FROM tool_jobs") == []
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_a_next_stage_whose_key_is_taken_fails_the_parent_loudly(dsn, sidecars):
     """The case's input: an unrelated job holds K:stage:1; ocr (key K) names a pub stage."""
     env = base_env(dsn, SIDECAR_PROFILE_OCR_NEXT_TOOLS="pub")
@@ -137,6 +144,7 @@ def test_a_next_stage_whose_key_is_taken_fails_the_parent_loudly(dsn, sidecars):
     assert job_row(dsn, holder)["state"] == "queued" and job_row(dsn, holder)["parent_id"] is None
 
 
+@pytest.mark.database
 def test_the_store_tells_its_own_stage_from_someone_elses(dsn):
     """A repeated completion meets its own stage (fine, no second one); a completion whose
     key is held by another job raises NextStageConflict and writes nothing."""
@@ -196,5 +204,6 @@ def _on_conflict_sites() -> set[tuple[str, str]]:
     return found
 
 
+@pytest.mark.unit
 def test_every_on_conflict_is_audited():
     assert _on_conflict_sites() == AUDITED

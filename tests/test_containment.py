@@ -34,8 +34,11 @@ from kit import (
 NON_ROOT_UID = 10001  # the manifests' uid
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "isolation.md"
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0,
-                                reason="makes a non-root user's sidecar and files")
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(os.geteuid() != 0,
+                                    reason="makes a non-root user's sidecar and files"),
+]
 
 
 @pytest.fixture

@@ -99,6 +99,8 @@ def _assert_succeeded_first_attempt(dsn, job_id, tool_pid=None):
 # --- 1. a short blip --------------------------------------------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_short_blip_of_half_a_lease_does_not_kill_healthy_work(dsn, proxy, sidecars, tmp_path):
     """F2 phase 1: blackhole for 0.5 x L right after a confirmed renewal, then restore.
     The job keeps its child, is confirmed again, and succeeds on attempt 1, token 1.
@@ -149,6 +151,8 @@ def test_short_blip_of_half_a_lease_does_not_kill_healthy_work(dsn, proxy, sidec
 # --- 2. a long partition, then recovery -------------------------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_long_partition_kills_the_tree_before_the_lease_ends_then_recovers(
         dsn, proxy, sidecars, tmp_path):
     """F2 phases 2 and 3: blackhole for 6 x L while a long job runs."""
@@ -215,6 +219,8 @@ def test_long_partition_kills_the_tree_before_the_lease_ends_then_recovers(
 # --- 3. the server terminates the sidecar's backends -------------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_terminated_backends_reconnect_and_renew_in_time(dsn, sidecars, tmp_path):
     """F2: pg_terminate_backend on every sidecar connection mid-job. The sidecar connects
     directly (no proxy); it must reconnect and renew before the lease ends, keep the
@@ -287,6 +293,8 @@ def _restart(server, pause: float) -> float:
     return time.monotonic() - down
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_postgres_restart_mid_job_is_survived(private_server, sidecars, tmp_path):
     profile = {"SIDECAR_LEASE_SECONDS": "8", "SIDECAR_HEARTBEAT_SECONDS": "1",
                "SIDECAR_JITTER_SECONDS": "2", "SIDECAR_LOG_LEVEL": "debug"}
@@ -333,6 +341,8 @@ def test_postgres_restart_mid_job_is_survived(private_server, sidecars, tmp_path
 # --- 5. the heartbeat does not wait on a dead path --------------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_heartbeat_timeout_is_shorter_than_its_period(dsn, proxy, sidecars, tmp_path):
     """With a long client timeout elsewhere (SIDECAR_DB_TIMEOUT_SECONDS=10), a blackholed
     path is still noticed by the heartbeat within one period plus its own timeout."""
@@ -358,6 +368,8 @@ def test_heartbeat_timeout_is_shorter_than_its_period(dsn, proxy, sidecars, tmp_
     wait_until(lambda: _state(dsn, job_id) != "running", 30, what="the job to end")
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_every_tcp_connection_to_postgres_has_keepalive_on(dsn, proxy, sidecars):
     """P14b: behind the statement timeouts, the kernel also probes a silent path (TCP
     keepalive, TCP_USER_TIMEOUT). Checked with `ss` on the sidecar's real sockets."""
@@ -385,6 +397,7 @@ def test_every_tcp_connection_to_postgres_has_keepalive_on(dsn, proxy, sidecars)
 # --- 6. how the driver's failures are classified ---------------------------------------
 
 
+@pytest.mark.unit
 def test_a_connection_with_broken_protocol_state_is_an_outage_not_a_worker_bug():
     """asyncpg's InternalClientError ("cannot switch to state ...; another operation is in
     progress") is not an InterfaceError; seen from a pool connection across a server

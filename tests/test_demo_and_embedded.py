@@ -16,6 +16,9 @@ import orjson
 import psutil
 
 from kit import base_env, query, wait_until
+import pytest
+
+pytestmark = pytest.mark.e2e
 
 
 def test_demo_prints_real_results_and_the_hung_tool_killed(dsn):

@@ -23,6 +23,7 @@ def _hadolint() -> str:
     return found
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("dockerfile", [DOCKERFILE, ROOT / "k8s/overlays/ocr/Dockerfile"],
                          ids=["sidecar", "ocr-overlay"])
 def test_hadolint_finds_nothing(dockerfile):
@@ -42,6 +43,7 @@ def _instructions() -> list[tuple[str, str]]:
     return out
 
 
+@pytest.mark.unit
 def test_runtime_stage_is_non_root_unbuffered_and_tini_first():
     instructions = _instructions()
     froms = [i for i, (word, _) in enumerate(instructions) if word == "FROM"]
@@ -58,6 +60,7 @@ def test_runtime_stage_is_non_root_unbuffered_and_tini_first():
     assert any(word == "FROM" and rest.endswith("AS bundle") for word, rest in instructions)
 
 
+@pytest.mark.unit
 def test_the_image_has_the_mcp_and_web_extras():
     """k8s/overlays/mcp-gateway runs `sidecar mcp` in the sidecar image, and `sidecar web`
     runs from it too (issue 30): its wheels are built with the [mcp] and [web] extras and

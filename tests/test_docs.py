@@ -8,6 +8,9 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+import pytest
+
+pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTOCOL = ROOT / "docs" / "protocol.md"

@@ -18,6 +18,8 @@ from sidecar.enqueue_args import (
 )
 from sidecar.errors import UsageError
 
+pytestmark = pytest.mark.unit
+
 TP = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
 
 

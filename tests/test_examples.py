@@ -17,6 +17,8 @@ import pytest
 
 from kit import base_env, cli, enqueue, query
 
+pytestmark = pytest.mark.e2e
+
 EXAMPLES = Path(__file__).parent.parent / "examples"
 
 

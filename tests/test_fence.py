@@ -86,6 +86,8 @@ async def keys(pool, table: str) -> list[str]:
 # --- the reference receiver, as a real process --------------------------------
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_accepted_effect_is_recorded_and_listed(dsn, receiver):
     status, body, _ = post(receiver, {"case": "A-1", "amount": 3})
     assert (status, body) == (201, {"effect_id": 1, "entity": "tool-job:8f1b", "fence": 42})
@@ -101,6 +103,8 @@ def test_accepted_effect_is_recorded_and_listed(dsn, receiver):
     assert last_fence(dsn, "tool-job:8f1b") == 42
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_same_key_same_body_replays_without_a_second_effect(dsn, receiver):
     first = post(receiver)
     second = post(receiver)
@@ -111,6 +115,8 @@ def test_same_key_same_body_replays_without_a_second_effect(dsn, receiver):
     assert len(effects(dsn)) == 1
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_same_key_different_body_is_refused(dsn, receiver):
     assert post(receiver, {"case": "A-1"})[0] == 201
     status, body, _ = post(receiver, {"case": "B-2"})
@@ -119,6 +125,8 @@ def test_same_key_different_body_is_refused(dsn, receiver):
     assert [e["body"] for e in effects(dsn)] == [{"case": "A-1"}]
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_lower_fence_is_stale_even_with_an_accepted_key(dsn, receiver):
     assert post(receiver, key=KEY, fence=42)[0] == 201
     # An old owner (token 41) of the same job, with another operation's key ...
@@ -133,6 +141,8 @@ def test_lower_fence_is_stale_even_with_an_accepted_key(dsn, receiver):
     assert scalar(dsn, "SELECT count(*) FROM fence_requests") == 1
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_equal_or_higher_fence_is_accepted(dsn, receiver):
     assert post(receiver, key="job:1:a", fence=42)[0] == 201
     assert post(receiver, key="job:1:b", fence=42)[0] == 201
@@ -144,6 +154,8 @@ def test_equal_or_higher_fence_is_accepted(dsn, receiver):
     assert [e["fence"] for e in effects(dsn)] == [42, 42, 43]
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 @pytest.mark.parametrize("headers, named", [
     ({"key": None}, "Idempotency-Key"),
     ({"key": ""}, "Idempotency-Key"),
@@ -165,6 +177,8 @@ def test_missing_or_malformed_header_is_400_naming_it(dsn, receiver, headers, na
     assert scalar(dsn, "SELECT count(*) FROM fence_requests") == 0
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_fence_entity_header_overrides_the_default(dsn, receiver):
     assert post(receiver, key="tool-job:1:open", fence=5, entity="case:7")[1]["entity"] == "case:7"
     # Another job's stale token for the same case is refused ...
@@ -179,6 +193,8 @@ def test_fence_entity_header_overrides_the_default(dsn, receiver):
         "case:7": 5, "tool-job:2": 3, "invoice-42": 1}
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_concurrent_identical_requests_execute_once(dsn, receiver):
     body = orjson.dumps({"case": "C-3"})
 
@@ -198,10 +214,14 @@ def test_concurrent_identical_requests_execute_once(dsn, receiver):
     assert len(effects(dsn)) == 1
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_receiver_exits_0_on_sigint(receiver):
     assert receiver.stop(signal.SIGINT) == 0
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_receiver_bad_listen_is_one_line_and_exit_2():
     # The address is checked before the database is touched.
     env = base_env("postgresql://nobody@127.0.0.1:1/none")
@@ -212,6 +232,8 @@ def test_receiver_bad_listen_is_one_line_and_exit_2():
         assert len(lines) == 1 and "--listen" in lines[0] and "HOST:PORT" in lines[0], lines
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_receiver_port_in_use_is_one_line(dsn):
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -246,6 +268,7 @@ async def _call(client, path: str, body: bytes = b"{}", **headers):
     return resp.status, orjson.loads(await resp.read())
 
 
+@pytest.mark.database
 def test_handler_that_raises_rolls_everything_back(dsn):
     fail = {"now": True}
 
@@ -279,6 +302,7 @@ def test_handler_that_raises_rolls_everything_back(dsn):
     run(_with_app(dsn, [web.post("/e", effect)], test))
 
 
+@pytest.mark.database
 def test_middleware_fences_listed_paths_and_leaves_other_routes_alone(dsn):
     calls = []
 
@@ -301,6 +325,7 @@ def test_middleware_fences_listed_paths_and_leaves_other_routes_alone(dsn):
                          paths={"/fenced"})) == [3]
 
 
+@pytest.mark.database
 def test_http_exception_from_a_fenced_handler_is_not_recorded(dsn):
     @fenced
     async def missing(request):
@@ -329,6 +354,7 @@ def _fence_run(dsn: str, coro_factory):
     return run(go())
 
 
+@pytest.mark.database
 def test_run_fenced_with_a_custom_handler(dsn):
     calls: list[FencedRequest] = []
 
@@ -389,6 +415,7 @@ def test_run_fenced_with_a_custom_handler(dsn):
                   "payment:inv-9:capture": 200}
 
 
+@pytest.mark.database
 def test_concurrent_duplicate_waits_or_gets_in_progress(dsn):
     calls = []
 
@@ -422,6 +449,8 @@ def test_concurrent_duplicate_waits_or_gets_in_progress(dsn):
     assert calls == ["job:5:slow"]
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_reference_receiver_takes_a_forwarded_result_of_several_mib_and_refuses_a_nul_query(
         receiver):
     import json as _json

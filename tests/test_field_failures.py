@@ -40,6 +40,8 @@ from sidecar.cgroups import detect
 from sidecar.config import load_settings
 from sidecar.worker import Worker
 
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
 LAUNCHER = [sys.executable, str(TOOLS / "signal_launcher.py")]
 PARTIAL_EXIT = str(TOOLS / "partial_exit.sh")
 MIB = 1024 * 1024

@@ -34,6 +34,8 @@ from tests.kit import (
     wait_until,
 )
 
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
 SLEEP = str(TOOLS / "fault_sleep.py")
 HANG = str(TOOLS / "hang_tree.py")
 

@@ -22,6 +22,8 @@ from sidecar.operator_store import OperatorStore
 from sidecar.worker_store import WorkerStore
 from tests.kit import run
 
+pytestmark = pytest.mark.database
+
 LEASE = 60.0  # long enough that no lease ends by itself during a test
 
 

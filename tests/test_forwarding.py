@@ -8,6 +8,8 @@ import pytest
 
 from kit import base_env, cli, enqueue, free_port, journal_rows, query, wait_until
 
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
 
 def _env(dsn, url, tool="echo-json", **extra):
     key = tool.upper().replace("-", "_")

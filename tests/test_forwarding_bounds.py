@@ -56,6 +56,7 @@ def _wait_state(dsn, job_id, state, timeout=30.0):
     return _outbox(dsn, job_id)[0]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
 def test_a_redirect_is_never_a_delivery(dsn, sink, status):
     """The case's input (301 to a page that answers GET 200), and every other 3xx."""
@@ -78,6 +79,7 @@ def test_a_redirect_is_never_a_delivery(dsn, sink, status):
     assert "/page" in shown["forwarding"][0]["last_error"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("status", [307, 308])
 def test_a_307_or_308_is_followed_only_when_the_profile_opts_in(dsn, sink, status):
     server = sink([(status, {}, {"Location": "/v2/hook"}), (201, {"ok": True})])
@@ -95,6 +97,7 @@ def test_a_307_or_308_is_followed_only_when_the_profile_opts_in(dsn, sink, statu
     assert second.headers["X-Execution-Fence"] == "1"
 
 
+@pytest.mark.e2e
 def test_the_opt_in_never_follows_a_301(dsn, sink):
     server = sink([(301, {}, {"Location": "/page"}), (200, {})])
     env = _env(dsn, server.url, FORWARD_FOLLOW_REDIRECTS="true")
@@ -104,6 +107,7 @@ def test_the_opt_in_never_follows_a_301(dsn, sink):
     assert len(server.requests) == 1
 
 
+@pytest.mark.e2e
 def test_a_redirect_loop_ends_in_a_dead_letter(dsn, sink):
     server = sink([(307, {}, {"Location": "/hook"})])
     env = _env(dsn, server.url, FORWARD_FOLLOW_REDIRECTS="true")
@@ -114,6 +118,7 @@ def test_a_redirect_loop_ends_in_a_dead_letter(dsn, sink):
     assert len(server.requests) == 6  # the first POST and MAX_REDIRECTS hops
 
 
+@pytest.mark.e2e
 def test_retries_end_after_max_attempts_and_the_job_can_then_be_pruned(dsn, sink, sidecars):
     """The case's second input: a receiver answering 500 for ever."""
     server = sink([(500, {"error": "boom"})])
@@ -147,6 +152,7 @@ def test_retries_end_after_max_attempts_and_the_job_can_then_be_pruned(dsn, sink
     assert _outbox(dsn, job_id) == []
 
 
+@pytest.mark.e2e
 def test_retries_end_at_max_age(dsn, sink, sidecars):
     server = sink([(503, {"error": "busy"})])
     env = _env(dsn, server.url, FORWARD_MAX_ATTEMPTS=10000, FORWARD_MAX_AGE_SECONDS=2)
@@ -160,6 +166,7 @@ def test_retries_end_at_max_age(dsn, sink, sidecars):
     assert len(server.requests) == row["attempts"]
 
 
+@pytest.mark.e2e
 def test_retry_forwarding_delivers_a_dead_letter_again(dsn, sink, sidecars):
     server = sink([(500, {}), (500, {}), (200, {"ok": True})])
     env = _env(dsn, server.url, FORWARD_MAX_ATTEMPTS=2)
@@ -182,6 +189,7 @@ def test_retry_forwarding_delivers_a_dead_letter_again(dsn, sink, sidecars):
     assert "no dead-lettered forwarding" in one_line_error(done)
 
 
+@pytest.mark.e2e
 def test_retry_forwarding_refuses_bad_input_with_one_line(dsn):
     env = base_env(dsn)
     cli(dsn, "migrate", env=env)
@@ -196,6 +204,7 @@ def test_retry_forwarding_refuses_bad_input_with_one_line(dsn):
     assert done.returncode == 1 and "no dead-lettered forwarding" in one_line_error(done)
 
 
+@pytest.mark.unit
 def test_forwarding_bounds_are_profile_fields_with_defaults():
     settings = load_settings({"SIDECAR_PROFILE_ECHO_JSON_FORWARD_MAX_ATTEMPTS": "4",
                               "SIDECAR_PROFILE_ECHO_JSON_FORWARD_MAX_AGE_SECONDS": "60",
@@ -207,6 +216,7 @@ def test_forwarding_bounds_are_profile_fields_with_defaults():
     assert (default.forward_max_attempts, default.forward_max_age_seconds) == (20, 86400)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("var", ["SIDECAR_FORWARD_MAX_ATTEMPTS",
                                  "SIDECAR_PROFILE_X_FORWARD_MAX_AGE_SECONDS"])
 def test_a_bound_of_zero_is_refused_with_one_line(dsn, var):

@@ -364,6 +364,7 @@ def check_enqueue(pg: Pg, argv: list[str], raw: bytes, source: str, *, tool: str
 # --- a. enqueue --------------------------------------------------------------------------------
 
 
+@pytest.mark.database
 @fuzz(120)
 @given(tool=argv_text())
 def test_enqueue_tool_names(sidecar_env, pg, tool):
@@ -378,6 +379,7 @@ def test_enqueue_tool_names(sidecar_env, pg, tool):
         assert job_count(pg) == before
 
 
+@pytest.mark.database
 @fuzz(150)
 @given(text=st.one_of(JSONISH_TEXT, argv_text()))
 def test_enqueue_payload_argument(sidecar_env, pg, text):
@@ -389,6 +391,7 @@ def test_enqueue_payload_argument(sidecar_env, pg, text):
     assert not outcome.argparse, outcome
 
 
+@pytest.mark.database
 @fuzz(120)
 @given(data=JSONISH_BYTES)
 def test_enqueue_payload_file(sidecar_env, pg, tmp_path, data):
@@ -412,6 +415,7 @@ MAX_ATTEMPTS_TEXT = st.one_of(
 )
 
 
+@pytest.mark.database
 @fuzz(150)
 @given(tool=st.sampled_from(["ocr", "pdf"]), key=st.none() | KEYS,
        attempts=st.none() | MAX_ATTEMPTS_TEXT, payload=st.sampled_from(
@@ -455,6 +459,7 @@ def test_enqueue_idempotency_keys_and_max_attempts(sidecar_env, pg, tool, key, a
         assert job_count(pg) == before
 
 
+@pytest.mark.database
 @fuzz(60)
 @given(job_id=st.one_of(argv_text(), st.uuids().map(str),
                         st.uuids().map(lambda u: "{" + u.hex.upper() + "}"),
@@ -477,6 +482,7 @@ def test_job_id_arguments(sidecar_env, pg, job_id, command):
 PAYLOAD_LIMIT = 64
 
 
+@pytest.mark.database
 @fuzz(40)
 @given(size=st.integers(0, 300), via_file=st.booleans())
 def test_payload_over_max_payload_bytes_is_refused(sidecar_env, pg, monkeypatch, tmp_path,
@@ -544,6 +550,7 @@ def assert_config_error(exc: ConfigError) -> None:
     assert "SIDECAR_" in exc.message, exc.message
 
 
+@pytest.mark.unit
 @fuzz(150)
 @given(env=ENVIRONMENTS)
 def test_load_settings_raises_only_one_line_config_errors(env):
@@ -560,6 +567,7 @@ INTEGER_SETTINGS = st.dictionaries(
     st.integers(0, 10**40).map(str), min_size=1, max_size=2)
 
 
+@pytest.mark.unit
 @fuzz(150)
 @given(env=st.one_of(ENVIRONMENTS, INTEGER_SETTINGS))
 def test_accepted_settings_serialise_for_sidecar_config(env):
@@ -587,6 +595,7 @@ PROFILE_VARIABLES = st.dictionaries(
                    for var in env})
 
 
+@pytest.mark.unit
 @fuzz(150)
 @given(env=st.one_of(ENVIRONMENTS, PROFILE_VARIABLES))
 def test_every_accepted_profile_variable_takes_effect(env):
@@ -610,6 +619,7 @@ def test_every_accepted_profile_variable_takes_effect(env):
         assert any(settings_.profile(tool).sources[f] == var for tool, f in valid), var
 
 
+@pytest.mark.unit
 @fuzz(150)
 @given(password=st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), min_size=6,
                         max_size=24),
@@ -631,6 +641,7 @@ TOOLS_TO_ASK = st.one_of(
 FIXED_SETTINGS = load_settings({**FAST_PROFILE, "SIDECAR_PROFILE_OCR_FAST_MAX_ATTEMPTS": "7"})
 
 
+@pytest.mark.unit
 @fuzz(150)
 @given(tool=TOOLS_TO_ASK)
 def test_profile_of_arbitrary_tool_text(tool):
@@ -667,12 +678,14 @@ def check_parse_result(pg: Pg, data: bytes) -> str:
     return "stored"
 
 
+@pytest.mark.database
 @fuzz(100)
 @given(data=st.binary(max_size=300))
 def test_parse_result_arbitrary_bytes(pg, data):
     check_parse_result(pg, data)
 
 
+@pytest.mark.database
 @fuzz(150)
 @given(data=JSONISH_BYTES)
 def test_parse_result_jsonish(pg, data):
@@ -682,6 +695,7 @@ def test_parse_result_jsonish(pg, data):
 ANY_TEXT = st.text(st.characters(exclude_categories=()), max_size=80)  # surrogates, NUL too
 
 
+@pytest.mark.database
 @fuzz(150)
 @given(text=st.one_of(ANY_TEXT, st.none(),
                       st.lists(st.sampled_from(["\x00", "\ud800", "\udfff", "\\u0000", "é",
@@ -853,6 +867,7 @@ def auth_headers(auth, token: str) -> tuple[list[tuple[str, bytes]], bool]:
     return [("Authorization", auth.encode("utf-8", "surrogateescape"))], auth == bearer.decode()
 
 
+@pytest.mark.database
 @fuzz(150)
 @given(path=st.sampled_from(["/v1/guard", "/v1/checkpoint"]), body=BODIES, auth=AUTH,
        extra=EXTRA_HEADERS, chunked=st.booleans())
@@ -893,6 +908,7 @@ def test_guard_answers_every_request_with_a_documented_status(guard, pg, path, b
 # --- findings, pinned with their concrete inputs --------------------------------------------------
 
 
+@pytest.mark.unit
 def test_a_huge_tolerated_misses_is_a_config_error_not_an_overflow():
     """SIDECAR_TOLERATED_MISSES=10**400 parses as an int; the P10 check multiplies it by a
     float and raised OverflowError (a traceback from every command) instead of ConfigError."""
@@ -914,6 +930,7 @@ NO_DATABASE = "postgresql://nobody@127.0.0.1:1/none"  # `sidecar config` connect
 INTEGER_FIELDS = [name for name, spec in PROFILE_FIELDS.items() if _takes(spec.parse, "5")]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("field", INTEGER_FIELDS)
 def test_sidecar_config_survives_an_integer_beyond_64_bits(field):
     """An integer setting of 10**30 passes load_settings; `sidecar config` then crashed with
@@ -929,6 +946,7 @@ def test_sidecar_config_survives_an_integer_beyond_64_bits(field):
         assert done.returncode == 2 and len(err.splitlines()) == 1 and var in err, err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("var", ["SIDECAR_LEASE_SECONDS\nSIDECAR_X", "SIDECAR_X\rY",
                                  "SIDECAR_PROFILE_A\nB_LEASE_SECONDS",
                                  "SIDECAR_PROFILE_A\u2028B_MAX_ATTEMPTS"])
@@ -940,6 +958,7 @@ def test_a_variable_name_with_a_line_break_gives_a_one_line_error(var):
     assert_config_error(outcome)
 
 
+@pytest.mark.e2e
 def test_a_variable_name_with_a_line_break_is_one_line_from_the_real_cli():
     env = base_env(NO_DATABASE, **{"SIDECAR_X\nforged: line": "1"})
     done = cli(NO_DATABASE, "config", env=env)
@@ -948,6 +967,7 @@ def test_a_variable_name_with_a_line_break_is_one_line_from_the_real_cli():
     assert len(err.splitlines()) == 1, err
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("var, tool", [
     ("SIDECAR_PROFILE_ocr_LEASE_SECONDS", "ocr"),          # lower case: never matched
     ("SIDECAR_PROFILE_Ocr_Fast_MAX_ATTEMPTS", "ocr-fast"),
@@ -972,6 +992,7 @@ def test_a_profile_variable_no_tool_can_use_is_refused(var, tool):
     assert profile.sources[field] == var, f"{var} accepted and silently ignored"
 
 
+@pytest.mark.unit
 def test_a_long_lease_profile_key_is_refused_or_applies():
     key = "X" * 64  # tool names have at most 63 characters
     outcome = load_or_error({f"SIDECAR_PROFILE_{key}_MAX_ATTEMPTS": "7"})
@@ -981,6 +1002,7 @@ def test_a_long_lease_profile_key_is_refused_or_applies():
     pytest.fail(f"SIDECAR_PROFILE_{key}_MAX_ATTEMPTS accepted, but no tool name is 64 long")
 
 
+@pytest.mark.database
 def test_payload_file_path_with_a_line_break_gives_one_error_line(sidecar_env, tmp_path):
     """The path is echoed as is in the error: a newline in it makes two lines."""
     missing = tmp_path / "no\nsuch.json"
@@ -992,6 +1014,7 @@ def test_payload_file_path_with_a_line_break_gives_one_error_line(sidecar_env, t
     assert "--payload-file" in one_error_line(outcome)
 
 
+@pytest.mark.database
 @pytest.mark.parametrize("text", [b"1e-20000", b"0e-20000", b'{"x": [1e-16384]}',
                                   b"[0." + b"1" * 16384 + b"]",
                                   b'{"s": "' + b"x" * 70000 + b'", "n": 1e-016384}'])
@@ -1005,6 +1028,7 @@ def test_parse_result_refuses_numbers_jsonb_cannot_store(pg, text):
         parse_result(text)
 
 
+@pytest.mark.database
 @pytest.mark.parametrize("text", [b"[0." + b"1" * 16383 + b"]", b"1e-16383", b"1e00005",
                                   b'{"s": "e-99999 .' + b"9" * 16384 + b'", "n": 2.5}'])
 def test_parse_result_accepts_what_jsonb_stores_next_to_the_limit(pg, text):
@@ -1016,6 +1040,7 @@ def test_parse_result_accepts_what_jsonb_stores_next_to_the_limit(pg, text):
     assert str(raw) == text.decode()
 
 
+@pytest.mark.database
 def test_enqueue_of_a_tiny_exponent_is_bad_input_not_a_database_error(sidecar_env, pg):
     """The same numbers as a payload: exit 2 naming jsonb, no row (no exit-1 'database
     error')."""
@@ -1024,6 +1049,7 @@ def test_enqueue_of_a_tiny_exponent_is_bad_input_not_a_database_error(sidecar_en
     assert job_count(pg) == 0
 
 
+@pytest.mark.database
 def test_max_payload_bytes_applies_to_payload_and_payload_file(sidecar_env, pg, monkeypatch,
                                                                tmp_path):
     monkeypatch.setenv("SIDECAR_MAX_PAYLOAD_BYTES", "100")
@@ -1037,6 +1063,7 @@ def test_max_payload_bytes_applies_to_payload_and_payload_file(sidecar_env, pg, 
     assert job_count(pg) == 1
 
 
+@pytest.mark.database
 def test_guard_expect_header_that_is_not_utf8_is_not_a_server_error(guard):
     """aiohttp's default Expect handler answers an unknown expectation itself (before the
     guard's handler and its authentication) and, when the value is not UTF-8, fails to
@@ -1049,6 +1076,7 @@ def test_guard_expect_header_that_is_not_utf8_is_not_a_server_error(guard):
         assert status in DOCUMENTED and status < 500, (status, answer)
 
 
+@pytest.mark.database
 def test_guard_unknown_expect_header_gets_a_documented_answer(guard):
     """`Expect: foo` is answered 417 by aiohttp before authentication: a status the guard's
     contract does not have, and an unauthorised caller does not get the 401 every other
@@ -1060,6 +1088,7 @@ def test_guard_unknown_expect_header_gets_a_documented_answer(guard):
     assert status == 200, (status, answer)
 
 
+@pytest.mark.database
 def test_a_malformed_authorization_header_does_not_put_the_secret_in_the_log(guard,
                                                                              monkeypatch):
     """The HTTP parser refuses a header with a control character (400); aiohttp logs that
@@ -1077,6 +1106,7 @@ def test_a_malformed_authorization_header_does_not_put_the_secret_in_the_log(gua
     assert guard.token not in logged, logged
 
 
+@pytest.mark.unit
 def test_a_text_log_line_stays_one_line_whatever_a_field_holds():
     """SIDECAR_LOG_FORMAT=text escapes control characters "so a tool cannot drive the
     terminal", but not a newline: a field holding one (aiohttp's parser errors always do,

@@ -97,6 +97,7 @@ async def guard_call(h: Harness, token: str | None, body=None) -> tuple[int, obj
     return status, answer
 
 
+@pytest.mark.database
 def test_guard_answers_the_fencing_token_while_ownership_is_confirmed(dsn):
     async def go():
         async with guarded(dsn) as h:
@@ -153,6 +154,7 @@ REFUSALS = [
 ]
 
 
+@pytest.mark.database
 def test_guard_refuses_with_the_reason_of_each_state(dsn):
     async def go():
         async with guarded(dsn) as h:
@@ -168,6 +170,7 @@ def test_guard_refuses_with_the_reason_of_each_state(dsn):
     run(go())
 
 
+@pytest.mark.database
 def test_unauthorized_requests_all_get_the_same_answer(dsn):
     async def go():
         async with guarded(dsn) as h, guarded(dsn, owner="w2") as other:
@@ -218,6 +221,7 @@ def test_unauthorized_requests_all_get_the_same_answer(dsn):
     assert rows[0]["n"] == 0
 
 
+@pytest.mark.database
 def test_guard_rejects_bad_bodies(dsn):
     async def go():
         async with guarded(dsn) as h:
@@ -238,6 +242,7 @@ def test_guard_rejects_bad_bodies(dsn):
     run(go())
 
 
+@pytest.mark.database
 def test_checkpoint_is_saved_with_the_job_and_journaled(dsn):
     async def go():
         async with guarded(dsn) as h:
@@ -269,6 +274,7 @@ def test_checkpoint_is_saved_with_the_job_and_journaled(dsn):
     assert "abc" not in str(events)  # P23: size and hash, never the content
 
 
+@pytest.mark.database
 def test_checkpoint_limits_and_bad_json(dsn):
     async def go():
         async with guarded(dsn) as h:
@@ -301,6 +307,7 @@ def test_checkpoint_limits_and_bad_json(dsn):
     assert journal_rows(dsn, lease.job.id, "checkpoint_saved") == []
 
 
+@pytest.mark.database
 def test_checkpoint_is_refused_after_another_owner_took_the_job(dsn):
     async def go():
         async with guarded(dsn) as h:
@@ -333,6 +340,7 @@ def test_checkpoint_is_refused_after_another_owner_took_the_job(dsn):
         is None
 
 
+@pytest.mark.database
 def test_checkpoint_database_trouble_is_503_and_never_blocks_the_guard(dsn):
     async def go():
         async with guarded(dsn, store_timeout=1.0) as h:
@@ -371,6 +379,7 @@ def test_checkpoint_database_trouble_is_503_and_never_blocks_the_guard(dsn):
     run(go())
 
 
+@pytest.mark.database
 def test_slow_and_idle_clients_do_not_wedge_the_guard(dsn):
     async def go():
         async with guarded(dsn, body_timeout=0.5) as h:
@@ -406,6 +415,7 @@ def test_slow_and_idle_clients_do_not_wedge_the_guard(dsn):
     run(go())
 
 
+@pytest.mark.database
 def test_start_stop_and_reregistration(dsn):
     async def go():
         async with guarded(dsn) as h:
@@ -460,6 +470,7 @@ async def _run_example(h: Harness, token: str, example: str, *args: str) -> tupl
     return proc.returncode, out.decode(), err.decode()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("example", ["guard.sh", "guard_client.py"])
 def test_examples_ask_the_guard(dsn, example):
     async def go():
@@ -505,6 +516,7 @@ def test_examples_ask_the_guard(dsn, example):
                      other.job.id)[0][0] == {"page": 7}
 
 
+@pytest.mark.database
 def test_guard_client_retries_lease_ending_until_renewed(dsn):
     """``guard(retry_seconds=...)`` waits out the short window before a heartbeat."""
     sys.path.insert(0, str(EXAMPLES))
@@ -546,6 +558,7 @@ def _require_wired_guard(result: dict) -> None:
     assert result.get("guard") is not None, "the child got no SIDECAR_GUARD_URL"
 
 
+@pytest.mark.e2e
 def test_sidecar_run_gives_the_tool_a_working_guard(dsn):
     env = base_env(dsn, SIDECAR_LEASE_SECONDS="6")  # the guard's window always open
     job_id = enqueue(dsn, TOOL, {"step": "publish"}, env=env)
@@ -564,6 +577,7 @@ def test_sidecar_run_gives_the_tool_a_working_guard(dsn):
     assert b"SIDECAR_GUARD_TOKEN" not in done.stderr  # the secret is never logged
 
 
+@pytest.mark.e2e
 def test_a_tool_stopped_at_its_stage_deadline_is_refused_but_may_checkpoint(dsn, tmp_path):
     # A 6 s lease: the guard's window (H + J = 1.5 s before the local deadline) is then
     # open all the time; with the 3 s fast profile it is open about half of each period.

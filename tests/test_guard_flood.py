@@ -28,6 +28,8 @@ from kit import (
 from sidecar.guard import CONNECTIONS_PER_ATTEMPT, UNAUTHENTICATED_CONNECTIONS
 from sidecar.httpserver import DESCRIPTOR_RESERVE
 
+pytestmark = pytest.mark.e2e
+
 TOOL = "guard-flood"
 LIMIT = 1024  # the RLIMIT_NOFILE
 FLOOD = 2000

@@ -11,6 +11,8 @@ import pytest
 
 from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
 
+pytestmark = pytest.mark.unit
+
 
 async def _echo(request: Request) -> Response:
     try:

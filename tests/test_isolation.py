@@ -74,6 +74,7 @@ def cgroup_host():
 
 # --- memory -------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 @needs_root
 def test_memory_hog_is_killed_in_its_cgroup_and_fails_as_memory_limit(dsn, tmp_path,
                                                                         cgroup_host):
@@ -91,6 +92,7 @@ def test_memory_hog_is_killed_in_its_cgroup_and_fails_as_memory_limit(dsn, tmp_p
     _assert_work_dir_empty(work)
 
 
+@pytest.mark.e2e
 def test_memory_hog_under_rlimits_fails_as_memory_limit(dsn, tmp_path):
     env, work = _env(dsn, tmp_path, SIDECAR_CGROUPS="off",
                      SIDECAR_PROFILE_HOG_MEMORY_BYTES=str(256 * MIB))
@@ -106,6 +108,7 @@ def test_memory_hog_under_rlimits_fails_as_memory_limit(dsn, tmp_path):
 
 # --- processes ----------------------------------------------------------------------------
 
+@pytest.mark.e2e
 @needs_root
 def test_fork_bomb_is_capped_by_processes_and_fails_as_process_limit(dsn, tmp_path,
                                                                      cgroup_host):
@@ -122,6 +125,7 @@ def test_fork_bomb_is_capped_by_processes_and_fails_as_process_limit(dsn, tmp_pa
     _assert_work_dir_empty(work)
 
 
+@pytest.mark.e2e
 def test_processes_without_a_cgroup_or_run_as_is_refused_at_start(dsn, tmp_path):
     env, _ = _env(dsn, tmp_path, SIDECAR_CGROUPS="off", SIDECAR_PROFILE_BOMB_PROCESSES="8")
     done = cli(dsn, "run", "--tool", "bomb", "--drain", "--", HOSTILE, env=env)
@@ -151,6 +155,7 @@ def _world_readable_tool() -> str:
     return path
 
 
+@pytest.mark.e2e
 @needs_root
 def test_fork_bomb_under_rlimits_is_capped_by_run_as_and_nproc(dsn, public_work):
     tool = _world_readable_tool()
@@ -172,6 +177,7 @@ def test_fork_bomb_under_rlimits_is_capped_by_run_as_and_nproc(dsn, public_work)
 
 # --- CPU ----------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 @needs_root
 def test_cpu_spinners_are_stopped_at_the_trees_cpu_seconds(dsn, tmp_path, cgroup_host):
     env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_SPIN_CPU_SECONDS="1.5")
@@ -188,6 +194,7 @@ def test_cpu_spinners_are_stopped_at_the_trees_cpu_seconds(dsn, tmp_path, cgroup
     _assert_work_dir_empty(work)
 
 
+@pytest.mark.e2e
 def test_cpu_spinner_under_rlimits_fails_as_cpu_limit(dsn, tmp_path):
     env, work = _env(dsn, tmp_path, SIDECAR_CGROUPS="off", SIDECAR_PROFILE_SPIN_CPU_SECONDS="1")
     job = enqueue(dsn, "spin", {"mode": "cpu_spin"}, "--max-attempts", "1", env=env)
@@ -200,6 +207,7 @@ def test_cpu_spinner_under_rlimits_fails_as_cpu_limit(dsn, tmp_path):
 
 # --- open files ---------------------------------------------------------------------------
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("cgroups", ["auto", "off"])
 def test_fd_leaker_is_capped_by_open_files(dsn, tmp_path, cgroups):
     env, work = _env(dsn, tmp_path, SIDECAR_CGROUPS=cgroups,
@@ -215,6 +223,7 @@ def test_fd_leaker_is_capped_by_open_files(dsn, tmp_path, cgroups):
 
 # --- what the child sees ------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_child_sees_stdio_only_an_allow_listed_environment_and_its_own_dir(dsn, tmp_path):
     env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_LOOK_ENV_PASSTHROUGH="PATH,ALLOWED_VAR",
                      ALLOWED_VAR="yes", SECRET_TOKEN="must-not-pass",
@@ -251,6 +260,7 @@ def test_child_sees_stdio_only_an_allow_listed_environment_and_its_own_dir(dsn, 
         assert f"job-{job}-1" in seen["cgroup"]
 
 
+@pytest.mark.e2e
 def test_core_dumps_can_be_allowed_per_profile(dsn, tmp_path):
     env, _ = _env(dsn, tmp_path, SIDECAR_PROFILE_LOOK_CORE_DUMPS="true")
     job = enqueue(dsn, "look", {"mode": "inspect"}, env=env)
@@ -260,6 +270,7 @@ def test_core_dumps_can_be_allowed_per_profile(dsn, tmp_path):
     assert _row(dsn, job)["result"]["core"] == list(resource.getrlimit(resource.RLIMIT_CORE))
 
 
+@pytest.mark.e2e
 def test_work_dir_is_removed_with_whatever_the_tool_left_in_it(dsn, tmp_path):
     env, work = _env(dsn, tmp_path)
     job = enqueue(dsn, "litter", {"mode": "litter"}, env=env)
@@ -271,6 +282,7 @@ def test_work_dir_is_removed_with_whatever_the_tool_left_in_it(dsn, tmp_path):
     _assert_work_dir_empty(work)
 
 
+@pytest.mark.unit
 def test_work_dir_removal_never_follows_a_symlink_out_of_it(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -295,6 +307,7 @@ def test_work_dir_removal_never_follows_a_symlink_out_of_it(tmp_path):
     assert not os.path.lexists(job_dir) and (outside / "keep.txt").exists()
 
 
+@pytest.mark.e2e
 @needs_root
 def test_run_as_starts_the_tool_as_that_user_in_a_dir_it_owns(dsn, public_work):
     tool = _world_readable_tool()
@@ -312,12 +325,14 @@ def test_run_as_starts_the_tool_as_that_user_in_a_dir_it_owns(dsn, public_work):
         shutil.rmtree(os.path.dirname(tool))
 
 
+@pytest.mark.unit
 def test_run_as_is_refused_when_the_sidecar_is_not_root():
     settings = load_settings({"SIDECAR_PROFILE_LOOK_RUN_AS": "65534"})
     with pytest.raises(ConfigError, match="SIDECAR_PROFILE_LOOK_RUN_AS=65534: the sidecar must"):
         check_profile(settings.profile("look"), detect("off"), euid=1000)
 
 
+@pytest.mark.e2e
 def test_config_says_which_isolation_mode_is_active(dsn):
     shown = orjson.loads(cli(dsn, "config", env=base_env(dsn, SIDECAR_CGROUPS="off")).stdout)
     assert shown["isolation"]["mode"] == "rlimit"
@@ -333,6 +348,7 @@ def test_config_says_which_isolation_mode_is_active(dsn):
 
 # --- results ------------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_large_result_file_is_the_result_and_stdout_is_ignored(dsn, tmp_path):
     env, work = _env(dsn, tmp_path, SIDECAR_PROFILE_BIG_MAX_RESULT_BYTES=str(4 * MIB))
     ok = enqueue(dsn, "big", {"mode": "result_file", "size": 3 * MIB}, env=env)
@@ -347,6 +363,7 @@ def test_a_large_result_file_is_the_result_and_stdout_is_ignored(dsn, tmp_path):
     _assert_work_dir_empty(work)
 
 
+@pytest.mark.e2e
 def test_a_result_file_that_is_a_symlink_is_refused(dsn, tmp_path):
     secret = tmp_path / "root-only.json"
     secret.write_text('{"secret": "of the sidecar"}')
@@ -364,6 +381,7 @@ def _hex(text: str) -> str:
     return text.encode("latin-1").hex()
 
 
+@pytest.mark.e2e
 def test_a_result_file_that_is_a_hard_link_is_refused_and_its_target_left_alone(dsn, tmp_path):
     target = tmp_path / "someone-elses.json"
     target.write_text('{"private": true}')
@@ -395,6 +413,7 @@ BAD_OUTPUTS = {
 }
 
 
+@pytest.mark.e2e
 def test_bad_tool_output_fails_as_bad_result_and_never_stops_the_sidecar(dsn, tmp_path):
     env, work = _env(dsn, tmp_path)
     jobs = {name: enqueue(dsn, "emit", {"mode": "emit", "stdout": _hex(text)}, env=env)
@@ -419,6 +438,7 @@ def test_bad_tool_output_fails_as_bad_result_and_never_stops_the_sidecar(dsn, tm
     _assert_work_dir_empty(work)
 
 
+@pytest.mark.e2e
 def test_terminal_escapes_from_the_tool_are_neutralised_in_text_logs(dsn, tmp_path):
     env, _ = _env(dsn, tmp_path, SIDECAR_LOG_FORMAT="text", SIDECAR_LOG_TOOL_STDERR="true")
     enqueue(dsn, "emit", {"mode": "emit", "stderr": _hex("\x1b]0;owned\x07\x1b[2Jplain\n")},
@@ -430,6 +450,7 @@ def test_terminal_escapes_from_the_tool_are_neutralised_in_text_logs(dsn, tmp_pa
 
 # --- payloads -----------------------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_payload_over_max_payload_bytes_is_refused_at_enqueue(dsn):
     env = base_env(dsn, SIDECAR_MAX_PAYLOAD_BYTES="100")
     big = orjson.dumps({"blob": "x" * 200})
@@ -445,6 +466,7 @@ def test_a_payload_over_max_payload_bytes_is_refused_at_enqueue(dsn):
 
 # --- found by trying README as a new user -------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_relative_command_is_resolved_before_the_tool_moves_to_its_work_dir(dsn, tmp_path):
     tools = tmp_path / "tools"
     tools.mkdir()
@@ -461,6 +483,7 @@ def test_a_relative_command_is_resolved_before_the_tool_moves_to_its_work_dir(ds
     assert {"PATH", "HOME"} <= set(row["result"]["env"])
 
 
+@pytest.mark.e2e
 def test_a_bad_result_file_is_named_in_the_error(dsn, tmp_path):
     env, _ = _env(dsn, tmp_path)
     job = enqueue(dsn, "big", {"mode": "result_file", "size": 10}, env=env)
@@ -479,6 +502,7 @@ def test_a_bad_result_file_is_named_in_the_error(dsn, tmp_path):
         error["message"], error
 
 
+@pytest.mark.e2e
 def test_config_exits_2_when_run_would_refuse_a_profile(dsn, tmp_path):
     nr_open = int(Path("/proc/sys/fs/nr_open").read_text())
     env = base_env(dsn, SIDECAR_PROFILE_WIDE_OPEN_FILES=str(nr_open + 1))
@@ -492,6 +516,7 @@ def test_config_exits_2_when_run_would_refuse_a_profile(dsn, tmp_path):
     assert "SIDECAR_PROCESSES=10" in orjson.loads(done.stdout)["defaults"]["isolation_error"]
 
 
+@pytest.mark.unit
 def test_a_tree_scan_refuses_an_empty_cookie():
     """An empty cookie matches every process's environment: a scan with one would take the
     whole host for the job's tree (and the tree kill would kill it)."""

@@ -31,6 +31,8 @@ from kit import journal_details as _journal
 from kit import kill_pid as _kill
 from kit import pid_alive as _alive
 
+pytestmark = pytest.mark.e2e
+
 BREAKER = str(TOOLS / "breaker.py")
 MIB = 1024 * 1024
 ROOT = os.geteuid() == 0

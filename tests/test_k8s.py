@@ -24,6 +24,8 @@ import yaml
 
 from kit import base_env, enqueue, query, scalar
 
+pytestmark = pytest.mark.xdist_group("k8s")
+
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 # The MCP gateway's overlay serves tools over MCP (docs/mcp.md); the others run tools.
@@ -38,6 +40,7 @@ OWNER_SECRET, WORKER_SECRET, SCALER_SECRET = ("sidecar-db-owner", "sidecar-db-wo
 CALLER_SECRET, TOKENS_SECRET = "sidecar-db-caller", "sidecar-mcp-tokens"
 
 
+@pytest.mark.unit
 def test_there_is_an_overlay_per_kind_of_tool_image():
     # OCR: an image built on the sidecar image; browser: an unmodified image + the bundle.
     assert OVERLAYS == ["browser", "ocr"]
@@ -78,6 +81,7 @@ def _containers(spec: dict) -> list[dict]:
     return spec.get("initContainers", []) + spec["containers"]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_object_validates_against_the_kubernetes_schemas(rendered, overlay):
     kinds = set()
@@ -94,6 +98,7 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered, overlay
             "ScaledObject", "TriggerAuthentication"} <= kinds
 
 
+@pytest.mark.unit
 def test_a_broken_manifest_is_caught_by_the_validation():
     """The check above can fail: a misspelled field and a wrong type are refused."""
     doc = {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
@@ -122,6 +127,7 @@ def _keda_check(validator: Path, docs: list[dict]) -> subprocess.CompletedProces
                           capture_output=True, timeout=60)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_keda_objects_validate_against_kedas_crd_schema(rendered, keda_validator, overlay):
     keda = [d for d in rendered[overlay] if d["apiVersion"].startswith("keda.sh/")]
@@ -131,6 +137,7 @@ def test_keda_objects_validate_against_kedas_crd_schema(rendered, keda_validator
     assert done.stdout.decode().count(": valid") == 2
 
 
+@pytest.mark.e2e
 def test_the_keda_check_refuses_a_wrong_scaled_object(rendered, keda_validator):
     scaled = json.loads(json.dumps(_of(rendered["ocr"], "ScaledObject")[0]))
     scaled["spec"]["minReplicaCount"] = "zero"
@@ -139,6 +146,7 @@ def test_the_keda_check_refuses_a_wrong_scaled_object(rendered, keda_validator):
     assert done.returncode == 1 and "INVALID" in done.stdout.decode()
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_container_runs_restricted_without_an_api_token(rendered, overlay):
     specs = _pod_specs(rendered[overlay])
@@ -185,6 +193,7 @@ def _run_args(tool: dict) -> dict[str, str]:
     return dict(zip(options[::2], options[1::2], strict=True))
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_probes_reach_this_containers_own_sidecar_port(rendered, overlay):
     _, tool, env = _worker(rendered[overlay])
@@ -206,6 +215,7 @@ def _own_db_secret(overlay: str, where: str) -> str:
     return CALLER_SECRET if overlay == GATEWAY else WORKER_SECRET
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_the_database_url_comes_from_a_mounted_secret_that_is_not_rendered(rendered,
                                                                            overlay):
@@ -243,6 +253,7 @@ def test_the_database_url_comes_from_a_mounted_secret_that_is_not_rendered(rende
     assert len(users) == 4, "one database role per Secret"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_each_pod_mounts_only_its_own_roles_secret(rendered, overlay):
     """The worker pod holds the worker role's Secret and no other (a tool that reads it
@@ -274,6 +285,7 @@ def test_each_pod_mounts_only_its_own_roles_secret(rendered, overlay):
     assert {r["name"] for r in auth["spec"]["secretTargetRef"]} == {SCALER_SECRET}
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_migration_job_grants_the_worker_and_scaler_roles(rendered, overlay):
     [job] = _of(rendered[overlay], "Job")
@@ -298,6 +310,7 @@ def _pinned(image: str) -> bool:
     return bool(name) and "/" not in tag and bool(PINNED_TAG.match(tag))
 
 
+@pytest.mark.unit
 def test_the_pin_check_refuses_moving_and_missing_tags():
     for image in ("docker.io/chromedp/headless-shell:stable", "registry.example.com/x:latest",
                   "registry.example.com/x", "registry.example.com:5000/x", "x:1.0", "x:1",
@@ -308,6 +321,7 @@ def test_the_pin_check_refuses_moving_and_missing_tags():
         assert _pinned(image), image
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overlay", ALL_OVERLAYS)
 def test_every_image_is_pinned_and_a_new_one_reruns_the_migration(rendered, overlay):
     """Every container's image is an exact tag or a digest; the migration Job's name ends
@@ -326,6 +340,7 @@ def test_every_image_is_pinned_and_a_new_one_reruns_the_migration(rendered, over
     assert job["spec"]["ttlSecondsAfterFinished"] > 0  # the previous image's Job goes away
 
 
+@pytest.mark.e2e
 def test_a_new_sidecar_image_renders_a_new_migration_job(tmp_path):
     """The name follows the image: an overlay on top that changes only the sidecar's tag
     renders a Job of another name (kubectl apply creates it and it runs)."""
@@ -345,6 +360,7 @@ def test_a_new_sidecar_image_renders_a_new_migration_job(tmp_path):
     assert job["metadata"]["name"] == "ocr-migrate-0.2.0"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_lease_profile_is_valid_and_set_where_it_takes_effect(rendered, overlay,
                                                                   tmp_path):
@@ -383,6 +399,7 @@ def test_the_lease_profile_is_valid_and_set_where_it_takes_effect(rendered, over
         assert "SIGKILL" in comment, path
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_policy_budget_and_scaler_point_at_this_overlays_workers(rendered, overlay):
     docs = rendered[overlay]
@@ -411,6 +428,7 @@ def test_policy_budget_and_scaler_point_at_this_overlays_workers(rendered, overl
     assert trigger["metadata"]["targetQueryValue"] == run["--concurrency"]
 
 
+@pytest.mark.unit
 def test_the_browser_is_wrapped_by_the_bundle_from_an_init_container(rendered):
     docs = rendered["browser"]
     deployment, tool, _ = _worker(docs)
@@ -429,6 +447,7 @@ def test_the_browser_is_wrapped_by_the_bundle_from_an_init_container(rendered):
         "the OCR tool needs no web access"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_scalers_query_counts_the_tools_demand(rendered, overlay, dsn):
     """The query from the rendered ScaledObject, run on a real database: queued and due
@@ -454,6 +473,7 @@ def test_the_scalers_query_counts_the_tools_demand(rendered, overlay, dsn):
     assert scalar(dsn, sql) == 3  # ids[2] running, ids[3] reclaimable, ids[5] queued
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_the_tools_attempts_can_be_sandboxed(rendered, overlay):
     """Every overlay's tool reads untrusted input, so its pod takes the sandbox component
@@ -485,6 +505,7 @@ def _options(args: list[str]) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.unit
 def test_the_gateway_runs_two_replicas_probed_on_livez_with_the_callers_secret(rendered):
     """The gateway's Deployment: at least two replicas (and a budget that keeps one), the
     three probes on /livez at the port it listens on, the callers' database Secret and the
@@ -518,6 +539,7 @@ def test_the_gateway_runs_two_replicas_probed_on_livez_with_the_callers_secret(r
     assert set(migrate["args"][1::2]) == {"--caller-role"}
 
 
+@pytest.mark.e2e
 def test_the_gateways_service_policy_and_tools_fit_together(rendered, tmp_path):
     """The Service's name is an --allowed-host (the Host check would refuse agents
     otherwise) and it reaches the gateway's port; the NetworkPolicy lets only labelled
@@ -589,6 +611,7 @@ def monitoring() -> list[dict]:
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
 
+@pytest.mark.e2e
 def test_monitoring_renders_a_rule_a_pod_monitor_and_the_dashboard(monitoring,
                                                                    keda_validator):
     """k8s/monitoring renders the PrometheusRule, the PodMonitor (each valid against the
@@ -609,6 +632,7 @@ def test_monitoring_renders_a_rule_a_pod_monitor_and_the_dashboard(monitoring,
     assert json.loads(configmap["data"]["sidecar-dashboard.json"])["panels"]
 
 
+@pytest.mark.e2e
 def test_the_crd_check_refuses_a_wrong_rule_and_pod_monitor(monitoring, keda_validator):
     rule = json.loads(json.dumps(_of(monitoring, "PrometheusRule")[0]))
     rule["spec"]["groups"][0]["rules"][0]["for"] = 10
@@ -619,6 +643,7 @@ def test_the_crd_check_refuses_a_wrong_rule_and_pod_monitor(monitoring, keda_val
         assert done.returncode == 1 and "INVALID" in done.stdout.decode(), doc["kind"]
 
 
+@pytest.mark.unit
 def test_the_pod_monitor_scrapes_every_overlays_workers(monitoring, rendered):
     """The PodMonitor's selector matches each tool overlay's worker pods and names the port
     the sidecar serves /metrics on; their NetworkPolicy lets the monitoring namespace in."""
@@ -649,6 +674,7 @@ def _anchors(markdown: str) -> set[str]:
             for line in markdown.splitlines() if line.startswith("#")}
 
 
+@pytest.mark.unit
 def test_every_alert_says_how_bad_what_and_where_the_runbook_is(monitoring):
     [rule] = _of(monitoring, "PrometheusRule")
     alerts = [r for group in rule["spec"]["groups"] for r in group["rules"]]

@@ -12,6 +12,9 @@ from sidecar.caller_store import CallerStore
 from sidecar.db import init_connection
 from sidecar.model import RawJson
 from sidecar.worker_store import WorkerStore
+import pytest
+
+pytestmark = pytest.mark.database
 
 
 async def _stores(dsn: str, size: int = 4) -> tuple[CallerStore, WorkerStore]:

@@ -16,6 +16,8 @@ from sidecar.lease_state import Lease, LeaseState, guard_refusal
 from sidecar.model import ClaimedJob
 from sidecar.vocabulary import GuardRefusal, StopReason
 
+pytestmark = pytest.mark.unit
+
 UNTIL = dt.datetime(2026, 12, 2, tzinfo=dt.UTC)
 MIN_LEFT = 2.0  # H + J
 

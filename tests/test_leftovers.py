@@ -40,6 +40,8 @@ from kit import journal_details as _journal
 from kit import kill_pid as _kill
 from kit import pid_alive as _alive
 
+pytestmark = pytest.mark.e2e
+
 PROBE = str(TOOLS / "leftover_probe.py")
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="cgroups, RUN_AS and namespaces need root")

@@ -105,6 +105,7 @@ def _sandbox(root: Path, run_as: str = f"{TOOL_UID}:{TOOL_UID}", **fields) -> Sa
 
 # --- unit: the descriptor-based helpers -----------------------------------------------------
 
+@pytest.mark.unit
 def test_create_file_never_opens_an_existing_name(tmp_path, secret):
     """O_CREAT|O_EXCL|O_NOFOLLOW: a link to a root file, a FIFO (which would block an
     open for writing) or a file already there is refused, and the target is untouched."""
@@ -129,6 +130,7 @@ def test_create_file_never_opens_an_existing_name(tmp_path, secret):
     assert stat.S_IMODE((d / "new").stat().st_mode) == 0o600
 
 
+@pytest.mark.unit
 def test_open_subdir_and_make_private_dir_never_follow_a_link(tmp_path):
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -147,6 +149,7 @@ def test_open_subdir_and_make_private_dir_never_follow_a_link(tmp_path):
     assert stat.S_ISDIR(made.st_mode) and stat.S_IMODE(made.st_mode) == 0o700
 
 
+@pytest.mark.unit
 def test_clear_dir_removes_a_deep_tree_of_links_without_following_one(tmp_path, secret):
     """Removal goes through descriptors only: links at every level (to a directory and
     to a root file outside) are removed, never followed; a tree deeper than the
@@ -175,6 +178,7 @@ def test_clear_dir_removes_a_deep_tree_of_links_without_following_one(tmp_path, 
     _assert_untouched(secret)
 
 
+@pytest.mark.unit
 def test_remove_held_clears_the_moved_directory_and_only_unlinks_a_link_in_its_place(
         tmp_path):
     """The directory a descriptor holds is emptied wherever it was moved; a link put under
@@ -204,6 +208,7 @@ def test_remove_held_clears_the_moved_directory_and_only_unlinks_a_link_in_its_p
 
 # --- unit: the sandbox ----------------------------------------------------------------------
 
+@pytest.mark.unit
 @needs_root
 def test_the_sandbox_writes_its_files_before_the_tool_user_owns_the_directory(
         public_dir, secret):
@@ -227,6 +232,7 @@ def test_the_sandbox_writes_its_files_before_the_tool_user_owns_the_directory(
     assert list(root.iterdir()) == []
 
 
+@pytest.mark.e2e
 @needs_root
 def test_a_link_planted_by_the_tool_user_is_never_written_or_chowned_through(
         public_dir, secret):
@@ -247,6 +253,7 @@ def test_a_link_planted_by_the_tool_user_is_never_written_or_chowned_through(
     _assert_untouched(secret)
 
 
+@pytest.mark.e2e
 @needs_root
 def test_the_result_and_the_cleanup_go_through_the_directory_not_its_path(
         public_dir, tmp_path):
@@ -278,6 +285,7 @@ def test_the_result_and_the_cleanup_go_through_the_directory_not_its_path(
     assert list(Path(job_dir + ".moved").iterdir()) == []  # emptied through the descriptor
 
 
+@pytest.mark.e2e
 @needs_root
 def test_a_result_file_linked_to_a_root_file_is_not_the_result(public_dir, secret):
     root = public_dir()
@@ -293,6 +301,7 @@ def test_a_result_file_linked_to_a_root_file_is_not_the_result(public_dir, secre
     _assert_untouched(secret)
 
 
+@pytest.mark.unit
 def test_a_kept_directory_with_a_link_in_it_is_not_reused(tmp_path):
     """Reuse (no RUN_AS): a kept directory whose HOME was swapped for a link to an empty
     private directory elsewhere is not pristine; it is removed through its descriptor,
@@ -312,6 +321,7 @@ def test_a_kept_directory_with_a_link_in_it_is_not_reused(tmp_path):
     assert elsewhere.is_dir() and not os.path.lexists(path)
 
 
+@pytest.mark.unit
 def test_the_owner_lock_is_never_taken_through_a_planted_link(tmp_path, secret):
     """A tool sharing the work root plants ``.owner-<key>.lock -> <root file>``: the
     sidecar's start used to open (O_RDWR|O_CREAT) and flock the root file through it."""
@@ -326,6 +336,7 @@ def test_the_owner_lock_is_never_taken_through_a_planted_link(tmp_path, secret):
     _assert_untouched(secret)
 
 
+@pytest.mark.unit
 def test_an_abandoned_directory_is_removed_without_following_its_links(tmp_path, secret):
     root = tmp_path / "root"
     work = root / f"{owner_key('gone')}.jabcdefgh"
@@ -355,6 +366,7 @@ def _env(dsn, work: Path, **extra):
                     SIDECAR_PROFILE_LINKS_RUN_AS=f"{TOOL_UID}:{TOOL_UID}", **extra)
 
 
+@pytest.mark.e2e
 @needs_root
 def test_f15_a_sibling_cannot_get_the_checkpoint_written_through_its_link(
         dsn, public_dir, secret):
@@ -382,6 +394,7 @@ def test_f15_a_sibling_cannot_get_the_checkpoint_written_through_its_link(
     assert list(work.iterdir()) == []
 
 
+@pytest.mark.e2e
 @needs_root
 def test_f15_a_swapped_sibling_work_dir_changes_neither_the_result_nor_the_cleanup(
         dsn, public_dir, tmp_path):

@@ -38,6 +38,9 @@ from kit import (
 from sidecar import db
 from sidecar.caller_store import CallerStore
 from sidecar.client import Client
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
 
 TOOL = "listen-echo"
 TOOL_OK = [sys.executable, "-c", "import sys; sys.stdin.read(); print('{\"ok\": true}')"]

@@ -107,6 +107,8 @@ def _start_jobs(dsn, sidecars, tmp_path, count, seconds, env, nbytes=0):
 UNKNOWN = {"ownership_unknown", "lease_abandoned", "heartbeat_lost", "result_rejected"}
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_f17_a_locked_row_costs_only_its_own_lease(dsn, sidecars, tmp_path):
     """Case F17 (kind: a lock held by someone else stalls the whole lease path), the issue's
     input on the fast profile (L = 3 s, H = 0.5 s): three running jobs on one sidecar,
@@ -141,6 +143,8 @@ def _longest_lock_wait(dsn: str) -> float:
           AND wait_event_type = 'Lock'""")
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_f17_a_table_lock_is_waited_on_in_bounded_steps(dsn, sidecars, tmp_path):
     """Case F17 (kind: a lock held by someone else stalls the whole lease path): an
     ACCESS EXCLUSIVE lock on tool_jobs (what a non-concurrent CREATE INDEX or VACUUM FULL
@@ -168,6 +172,8 @@ def test_f17_a_table_lock_is_waited_on_in_bounded_steps(dsn, sidecars, tmp_path)
     assert not sc.events("lease_abandoned")
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_f17_a_commit_waits_out_a_row_lock_without_losing_the_lease(dsn, sidecars, tmp_path):
     """Case F17 (kind: a lock held by someone else stalls the whole lease path), the commit
     path: the tool ends while another session holds its row FOR UPDATE for 5 s (less than
@@ -210,6 +216,8 @@ def _alter_database(dsn: str, *settings: str) -> None:
         query(dsn, f'ALTER DATABASE "{name}" SET {setting}')
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_f18_server_timeouts_do_not_reach_the_sidecar(pooled_dsn, dsn, sidecars, tmp_path):
     """Case F18 (kind: the sidecar's sessions inherit the server's settings), the issue's
     input: the database says statement_timeout = 100ms (and idles out transactions after
@@ -242,6 +250,8 @@ CREATE TRIGGER f18_slow_success BEFORE UPDATE ON tool_jobs
     FOR EACH ROW EXECUTE FUNCTION f18_slow_success()""")
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_f18_a_commit_too_slow_for_our_own_timeout_fails_once(dsn, sidecars, tmp_path):
     """Case F18 (kind: a statement cancelled by a timeout is treated as an outage): the
     success commit takes 3 s (a trigger of this test's database sleeps), longer than the
@@ -264,6 +274,7 @@ def test_f18_a_commit_too_slow_for_our_own_timeout_fails_once(dsn, sidecars, tmp
     assert not sc.events("commit_retry") and not sc.events("lease_abandoned")
 
 
+@pytest.mark.unit
 def test_f18_session_settings_follow_the_client_bound():
     """Case F18: the settings derive from the client-side bound of a session's statements:
     the server ends a statement (0.9 x) before the client stops waiting, a lock wait (0.5 x)
@@ -278,6 +289,8 @@ def test_f18_session_settings_follow_the_client_bound():
                for value in db.session_settings(0.001).values())
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_f18_cli_sessions_carry_the_settings(dsn):
     """Case F18: a command's session shows the sidecar's own settings, whatever the
     database says (``sidecar jobs`` works under a database statement_timeout of 1 ms)."""

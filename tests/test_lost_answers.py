@@ -30,6 +30,8 @@ from pgproxy import AnswerDropProxy
 from kit import base_env, enqueue, job_row, query, wait_until
 from sidecar.queries import Q
 
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
 COUNTER = "run_counter.py"
 
 

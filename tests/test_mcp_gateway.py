@@ -126,6 +126,8 @@ def mcp_catalog_job_meta() -> str:
     return JOB_META
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_calls_are_jobs_success_failure_deadline_and_only_given_tools(dsn, sidecars,
                                                                        gateway, tmp_path):
     """tools/list shows exactly the --tool tools with their descriptions and schemas; a
@@ -183,6 +185,8 @@ def test_calls_are_jobs_success_failure_deadline_and_only_given_tools(dsn, sidec
         == 2
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_progress_notifications_during_a_long_call(dsn, sidecars, gateway, tmp_path):
     """The tool's progress reports reach the client as notifications/progress while the
     call is still running (the client sent a progress token)."""
@@ -210,6 +214,8 @@ def test_progress_notifications_during_a_long_call(dsn, sidecars, gateway, tmp_p
     assert seen[0][3] < ended - 1.0  # arrived while the call was still running
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_a_cancelled_request_cancels_the_job_and_kills_its_tree(dsn, sidecars, gateway,
                                                                   tmp_path):
     """Cancelling the client's call (the SDK sends notifications/cancelled) cancels the
@@ -238,6 +244,8 @@ def test_a_cancelled_request_cancels_the_job_and_kills_its_tree(dsn, sidecars, g
         wait_until(lambda p=pid: not pid_alive(p), 10, what=f"tool pid {pid} to die")
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_bad_arguments_unknown_tools_and_the_per_principal_bound(dsn, sidecars, gateway,
                                                                   tmp_path):
     """Arguments the schema refuses and a tool not given are JSON-RPC errors naming what
@@ -272,6 +280,8 @@ def test_bad_arguments_unknown_tools_and_the_per_principal_bound(dsn, sidecars, 
     _run(main())
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_a_clients_idempotency_key_joins_the_job_within_its_principal_only(
         dsn, sidecars, gateway, tmp_path):
     """The same `_meta` idempotency key from the same principal returns the same job (the
@@ -294,6 +304,8 @@ def test_a_clients_idempotency_key_joins_the_job_within_its_principal_only(
     assert scalar(dsn, "SELECT count(*) FROM tool_job_events WHERE event = 'job_claimed'") == 2
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_http_refuses_missing_and_wrong_tokens_and_foreign_origins(dsn, gateway, tmp_path):
     """Without a token, with a wrong one, or from a foreign Origin, /mcp answers 401/403
     and the SDK client fails to connect; /livez needs no token."""
@@ -316,6 +328,8 @@ def test_http_refuses_missing_and_wrong_tokens_and_foreign_origins(dsn, gateway,
         _run(main())
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_stdio_serves_the_same_calls(dsn, sidecars, tmp_path):
     """`sidecar mcp --stdio`, started by the SDK's stdio client, runs a call as a job
     tagged with the stdio principal."""
@@ -337,6 +351,8 @@ def test_stdio_serves_the_same_calls(dsn, sidecars, tmp_path):
     assert row["tags"]["mcp.principal"] == "stdio"
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 @pytest.mark.parametrize("case, env_extra, args, expected", [
     ("no tool", {}, [], "give at least one --tool"),
     ("no description", {"SIDECAR_PROFILE_PT_MCP_DESCRIPTION": ""}, ["--tool", "pt"],
@@ -355,6 +371,8 @@ def test_bad_settings_are_one_line_and_exit_2(dsn, tmp_path, case, env_extra, ar
     assert expected in one_line_error(done, no_stdout=True)
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_schema_files_are_checked(dsn, tmp_path):
     """Not JSON, not an object schema, or not valid in its draft: exit 2 naming the
     variable (or the tool)."""
@@ -379,6 +397,7 @@ def test_schema_files_are_checked(dsn, tmp_path):
     assert orjson.loads(done.stdout)["profiles"][0]["mcp_input_schema_file"] == str(schema)
 
 
+@pytest.mark.unit
 def test_token_file_rules(tmp_path):
     """One `PRINCIPAL TOKEN` per line; short tokens, repeats and empty files refused
     with the line named and no token shown; lookups in constant time per token."""
@@ -399,6 +418,7 @@ def test_token_file_rules(tmp_path):
         assert expected in str(err.value) and ALICE not in str(err.value)
 
 
+@pytest.mark.unit
 def test_call_keys_need_a_session_and_are_scoped():
     """A derived key only with a session and a request id; the same request gives the
     same key, another principal, session or id another."""
@@ -411,6 +431,8 @@ def test_call_keys_need_a_session_and_are_scoped():
     assert scoped("alice", "k") != scoped("bob", "k")
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_run_never_imports_the_mcp_sdk():
     """`sidecar run`'s modules import no MCP SDK (the extra is optional)."""
     code = ("import sys, sidecar.cli, sidecar.worker, sidecar.supervisor\n"
@@ -440,6 +462,8 @@ def _rpc(g: Gateway, body: dict, session: str | None = None) -> tuple[dict | Non
             response.headers.get("mcp-session-id") or session)
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_a_retried_request_of_a_session_joins_its_job(dsn, sidecars, gateway, tmp_path):
     """On a 2025-revision session, the same tools/call request sent twice (a client's
     retry: same session, same JSON-RPC id) is one job, run once; another id is another

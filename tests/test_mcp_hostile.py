@@ -27,6 +27,8 @@ from test_mcp_gateway import (  # noqa: F401 - the fixture
 from kit import TOOLS, base_env, cli, job_row, pid_alive, read_pids, scalar, wait_until
 from sidecar.mcp_tasks import TaskHandle, TasksExtension, list_tasks
 
+pytestmark = pytest.mark.e2e
+
 HEADERS = {"Accept": "application/json, text/event-stream",
            "Content-Type": "application/json"}
 MODERN = "2026-07-28"

@@ -23,6 +23,8 @@ from sidecar.mcp_tasks import (
     task_result,
 )
 
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
 
 def _tasks_client(g, token=None):
     return g.client(token, extensions=[TasksExtension()]) if token else \

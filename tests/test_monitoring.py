@@ -46,6 +46,8 @@ from kit import (
 )
 from sidecar.db import with_database
 
+pytestmark = pytest.mark.xdist_group("prometheus")
+
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "k8s" / "monitoring"
 ALERT_TESTS = Path(__file__).resolve().parent / "monitoring" / "alerts_test.yaml"
@@ -86,6 +88,7 @@ def rules_dir(tmp_path_factory) -> Path:
     return where
 
 
+@pytest.mark.e2e
 def test_promtool_checks_the_rules(rules_dir):
     done = subprocess.run([_need("promtool"), "check", "rules", "rules.yaml"], cwd=rules_dir,
                           capture_output=True, timeout=60)
@@ -94,6 +97,7 @@ def test_promtool_checks_the_rules(rules_dir):
     assert f"SUCCESS: {len(_alerts())} rules found" in out
 
 
+@pytest.mark.e2e
 def test_promtool_unit_tests_every_alert_firing_and_not(rules_dir):
     done = subprocess.run([_need("promtool"), "test", "rules", ALERT_TESTS.name],
                           cwd=rules_dir, capture_output=True, timeout=60)
@@ -105,6 +109,7 @@ def test_promtool_unit_tests_every_alert_firing_and_not(rules_dir):
     assert firing == _alerts() and quiet == _alerts()
 
 
+@pytest.mark.e2e
 def test_promtool_fails_an_alert_that_does_not_fire_as_expected(tmp_path):
     """The unit tests can fail: with SidecarQueueTooOld's threshold raised past what the
     series reach, its firing case fails."""
@@ -121,6 +126,7 @@ def test_promtool_fails_an_alert_that_does_not_fire_as_expected(tmp_path):
     assert "SidecarQueueTooOld" in done.stdout.decode() + done.stderr.decode()
 
 
+@pytest.mark.unit
 def test_the_committed_dashboard_is_what_the_builder_makes():
     """k8s/monitoring/sidecar-dashboard.json is packaging/dashboard.py's output: run
     `python packaging/dashboard.py` after changing a panel."""
@@ -288,6 +294,7 @@ def _targets() -> list[tuple[str, str]]:
             for target in panel["targets"]]
 
 
+@pytest.mark.e2e
 def test_every_dashboard_query_returns_data_from_the_real_prometheus(stage):
     prom, _, _ = stage
     empty = [f"{title}: {expr}" for title, expr in _targets()
@@ -295,6 +302,7 @@ def test_every_dashboard_query_returns_data_from_the_real_prometheus(stage):
     assert not empty, "queries without data:\n" + "\n".join(empty)
 
 
+@pytest.mark.e2e
 def test_the_staged_events_show_in_the_panels_series(stage):
     """What happened is what the panels show: two sidecars, the claims and successes, each
     failure under its kind, the kill with its latency, the heartbeats' round trips, the
@@ -333,6 +341,7 @@ def test_the_staged_events_show_in_the_panels_series(stage):
     assert values("Lease losses", tool=TOOL) == [0, 0]
 
 
+@pytest.mark.e2e
 def test_the_rules_evaluate_on_the_real_series_and_the_dead_letter_fires(stage):
     """Prometheus loaded the PrometheusRule's groups and evaluates every rule without an
     error; the refused result fires SidecarForwardDeadLetters (it has no `for`), and with
@@ -356,6 +365,7 @@ def test_the_rules_evaluate_on_the_real_series_and_the_dead_letter_fires(stage):
     assert {name for name, _ in firing()} == {"SidecarForwardDeadLetters"}
 
 
+@pytest.mark.e2e
 def test_the_panels_are_drawn_for_a_screenshot(stage, tmp_path):
     """Each panel's queries over the module's span, drawn as lines on a static page and
     screenshot by headless Chromium into TEST_ARTIFACTS_DIR/dashboard-panels.png

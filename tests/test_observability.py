@@ -14,6 +14,8 @@ from netproxy import BlackholeProxy, through, upstream_of
 
 from kit import base_env, cli, enqueue, metric_value, query, wait_until
 
+pytestmark = pytest.mark.e2e
+
 
 def _get(url: str) -> tuple[int, str]:
     try:

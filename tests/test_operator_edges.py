@@ -40,6 +40,7 @@ from sidecar.results import BadResult, parse_result
 HUGE = "99999999999999999999"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args", [
     ["jobs", "--limit", HUGE],
     ["jobs", "--limit", "-" + HUGE],
@@ -58,6 +59,7 @@ def test_every_integer_argument_is_bounded_one_line_exit_2(dsn, args):
     assert "database error" not in line and args[-1 if args[0] != "run" else -3] in line
 
 
+@pytest.mark.e2e
 def test_an_argument_error_is_one_line_not_a_usage_block(dsn):
     """Case F24, kind: argparse's own errors (a usage block, then the error) were two or
     three lines; every bad argument is one line naming the command, exit 2."""
@@ -65,6 +67,7 @@ def test_an_argument_error_is_one_line_not_a_usage_block(dsn):
     assert done.returncode == 2 and "sidecar jobs" in one_line_error(done)
 
 
+@pytest.mark.unit
 def test_an_out_of_range_duration_variable_is_refused_at_load():
     """Case F24, kind: the same bound for durations set by variable (a lease of 1e18 s
     overflows now() + interval at the first claim)."""
@@ -74,6 +77,7 @@ def test_an_out_of_range_duration_variable_is_refused_at_load():
         load_settings({"SIDECAR_RETENTION_SECONDS": "4000000000000000000"})
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name", [*GLOBAL_FIELDS, *PROFILE_FIELDS,
                                   *(f"PROFILE_OCR_{f}" for f in PROFILE_FIELDS)])
 def test_an_empty_variable_is_unset_for_every_variable(name):
@@ -87,6 +91,7 @@ def test_an_empty_variable_is_unset_for_every_variable(name):
         assert got.profile("ocr") == want.profile("ocr")
 
 
+@pytest.mark.e2e
 def test_an_empty_database_url_next_to_a_url_file_is_unset(dsn, tmp_path):
     """Case F24: SIDECAR_DATABASE_URL= (a template that renders an empty value) beside
     SIDECAR_DATABASE_URL_FILE was "set but empty" (exit 2); it is unset, the file is used."""
@@ -96,6 +101,7 @@ def test_an_empty_database_url_next_to_a_url_file_is_unset(dsn, tmp_path):
     assert done.returncode == 0, done.stderr.decode()
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("make", ["file", "under_file", "proc"])
 def test_config_refuses_the_work_directory_run_refuses(dsn, make):
     """Case F24, kind: two checks of one setting. `sidecar config` skipped the probe
@@ -116,6 +122,7 @@ def test_config_refuses_the_work_directory_run_refuses(dsn, make):
         os.unlink(afile)
 
 
+@pytest.mark.e2e
 def test_config_accepts_a_work_directory_still_to_be_made_and_makes_nothing(dsn):
     """Case F24: the shared check still lets config accept a root run would create, and
     config leaves nothing behind."""
@@ -132,6 +139,8 @@ def test_config_accepts_a_work_directory_still_to_be_made_and_makes_nothing(dsn)
 BIG_INT = "1" + "0" * 399
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 @pytest.mark.parametrize("number", [BIG_INT, "-" + BIG_INT, "1e400", "-1e400", "1e-400",
                                     "2.5E+400"])
 def test_a_number_beyond_a_double_is_stored_exactly(dsn, number):
@@ -151,6 +160,8 @@ def test_a_number_beyond_a_double_is_stored_exactly(dsn, number):
     assert value == {"n": jsontext.ExactNumber(number)} and str(text) == raw
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 @pytest.mark.parametrize("number", ["1e131072", "-1e131072", "1e-16384", "2.5e-20000"])
 def test_a_number_jsonb_cannot_store_is_refused_saying_why(dsn, number):
     """Case F24: a number beyond PostgreSQL numeric's range (131072 digits before the
@@ -164,6 +175,7 @@ def test_a_number_jsonb_cannot_store_is_refused_saying_why(dsn, number):
         parse_result(f'[{number}]'.encode())
 
 
+@pytest.mark.unit
 def test_exponents_cannot_blow_a_document_up():
     """Case F24: 1e131071 is 8 bytes of JSON and 131072 in jsonb; a bounded read caps what
     a whole document grows by written out (MAX_NUMBER_GROWTH), so a 1 MiB payload cannot
@@ -175,6 +187,8 @@ def test_exponents_cannot_blow_a_document_up():
     assert len(jsontext.loads(b"[" + b"1e131071," * 7 + b"1]", bounded=True)) == 8
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_a_result_next_stage_and_checkpoint_beyond_a_double_are_kept(dsn, sidecars,
                                                                      tmp_path):
     """Case F24: the siblings of the payload. A tool's checkpoint (the guard's POST
@@ -201,6 +215,7 @@ def test_a_result_next_stage_and_checkpoint_beyond_a_double_are_kept(dsn, sideca
 # --- metrics ---------------------------------------------------------------------
 
 
+@pytest.mark.unit
 def test_metric_names_say_what_they_count_no_created_series_no_none_label():
     """Case F24, kind: metrics that mislead a dashboard. `sidecar_jobs_finished_total`
     counted attempts (a job retried twice counted three), every counter had a `_created`
@@ -236,6 +251,7 @@ BAD_PAYLOADS = [b"", b"[1", b"[]", b'"url"', b"{}", b'{"url": 5, "image": 5, "in
                 b'"lang": 2}']
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.py")))
 def test_a_recipe_exits_65_with_one_line_on_a_bad_payload(recipe):
     """Case F24, kind: bad input treated as a crash. The recipes died with a traceback and
@@ -253,6 +269,7 @@ def test_a_recipe_exits_65_with_one_line_on_a_bad_payload(recipe):
         assert len(err.strip().splitlines()) == 1 and err.startswith("bad payload: "), err
 
 
+@pytest.mark.e2e
 def test_a_bad_payload_of_a_recipe_fails_its_job_at_once(dsn, sidecars):
     """Case F24: through a sidecar, the bad payload fails the job at its first attempt
     (exit 65 is non-retryable), with the one line in the job's error."""
@@ -268,6 +285,7 @@ def test_a_bad_payload_of_a_recipe_fails_its_job_at_once(dsn, sidecars):
 # --- errors under any launcher -------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("args, extra", [
     (["run", "--", "/nonexistent/tool"], {}),
     (["run", "--tool", "bad name", "--", "true"], {}),
@@ -292,6 +310,7 @@ def test_run_started_in_the_background_by_a_shell_fails_in_one_line(dsn, args, e
 # --- shutdown of the guard/health server ---------------------------------------------
 
 
+@pytest.mark.unit
 def test_http_stop_closes_idle_keepalive_connections_and_logs_no_error():
     """Case F24, kind: a shutdown that waits on a peer that will never speak. stop() gave
     every open connection its grace, so one idle keep-alive connection (a Prometheus
@@ -359,6 +378,7 @@ def _launch_from_a_script(dsn, tmp_path, nohup: bool):
     return shell.pid, int(pid_path.read_text()), log_path
 
 
+@pytest.mark.e2e
 def test_nohup_sidecar_outlives_the_script_that_started_it(dsn, tmp_path):
     """Case F24, kind: a safety drain that fires where the user asked for the opposite.
     `nohup sidecar run ... &` from a script: the parent-death signal stopped the sidecar
@@ -385,6 +405,7 @@ def test_nohup_sidecar_outlives_the_script_that_started_it(dsn, tmp_path):
     assert stop["reason"] == "SIGTERM"
 
 
+@pytest.mark.e2e
 def test_a_parent_death_drain_says_why(dsn, tmp_path):
     """Case F24: without nohup the parent-death drain stays (case F8), and it is logged as
     parent_died with the old parent's pid, and stop_requested with the reason, instead of
@@ -403,6 +424,7 @@ def test_a_parent_death_drain_says_why(dsn, tmp_path):
 # --- a database outage -------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_an_outage_journals_the_abandoned_kill_later_and_logs_no_forwarding(
         dsn, proxy, sidecars, tmp_path):
     """Case F24, kind: what an outage loses or invents. Through a database outage the
@@ -445,6 +467,7 @@ def test_an_outage_journals_the_abandoned_kill_later_and_logs_no_forwarding(
 # --- a fresh machine ---------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 def test_the_k8s_tests_use_the_kubectl_of_the_test_extra(tmp_path):
     """Case F24, kind: a test that depends on what the machine happens to have. The
     Kubernetes tests ran the kubectl on PATH (this machine kind ships one; a fresh machine
@@ -463,7 +486,7 @@ def test_the_k8s_tests_use_the_kubectl_of_the_test_extra(tmp_path):
     (shim / "kubectl").chmod(0o755)
     env = {**os.environ, "PATH": f"{shim}:{os.environ.get('PATH', '')}"}
     done = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+        [sys.executable, "-m", "pytest", "-q", "-n", "0", "-p", "no:cacheprovider",
          str(Path(__file__).parent / "test_k8s.py"), "-k", "probes_reach"],
         env=env, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stdout.decode()[-2000:]
@@ -484,6 +507,8 @@ def _readyz(addr: str) -> tuple[int, dict]:
         return exc.code, orjson.loads(exc.read())
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_readiness_accepts_a_newer_compatible_schema_and_rechecks(dsn, sidecars):
     """Case F24, kind: a check that compares for equality where the rule is "at least,
     if compatible". A release started after a newer, compatible migration answered 503 on
@@ -513,6 +538,7 @@ def test_readiness_accepts_a_newer_compatible_schema_and_rechecks(dsn, sidecars)
 # --- a sidecar SIGKILLed together with its guardian --------------------------------------
 
 
+@pytest.mark.e2e
 def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn, tmp_path):
     """Case F24 (kind: cleanup that only a start or the dying sidecar's own guardian does):
     sidecar A runs a tool with a whole tree (a grandchild, a double-forked and a setsid

@@ -43,6 +43,9 @@ from kit import (
 from sidecar.db import init_connection
 from sidecar.model import ClaimedJob
 from sidecar.worker_store import WorkerStore
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
 
 LEASE = float(FAST_PROFILE["SIDECAR_LEASE_SECONDS"])          # L = 3 s
 HEARTBEAT = float(FAST_PROFILE["SIDECAR_HEARTBEAT_SECONDS"])  # H = 0.5 s

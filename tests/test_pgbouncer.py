@@ -20,6 +20,7 @@ import orjson
 from kit import Receiver, base_env, cli, query
 from sidecar import db
 from sidecar.caller_store import CallerStore
+import pytest
 
 JOBS = 200
 SIDECARS = 4
@@ -59,6 +60,8 @@ def _enqueue_many(bouncer_dsn: str, count: int) -> list[str]:
     return asyncio.run(go())
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_f4_four_sidecars_behind_pgbouncer_transaction_mode(dsn, bouncer, sidecars, tmp_path):
     bdsn = bouncer.dsn_for(dsn)
     env = base_env(bdsn, **PROFILE)
@@ -106,6 +109,8 @@ def _post(url: str, key: str, fence: int, body: dict) -> tuple[int, dict]:
         return exc.code, json.load(exc)
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_reference_receiver_behind_pgbouncer(dsn, bouncer, tmp_path):
     """The receiver's pool gets the same pooler handling (db.create_pool): fenced
     transactions with a transaction-local lock_timeout, replays and stale fences."""
@@ -138,6 +143,7 @@ class _CountingIntrospection(db._PooledConnection):
         return await super()._introspect_types(typeoids, timeout)
 
 
+@pytest.mark.database
 def test_no_statement_needs_asyncpgs_type_introspection(dsn):
     """Behind a transaction pooler asyncpg's "jit off" guard around its introspection
     query runs on another server connection, so PostgreSQL JIT-compiles the query: 1-2 s
@@ -169,6 +175,8 @@ def test_no_statement_needs_asyncpgs_type_introspection(dsn):
     assert asyncio.run(check()) == []
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_the_test_kits_pgbouncer_dies_with_the_process_that_started_it(server_dsn, tmp_path):
     """A bench or test run killed by SIGKILL must not leave its PgBouncer listening (seen:
     pgbouncer's own -u cleared the parent-death signal). A real process starts one through

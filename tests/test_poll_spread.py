@@ -40,6 +40,7 @@ def _empty_claims(ports: list[int]) -> float:
                for port in ports)
 
 
+@pytest.mark.e2e
 def test_a_fleet_put_in_step_sends_one_claim_per_job_not_one_per_sidecar(dsn, tmp_path):
     ports = [kit.free_port() for _ in range(FLEET)]
     fleet = [kit.SidecarProcess(dsn, TOOL_OK, "--tool", TOOL, env=kit.base_env(
@@ -82,6 +83,7 @@ def test_a_fleet_put_in_step_sends_one_claim_per_job_not_one_per_sidecar(dsn, tm
 
 # --- the pure rule and the periodic services that use it ---------------------------------
 
+@pytest.mark.unit
 def test_spread_period_stays_within_its_period_and_refuses_nonsense():
     assert spread_period(2.0, 0.0, POLL_SPREAD) == 2.0  # never longer than the period
     assert spread_period(2.0, 1.0, POLL_SPREAD) == pytest.approx(1.6)
@@ -92,6 +94,7 @@ def test_spread_period_stays_within_its_period_and_refuses_nonsense():
             spread_period(*bad)
 
 
+@pytest.mark.unit
 def test_a_periodic_service_with_a_spread_draws_each_wait(monkeypatch):
     """The forwarder's shape (sidecar.forwarder): with ``spread`` each wait after a run is
     drawn by spread_period. A draw of 1 with a spread of 1 makes a 30 s period's wait 0 s:

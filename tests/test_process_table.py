@@ -19,6 +19,8 @@ from sidecar.config import load_settings
 from sidecar.isolation import HOME_DIR_NAME, RUNTIME_DIR_NAME, SparePool, lock_directory
 from sidecar.worker import Worker
 
+pytestmark = pytest.mark.unit
+
 # --- the process table ------------------------------------------------------------------
 
 

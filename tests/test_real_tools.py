@@ -22,6 +22,8 @@ import pytest
 
 from kit import base_env, enqueue, job_processes, job_row, wait_until
 
+pytestmark = pytest.mark.e2e
+
 RECIPES = Path(__file__).resolve().parent.parent / "examples" / "recipes"
 # The recipes' lease profiles, with a lease wide enough for their kill graces (P10).
 LEASE = {"SIDECAR_LEASE_SECONDS": "30", "SIDECAR_HEARTBEAT_SECONDS": "3"}

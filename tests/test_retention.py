@@ -12,6 +12,9 @@ import orjson
 
 from kit import base_env, cli, one_line_error, query, run, scalar
 from sidecar.retention import PRUNE_LOCK_KEY
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
 
 DAY = 86400
 

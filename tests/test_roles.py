@@ -94,6 +94,8 @@ def _granted(dsn: str, role: str) -> set[tuple[str, str, str]]:
     return {tuple(row) for row in query(dsn, GRANTED_TO, role)}
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_the_shipped_grants_are_exactly_the_documented_ones(dsn, roles):
     worker, scaler = roles
     assert _granted(dsn, worker) == WORKER_PRIVILEGES
@@ -104,6 +106,8 @@ def test_the_shipped_grants_are_exactly_the_documented_ones(dsn, roles):
     assert _granted(dsn, worker) == WORKER_PRIVILEGES
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_a_worker_runs_a_job_end_to_end_with_the_worker_grants(dsn, roles):
     worker = _as(dsn, roles[0])
     env = base_env(worker)
@@ -129,6 +133,8 @@ def _refused(dsn: str, sql: str) -> None:
         query(dsn, sql)
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_a_worker_can_neither_change_the_schema_nor_read_beyond_the_queue(dsn, roles):
     query(dsn, "CREATE SCHEMA other")
     query(dsn, "CREATE TABLE other.accounts (password text)")
@@ -150,6 +156,8 @@ def test_a_worker_can_neither_change_the_schema_nor_read_beyond_the_queue(dsn, r
     assert scalar(worker, "SELECT count(*) FROM tool_jobs") == 0  # and it does read its own
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_the_scaler_can_only_call_the_demand_function(dsn, roles):
     scaler = _as(dsn, roles[1])
     enqueue(dsn, "ocr", {})
@@ -174,6 +182,7 @@ def test_the_scaler_can_only_call_the_demand_function(dsn, roles):
     assert run(shadowed()) == 1
 
 
+@pytest.mark.database
 def test_only_the_owner_and_the_granted_scaler_may_call_the_demand_function(dsn):
     role = f"sidecar_x_{uuid.uuid4().hex[:10]}"
     query(dsn, f'CREATE ROLE "{role}" LOGIN')
@@ -186,6 +195,8 @@ def test_only_the_owner_and_the_granted_scaler_may_call_the_demand_function(dsn)
         query(dsn, f'DROP ROLE "{role}"')
 
 
+@pytest.mark.e2e
+@pytest.mark.server
 def test_a_worker_on_an_older_schema_exits_instead_of_migrating_it(dsn, roles):
     """The workers' role cannot apply a migration: on a schema older than its release a
     worker stops at start (its pod restarts until the migration Job has run), and the

@@ -20,8 +20,11 @@ import pytest
 
 from kit import TOOLS, base_env, cli, enqueue, job_row, sandbox_extra_paths, wait_until
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists("/usr/bin/bwrap"), reason="needs bubblewrap (docs/development.md)")
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not os.path.exists("/usr/bin/bwrap"), reason="needs bubblewrap (docs/development.md)"),
+]
 
 TOOL = [sys.executable, str(TOOLS / "sandbox_probe.py")]
 

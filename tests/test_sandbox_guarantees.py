@@ -31,8 +31,11 @@ from kit import (
 )
 from sidecar.cgroups import detect
 
-pytestmark = pytest.mark.skipif(
-    not os.path.exists("/usr/bin/bwrap"), reason="needs bubblewrap (docs/development.md)")
+pytestmark = [
+    pytest.mark.e2e,
+    pytest.mark.skipif(
+        not os.path.exists("/usr/bin/bwrap"), reason="needs bubblewrap (docs/development.md)"),
+]
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="per-job cgroups and RUN_AS need root")
 
 HANG_TREE = [sys.executable, str(TOOLS / "hang_tree.py")]

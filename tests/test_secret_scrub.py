@@ -41,6 +41,7 @@ def registry_with(dsn: str) -> SecretRegistry:
     return registry
 
 
+@pytest.mark.database
 @pytest.mark.parametrize("dsn", [
     f"postgresql://app:{PASSWORD}@db:5432/app",
     f"postgresql://app@db:5432/app?sslmode=disable&password={PASSWORD}",
@@ -56,12 +57,14 @@ def test_both_password_forms_are_known_and_scrubbed(dsn):
     assert registry.labels_in(b"nothing of it") == []
 
 
+@pytest.mark.unit
 def test_a_percent_encoded_password_is_known_decoded_too():
     registry = registry_with("postgresql://app:p%40ss%2Fword@db/app")
     assert registry.labels_in("p@ss/word") == ["database_password"]
     assert registry.labels_in("p%40ss%2Fword") == ["database_password"]
 
 
+@pytest.mark.unit
 def test_json_escaped_spellings_are_found():
     value = 'pä/ss"word'
     registry = SecretRegistry()
@@ -73,6 +76,7 @@ def test_json_escaped_spellings_are_found():
     assert len(secret_forms(value)) >= 4
 
 
+@pytest.mark.unit
 def test_short_values_are_not_registered_and_keys_are_independent():
     registry = SecretRegistry()
     registry.add("a", "x", ["pw", "longer-secret"])
@@ -86,6 +90,7 @@ def test_short_values_are_not_registered_and_keys_are_independent():
     assert not registry and registry.scrub("another-secret") == "another-secret"
 
 
+@pytest.mark.unit
 def test_answers_are_the_same_before_and_after_the_alternation_is_compiled():
     """A set of secrets is searched one spelling at a time until it has been searched
     REGEX_AFTER_SEARCHES times, then by its compiled alternation: holds and scrub answer
@@ -114,6 +119,7 @@ def test_answers_are_the_same_before_and_after_the_alternation_is_compiled():
     assert registry.scrub(token) == token
 
 
+@pytest.mark.unit
 def test_a_cut_edge_masks_a_piece_of_a_secret():
     registry = SecretRegistry()
     registry.add("k", "guard_token", ["ABCDEFGHIJ"])
@@ -122,6 +128,7 @@ def test_a_cut_edge_masks_a_piece_of_a_secret():
     assert registry.scrub("HIJ rest") == "HIJ rest"  # not cut: a word, not a piece
 
 
+@pytest.mark.unit
 def test_scrub_value_keeps_the_json_shape():
     registry = SecretRegistry()
     registry.add("k", "database_password", ['12,"x'])
@@ -130,6 +137,7 @@ def test_scrub_value_keeps_the_json_shape():
         "a": [SECRET_MARK, 12, None], SECRET_MARK: {"b": f"y {SECRET_MARK}"}}
 
 
+@pytest.mark.unit
 def test_the_tail_is_scrubbed_before_it_is_cut():
     """A secret straddling the 4 KiB cut leaves no piece: the raw tail keeps a margin,
     is scrubbed whole, then cut."""
@@ -197,6 +205,7 @@ def assert_nothing_holds(url: str, env: dict, sc, job: str, *secrets: str) -> No
             assert not leaks(done.stderr, secret), done.stderr
 
 
+@pytest.mark.e2e
 def test_a_tool_echoing_the_secret_file_leaves_no_password(secret_env, sidecars):
     """The issue's leptonica leak: the file's content in the stderr tail, `sidecar show`,
     the log (tool_stderr lines) and the journal. Fails before the scrubbing."""
@@ -211,6 +220,7 @@ def test_a_tool_echoing_the_secret_file_leaves_no_password(secret_env, sidecars)
     assert_nothing_holds(url, env, sc, job, PASSWORD, url)
 
 
+@pytest.mark.e2e
 def test_a_secret_cut_by_the_tail_leaves_no_piece(secret_env, sidecars):
     """The last 4 KiB of the tool's stderr begin inside the password: no piece of it is
     kept (the tail is scrubbed before the cut, so it may come out shorter than 4 KiB)."""
@@ -229,6 +239,7 @@ def outcome(url: str, job: str) -> tuple[dict, list]:
     return row, [r["details"] for r in journal_rows(url, job, "secret_in_output")]
 
 
+@pytest.mark.e2e
 def test_a_result_holding_the_password_is_not_stored(secret_env, sidecars):
     url, env, path = secret_env
     job, sc = run_one(sidecars, url, env, {"file": path, "to": "result"})
@@ -246,6 +257,7 @@ def test_a_result_holding_the_password_is_not_stored(secret_env, sidecars):
     assert_nothing_holds(url, env, sc, job, PASSWORD, url)
 
 
+@pytest.mark.e2e
 def test_a_next_stage_payload_holding_the_password_is_not_stored(secret_env, sidecars):
     url, env, path = secret_env
     job, sc = run_one(sidecars, url, env, {"file": path, "to": "next"})
@@ -256,6 +268,7 @@ def test_a_next_stage_payload_holding_the_password_is_not_stored(secret_env, sid
     assert_nothing_holds(url, env, sc, job, PASSWORD, url)
 
 
+@pytest.mark.e2e
 def test_a_guard_token_echoed_is_scrubbed_and_refused(secret_env, sidecars):
     """The attempt's own token: scrubbed from its stderr tail, refused in its result."""
     url, env, _ = secret_env
@@ -270,6 +283,7 @@ def test_a_guard_token_echoed_is_scrubbed_and_refused(secret_env, sidecars):
     assert journaled[0]["secrets"] == ["guard_token"], journaled
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_holding_the_password_is_refused(secret_env, sidecars):
     url, env, path = secret_env
     job, sc = run_one(sidecars, url, env, {"file": path, "to": "checkpoint"})
@@ -282,6 +296,7 @@ def test_a_checkpoint_holding_the_password_is_refused(secret_env, sidecars):
 
 
 
+@pytest.mark.unit
 def test_a_guard_token_coming_and_going_recompiles_nothing():
     """Each key's spellings are searched on their own: once the database password's
     alternation is compiled, a guard token added and discarded (twice per attempt) leaves
@@ -308,6 +323,7 @@ def test_a_guard_token_coming_and_going_recompiles_nothing():
     assert db_group_now is db_group and db_group.compiled[str] is compiled
 
 
+@pytest.mark.unit
 def test_every_printable_ascii_secret_is_found_as_each_encoder_writes_it():
     """A plain ASCII value is registered as one spelling only when every encoder writes
     it unchanged: a value holding any character an encoder escapes is still found in

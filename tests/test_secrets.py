@@ -56,6 +56,7 @@ def assert_no_leak(done: subprocess.CompletedProcess, what: str, secret: str = P
     assert "Traceback" not in err, f"{what}: {err}"
 
 
+@pytest.mark.unit
 def test_the_leak_check_finds_the_password():
     """The checks below can fail: the helper finds the password in every form it may take."""
     dsn = with_password("postgresql://bob@db.example:5432/app", PASSWORD)
@@ -116,6 +117,7 @@ def http_text(url: str) -> str:
 # --- configuration --------------------------------------------------------------------
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("form", ["userinfo", "percent-encoded", "query"])
 def test_config_masks_the_password_in_every_dsn_form(secret_dsn, form):
     if form == "userinfo":
@@ -140,6 +142,7 @@ def test_config_masks_the_password_in_every_dsn_form(secret_dsn, form):
             assert "***" in shown, shown  # the URL is shown, masked: the check looked at it
 
 
+@pytest.mark.e2e
 def test_config_masks_a_token_in_the_result_url(secret_dsn):
     """RESULT_URL is the other credential-bearing setting: userinfo and token parameters."""
     env = base_env(secret_dsn, SIDECAR_PROFILE_PRINT_ENV_PY_RESULT_URL=(
@@ -155,6 +158,7 @@ def test_config_masks_a_token_in_the_result_url(secret_dsn):
 # --- a whole job life, with the password in the DSN ----------------------------------------
 
 
+@pytest.mark.e2e
 def test_no_command_output_row_or_child_environment_holds_the_password(secret_dsn, sidecars):
     for fmt in ("json", "text"):
         done = cli(secret_dsn, "migrate", env=run_env(secret_dsn, fmt))
@@ -241,6 +245,7 @@ COMMANDS = [
 ]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("target", ["closed port", "unresolvable host"])
 def test_errors_for_an_unreachable_database_hide_the_password(target):
     host = (f"127.0.0.1:{free_port()}" if target == "closed port"
@@ -263,6 +268,7 @@ def test_errors_for_an_unreachable_database_hide_the_password(target):
         assert_no_leak(done, f"sidecar config ({target})")
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("password", [
     "Sup3r/SecretPw_xyz",   # '/' ends the authority: urlsplit sees port "Sup3r"
     "Sup3r#SecretPw_xyz",   # '#' starts the fragment
@@ -294,6 +300,7 @@ def _peek_command() -> list[str]:
     return [setpriv, "--bounding-set=-all", "--inh-caps=-all", *peek]
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("source", ["SIDECAR_DATABASE_URL", "SIDECAR_DATABASE_URL_FILE"])
 def test_a_tool_of_the_same_uid_finds_the_password_nowhere(secret_dsn, sidecars, tmp_path,
                                                            source):

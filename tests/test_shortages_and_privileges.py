@@ -39,6 +39,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (cgroups, 
 
 # --- F19: a transient shortage is never a permanent failure ------------------------------
 
+@pytest.mark.unit
 def test_shortage_errnos_are_transient_and_program_errors_are_not():
     """Case F19, kind "a transient shortage is never a permanent failure": the errors of a
     host that ran short (EAGAIN, ENOMEM, EMFILE, ENFILE, ENOSPC, a thread that could not
@@ -52,6 +53,7 @@ def test_shortage_errnos_are_transient_and_program_errors_are_not():
     assert shortage_errno(ValueError("bad")) is None
 
 
+@pytest.mark.unit
 def test_claim_pause_doubles_while_shortages_repeat_and_resets_once_a_tool_starts():
     """Case F19: each shortage in a row doubles the claim pause up to its cap; a started
     tool resets it."""
@@ -70,6 +72,7 @@ def test_claim_pause_doubles_while_shortages_repeat_and_resets_once_a_tool_start
     assert pause.begin() == PAUSE_BASE_SECONDS
 
 
+@pytest.mark.unit
 def test_spawn_without_descriptors_is_a_shortage_not_a_spawn_failure():
     """Case F19: a spawn that cannot make its pipes (EMFILE: the sidecar's descriptor table
     is full) raises SpawnShortage naming EMFILE, not the permanent SpawnFailed. A real
@@ -114,6 +117,7 @@ async def _spawn_joining(procs_file: str):
     return await asyncio.wait_for(child.exited, 10)
 
 
+@pytest.mark.e2e
 def test_shortage_between_fork_and_exec_is_a_shortage_not_an_exit_status(tmp_path):
     """Case F19, kind "a transient shortage is never a permanent failure", where the
     shortage is met in the child between fork and exec: its ``preexec_fn`` joins the job
@@ -153,6 +157,7 @@ def pids_cgroup():
     path.rmdir()
 
 
+@pytest.mark.e2e
 def test_pids_limit_reached_by_another_tool_releases_the_attempt_unspent(
         pids_cgroup, dsn, sidecars, tmp_path):
     """Case F19, kind "a transient shortage is never a permanent failure": one tool forks
@@ -269,6 +274,7 @@ def _unprivileged_sidecar(dsn, proxy, sidecars, public_dir, tool: str, **extra: 
                     env=env, launcher=launcher, python=python)
 
 
+@pytest.mark.e2e
 def test_setuid_helper_stays_unprivileged_and_dies_with_the_tree(
         dsn, proxy, sidecars, public_dir, setuid_helper):
     """Case F23, kind "a tool that gains privileges cannot escape the tree kill": the
@@ -289,6 +295,7 @@ def test_setuid_helper_stays_unprivileged_and_dies_with_the_tree(
     assert sc.proc.poll() is None
 
 
+@pytest.mark.e2e
 def test_unsignallable_process_of_the_tree_is_a_survivor(
         dsn, proxy, sidecars, public_dir, setuid_helper):
     """Case F23: a process of the tree the sidecar may not signal (a profile that opts out

@@ -17,6 +17,8 @@ from kit import TOOLS, base_env, enqueue, query, short_root, wait_until
 from sidecar import linux
 from sidecar.cgroups import JobCgroup, detect
 
+pytestmark = pytest.mark.e2e
+
 ROOT = os.geteuid() == 0
 SRC = TOOLS.parent.parent  # the checkout: the tool imports sidecar.linux from it
 

@@ -23,6 +23,7 @@ from sidecar.config import load_settings
 from sidecar.db import init_connection
 from sidecar.model import NextStage, RawJson
 from sidecar.worker_store import WorkerStore
+import pytest
 
 TOOL = "stage_tool.py"
 
@@ -33,6 +34,7 @@ def _drain(dsn, env, tool, command=(TOOL,)):
     return done
 
 
+@pytest.mark.e2e
 def test_a_result_naming_an_allowed_next_stage_creates_it_once(dsn):
     env = base_env(dsn, SIDECAR_PROFILE_FETCH_NEXT_TOOLS="publish",
                    SIDECAR_PROFILE_PUBLISH_MAX_ATTEMPTS="2")
@@ -53,6 +55,7 @@ def test_a_result_naming_an_allowed_next_stage_creates_it_once(dsn):
     assert done["state"] == "succeeded" and done["result"] == {"got": {"mode": "last", "n": 3}}
 
 
+@pytest.mark.e2e
 def test_a_next_stage_tool_not_in_the_profile_fails_stage_not_allowed(dsn):
     env = base_env(dsn, SIDECAR_PROFILE_FETCH_NEXT_TOOLS="publish")
     parent = enqueue(dsn, "fetch", {"mode": "first", "next": "rm-rf"}, env=env)
@@ -63,6 +66,7 @@ def test_a_next_stage_tool_not_in_the_profile_fails_stage_not_allowed(dsn):
     assert query(dsn, "SELECT id FROM tool_jobs WHERE parent_id = $1", parent) == []
 
 
+@pytest.mark.database
 def test_a_repeated_completion_never_creates_two_next_stages(dsn):
     async def go():
         pool = await asyncpg.create_pool(dsn, min_size=1, max_size=2, init=init_connection)
@@ -88,6 +92,7 @@ def test_a_repeated_completion_never_creates_two_next_stages(dsn):
     assert [c["idempotency_key"] for c in children] == ["k-1:stage:1"]
 
 
+@pytest.mark.e2e
 def test_cancelling_a_parent_cancels_its_queued_stages(dsn):
     env = base_env(dsn, SIDECAR_PROFILE_FETCH_NEXT_TOOLS="publish")
     parent = enqueue(dsn, "fetch", {"mode": "first", "next": "publish"}, env=env)
@@ -102,6 +107,7 @@ def test_cancelling_a_parent_cancels_its_queued_stages(dsn):
     assert job_row(dsn, parent)["state"] == "succeeded"
 
 
+@pytest.mark.e2e
 def test_lifetime_cap_kills_a_heartbeating_job(dsn, sidecars, tmp_path):
     env = base_env(dsn, SIDECAR_MAX_LIFETIME_SECONDS="2")
     job_id = enqueue(dsn, TOOL, {"mode": "idle"}, env=env)
@@ -119,6 +125,7 @@ def test_lifetime_cap_kills_a_heartbeating_job(dsn, sidecars, tmp_path):
     assert 2 <= elapsed < 2 + 1 + 3  # cap + kill grace + slack
 
 
+@pytest.mark.e2e
 def test_lifetime_counts_from_the_first_claim_across_attempts(dsn, sidecars):
     """A job whose lifetime is already spent when re-claimed fails at once."""
     env = base_env(dsn, SIDECAR_MAX_LIFETIME_SECONDS="5")
@@ -131,6 +138,7 @@ def test_lifetime_counts_from_the_first_claim_across_attempts(dsn, sidecars):
     assert journal_rows(dsn, job_id, "tool_request_started") == []
 
 
+@pytest.mark.e2e
 def test_idle_tool_is_killed_and_busy_one_spared(dsn):
     env = base_env(dsn, SIDECAR_IDLE_TIMEOUT_SECONDS="1.5", SIDECAR_MAX_ATTEMPTS="1")
     idle = enqueue(dsn, TOOL, {"mode": "idle"}, env=env)
@@ -143,6 +151,7 @@ def test_idle_tool_is_killed_and_busy_one_spared(dsn):
     assert journal_rows(dsn, idle, "child_killed")[0]["details"]["reason"] == "idle_timeout"
 
 
+@pytest.mark.unit
 def test_backoff_uses_full_jitter_within_the_cap():
     profile = load_settings({"SIDECAR_BACKOFF_BASE_SECONDS": "1",
                              "SIDECAR_BACKOFF_MAX_SECONDS": "8"}).profile("t")
@@ -152,6 +161,7 @@ def test_backoff_uses_full_jitter_within_the_cap():
         assert min(draws) < cap * 0.2 and max(draws) > cap * 0.8  # spread over [0, cap]
 
 
+@pytest.mark.e2e
 def test_a_dead_lettered_job_keeps_every_attempt_in_the_journal(dsn):
     env = base_env(dsn)
     job_id = enqueue(dsn, "flaky", {}, "--max-attempts", "3", env=env)
@@ -168,6 +178,7 @@ def test_a_dead_lettered_job_keeps_every_attempt_in_the_journal(dsn):
 
 
 
+@pytest.mark.e2e
 def test_a_checkpoint_reaches_the_next_attempt(dsn):
     env = base_env(dsn)
     job_id = enqueue(dsn, "resume_tool.py", {}, "--max-attempts", "2", env=env)

@@ -12,6 +12,9 @@ import orjson
 
 from kit import TOOLS, base_env, cli, enqueue, job_row, query, short_root
 from sidecar.isolation import MAX_WORK_ROOT_BYTES, SOCKET_NAME_BYTES, SOCKET_PATH_MAX_BYTES
+import pytest
+
+pytestmark = pytest.mark.e2e
 
 SOCKET_PATHS = str(TOOLS / "socket_paths.py")
 

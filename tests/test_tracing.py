@@ -24,6 +24,8 @@ from otlp_receiver import OtlpReceiver
 import kit
 from sidecar.db import with_database
 
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("tracing")]
+
 TOOL = "traced"
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CALLER_SPAN = "00f067aa0ba902b7"

@@ -29,6 +29,9 @@ from kit import (
     wait_attempt_counted,
     wait_until,
 )
+import pytest
+
+pytestmark = pytest.mark.e2e
 
 TOOL = "effect_tool.py"
 PROFILE = "SIDECAR_PROFILE_EFFECT_TOOL_PY_"

@@ -22,6 +22,8 @@ from sidecar.vocabulary import (
     StopReason,
 )
 
+pytestmark = pytest.mark.unit
+
 PROFILE = load_settings({"SIDECAR_PROFILE_T_NON_RETRYABLE_EXIT_CODES": "64"}).profile("t")
 LIMITED = load_settings({"SIDECAR_PROFILE_T_MEMORY_BYTES": str(100 << 20),
                          "SIDECAR_PROFILE_T_CPU_SECONDS": "5"}).profile("t")

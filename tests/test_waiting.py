@@ -39,6 +39,8 @@ from sidecar.queries import Q
 from sidecar.waiting import job_channel
 from sidecar.worker_store import WorkerStore
 
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
+
 TOOL = "pt"
 COMMAND = [str(TOOLS / "progress_tool.py")]
 

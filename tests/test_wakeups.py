@@ -8,6 +8,9 @@ import sys
 import time
 
 from kit import base_env, enqueue, metric_total, metrics_text, query, scalar, wait_until
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.server]
 
 TOOL_OK = [sys.executable, "-c", "print('{\"ok\": true}')"]
 

@@ -34,6 +34,8 @@ import kit
 from sidecar.db import with_database
 from sidecar.queries import Q
 
+pytestmark = pytest.mark.xdist_group("web")
+
 ALICE = "alice-" + "7" * 40
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -273,6 +275,7 @@ def _login(driver, server: Server) -> None:
 
 # --- the pages in a browser -----------------------------------------------------------------
 
+@pytest.mark.e2e
 def test_tools_page_shows_queues_failures_and_sidecars(world, server, browser):
     browser.get(server.url + "/tools")
     assert browser.title == "Tools · sidecar web"
@@ -289,6 +292,7 @@ def test_tools_page_shows_queues_failures_and_sidecars(world, server, browser):
     assert "read-only" not in browser.page_source  # this server has admin tokens
 
 
+@pytest.mark.e2e
 def test_running_page_shows_lease_slack_stage_time_and_progress_live(world, server,
                                                                      browser):
     from selenium.webdriver.common.by import By
@@ -313,6 +317,7 @@ def test_running_page_shows_lease_slack_stage_time_and_progress_live(world, serv
     assert browser.find_elements(By.CSS_SELECTOR, "h1")[0].text == "Running jobs"
 
 
+@pytest.mark.e2e
 def test_jobs_page_filters_by_state_tool_tag_and_kind(world, server, browser):
     def listed(query: str) -> set[str]:
         from selenium.webdriver.common.by import By
@@ -332,6 +337,7 @@ def test_jobs_page_filters_by_state_tool_tag_and_kind(world, server, browser):
     _no_alert(browser)
 
 
+@pytest.mark.e2e
 def test_jobs_pages_follow_the_keyset_to_the_end(world, server):
     """Every job once, newest first, in pages of 2 by the "older" link (no OFFSET)."""
     want = [str(r["id"]) for r in kit.query(
@@ -346,6 +352,7 @@ def test_jobs_pages_follow_the_keyset_to_the_end(world, server):
     assert seen == want
 
 
+@pytest.mark.e2e
 def test_job_page_tells_a_killed_jobs_story(world, server, browser):
     from selenium.webdriver.common.by import By
 
@@ -368,6 +375,7 @@ def test_job_page_tells_a_killed_jobs_story(world, server, browser):
     browser.set_window_size(1400, 1100)
 
 
+@pytest.mark.e2e
 def test_job_page_escapes_hostile_output_and_shows_content_on_request(world, server,
                                                                       browser):
     from selenium.webdriver.common.by import By
@@ -395,6 +403,7 @@ def test_job_page_escapes_hostile_output_and_shows_content_on_request(world, ser
     _no_alert(browser)
 
 
+@pytest.mark.e2e
 def test_cancel_through_the_page_is_journaled_with_the_principal(world, server, browser):
     from selenium.webdriver.common.by import By
 
@@ -416,6 +425,7 @@ def test_cancel_through_the_page_is_journaled_with_the_principal(world, server, 
 
 # --- plain HTTP: refusals and bounds --------------------------------------------------------
 
+@pytest.mark.e2e
 def test_a_read_only_server_refuses_every_action(world, readonly):
     job = world.jobs["queued"]
     for path in (f"/jobs/{job}/cancel", f"/jobs/{job}/retry", "/tools/web-idle/pause",
@@ -429,6 +439,7 @@ def test_a_read_only_server_refuses_every_action(world, readonly):
     assert _state(world.dsn, job) == "queued"
 
 
+@pytest.mark.e2e
 def test_actions_need_a_token_and_a_session_needs_its_csrf_token(world, server):
     job = world.jobs["queued"]
     status, body, _ = _post(f"{server.url}/jobs/{job}/cancel")
@@ -468,6 +479,7 @@ def test_actions_need_a_token_and_a_session_needs_its_csrf_token(world, server):
     assert flow[0]["details"]["reason"] == "<b>night</b>"
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(("query", "field"), [
     ("/jobs?state=done", "query parameter state"),
     ("/jobs?tool=a%20b", "query parameter tool"),
@@ -490,6 +502,7 @@ def test_bad_query_parameters_are_one_line_naming_the_field(server, query, field
     assert headers["Content-Type"].startswith("text/plain")
 
 
+@pytest.mark.e2e
 def test_every_answer_has_the_security_headers_and_other_hosts_are_refused(world, server):
     status, _, headers = _get(f"{server.url}/jobs/{world.jobs['failed']}")
     assert status == 200
@@ -514,6 +527,7 @@ def _plan_nodes(plan: dict) -> list[dict]:
     return nodes
 
 
+@pytest.mark.database
 def test_each_filter_of_the_jobs_list_reads_its_index_in_page_order(dsn):
     """On 40,000 jobs (20 tools and a rare one; as a queue holds them: mostly succeeded,
     1 % queued, 0.5 % running, 1 % failed, 0.5 % cancelled), every filter's plan of

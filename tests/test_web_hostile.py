@@ -29,6 +29,8 @@ from netproxy import BlackholeProxy, through, upstream_of
 import kit
 from sidecar.db import with_database
 
+pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("web_hostile")]
+
 ALICE = "alice-" + "7" * 40
 # A token as long as a form field may be: a bearer token longer than it, whose first
 # MAX_PARAM_CHARS characters are this one, must not log in as bob.

@@ -18,6 +18,8 @@ from sidecar.db import with_database
 from sidecar.errors import ConfigError
 from sidecar.worker import Worker
 
+pytestmark = pytest.mark.database
+
 
 @pytest.fixture
 def unmigrated_dsn(server_dsn):
