@@ -130,8 +130,9 @@ def cmd_migrate(args, settings: Settings) -> int:
         pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=1)
         try:
             store = OperatorStore(pool, settings.db_timeout_seconds)
-            applied = await store.migrate()
-            out = {"applied": applied, "version": await store.schema_version()}
+            applied, defined = await store.upgrade()
+            out = {"applied": applied, "definitions": defined,
+                   "version": await store.schema_version()}
             if args.worker_role or args.scaler_role or args.caller_role:
                 await store.grant_roles(args.worker_role, args.scaler_role, args.caller_role)
                 out["granted"] = {"worker": args.worker_role, "scaler": args.scaler_role,

@@ -24,7 +24,7 @@ import asyncpg
 
 from sidecar import db
 from sidecar.errors import UsageError
-from sidecar.queries import Q, migrations
+from sidecar.queries import Q, Repeatable, migrations, repeatables
 
 # Key of the transaction-scoped advisory lock that serialises migrations.
 MIGRATION_LOCK_KEY = 0x5DECA4_0001
@@ -104,21 +104,38 @@ class StoreBase:
     # --- schema -------------------------------------------------------------
 
     async def migrate(self) -> list[int]:
-        """Apply the migrations not yet recorded; return the versions applied now.
+        """Apply the migrations not yet recorded, then the repeatable definitions that
+        changed (see upgrade); return the migration versions applied now."""
+        return (await self.upgrade())[0]
+
+    async def upgrade(self) -> tuple[list[int], list[str]]:
+        """Apply the migrations not yet recorded, then every repeatable definition
+        (sql/functions/*.sql: functions, views, triggers) whose checksum differs from the
+        one recorded in sidecar_schema_repeatables, in queries.REPEATABLE_ORDER; return the
+        versions and the file names applied now.
 
         Safe to run twice and from two processes at once: one transaction holding
         a transaction-scoped advisory lock. A schema already current is only read, so a
-        worker whose role may not create anything (docs/operations.md) still starts.
+        worker whose role may not create anything (docs/operations.md) still starts. A
+        database whose schema is newer than this release's last migration keeps its
+        definitions: they are the newer release's, and an older one (running there by
+        compatible-from) must not put its own back.
         """
-        applied_now = []
-        wanted = {migration.version for migration in migrations()}
+        wanted = migrations()
+        files = repeatables()
+        last = wanted[-1].version
         try:
             done = {row[0] for row in await self.db.fetch(Q["applied_migrations"],
                                                           timeout=self.timeout)}
+            if {migration.version for migration in wanted} <= done and (
+                    max(done) > last or self._current(
+                        files, await self.db.fetch(Q["applied_repeatables"],
+                                                   timeout=self.timeout))):
+                return [], []
         except asyncpg.UndefinedTableError:
-            done = set()
-        if wanted <= done:
-            return applied_now
+            pass
+        applied_now: list[int] = []
+        defined_now: list[str] = []
         async with self.pool.acquire() as conn, conn.transaction():
             # A migration may rewrite a large table and waits its turn behind another
             # migrator: no statement or lock bound of the lease path applies (case F18).
@@ -127,14 +144,33 @@ class StoreBase:
             await conn.execute(Q["lock_migrations"], MIGRATION_LOCK_KEY)
             await conn.execute(Q["create_migrations_table"])
             await conn.execute(Q["add_migrations_compatible_from"])
+            await conn.execute(Q["create_repeatables_table"])
             done = {row[0] for row in await conn.fetch(Q["applied_migrations"])}
-            for migration in migrations():
+            for migration in wanted:
                 if migration.version not in done:
-                    await conn.execute(migration.sql)
+                    if not migration.only_comments:
+                        await conn.execute(migration.sql)
                     await conn.execute(Q["record_migration"], migration.version, migration.name,
                                        migration.compatible_from)
                     applied_now.append(migration.version)
-        return applied_now
+            if max(done, default=0) > last:
+                return applied_now, defined_now
+            recorded = {row[0]: row[1] for row in await conn.fetch(Q["applied_repeatables"])}
+            changed = [f for f in files if recorded.get(f.name) != f.checksum]
+            if changed:
+                await conn.fetchval(Q["pin_search_path"])
+            for repeatable in changed:
+                await conn.execute(repeatable.sql)
+                await conn.execute(Q["forget_repeatable"], repeatable.name)
+                await conn.execute(Q["record_repeatable"], repeatable.name, repeatable.checksum)
+                defined_now.append(repeatable.name)
+        return applied_now, defined_now
+
+    @staticmethod
+    def _current(files: list[Repeatable], recorded: Iterable[asyncpg.Record]) -> bool:
+        """Whether the ledger ``recorded`` (name, checksum) holds every file as it is."""
+        checksums = {row[0]: row[1] for row in recorded}
+        return all(checksums.get(f.name) == f.checksum for f in files)
 
     async def schema_compatibility(self, expected: int) -> tuple[int, bool]:
         """(highest applied migration, whether a release built for schema ``expected``

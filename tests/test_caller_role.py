@@ -33,6 +33,7 @@ TOOL_JOBS_INSERTED = ("id", "tool", "idempotency_key", "payload", "max_attempts"
 CALLER_PRIVILEGES = {
     ("schema", "public", "USAGE"),
     ("table", "sidecar_schema_migrations", "SELECT"),
+    ("table", "sidecar_schema_repeatables", "SELECT"),
     ("table", "tool_jobs", "SELECT"),
     *(("column", f"tool_jobs.{c}", "INSERT") for c in TOOL_JOBS_INSERTED),
     *(("column", f"tool_job_events.{c}", "INSERT")

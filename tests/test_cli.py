@@ -15,12 +15,13 @@ import pytest
 
 from kit import base_env, cli, enqueue, one_line_error, query, run, scalar
 from sidecar.db import with_database
-from sidecar.queries import migrations
+from sidecar.queries import migrations, repeatables
 
 pytestmark = pytest.mark.e2e
 
 ALL_VERSIONS = [m.version for m in migrations()]
 LATEST = ALL_VERSIONS[-1]
+ALL_DEFINITIONS = [r.name for r in repeatables()]
 
 UNREACHABLE = "postgresql://bob:s3cretpw@127.0.0.1:1/nope"
 
@@ -505,7 +506,7 @@ def fresh_database(server_dsn):
 
 def test_first_migrate_on_empty_database(fresh_database):
     out = out_json(cli(fresh_database, "migrate"))
-    assert out == {"applied": ALL_VERSIONS, "version": LATEST}
+    assert out == {"applied": ALL_VERSIONS, "definitions": ALL_DEFINITIONS, "version": LATEST}
     tables = {r["t"] for r in query(
         fresh_database,
         "SELECT tablename AS t FROM pg_tables WHERE schemaname = 'public'")}

@@ -11,7 +11,7 @@ detected and handled. The audit of every ``ON CONFLICT`` in sidecar/sql and side
 (``test_every_on_conflict_is_audited`` fails when one is added or removed without
 updating this list):
 
-- ``migrations/014_caller_options.sql`` ``tool_job_enqueue`` (behind ``queries.sql``
+- ``functions/enqueue.sql`` ``tool_job_enqueue`` (behind ``queries.sql``
   ``enqueue_job`` and ``sidecar_enqueue``): ``ON CONFLICT (idempotency_key) DO NOTHING``.
   On a skip the function reads the holder: same tool and payload -> the existing job,
   ``created: false`` (the idempotent replay); another tool or payload -> SQLSTATE 23505,
@@ -30,10 +30,9 @@ updating this list):
   waits for and locks the existing row.
 - ``queries.sql`` ``register_idle_sidecar``: ``ON CONFLICT (owner_id) DO UPDATE``: never
   skips; it refreshes the registration.
-- ``migrations/016_flow_control.sql``: ``tool_job_enqueue`` restated with the concurrency
-  key (the same handling as 014's, above); the trigger ``tool_job_keyed_flow``'s ``ON
-  CONFLICT (tool) DO NOTHING`` skips only when the tool has its flow row already, which
-  is all it is for; ``tool_job_claim_flow``'s per-key bucket ``ON CONFLICT (tool,
+- ``functions/flow.sql``: the trigger ``tool_job_keyed_flow``'s ``ON CONFLICT (tool) DO
+  NOTHING`` skips only when the tool has its flow row already, which is all it is for.
+- ``functions/claim.sql``: ``tool_job_claim_flow``'s per-key bucket ``ON CONFLICT (tool,
   concurrency_key) DO UPDATE`` never skips (it refills and takes the token).
 - ``queries.sql`` ``set_tool_limits`` and ``pause_tool``: ``ON CONFLICT (tool) DO
   UPDATE``: never skip; they change the existing flow row, journaled.
@@ -60,14 +59,14 @@ ROOT = Path(__file__).resolve().parent.parent / "sidecar"
 
 # Every ON CONFLICT of the package: (file, statement name) -> what a skip does (above).
 AUDITED = {
-    ("sql/migrations/014_caller_options.sql", "?"),  # tool_job_enqueue
+    ("sql/functions/enqueue.sql", "?"),  # tool_job_enqueue
     ("sql/fence.sql", "fence_lock_entity"),
     ("sql/fence.sql", "fence_claim_key"),
     ("sql/queries.sql", "register_idle_sidecar"),
-    ("sql/migrations/016_flow_control.sql", "?"),  # enqueue, keyed flow row, key bucket
+    ("sql/functions/flow.sql", "?"),  # keyed flow row
+    ("sql/functions/claim.sql", "?"),  # key bucket
     ("sql/queries.sql", "set_tool_limits"),
     ("sql/queries.sql", "pause_tool"),
-    ("sql/migrations/017_demand_sized_claims.sql", "?"),  # tool_job_enqueue restated
     # a concurrent first sample made the tool's sweep row: the turn is that sample's
     ("sql/queries.sql", "sample_tool"),
 }

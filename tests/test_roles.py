@@ -23,6 +23,7 @@ WORKER_PRIVILEGES = {
                                 "tool_flow_events", "tool_sweeps")
       for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
     ("table", "sidecar_schema_migrations", "SELECT"),
+    ("table", "sidecar_schema_repeatables", "SELECT"),
     ("sequence", "tool_job_events_id_seq", "USAGE"),
     ("sequence", "tool_job_outbox_id_seq", "USAGE"),
     ("function", "tool_job_channel", "EXECUTE"),

@@ -25,6 +25,31 @@ SELECT version FROM sidecar_schema_migrations ORDER BY version;
 -- name: record_migration
 INSERT INTO sidecar_schema_migrations (version, name, compatible_from) VALUES ($1, $2, $3);
 
+-- name: create_repeatables_table
+-- The repeatable definitions (sql/functions/*.sql) the schema holds: each file's sha256 as
+-- last applied. A file whose checksum differs is applied again (Store.migrate).
+CREATE TABLE IF NOT EXISTS sidecar_schema_repeatables (
+    name       text PRIMARY KEY,
+    checksum   text NOT NULL,
+    applied_at timestamptz NOT NULL DEFAULT now()
+);
+
+-- name: applied_repeatables
+SELECT name, checksum FROM sidecar_schema_repeatables ORDER BY name;
+
+-- name: forget_repeatable
+DELETE FROM sidecar_schema_repeatables WHERE name = $1;
+
+-- name: record_repeatable
+INSERT INTO sidecar_schema_repeatables (name, checksum) VALUES ($1, $2);
+
+-- name: pin_search_path
+-- For the rest of the migrating transaction: the schema migrated, then pg_temp. The
+-- repeatable definitions say SET search_path FROM CURRENT, so a function pinned that way
+-- finds the queue's tables in its own schema whatever the caller's search_path, and a
+-- caller cannot put a table or an operator of its own in front of them.
+SELECT set_config('search_path', format('%I, pg_temp', current_schema()), true);
+
 -- name: schema_compatibility
 -- The highest applied version, and whether a release built for schema $1 may run on it:
 -- the same version, or every migration above $1 declares compatible_from <= $1.

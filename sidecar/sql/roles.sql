@@ -7,7 +7,7 @@
 
 -- name: worker_grants
 -- What a worker uses and nothing more: the queue's eight tables (rows only: no DDL, no
--- TRUNCATE, no REFERENCES or TRIGGER), the migration ledger read to check the schema, the
+-- TRUNCATE, no REFERENCES or TRIGGER), the migration ledgers read to check the schema, the
 -- two sequences its inserts draw from, and the queue's own functions but tool_job_demand
 -- (the scaler's), sidecar_enqueue included (migration 014: a producer may run as this
 -- role). The fence_* tables belong to the reference receiver, not the workers. The flow
@@ -21,7 +21,8 @@ SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_jobs, %I.to
               current_schema(), current_schema(), current_schema(), current_schema(),
               current_schema(), current_schema(), current_schema(), $1::text)
 UNION ALL
-SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations TO %I', current_schema(),
+SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
+              '%I.sidecar_schema_repeatables TO %I', current_schema(), current_schema(),
               $1::text)
 UNION ALL
 SELECT format('GRANT USAGE ON SEQUENCE %s, %s TO %I',
@@ -49,7 +50,7 @@ SELECT format('GRANT EXECUTE ON FUNCTION %I.tool_job_demand(text) TO %I', curren
 -- A caller's role (the MCP gateway's, `sidecar mcp`; any producer that only enqueues,
 -- waits, reads and cancels through sidecar.client or the CLI), found by running those
 -- calls as a role with nothing and granting what each refusal named (tests/test_roles.py):
--- the migration ledger read when a client opens; the job rows read (waiting reads the
+-- the migration ledgers read when a client opens; the job rows read (waiting reads the
 -- job's row and progress, get reads all of it); an INSERT of only the columns
 -- tool_job_enqueue writes (no state, owner, lease, token or attempt: a job it inserts is
 -- queued, not claimed), the enqueue journal row and its sequence; the idle sidecars' list
@@ -60,7 +61,8 @@ SELECT format('GRANT EXECUTE ON FUNCTION %I.tool_job_demand(text) TO %I', curren
 -- outbox, the sweeps, the fence_* tables, the demand function or the claim functions.
 SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
-SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations TO %I', current_schema(),
+SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
+              '%I.sidecar_schema_repeatables TO %I', current_schema(), current_schema(),
               $1::text)
 UNION ALL
 SELECT format('GRANT SELECT, INSERT (id, tool, idempotency_key, payload, max_attempts, '

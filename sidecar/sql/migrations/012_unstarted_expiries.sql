@@ -9,28 +9,5 @@
 ALTER TABLE tool_jobs ADD COLUMN unstarted_expiries integer NOT NULL DEFAULT 0,
                       ADD COLUMN claimed_at timestamptz;
 
--- Whether the expired lease of this row is given back rather than spent: its owner never
--- renewed it (heartbeat_at is still the claim's own now(): an owner that knew of its
--- claim renews within H), its tool's start is not in the journal (tool_request_started
--- for this token, written within a second of the start: commit.py
--- JOURNAL_DEFER_SECONDS), and refunds are left (fewer than max_attempts). Read through
--- tool_job_events_job_idx, and only for rows under an expired lease.
-CREATE FUNCTION tool_job_expiry_refunded(j tool_jobs) RETURNS boolean
-LANGUAGE sql STABLE AS $$
-    SELECT coalesce(j.heartbeat_at = j.claimed_at, false)  -- claimed before 012: spent
-       AND j.unstarted_expiries < j.max_attempts
-       AND NOT EXISTS (SELECT FROM tool_job_events e
-                       WHERE e.job_id = j.id AND e.fencing_token = j.fencing_token
-                         AND e.event = 'tool_request_started')
-$$;
-
--- The demand counts what a claim could take: an expired lease whose attempt is given
--- back is claimable too.
-CREATE OR REPLACE FUNCTION tool_job_demand(wanted_tool text) RETURNS bigint
-LANGUAGE sql STABLE AS $$
-    SELECT count(*) FROM tool_jobs j
-    WHERE j.tool = wanted_tool
-      AND ((j.state = 'queued' AND j.run_after <= now())
-           OR (j.state = 'running' AND (j.lease_until >= now() OR j.attempt < j.max_attempts
-                                        OR tool_job_expiry_refunded(j))))
-$$;
+-- Whether an expired lease is given back: tool_job_expiry_refunded, and the demand
+-- counting such a lease as claimable (sidecar/sql/functions/expiry.sql, demand.sql).

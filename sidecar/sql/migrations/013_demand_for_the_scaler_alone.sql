@@ -5,16 +5,5 @@
 -- pinned to its own schema with pg_temp last, so a caller cannot put a table or an
 -- operator of its own in front of the function's. EXECUTE is taken from PUBLIC: only
 -- the owner and the roles `sidecar migrate --scaler-role` names may call it. The workers
--- never call it. A later CREATE OR REPLACE of the function resets SECURITY DEFINER and
--- the search_path (not the grants): it must say both again.
+-- never call it. Said where the function is defined: sidecar/sql/functions/demand.sql.
 -- compatible-from: 12
-DO $$
-DECLARE
-    home text := (SELECT n.nspname FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace
-                  WHERE p.oid = 'tool_job_demand(text)'::regprocedure);
-BEGIN
-    EXECUTE format('ALTER FUNCTION %I.tool_job_demand(text) SECURITY DEFINER '
-                   'SET search_path = %I, pg_temp', home, home);
-    EXECUTE format('REVOKE EXECUTE ON FUNCTION %I.tool_job_demand(text) FROM PUBLIC', home);
-END
-$$;

@@ -1,0 +1,62 @@
+-- A cancel that needs no UPDATE right on tool_jobs (issue 29, point 6): the callers' role
+-- (`sidecar migrate --caller-role`, docs/operations.md "Roles and Secrets"; the MCP
+-- gateway's) enqueues, waits, reads and cancels, but may not write a lease, a claim or a
+-- state of its own choosing. So the cancel (queries.sql cancel_job, what `sidecar cancel`,
+-- sidecar.client and the gateway run) is this function, which writes with its owner's
+-- rights (SECURITY DEFINER, the schema owner that ran the migrations) under a search_path
+-- pinned to its own schema with pg_temp last, as tool_job_demand does. EXECUTE is taken
+-- from PUBLIC: the owner, the worker role (its grants take every tool_job_* function) and
+-- the caller role may call it. A role given table rights by hand instead of by `sidecar
+-- migrate --worker-role` needs EXECUTE on it for `sidecar cancel`.
+--
+-- The job p_job, or every queued or running job whose tags contain p_tags, and every
+-- later stage of them still queued or running. A running job keeps its owner, token and
+-- lease end (case F14: its owner kills the tree at its next heartbeat). p_by says who
+-- asked, journaled as job_cancelled's "by" (left out when NULL).
+CREATE OR REPLACE FUNCTION tool_job_cancel(p_job uuid, p_tags jsonb, p_by text)
+RETURNS TABLE (cancelled_id uuid, previous_state text)
+SECURITY DEFINER SET search_path FROM CURRENT
+LANGUAGE sql VOLATILE AS $$
+WITH RECURSIVE chain AS (
+    SELECT id FROM tool_jobs WHERE id = p_job
+    UNION
+    SELECT id FROM tool_jobs
+    WHERE p_tags IS NOT NULL AND tags @> p_tags AND tags <> '{}'::jsonb
+      AND state IN ('queued', 'running')
+    UNION ALL
+    SELECT c.id FROM tool_jobs c JOIN chain ON c.parent_id = chain.id
+), target AS (
+    SELECT j.id, j.state AS previous_state FROM tool_jobs j
+    WHERE j.id IN (SELECT id FROM chain) AND j.state IN ('queued', 'running')
+    FOR UPDATE
+), cancelled AS (
+    UPDATE tool_jobs j
+    SET state = 'cancelled', finished_at = now(),
+        lease_until = CASE WHEN target.previous_state = 'running' AND j.lease_until > now()
+                           THEN j.lease_until END,
+        -- its slot stays taken until the owner confirms the tree dead (migration 016)
+        cancel_pending = target.previous_state = 'running' AND j.lease_until > now(),
+        error = jsonb_build_object('kind', 'cancelled', 'message', 'cancelled by an operator')
+    FROM target
+    WHERE j.id = target.id
+    RETURNING j.id, j.fencing_token, target.previous_state
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT id, fencing_token, 'job_cancelled',
+           jsonb_strip_nulls(jsonb_build_object('previous_state', previous_state,
+                                                'by', p_by))
+    FROM cancelled
+)
+SELECT id, previous_state FROM cancelled
+$$;
+
+-- The cancel without p_by (migration 018's), kept for releases built for schema 18.
+CREATE OR REPLACE FUNCTION tool_job_cancel(p_job uuid, p_tags jsonb)
+RETURNS TABLE (cancelled_id uuid, previous_state text)
+SECURITY DEFINER SET search_path FROM CURRENT
+LANGUAGE sql VOLATILE AS $$
+SELECT * FROM tool_job_cancel(p_job, p_tags, NULL::text)
+$$;
+
+REVOKE EXECUTE ON FUNCTION tool_job_cancel(uuid, jsonb, text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION tool_job_cancel(uuid, jsonb) FROM PUBLIC;
