@@ -1,7 +1,8 @@
 """The ``sidecar`` command: argument parsing, and errors mapped to one line and an exit code.
 
 Data goes to stdout as JSON; messages and events go to stderr. Exit codes: 0 success,
-1 environment problem (database unreachable, job not found), 2 bad input or configuration;
+1 environment problem (database unreachable, schema older than this sidecar or missing:
+run ``sidecar migrate``, job not found), 2 bad input or configuration;
 ``wait`` (and ``enqueue --wait``) also 3 when a job waited for ended failed or cancelled,
 4 when the timeout passed first.
 """
@@ -95,12 +96,16 @@ def _print_lines(lines: list[str]) -> None:
 
 @asynccontextmanager
 async def open_store(settings: Settings, dsn: str | None = None) -> AsyncIterator[Store]:
-    """A Store on a small pool, schema migrated (idempotent, safe concurrently)."""
+    """A Store on a small pool, for a caller's command: the schema is checked once and
+    never changed (SchemaMismatch, exit 1, when it is older than this sidecar or missing:
+    only ``sidecar migrate`` and ``sidecar run`` migrate)."""
+    from sidecar import schema
+
     dsn = dsn or db.resolve_dsn(settings)
     pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=2)
     try:
         store = Store(pool, settings.db_timeout_seconds)
-        await store.migrate()
+        await schema.require_current(store)
         yield store
     finally:
         await pool.close()

@@ -21,7 +21,9 @@ docs/callers.md#from-python has the whole story.
 
 Errors: bad input raises sidecar.errors.UsageError (or ConfigError for a bad tool name or
 environment), one line naming the argument, before anything is written; an unreachable
-database raises DatabaseUnavailable; a statement raises what asyncpg raises.
+database raises DatabaseUnavailable; a database whose schema is older than this sidecar
+(or missing) raises SchemaMismatch at open, with nothing changed (``sidecar migrate``
+applies migrations, never the client); a statement raises what asyncpg raises.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from typing import Any
 
 import asyncpg
 
-from sidecar import db, enqueue_args, flow, jsontext, waiting
+from sidecar import db, enqueue_args, flow, jsontext, schema, waiting
 from sidecar.config import (
     MAX_ATTEMPTS_LIMIT,
     POOLER_MODES,
@@ -48,13 +50,13 @@ from sidecar.config import (
     load_settings,
     validate_tool_name,
 )
-from sidecar.errors import UsageError, one_line
+from sidecar.errors import SchemaMismatch, UsageError, one_line
 from sidecar.model import RawJson
 from sidecar.store import Store, check_producer_key
 from sidecar.waiting import JobEnd, JobNotFound, JobProgress
 
 __all__ = ["Client", "Job", "JobEnd", "JobFailed", "JobNotFound", "JobProgress", "JobRef",
-           "JobTimeout"]
+           "JobTimeout", "SchemaMismatch"]
 
 # What the client's journal row (job_enqueued) says enqueued the job.
 ENQUEUED_BY = "sidecar.client"
@@ -267,8 +269,9 @@ class Client:
     own, for as long as it waits).
 
     Use it as ``async with Client() as client:`` or ``client = await Client.connect()``
-    (then ``await client.close()``). Opening migrates the schema if needed, as every
-    CLI command does (only a read when it is current)."""
+    (then ``await client.close()``). Opening checks the schema and never changes it:
+    sidecar.errors.SchemaMismatch when it is older than this sidecar or missing (run
+    ``sidecar migrate``), or newer without declaring compatibility."""
 
     def __init__(self, dsn: str | None = None, *, settings: Settings | None = None,
                  pooler: str | None = None, listen_dsn: str | None = None,
@@ -295,8 +298,10 @@ class Client:
         return client
 
     async def open(self) -> None:
-        """Resolve the DSN, open the pool and migrate; DatabaseUnavailable when the
-        database cannot be reached. Calling it again does nothing."""
+        """Resolve the DSN, open the pool and check the schema (one read, no DDL);
+        DatabaseUnavailable when the database cannot be reached, SchemaMismatch when its
+        schema is one this sidecar may not work on (nothing is changed). Calling it again
+        does nothing."""
         if self._store is not None:
             return
         settings = self._settings_given or load_settings()
@@ -315,7 +320,7 @@ class Client:
                                     pooler=pooler)
         try:
             store = Store(pool, settings.db_timeout_seconds)
-            await store.migrate()
+            await schema.require_current(store)
         except BaseException:
             pool.terminate()
             raise

@@ -19,7 +19,7 @@ import asyncpg
 import orjson
 from aiohttp import web
 
-from sidecar import db, jsontext
+from sidecar import db, jsontext, schema
 from sidecar.config import Settings
 from sidecar.errors import SidecarError, UsageError
 from sidecar.fence import FencedRequest, fence_middleware, fenced
@@ -87,14 +87,16 @@ def parse_listen(text: str) -> tuple[str, int]:
 
 
 async def serve(settings: Settings, host: str, port: int) -> int:
-    """Migrate, serve until SIGTERM or SIGINT, return 0."""
+    """Check the schema (SchemaMismatch before listening when it is older than this
+    sidecar or missing: the receiver never migrates), serve until SIGTERM or SIGINT,
+    return 0."""
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     pool = await db.create_pool(db.resolve_dsn(settings), settings.db_timeout_seconds,
                                 max_size=10)
     try:
-        await Store(pool, settings.db_timeout_seconds).migrate()
+        await schema.require_current(Store(pool, settings.db_timeout_seconds))
         runner = web.AppRunner(make_app(pool), access_log=None, shutdown_timeout=5)
         await runner.setup()
         try:

@@ -39,7 +39,7 @@ from urllib.parse import quote, urlencode
 import jinja2
 from aiohttp import web
 
-from sidecar import db, enqueue_args, jsontext, tokens
+from sidecar import db, enqueue_args, jsontext, schema, tokens
 from sidecar import log as log_mod
 from sidecar.config import Settings, validate_tool_name
 from sidecar.errors import ConfigError, SidecarError, UsageError
@@ -713,7 +713,7 @@ def _as_response(exc: web.HTTPException) -> web.Response:
 
 def make_app(store: Store, settings: Settings, admin_tokens: dict[str, str] | None,
              allowed_hosts: tuple[str, ...] = ()) -> web.Application:
-    """The web view's aiohttp application on ``store`` (migrated). ``admin_tokens``:
+    """The web view's aiohttp application on ``store`` (its schema checked). ``admin_tokens``:
     ``{token: principal}`` (sidecar.tokens.load_tokens), None for a read-only server;
     ``allowed_hosts``: Host headers accepted besides loopback (``name``, ``name:port``
     or ``name:*``)."""
@@ -769,7 +769,9 @@ def check_exposure(host: str, admin_tokens: dict[str, str] | None) -> None:
 async def serve(settings: Settings, host: str, port: int,
                 admin_tokens: dict[str, str] | None,
                 allowed_hosts: tuple[str, ...] = ()) -> int:
-    """Migrate, serve the web view until SIGTERM or SIGINT, return 0. Prints
+    """Check the schema (SchemaMismatch before listening when it is older than this
+    sidecar or missing; the web view never migrates), serve the web view until SIGTERM
+    or SIGINT, return 0. Prints
     ``sidecar: web listening on http://HOST:PORT`` on stderr once it serves, and logs
     ``web_started``."""
     stop = asyncio.Event()
@@ -779,7 +781,7 @@ async def serve(settings: Settings, host: str, port: int,
                                 max_size=4)
     try:
         store = Store(pool, settings.db_timeout_seconds)
-        await store.migrate()
+        await schema.require_current(store)
         runner = web.AppRunner(make_app(store, settings, admin_tokens, allowed_hosts),
                                access_log=None, shutdown_timeout=5)
         await runner.setup()
