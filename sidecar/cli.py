@@ -25,11 +25,12 @@ from typing import Any
 
 import orjson
 
-from sidecar import __version__, db, enqueue_args, jsontext, linux
+from sidecar import __version__, db, enqueue_args, jsontext, linux, parsing
 from sidecar import log as log_mod
 from sidecar.config import (
     GLOBAL_FIELDS,
     MAX_ATTEMPTS_LIMIT,
+    MAX_SECONDS,
     Settings,
     default_data_dir,
     load_settings,
@@ -112,11 +113,8 @@ async def open_store(settings: Settings, dsn: str | None = None) -> AsyncIterato
 
 
 def _job_id(text: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(text)
-    except ValueError:
-        raise UsageError(f"JOB_ID {text!r} is not a UUID (as printed by 'sidecar enqueue')") \
-            from None
+    """A JOB_ID argument (sidecar.parsing.parse_job_id); UsageError (exit 2) otherwise."""
+    return parsing.parse_job_id(text, "JOB_ID")
 
 
 # --- commands -----------------------------------------------------------------
@@ -190,11 +188,8 @@ def cmd_enqueue(args, settings: Settings) -> int:
                                            args.tag, args.traceparent, args.tracestate,
                                            args.concurrency_key)
     payload, raw = _read_payload(args, settings.max_payload_bytes)
-    if args.max_attempts is not None and not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
-        raise UsageError(f"--max-attempts {args.max_attempts}: must be from 1 to "
-                         f"{MAX_ATTEMPTS_LIMIT}")
     # None: the profile (MAX_ATTEMPTS) of the sidecar that claims the job decides.
-    max_attempts = args.max_attempts
+    max_attempts = enqueue_args.check_max_attempts(args.max_attempts)
     if args.idempotency_key is not None:
         key = enqueue_args.check_idempotency_key(args.idempotency_key)
         check_producer_key(key)  # ':stage:N' keys belong to next stages (case F22)
@@ -232,12 +227,7 @@ def _wait_timeout(args) -> float | None:
     """``--timeout DURATION`` in seconds (more than 0), None when not given."""
     if args.timeout is None:
         return None
-    from sidecar.config import parse_duration
-
-    seconds = parse_duration(args.timeout, "--timeout")
-    if seconds <= 0:
-        raise UsageError(f"--timeout {args.timeout!r}: must be more than 0")
-    return seconds
+    return parsing.parse_duration(args.timeout, "--timeout", MAX_SECONDS, positive=True)
 
 
 # ``wait --tag``: the most jobs one waiter follows (each is one LISTEN on its connection).
@@ -610,14 +600,11 @@ def cmd_resume(args, settings: Settings) -> int:
 
 def cmd_prune(args, settings: Settings) -> int:
     from sidecar import retention
-    from sidecar.config import parse_duration
 
     ages = retention.retention_by_state(settings)
     if args.older_than is not None:
-        age = parse_duration(args.older_than, "--older-than")
-        if age <= 0:
-            raise UsageError("--older-than must be more than 0 (0 would remove every "
-                             "finished job)")
+        # more than 0: 0 would remove every finished job
+        age = parsing.parse_duration(args.older_than, "--older-than", MAX_SECONDS, positive=True)
         ages = dict.fromkeys(ages, age)
     if args.state is not None:
         ages = {args.state: ages[args.state]}
@@ -641,7 +628,7 @@ def cmd_prune(args, settings: Settings) -> int:
 def cmd_receiver(args, settings: Settings) -> int:
     from sidecar import receiver
 
-    host, port = receiver.parse_listen(args.listen)
+    host, port = parsing.parse_host_port(args.listen, "--listen", RECEIVER_LISTEN)
     return run_async(settings, receiver.serve(settings, host, port))
 
 
@@ -655,11 +642,8 @@ def cmd_mcp(args, settings: Settings) -> int:
     tokens: dict[str, str] = {}
     host, port = "", 0
     if not args.stdio:
-        try:
-            from sidecar.mcp_gateway import parse_listen
-        except ImportError as exc:
-            raise UsageError(_MCP_EXTRA.format(exc.name)) from None
-        host, port = parse_listen(args.listen or DEFAULT_MCP_LISTEN)
+        host, port = parsing.parse_host_port(args.listen or DEFAULT_MCP_LISTEN, "--listen",
+                                             DEFAULT_MCP_LISTEN)
         if not settings.mcp_token_file:
             raise ConfigError("sidecar mcp over HTTP needs bearer tokens: set "
                               "SIDECAR_MCP_TOKEN_FILE to a file of `PRINCIPAL TOKEN` lines "
@@ -693,13 +677,14 @@ def cmd_web(args, settings: Settings) -> int:
     except ImportError as exc:
         raise UsageError(f"sidecar web needs the web extra ({exc.name} is missing): "
                          "pip install 'sidecar[web]'") from None
-    host, port = web.parse_listen(args.listen)
+    host, port = parsing.parse_host_port(args.listen, "--listen", web.DEFAULT_LISTEN)
     web.check_exposure(host, admin)
     return run_async(settings, web.serve(settings, host, port, admin,
                                          tuple(args.allowed_host or ())))
 
 
 DEFAULT_MCP_LISTEN = "127.0.0.1:8765"
+RECEIVER_LISTEN = "127.0.0.1:8900"
 _MCP_EXTRA = ("sidecar mcp needs the MCP extra ({} is missing): "
               "pip install 'sidecar[mcp]'")
 
@@ -1047,7 +1032,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="count what would be removed; remove nothing")
     p = add("receiver", cmd_receiver,
             "serve the reference receiver of fenced side effects (POST and GET /effects)")
-    p.add_argument("--listen", default="127.0.0.1:8900", metavar="HOST:PORT",
+    p.add_argument("--listen", default=RECEIVER_LISTEN, metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8900)")
     p = add("mcp", cmd_mcp,
             "serve the --tool tools over MCP (Streamable HTTP at /mcp, or stdio); each "
