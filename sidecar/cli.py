@@ -1,7 +1,8 @@
 """The ``sidecar`` command: argument parsing, and errors mapped to one line and an exit code.
 
 Data goes to stdout as JSON; messages and events go to stderr. Exit codes: 0 success,
-1 environment problem (database unreachable, job not found), 2 bad input or configuration;
+1 environment problem (database unreachable, schema older than this sidecar or missing:
+run ``sidecar migrate``, job not found), 2 bad input or configuration;
 ``wait`` (and ``enqueue --wait``) also 3 when a job waited for ended failed or cancelled,
 4 when the timeout passed first.
 """
@@ -24,12 +25,13 @@ from typing import Any, TypeVar
 
 import orjson
 
-from sidecar import __version__, db, enqueue_args, jsontext, linux
+from sidecar import __version__, db, enqueue_args, jsontext, linux, parsing
 from sidecar import log as log_mod
 from sidecar.caller_store import CallerStore
 from sidecar.config import (
     GLOBAL_FIELDS,
     MAX_ATTEMPTS_LIMIT,
+    MAX_SECONDS,
     Settings,
     default_data_dir,
     load_settings,
@@ -101,24 +103,24 @@ def _print_lines(lines: list[str]) -> None:
 async def open_store(settings: Settings, kind: type[S],
                      dsn: str | None = None) -> AsyncIterator[S]:
     """A store of ``kind`` (the command's audience: CallerStore for enqueue, wait and
-    cancel, OperatorStore for the operator's commands) on a small pool, schema migrated
-    (idempotent, safe concurrently)."""
+    cancel, OperatorStore for the operator's commands) on a small pool: the schema is
+    checked once and never changed (SchemaMismatch, exit 1, when it is older than this
+    sidecar or missing: only ``sidecar migrate`` and ``sidecar run`` migrate)."""
+    from sidecar import schema
+
     dsn = dsn or db.resolve_dsn(settings)
     pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=2)
     try:
         store = kind(pool, settings.db_timeout_seconds)
-        await store.migrate()
+        await schema.require_current(store)
         yield store
     finally:
         await pool.close()
 
 
 def _job_id(text: str) -> uuid.UUID:
-    try:
-        return uuid.UUID(text)
-    except ValueError:
-        raise UsageError(f"JOB_ID {text!r} is not a UUID (as printed by 'sidecar enqueue')") \
-            from None
+    """A JOB_ID argument (sidecar.parsing.parse_job_id); UsageError (exit 2) otherwise."""
+    return parsing.parse_job_id(text, "JOB_ID")
 
 
 # --- commands -----------------------------------------------------------------
@@ -193,11 +195,8 @@ def cmd_enqueue(args, settings: Settings) -> int:
                                            args.tag, args.traceparent, args.tracestate,
                                            args.concurrency_key)
     payload, raw = _read_payload(args, settings.max_payload_bytes)
-    if args.max_attempts is not None and not 1 <= args.max_attempts <= MAX_ATTEMPTS_LIMIT:
-        raise UsageError(f"--max-attempts {args.max_attempts}: must be from 1 to "
-                         f"{MAX_ATTEMPTS_LIMIT}")
     # None: the profile (MAX_ATTEMPTS) of the sidecar that claims the job decides.
-    max_attempts = args.max_attempts
+    max_attempts = enqueue_args.check_max_attempts(args.max_attempts)
     if args.idempotency_key is not None:
         key = enqueue_args.check_idempotency_key(args.idempotency_key)
         check_producer_key(key)  # ':stage:N' keys belong to next stages (case F22)
@@ -235,12 +234,7 @@ def _wait_timeout(args) -> float | None:
     """``--timeout DURATION`` in seconds (more than 0), None when not given."""
     if args.timeout is None:
         return None
-    from sidecar.config import parse_duration
-
-    seconds = parse_duration(args.timeout, "--timeout")
-    if seconds <= 0:
-        raise UsageError(f"--timeout {args.timeout!r}: must be more than 0")
-    return seconds
+    return parsing.parse_duration(args.timeout, "--timeout", MAX_SECONDS, positive=True)
 
 
 # ``wait --tag``: the most jobs one waiter follows (each is one LISTEN on its connection).
@@ -613,14 +607,11 @@ def cmd_resume(args, settings: Settings) -> int:
 
 def cmd_prune(args, settings: Settings) -> int:
     from sidecar import retention
-    from sidecar.config import parse_duration
 
     ages = retention.retention_by_state(settings)
     if args.older_than is not None:
-        age = parse_duration(args.older_than, "--older-than")
-        if age <= 0:
-            raise UsageError("--older-than must be more than 0 (0 would remove every "
-                             "finished job)")
+        # more than 0: 0 would remove every finished job
+        age = parsing.parse_duration(args.older_than, "--older-than", MAX_SECONDS, positive=True)
         ages = dict.fromkeys(ages, age)
     if args.state is not None:
         ages = {args.state: ages[args.state]}
@@ -644,7 +635,7 @@ def cmd_prune(args, settings: Settings) -> int:
 def cmd_receiver(args, settings: Settings) -> int:
     from sidecar import receiver
 
-    host, port = receiver.parse_listen(args.listen)
+    host, port = parsing.parse_host_port(args.listen, "--listen", RECEIVER_LISTEN)
     return run_async(settings, receiver.serve(settings, host, port))
 
 
@@ -658,11 +649,8 @@ def cmd_mcp(args, settings: Settings) -> int:
     tokens: dict[str, str] = {}
     host, port = "", 0
     if not args.stdio:
-        try:
-            from sidecar.mcp_gateway import parse_listen
-        except ImportError as exc:
-            raise UsageError(_MCP_EXTRA.format(exc.name)) from None
-        host, port = parse_listen(args.listen or DEFAULT_MCP_LISTEN)
+        host, port = parsing.parse_host_port(args.listen or DEFAULT_MCP_LISTEN, "--listen",
+                                             DEFAULT_MCP_LISTEN)
         if not settings.mcp_token_file:
             raise ConfigError("sidecar mcp over HTTP needs bearer tokens: set "
                               "SIDECAR_MCP_TOKEN_FILE to a file of `PRINCIPAL TOKEN` lines "
@@ -696,13 +684,14 @@ def cmd_web(args, settings: Settings) -> int:
     except ImportError as exc:
         raise UsageError(f"sidecar web needs the web extra ({exc.name} is missing): "
                          "pip install 'sidecar[web]'") from None
-    host, port = web.parse_listen(args.listen)
+    host, port = parsing.parse_host_port(args.listen, "--listen", web.DEFAULT_LISTEN)
     web.check_exposure(host, admin)
     return run_async(settings, web.serve(settings, host, port, admin,
                                          tuple(args.allowed_host or ())))
 
 
 DEFAULT_MCP_LISTEN = "127.0.0.1:8765"
+RECEIVER_LISTEN = "127.0.0.1:8900"
 _MCP_EXTRA = ("sidecar mcp needs the MCP extra ({} is missing): "
               "pip install 'sidecar[mcp]'")
 
@@ -1050,7 +1039,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="count what would be removed; remove nothing")
     p = add("receiver", cmd_receiver,
             "serve the reference receiver of fenced side effects (POST and GET /effects)")
-    p.add_argument("--listen", default="127.0.0.1:8900", metavar="HOST:PORT",
+    p.add_argument("--listen", default=RECEIVER_LISTEN, metavar="HOST:PORT",
                    help="address to serve on (default 127.0.0.1:8900)")
     p = add("mcp", cmd_mcp,
             "serve the --tool tools over MCP (Streamable HTTP at /mcp, or stdio); each "

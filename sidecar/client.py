@@ -21,7 +21,9 @@ docs/callers.md#from-python has the whole story.
 
 Errors: bad input raises sidecar.errors.UsageError (or ConfigError for a bad tool name or
 environment), one line naming the argument, before anything is written; an unreachable
-database raises DatabaseUnavailable; a statement raises what asyncpg raises.
+database raises DatabaseUnavailable; a database whose schema is older than this sidecar
+(or missing) raises SchemaMismatch at open, with nothing changed (``sidecar migrate``
+applies migrations, never the client); a statement raises what asyncpg raises.
 """
 
 from __future__ import annotations
@@ -39,23 +41,22 @@ from typing import Any
 
 import asyncpg
 
-from sidecar import db, enqueue_args, flow, jsontext, waiting
+from sidecar import db, enqueue_args, jsontext, parsing, schema, waiting
 from sidecar.caller_store import CallerStore
 from sidecar.config import (
-    MAX_ATTEMPTS_LIMIT,
     POOLER_MODES,
     Settings,
     check_postgres_url,
     load_settings,
     validate_tool_name,
 )
-from sidecar.errors import UsageError, one_line
+from sidecar.errors import SchemaMismatch, UsageError, one_line
 from sidecar.model import RawJson
 from sidecar.store import check_producer_key
 from sidecar.waiting import JobEnd, JobNotFound, JobProgress
 
 __all__ = ["Client", "Job", "JobEnd", "JobFailed", "JobNotFound", "JobProgress", "JobRef",
-           "JobTimeout"]
+           "JobTimeout", "SchemaMismatch"]
 
 # What the client's journal row (job_enqueued) says enqueued the job.
 ENQUEUED_BY = "sidecar.client"
@@ -164,90 +165,35 @@ _JOB_FIELDS = tuple(field.name for field in dataclasses.fields(Job))
 
 
 def _job_id(value: JobId) -> uuid.UUID:
+    """A job id as the client takes it: a JobRef, a UUID or its text
+    (sidecar.parsing.parse_job_id); UsageError otherwise."""
     if isinstance(value, JobRef):
         return value.id
-    try:
-        return uuid.UUID(str(value))
-    except ValueError:
-        raise UsageError(f"job id {str(value)[:60]!r} is not a UUID") from None
+    return parsing.parse_job_id(value, "job id")
 
 
 def _seconds(value: float | dt.timedelta | None, what: str) -> float | None:
     """A timeout in seconds (more than 0), None when None; UsageError otherwise."""
     if value is None:
         return None
-    seconds = value.total_seconds() if isinstance(value, dt.timedelta) else value
-    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or not seconds > 0 \
-            or not math.isfinite(seconds):
-        raise UsageError(f"{what} {value!r}: give seconds (more than 0) or a timedelta")
-    return float(seconds)
-
-
-def _duration(value: float | dt.timedelta, what: str) -> dt.timedelta:
-    """``value`` (seconds or a timedelta) as a timedelta from 0 to enqueue_args.HORIZON."""
-    if isinstance(value, dt.timedelta):
-        span = value
-    elif isinstance(value, int | float) and not isinstance(value, bool):
-        if not math.isfinite(value) or abs(value) > enqueue_args.HORIZON.total_seconds():
-            raise UsageError(f"{what} {value!r}: must be from 0 to 366 days")
-        span = dt.timedelta(seconds=value)
-    else:
-        raise UsageError(f"{what} {value!r}: give seconds, a timedelta or an aware datetime")
-    if span < dt.timedelta(0) or span > enqueue_args.HORIZON:
-        raise UsageError(f"{what} {value!r}: must be from 0 to 366 days")
-    return span
-
-
-def _moment(value: dt.datetime, what: str) -> dt.datetime:
-    if value.tzinfo is None:
-        raise UsageError(f"{what} {value.isoformat()}: give a timezone-aware datetime "
-                         "(e.g. datetime.now(UTC) + ...)")
-    return value
+    return parsing.seconds_value(value, what, positive=True)
 
 
 def enqueue_options(*, priority: int = 0,
-                    run_after: dt.datetime | dt.timedelta | float | None = None,
-                    expires_in: dt.datetime | dt.timedelta | float | None = None,
+                    run_after: dt.datetime | dt.timedelta | float | str | None = None,
+                    expires_in: dt.datetime | dt.timedelta | float | str | None = None,
                     tags: Mapping[str, str] | None = None, traceparent: str | None = None,
                     tracestate: str | None = None,
                     concurrency_key: str | None = None) -> enqueue_args.EnqueueOptions:
-    """The client's options as EnqueueOptions, checked by the rules of sidecar.enqueue_args
-    (the CLI's): ``run_after`` an aware datetime (not claimed before) or a delay (seconds
-    or timedelta, counted by the database's clock); ``expires_in`` a duration (more than
-    0) or an aware datetime (no attempt starts after it). UsageError for the first that is
-    not allowed."""
-    if isinstance(priority, bool) or not isinstance(priority, int):
-        raise UsageError(f"priority {priority!r}: must be an integer from 0 to 9")
-    run_in = when = None
-    if isinstance(run_after, dt.datetime):
-        when = _moment(run_after, "run_after")
-    elif run_after is not None:
-        run_in = _duration(run_after, "run_after")
-    expiry = expires_at = None
-    if isinstance(expires_in, dt.datetime):
-        expires_at = _moment(expires_in, "expires_in")
-    elif expires_in is not None:
-        expiry = _duration(expires_in, "expires_in")
-        if expiry <= dt.timedelta(0):
-            raise UsageError(f"expires_in {expires_in!r}: must be more than 0")
-    if expiry is not None and run_in is not None and run_in >= expiry:
-        raise UsageError(f"expires_in {expires_in!r}: the job would expire before its "
-                         f"run_after {run_after!r}")
-    if tracestate is not None and traceparent is None:
-        raise UsageError("tracestate needs a traceparent")
-    if tags is not None and not isinstance(tags, Mapping):
-        raise UsageError("tags: give a dict of strings, e.g. {'run': '42'}")
-    if concurrency_key is not None and not isinstance(concurrency_key, str):
-        raise UsageError("concurrency_key must be a string, e.g. 'tenant-42'")
-    return enqueue_args.EnqueueOptions(
-        priority=enqueue_args.check_priority(priority), run_in=run_in, run_after=when,
-        expires_in=expiry, expires_at=expires_at,
-        tags=enqueue_args.check_tags(dict(tags or {})),
-        traceparent=None if traceparent is None else enqueue_args.check_traceparent(
-            traceparent),
-        tracestate=None if tracestate is None else enqueue_args.check_tracestate(tracestate),
-        concurrency_key=None if concurrency_key is None else flow.check_concurrency_key(
-            concurrency_key, "concurrency_key"))
+    """The client's options as EnqueueOptions: the one parser of the CLI's options
+    (sidecar.enqueue_args.enqueue_options), errors naming the Python arguments.
+    ``run_after`` an aware datetime (not claimed before) or a delay (seconds, a timedelta
+    or a duration's text such as ``"30m"``, counted by the database's clock);
+    ``expires_in`` a duration (more than 0) or an aware datetime (no attempt starts after
+    it). UsageError for the first that is not allowed."""
+    return enqueue_args.enqueue_options(
+        priority, run_after, expires_in, tags, traceparent, tracestate, concurrency_key,
+        names=enqueue_args.PYTHON_NAMES)
 
 
 class Client:
@@ -268,8 +214,9 @@ class Client:
     own, for as long as it waits).
 
     Use it as ``async with Client() as client:`` or ``client = await Client.connect()``
-    (then ``await client.close()``). Opening migrates the schema if needed, as every
-    CLI command does (only a read when it is current)."""
+    (then ``await client.close()``). Opening checks the schema and never changes it:
+    sidecar.errors.SchemaMismatch when it is older than this sidecar or missing (run
+    ``sidecar migrate``), or newer without declaring compatibility."""
 
     def __init__(self, dsn: str | None = None, *, settings: Settings | None = None,
                  pooler: str | None = None, listen_dsn: str | None = None,
@@ -296,8 +243,10 @@ class Client:
         return client
 
     async def open(self) -> None:
-        """Resolve the DSN, open the pool and migrate; DatabaseUnavailable when the
-        database cannot be reached. Calling it again does nothing."""
+        """Resolve the DSN, open the pool and check the schema (one read, no DDL);
+        DatabaseUnavailable when the database cannot be reached, SchemaMismatch when its
+        schema is one this sidecar may not work on (nothing is changed). Calling it again
+        does nothing."""
         if self._store is not None:
             return
         settings = self._settings_given or load_settings()
@@ -316,7 +265,7 @@ class Client:
                                     pooler=pooler)
         try:
             store = CallerStore(pool, settings.db_timeout_seconds)
-            await store.migrate()
+            await schema.require_current(store)
         except BaseException:
             pool.terminate()
             raise
@@ -389,15 +338,10 @@ class Client:
         options = enqueue_options(priority=priority, run_after=run_after,
                                   expires_in=expires_in, tags=tags, traceparent=traceparent,
                                   tracestate=tracestate, concurrency_key=concurrency_key)
-        if max_attempts is not None and (isinstance(max_attempts, bool)
-                                         or not isinstance(max_attempts, int)
-                                         or not 1 <= max_attempts <= MAX_ATTEMPTS_LIMIT):
-            raise UsageError(f"max_attempts {max_attempts!r}: must be from 1 to "
-                             f"{MAX_ATTEMPTS_LIMIT}")
+        enqueue_args.check_max_attempts(max_attempts, "max_attempts")
         if idempotency_key is not None:
-            if not isinstance(idempotency_key, str):
-                raise UsageError("idempotency_key must be a string")
-            check_producer_key(enqueue_args.check_idempotency_key(idempotency_key))
+            check_producer_key(enqueue_args.check_idempotency_key(idempotency_key,
+                                                                  "idempotency_key"))
         text = _payload_text({} if payload is None else payload,
                              self.settings.max_payload_bytes)
         job_id, created = await store.enqueue(tool, text, idempotency_key, max_attempts,

@@ -17,12 +17,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
+from sidecar import parsing
+from sidecar.enqueue_args import MAX_ATTEMPTS_LIMIT
 from sidecar.errors import ConfigError, SidecarError
 from sidecar.masking import mask_url, url_secrets
 from sidecar.model import PROFILE_FIELD_NAMES, LeaseProfile, tolerated_silence, tool_env_key
 
 PREFIX = "SIDECAR_"
-MAX_ATTEMPTS_LIMIT = 1000
 PROFILE_PREFIX = "SIDECAR_PROFILE_"
 # SIDECAR_DATABASE_POOLER: "transaction" = a transaction-mode pooler (PgBouncer) sits in
 # front of PostgreSQL, so no statement may rely on the server session.
@@ -89,11 +90,13 @@ def _flag(text: str) -> bool:
 
 
 def _listen_addr(text: str) -> str:
+    """``SIDECAR_HTTP_ADDR``: ``off``, or HOST:PORT as sidecar.parsing reads every one."""
     if text == "off":
         return text
-    host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise _Invalid("use HOST:PORT, e.g. 0.0.0.0:9180, or off")
+    try:
+        parsing.split_host_port(text)
+    except parsing.ParseError as exc:
+        raise _Invalid(f"{exc}; e.g. 0.0.0.0:9180, or off") from None
     return text
 
 
@@ -138,31 +141,13 @@ def _run_as(text: str) -> str:
     return text
 
 
-_DURATION = re.compile(r"(\d+(?:\.\d+)?)\s*([smhd]?)", re.ASCII)  # ASCII: no "١٢"
-_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
 def _duration(text: str) -> float:
     """Seconds: a number, or one with a unit s, m, h or d (``90``, ``30m``, ``7d``); at most
-    MAX_SECONDS."""
-    match = _DURATION.fullmatch(text.strip().lower())
-    if not match:
-        raise _Invalid("use seconds, or a number with s, m, h or d (e.g. 3600, 12h, 7d)")
-    value = float(match.group(1)) * _DURATION_UNITS[match.group(2)]
-    if not value <= MAX_SECONDS:
-        raise _Invalid(f"at most {MAX_SECONDS} seconds (100 years)")
-    return value
-
-
-def parse_duration(text: str, what: str) -> float:
-    """``_duration`` for a command-line value; ConfigError names ``what`` and the form."""
+    MAX_SECONDS (sidecar.parsing.duration_seconds, the one reader of durations)."""
     try:
-        return _duration(text)
-    except _Invalid as exc:
-        raise ConfigError(f"{what} {text!r}: {exc}") from None
-    except ValueError:
-        raise ConfigError(f"{what} {text!r}: use seconds, or a number with s, m, h or d "
-                          "(e.g. 3600, 12h, 7d)") from None
+        return parsing.duration_seconds(text, MAX_SECONDS)
+    except parsing.ParseError as exc:
+        raise _Invalid(str(exc)) from None
 
 
 def _non_negative_int(text: str) -> int:

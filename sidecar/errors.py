@@ -73,3 +73,26 @@ class NextStageConflict(SidecarError):
                          "nothing was committed")
         self.key = key
         self.holder_id = holder_id
+
+
+class SchemaMismatch(SidecarError):
+    """The database's schema is not one this sidecar may work on: older than its newest
+    migration (or missing: version 0), or newer without declaring compatibility with it
+    (``-- compatible-from:``, docs/operations.md). Only ``sidecar migrate`` and
+    ``sidecar run`` change the schema; every other entry point refuses with this one line.
+    ``version``: the database's (0: no schema); ``expected``: this sidecar's."""
+
+    exit_code = 1
+
+    def __init__(self, version: int, expected: int):
+        if version < expected:
+            where = ("the database has no sidecar schema" if version == 0
+                     else f"the database schema is at version {version}")
+            fix = "run 'sidecar migrate' first"
+        else:
+            where = (f"the database schema is at version {version}, which declares no "
+                     "compatibility with it")
+            fix = "upgrade this sidecar to the release that migrated it"
+        super().__init__(f"{where}, this sidecar needs {expected}: {fix}")
+        self.version = version
+        self.expected = expected

@@ -20,7 +20,7 @@ import orjson
 from prometheus_client import REGISTRY
 from prometheus_client.exposition import choose_encoder
 
-from sidecar import metrics
+from sidecar import metrics, parsing
 from sidecar.httpserver import Handler, HttpServer, Request, Response
 from sidecar.periodic import Periodic
 
@@ -114,24 +114,23 @@ def _count_refusal(reason: str, _key) -> None:
 
 async def serve(readiness: Readiness, addr: str, *,
                 next_free: bool = False) -> tuple[HttpServer, str]:
-    """Listen on ``addr`` (HOST:PORT; port 0 = any); return the server (``stop()`` it) and
-    the bound address. With ``next_free`` (the default address, not one the user set), a
-    port in use moves to the next of DEFAULT_PORT_TRIES ports, so two sidecars in one pod
-    (one network namespace) both start. Raises OSError when no address can be bound."""
-    host, _, port_text = addr.rpartition(":")
-    port = int(port_text)
+    """Listen on ``addr`` (HOST:PORT, ``[IPV6]:PORT``, as sidecar.parsing reads it; port 0 =
+    any); return the server (``stop()`` it) and the bound address in the same form. With
+    ``next_free`` (the default address, not one the user set), a port in use moves to the
+    next of DEFAULT_PORT_TRIES ports, so two sidecars in one pod (one network namespace)
+    both start. Raises OSError when no address can be bound."""
+    host, port = parsing.split_host_port(addr)
     tries = DEFAULT_PORT_TRIES if next_free and port else 1
     for offset in range(tries):
         server = HttpServer(make_routes(readiness), max_connections=HEALTH_MAX_CONNECTIONS,
                             keepalive_timeout=HEALTH_KEEPALIVE_SECONDS,
                             on_refuse=_count_refusal)
         try:
-            bound_host, bound_port = await server.start(host.strip("[]") or None,
-                                                        port + offset)
+            bound_host, bound_port = await server.start(host, port + offset)
         except OSError as exc:
             if exc.errno != errno.EADDRINUSE or offset == tries - 1:
                 exc.ports_tried = offset + 1  # for the caller's message
                 raise
             continue
-        return server, f"{bound_host}:{bound_port}"
+        return server, parsing.format_host_port(bound_host, bound_port)
     raise AssertionError("unreachable")

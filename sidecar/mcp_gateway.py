@@ -44,7 +44,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
 
-from sidecar import db, mcp_catalog
+from sidecar import db, mcp_catalog, parsing
 from sidecar.client import Client, JobEnd, JobNotFound, JobProgress
 from sidecar.config import Settings
 from sidecar.errors import (
@@ -80,7 +80,6 @@ DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 DEFAULT_MAX_TASKS_PER_PRINCIPAL = 1000
 # How long cancelling a job may take when its request is cancelled (seconds).
 CANCEL_BOUND_SECONDS = 10.0
-LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass(frozen=True)
@@ -504,10 +503,6 @@ def _tool_result(end: JobEnd) -> types.CallToolResult:
 
 # --- transports -------------------------------------------------------------------------
 
-def _loopback(host: str) -> bool:
-    return host in LOOPBACK_HOSTS or host.startswith("127.")
-
-
 class BearerAuth:
     """ASGI middleware: every request but ``exempt`` paths needs ``Authorization: Bearer
     TOKEN`` with a token of SIDECAR_MCP_TOKEN_FILE; else 401 with ``WWW-Authenticate``.
@@ -570,13 +565,12 @@ def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> An
     from starlette.routing import Route
 
     options = gateway.options
-    hosts = ["127.0.0.1:*", "localhost:*", "[::1]:*", *options.allowed_hosts]
-    if not _loopback(host) and host not in ("0.0.0.0", "::"):
-        hosts.append(f"{host}:*")
+    hosts = [*parsing.loopback_patterns(), *options.allowed_hosts]
+    if not parsing.is_loopback(host) and host not in ("0.0.0.0", "::"):
+        hosts.append(parsing.format_host_port(host, 0).rpartition(":")[0] + ":*")
     security = TransportSecuritySettings(
         enable_dns_rebinding_protection=True, allowed_hosts=hosts,
-        allowed_origins=["http://127.0.0.1:*", "http://localhost:*", "http://[::1]:*",
-                         *options.allowed_origins])
+        allowed_origins=[*parsing.loopback_patterns("http"), *options.allowed_origins])
 
     async def livez(request: Any) -> Any:
         return PlainTextResponse("ok\n")
@@ -611,8 +605,7 @@ async def serve_http(client: Client, catalog: Sequence[McpTool], options: Gatewa
     watcher = asyncio.create_task(watch_stop())
     try:
         config.load()
-        shown = f"[{host}]" if ":" in host else host
-        print(f"sidecar mcp: listening on http://{shown}:{port}/mcp "
+        print(f"sidecar mcp: listening on http://{parsing.format_host_port(host, port)}/mcp "
               f"({len(catalog)} tool(s): {', '.join(t.name for t in catalog)})",
               file=sys.stderr, flush=True)
         await server.serve()
@@ -643,11 +636,3 @@ async def serve(settings: Settings, catalog: Sequence[McpTool], options: Gateway
             await serve_http(client, catalog, options, host, port, tokens or {})
     return 0
 
-
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) as (host, port); UsageError otherwise."""
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise UsageError(f"--listen {text!r}: use HOST:PORT, e.g. 127.0.0.1:8765")
-    return host, int(port)

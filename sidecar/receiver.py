@@ -11,7 +11,6 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import signal
 import sys
 
@@ -19,15 +18,14 @@ import asyncpg
 import orjson
 from aiohttp import web
 
-from sidecar import db, jsontext
+from sidecar import db, jsontext, parsing, schema
 from sidecar.config import Settings
-from sidecar.errors import SidecarError, UsageError
+from sidecar.errors import SidecarError
 from sidecar.fence import FencedRequest, fence_middleware, fenced
 from sidecar.queries import Q
 from sidecar.store import StoreBase
 
 POOL = web.AppKey("pool", asyncpg.Pool)
-_LISTEN = re.compile(r"(?P<host>\[[^\]]+\]|[^\s\[\]]+):(?P<port>[0-9]{1,5})")
 
 
 def _json(value, status: int = 200) -> web.Response:
@@ -77,24 +75,17 @@ def make_app(pool: asyncpg.Pool) -> web.Application:
     return app
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:8900`` for IPv6) -> (host, port); UsageError otherwise."""
-    match = _LISTEN.fullmatch(text)
-    if not match or int(match["port"]) > 65535:
-        raise UsageError(f"--listen {text!r}: expected HOST:PORT with a port from 0 to 65535, "
-                         "e.g. 127.0.0.1:8900")
-    return match["host"].strip("[]"), int(match["port"])
-
-
 async def serve(settings: Settings, host: str, port: int) -> int:
-    """Migrate, serve until SIGTERM or SIGINT, return 0."""
+    """Check the schema (SchemaMismatch before listening when it is older than this
+    sidecar or missing: the receiver never migrates), serve until SIGTERM or SIGINT,
+    return 0."""
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     pool = await db.create_pool(db.resolve_dsn(settings), settings.db_timeout_seconds,
                                 max_size=10)
     try:
-        await StoreBase(pool, settings.db_timeout_seconds).migrate()
+        await schema.require_current(StoreBase(pool, settings.db_timeout_seconds))
         runner = web.AppRunner(make_app(pool), access_log=None, shutdown_timeout=5)
         await runner.setup()
         try:
@@ -104,8 +95,8 @@ async def serve(settings: Settings, host: str, port: int) -> int:
                 raise SidecarError(f"receiver cannot listen on {host}:{port}: "
                                    f"{exc.strerror or exc}") from None
             bound_host, bound_port = runner.addresses[0][:2]
-            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-            print(f"sidecar: receiver listening on http://{shown}:{bound_port}",
+            print("sidecar: receiver listening on "
+                  f"http://{parsing.format_host_port(bound_host, bound_port)}",
                   file=sys.stderr, flush=True)
             await stop.wait()
         finally:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import re
 import uuid
+from collections.abc import Iterable
 from typing import Any
 
 import asyncpg

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import hmac
-import ipaddress
 import re
 import secrets
 import signal
@@ -39,7 +38,7 @@ from urllib.parse import quote, urlencode
 import jinja2
 from aiohttp import web
 
-from sidecar import db, enqueue_args, jsontext, tokens
+from sidecar import db, enqueue_args, jsontext, parsing, schema, tokens
 from sidecar import log as log_mod
 from sidecar.config import Settings, validate_tool_name
 from sidecar.errors import ConfigError, SidecarError, UsageError
@@ -47,7 +46,6 @@ from sidecar.model import JobState
 from sidecar.operator_store import OperatorStore
 
 DEFAULT_LISTEN = "127.0.0.1:8080"
-_LISTEN = re.compile(r"(?P<host>\[[^\]]+\]|[^\s\[\]]+):(?P<port>[0-9]{1,5})")
 
 # Bounds of every input (issue 30): a page holds at most MAX_PAGE jobs, a query value at
 # most MAX_PARAM_CHARS characters, a form body at most MAX_BODY_BYTES.
@@ -83,7 +81,6 @@ SECURITY_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "no-store",
 }
-LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "[::1]", "::1"})
 
 # How each journal event shows on the timeline (a CSS class): the events of
 # docs/operations.md's catalog that a job's journal holds.
@@ -222,19 +219,14 @@ def parse_filter(request: web.Request) -> JobFilter:
     after_text = _param(request, "after")
     after = None
     if after_text is not None:
-        try:
-            after = uuid.UUID(after_text)
-        except ValueError:
-            raise BadInput("query parameter after: a job id, as the 'older' link gives "
-                           "it") from None
+        after = parsing.parse_job_id(after_text, "query parameter after", BadInput,
+                                     echo=False)
     return JobFilter(state, tool, tuple(tags.items()), kind, limit, after)
 
 
 def _job_id(request: web.Request) -> uuid.UUID:
-    try:
-        return uuid.UUID(request.match_info["job_id"])
-    except ValueError:
-        raise BadInput("job id: not a UUID (as `sidecar enqueue` prints it)") from None
+    """The path's job id (sidecar.parsing.parse_job_id); BadInput (a 400) otherwise."""
+    return parsing.parse_job_id(request.match_info["job_id"], "job id", BadInput, echo=False)
 
 
 def _tool(request: web.Request) -> str:
@@ -659,7 +651,7 @@ async def static(request: web.Request) -> web.Response:
 
 def _host_allowed(host: str, allowed: frozenset[str]) -> bool:
     name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-    return name in LOOPBACK_HOSTS or host in allowed or name in allowed \
+    return parsing.is_loopback(name) or host in allowed or name in allowed \
         or f"{name}:*" in allowed
 
 
@@ -713,7 +705,7 @@ def _as_response(exc: web.HTTPException) -> web.Response:
 
 def make_app(store: OperatorStore, settings: Settings, admin_tokens: dict[str, str] | None,
              allowed_hosts: tuple[str, ...] = ()) -> web.Application:
-    """The web view's aiohttp application on ``store`` (migrated). ``admin_tokens``:
+    """The web view's aiohttp application on ``store`` (its schema checked). ``admin_tokens``:
     ``{token: principal}`` (sidecar.tokens.load_tokens), None for a read-only server;
     ``allowed_hosts``: Host headers accepted besides loopback (``name``, ``name:port``
     or ``name:*``)."""
@@ -740,27 +732,13 @@ async def _root(request: web.Request) -> web.Response:
     raise web.HTTPFound("/tools")
 
 
-def parse_listen(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:8080`` for IPv6) -> (host, port); UsageError otherwise."""
-    match = _LISTEN.fullmatch(text)
-    if not match or int(match["port"]) > 65535:
-        raise UsageError(f"--listen {text!r}: expected HOST:PORT with a port from 0 to 65535, "
-                         f"e.g. {DEFAULT_LISTEN}")
-    return match["host"].strip("[]"), int(match["port"])
-
-
 def check_exposure(host: str, admin_tokens: dict[str, str] | None) -> None:
     """Refuse to serve beyond loopback without admin tokens: a read-only server shows
     payload and result content to whoever reaches it, and a client names any Host it
     likes, so only the listening address tells who can. UsageError (exit 2) naming
-    --listen and the fix; loopback (127.0.0.0/8, ::1, localhost) always passes."""
-    if admin_tokens is not None or host == "localhost":
-        return
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = False  # a host name: whatever it resolves to, it may be more than us
-    if not loopback:
+    --listen and the fix; loopback (sidecar.parsing.is_loopback: 127.0.0.0/8, ::1,
+    localhost) always passes."""
+    if admin_tokens is None and not parsing.is_loopback(host):
         raise UsageError(f"--listen {host}: beyond loopback, sidecar web needs "
                          "SIDECAR_WEB_TOKEN_FILE (else payloads and results are open to "
                          "whoever reaches it); set it, or listen on 127.0.0.1")
@@ -769,7 +747,9 @@ def check_exposure(host: str, admin_tokens: dict[str, str] | None) -> None:
 async def serve(settings: Settings, host: str, port: int,
                 admin_tokens: dict[str, str] | None,
                 allowed_hosts: tuple[str, ...] = ()) -> int:
-    """Migrate, serve the web view until SIGTERM or SIGINT, return 0. Prints
+    """Check the schema (SchemaMismatch before listening when it is older than this
+    sidecar or missing; the web view never migrates), serve the web view until SIGTERM
+    or SIGINT, return 0. Prints
     ``sidecar: web listening on http://HOST:PORT`` on stderr once it serves, and logs
     ``web_started``."""
     stop = asyncio.Event()
@@ -779,7 +759,7 @@ async def serve(settings: Settings, host: str, port: int,
                                 max_size=4)
     try:
         store = OperatorStore(pool, settings.db_timeout_seconds)
-        await store.migrate()
+        await schema.require_current(store)
         runner = web.AppRunner(make_app(store, settings, admin_tokens, allowed_hosts),
                                access_log=None, shutdown_timeout=5)
         await runner.setup()
@@ -790,11 +770,11 @@ async def serve(settings: Settings, host: str, port: int,
                 raise SidecarError(f"sidecar web cannot listen on {host}:{port}: "
                                    f"{exc.strerror or exc}") from None
             bound_host, bound_port = runner.addresses[0][:2]
-            shown = f"[{bound_host}]" if ":" in bound_host else bound_host
-            log_mod.log.emit("web_started", url=f"http://{shown}:{bound_port}",
+            url = f"http://{parsing.format_host_port(bound_host, bound_port)}"
+            log_mod.log.emit("web_started", url=url,
                              read_only=admin_tokens is None,
                              principals=len(admin_tokens or {}))
-            print(f"sidecar: web listening on http://{shown}:{bound_port}",
+            print(f"sidecar: web listening on {url}",
                   file=sys.stderr, flush=True)
             await stop.wait()
         finally:

@@ -19,7 +19,7 @@ import tempfile
 import time
 import uuid
 
-from sidecar import clock, db, health, metrics, retention
+from sidecar import clock, db, health, metrics, parsing, retention
 from sidecar.cgroups import CgroupHost
 from sidecar.child import ProcessTable
 from sidecar.config import Settings, secret_values
@@ -224,8 +224,8 @@ class Worker:
                                   f"listen ({exc.strerror or exc}); give each sidecar in a pod "
                                   "its own port, or off") from None
             stack.push_async_callback(http_runner.stop)
-            wanted = self.settings.http_addr.rpartition(":")[2]
-            if http_addr.rpartition(":")[2] != wanted and wanted != "0":
+            wanted = parsing.split_host_port(self.settings.http_addr)[1]
+            if parsing.split_host_port(http_addr)[1] != wanted and wanted != 0:
                 log.emit("http_port_moved", level="warning", tool=self.profile.tool,
                          wanted=self.settings.http_addr, http_addr=http_addr,
                          reason="the default port is taken (another sidecar in this pod?); "

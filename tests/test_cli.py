@@ -531,9 +531,19 @@ def test_two_concurrent_migrates_on_a_fresh_database(fresh_database):
                   uuid.UUID(job_id)) == 1
 
 
-def test_enqueue_on_an_unmigrated_database_migrates_it(fresh_database):
+def test_enqueue_on_an_unmigrated_database_refuses_and_creates_nothing(fresh_database):
+    """Only `sidecar migrate` and `sidecar run` change the schema (issue 40): enqueue on
+    an empty database says so in one line (exit 1) and creates no table; after `sidecar
+    migrate` it works. tests/test_schema_front_door.py covers every other entry point."""
+    done = cli(fresh_database, "enqueue", "ocr")
+    assert done.returncode == 1
+    assert one_line_error(done, no_stdout=True) == (
+        f"sidecar: error: the database has no sidecar schema, this sidecar needs {LATEST}: "
+        "run 'sidecar migrate' first")
+    assert scalar(fresh_database, "SELECT count(*) FROM pg_tables WHERE schemaname = "
+                                  "'public'") == 0
+    assert cli(fresh_database, "migrate").returncode == 0
     job_id = enqueue(fresh_database, "ocr", {})
-    assert scalar(fresh_database, "SELECT max(version) FROM sidecar_schema_migrations") == LATEST
     assert scalar(fresh_database, "SELECT count(*) FROM tool_jobs WHERE id = $1",
                   uuid.UUID(job_id)) == 1
 

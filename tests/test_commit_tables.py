@@ -7,12 +7,12 @@ from __future__ import annotations
 import random
 import typing
 
+import pytest
 from test_docs import _catalog
 
 from sidecar.commit import _ENDERS, ENDING_REPORTS, How, backoff_seconds
 from sidecar.model import LeaseProfile
 from sidecar.verdict import Ending
-import pytest
 
 pytestmark = pytest.mark.unit
 

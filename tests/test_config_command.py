@@ -10,9 +10,9 @@ import uuid
 from urllib.parse import urlsplit, urlunsplit
 
 import orjson
+import pytest
 
 from kit import base_env, cli, enqueue, one_line_error, query
-import pytest
 
 pytestmark = pytest.mark.e2e
 

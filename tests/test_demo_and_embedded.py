@@ -14,9 +14,9 @@ from pathlib import Path
 
 import orjson
 import psutil
+import pytest
 
 from kit import base_env, query, wait_until
-import pytest
 
 pytestmark = pytest.mark.e2e
 
@@ -67,11 +67,15 @@ def test_commands_share_one_embedded_postgres_when_no_url_is_set():
     del env["SIDECAR_DATABASE_URL"]
     env["SIDECAR_DATA_DIR"] = str(data_dir)
     try:
+        # Only `sidecar migrate` (or run, or demo) makes the schema, embedded or not.
+        migrated = subprocess.run([sys.executable, "-m", "sidecar", "migrate"],
+                                  env=env, capture_output=True, timeout=120)
+        assert migrated.returncode == 0, migrated.stderr.decode()
+        assert f"embedded PostgreSQL in {data_dir}" in migrated.stderr.decode()
         first = subprocess.run([sys.executable, "-m", "sidecar", "enqueue", "wc",
                                 "--payload", '{"path": "/etc/hostname"}'],
                                env=env, capture_output=True, timeout=120)
         assert first.returncode == 0, first.stderr.decode()
-        assert f"embedded PostgreSQL in {data_dir}" in first.stderr.decode()
         job_id = orjson.loads(first.stdout)["id"]
         # Another process, another command: the same queue.
         shown = subprocess.run([sys.executable, "-m", "sidecar", "show", job_id],

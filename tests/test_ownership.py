@@ -24,6 +24,7 @@ from pathlib import Path
 import asyncpg
 import orjson
 import psutil
+import pytest
 
 from kit import (
     FAST_PROFILE,
@@ -43,7 +44,6 @@ from kit import (
 from sidecar.db import init_connection
 from sidecar.model import ClaimedJob
 from sidecar.worker_store import WorkerStore
-import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

@@ -16,11 +16,11 @@ import urllib.error
 import urllib.request
 
 import orjson
+import pytest
 
 from kit import Receiver, base_env, cli, query
 from sidecar import db
 from sidecar.caller_store import CallerStore
-import pytest
 
 JOBS = 200
 SIDECARS = 4

@@ -9,10 +9,10 @@ import urllib.request
 
 import asyncpg
 import orjson
+import pytest
 
 from kit import base_env, cli, one_line_error, query, run, scalar
 from sidecar.retention import PRUNE_LOCK_KEY
-import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

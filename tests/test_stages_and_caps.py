@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncpg
 import orjson
+import pytest
 
 from kit import (
     base_env,
@@ -23,7 +24,6 @@ from sidecar.config import load_settings
 from sidecar.db import init_connection
 from sidecar.model import NextStage, RawJson
 from sidecar.worker_store import WorkerStore
-import pytest
 
 TOOL = "stage_tool.py"
 

@@ -9,10 +9,10 @@ import os
 from pathlib import Path
 
 import orjson
+import pytest
 
 from kit import TOOLS, base_env, cli, enqueue, job_row, query, short_root
 from sidecar.isolation import MAX_WORK_ROOT_BYTES, SOCKET_NAME_BYTES, SOCKET_PATH_MAX_BYTES
-import pytest
 
 pytestmark = pytest.mark.e2e
 

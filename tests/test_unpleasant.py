@@ -18,6 +18,7 @@ import urllib.error
 import urllib.request
 import uuid
 
+import pytest
 from netproxy import through
 
 from kit import (
@@ -29,7 +30,6 @@ from kit import (
     wait_attempt_counted,
     wait_until,
 )
-import pytest
 
 pytestmark = pytest.mark.e2e
 

@@ -7,8 +7,9 @@ from __future__ import annotations
 import sys
 import time
 
-from kit import base_env, enqueue, metric_total, metrics_text, query, scalar, wait_until
 import pytest
+
+from kit import base_env, enqueue, metric_total, metrics_text, query, scalar, wait_until
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 
