@@ -260,7 +260,7 @@ STORE_CLASSES_NAMED_BY = {
                     "sidecar.demo", "sidecar.cli"},
     "OperatorStore": {"sidecar.operator_store", "sidecar.web", "sidecar.cli"},
     # The shared base and the statements two audiences share (sidecar.store).
-    "StoreBase": {"sidecar.store", "sidecar.cli", "sidecar.receiver"},
+    "StoreBase": {"sidecar.store", "sidecar.cli", "sidecar.receiver", "sidecar.schema"},
     "JobAccess": {"sidecar.store", "sidecar.caller_store", "sidecar.operator_store"},
     "Pruning": {"sidecar.store", "sidecar.worker_store", "sidecar.operator_store",
                 "sidecar.retention"},
