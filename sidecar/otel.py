@@ -43,7 +43,7 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from sidecar import __version__, clock
 from sidecar.log import log, log_fields
 from sidecar.masking import mask_url
-from sidecar.tracing import FLUSH_SECONDS, NO_TRACE, AttemptTrace, Tracer
+from sidecar.trace_hooks import FLUSH_SECONDS, NO_TRACE, AttemptTrace, Tracer
 from sidecar.vocabulary import Outcome
 
 # Outcomes that are not an error of the attempt: its result is stored, or its lease was
