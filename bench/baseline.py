@@ -21,13 +21,13 @@ last end):
 
 ``python -m bench.baseline child COUNT CONCURRENCY START_AT [--sandbox]``
     spawn and reap ``/bin/true`` the way the sidecar does, CONCURRENCY at a time, in one
-    asyncio (uvloop) process: ``sidecar.child.Child.spawn`` (vfork from the long-lived
+    asyncio (uvloop) process: ``sidecar.worker.child.Child.spawn`` (vfork from the long-lived
     spawn thread, new session, pipes for stdin, stdout and stderr, the payload ``{}``
     written, an environment with the job's marks, its own working directory), then its
     exit seen through the pidfd and the pipes drained to EOF. No database, no work
     directory or cgroup made per job, no tree check after the exit. ``--sandbox``: inside
     the bubblewrap sandbox the sidecar would use here with its default settings
-    (sidecar.isolation.check_sandbox; exit 3 when there is none), bwrap's status read.
+    (sidecar.worker.isolation.check_sandbox; exit 3 when there is none), bwrap's status read.
 
 ``claim`` and ``child`` also report ``cpu_s``: the CPU seconds (user + system) the
 helper itself used from its first job to its last, the process's own part of each job.
@@ -54,10 +54,10 @@ def _wait_until(start_at: float) -> None:
 
 async def claim_loop(dsn: str, tool: str, concurrency: int, start_at: float,
                      journal: bool, spawn: bool = False) -> dict:
-    from sidecar.db import connect
-    from sidecar.model import JobState
-    from sidecar.queries import Q
-    from sidecar.vocabulary import FailureKind
+    from sidecar.protocol.model import JobState
+    from sidecar.protocol.vocabulary import FailureKind
+    from sidecar.storage.db import connect
+    from sidecar.storage.queries import Q
 
     owner = f"bench-bare:{os.getpid()}:{uuid.uuid4().hex[:12]}"
     conns = [await connect(dsn, 10) for _ in range(concurrency)]
@@ -122,8 +122,8 @@ def sandbox_wrap(workdir: str):
     """The sidecar's bwrap wrapper for ``/bin/true`` run in ``workdir``, by the default
     settings and profile (as ``sidecar run`` would check it), or None when attempts would
     run unsandboxed here."""
-    from sidecar import isolation
-    from sidecar.config import load_settings
+    from sidecar.runtime.config import load_settings
+    from sidecar.worker import isolation
 
     settings = load_settings()
     profile = settings.profile("true")
@@ -137,10 +137,10 @@ def sandbox_wrap(workdir: str):
 async def child_loop(count: int, concurrency: int, start_at: float,
                      sandbox: bool = False) -> dict:
     """Spawn and reap ``/bin/true`` ``count`` times through the sidecar's own spawn path
-    (sidecar.child.Child), ``concurrency`` at once, in the sidecar's sandbox when
+    (sidecar.worker.child.Child), ``concurrency`` at once, in the sidecar's sandbox when
     ``sandbox``; the window and the CPU it took. Raises LookupError when ``sandbox`` is
     asked for where there is none."""
-    from sidecar.child import Child, ProcessTable
+    from sidecar.worker.child import Child, ProcessTable
 
     processes = ProcessTable()
     left, done, first, last = count, 0, None, 0.0

@@ -5,7 +5,7 @@ Round trip: enqueue a no-op job, then wait until the wait returns with its resul
 tool is ``/bin/cat``: its result is its payload (``{"n": i}``, checked). The sidecar's
 path is what a caller of the project uses: ``CallerStore.enqueue`` over a pool (the statement
 ``sidecar enqueue`` and the SQL function ``sidecar_enqueue`` share: tool_job_enqueue),
-then ``sidecar.waiting.watch`` on a connection of its own (LISTEN on the job's channel,
+then ``sidecar.client.waiting.watch`` on a connection of its own (LISTEN on the job's channel,
 read, NOTIFY from the fenced end, read, UNLISTEN), served by a real ``sidecar run``. The
 bare loop does the same with raw asyncpg in this process: the caller LISTENs on the job's
 channel and inserts the job with its journal row and the wake NOTIFY in one statement; a
@@ -45,11 +45,12 @@ from bench.common import (
     until,
 )
 from bench.report import Row
-from sidecar import db, waiting
-from sidecar.caller_store import CallerStore
-from sidecar.model import JobState, RawJson
-from sidecar.queries import Q
-from sidecar.worker import wake_channel
+from sidecar.client import waiting
+from sidecar.protocol.model import JobState, RawJson
+from sidecar.storage import db
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.queries import Q
+from sidecar.worker.claim_loop import wake_channel
 
 CAT = ["/bin/cat"]
 WARM_UP = 2  # calls of each side not measured (prepared statements, first spawns)
@@ -405,7 +406,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
         f"(default profile), one more with SIDECAR_CGROUPS=off and the bare loop in the "
         f"bench's process, {len(real)} calls each "
         f"taking turns 20-100 ms apart after {WARM_UP} unmeasured; fan-out: "
-        f"{fan['waited']} waiters (one asyncpg connection each, sidecar.waiting.watch), "
+        f"{fan['waited']} waiters (one asyncpg connection each, sidecar.client.waiting.watch), "
         f"{fan['bystanders']} more jobs of the same tool, one sidecar at concurrency 8 "
         f"started once every waiter listened ({fan['left_when_waiters_done']} jobs left when "
         f"the last waiter returned); PgBouncer pool_mode = transaction, pool size 4, sidecar "

@@ -97,8 +97,8 @@ def _admin_dsn(args: argparse.Namespace) -> tuple[str, bool]:
     such as CHECKPOINT."""
     if args.dsn:
         return args.dsn, False
-    from sidecar.config import load_settings
-    from sidecar.db import resolve_dsn
+    from sidecar.runtime.config import load_settings
+    from sidecar.storage.db import resolve_dsn
 
     settings = load_settings()
     return resolve_dsn(settings), not settings.database_url
@@ -132,8 +132,8 @@ async def amain(args: argparse.Namespace) -> int:
     try:
         conn = await connect(dsn)
         try:
-            from sidecar.db import create_pool
-            from sidecar.store import StoreBase
+            from sidecar.storage.db import create_pool
+            from sidecar.storage.store import StoreBase
 
             pool = await create_pool(dsn, 10, max_size=1)
             await StoreBase(pool, 10).migrate()

@@ -23,7 +23,7 @@ import asyncpg
 import orjson
 import psutil
 
-from sidecar.db import init_connection, with_database
+from sidecar.storage.db import init_connection, with_database
 
 # The helpers and tools the tests use too, one copy of each (tests/kit.py).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -168,7 +168,7 @@ def sidecar_env(dsn: str, **extra: str) -> dict[str, str]:
 
     Where the sidecar serves its own HTTP endpoints (``SIDECAR_HTTP_ADDR``, one fixed port
     by default), each bench sidecar gets a loopback port of its own, so several can run."""
-    from sidecar.config import GLOBAL_FIELDS
+    from sidecar.runtime.config import GLOBAL_FIELDS
 
     env = clean_env(SIDECAR_DATABASE_URL=dsn, SIDECAR_WORKER_NAME="bench")
     if "HTTP_ADDR" in GLOBAL_FIELDS:
@@ -241,7 +241,7 @@ class Sidecar:
         out = []
         for kid in kids:
             try:
-                if "sidecar.guardian" not in " ".join(kid.cmdline()) \
+                if "sidecar.worker.guardian" not in " ".join(kid.cmdline()) \
                         and kid.status() != psutil.STATUS_ZOMBIE:
                     out.append(kid)
             except psutil.Error:
@@ -251,7 +251,7 @@ class Sidecar:
     def guardian(self) -> psutil.Process | None:
         try:
             for kid in psutil.Process(self.pid).children():
-                if "sidecar.guardian" in " ".join(kid.cmdline()):
+                if "sidecar.worker.guardian" in " ".join(kid.cmdline()):
                     return kid
         except psutil.Error:
             pass
@@ -372,7 +372,7 @@ async def enqueue_one(conn: asyncpg.Connection, tool: str, payload: str = "{}",
     ``concurrency_key``: the flow-control key (issue 27), None for none."""
     import orjson
 
-    from sidecar.queries import Q
+    from sidecar.storage.queries import Q
 
     # The query's JSON parameters are text ($2, $8, $13); $14 an expiry time (none); $15
     # the concurrency key.

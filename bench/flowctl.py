@@ -177,7 +177,7 @@ async def _cli(ctx: Context, *args: str) -> dict[str, Any]:
 async def _limit(ctx: Context, conn: asyncpg.Connection, tool: str, **limits: Any) -> None:
     """``sidecar limit TOOL --max-running N ...`` (``limits``: limit_changes' arguments),
     then the stored row is read back: a row not as asked is a BenchError."""
-    from sidecar.flow import limit_changes
+    from sidecar.protocol.flow import limit_changes
 
     changes = limit_changes(**limits)
     await _cli(ctx, "limit", tool, *(f"--{k.replace('_', '-')}={v}"

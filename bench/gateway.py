@@ -160,13 +160,13 @@ class GatewayProcess:
 
     @contextlib.asynccontextmanager
     async def tasks_session(self):
-        """An MCP client session that declares the Tasks extension (sidecar.mcp_tasks):
+        """An MCP client session that declares the Tasks extension (sidecar.mcp.tasks):
         tools/call answers with a task handle at once."""
         from mcp import Client
         from mcp.client.streamable_http import streamable_http_client
         from mcp.shared._httpx_utils import create_mcp_http_client
 
-        from sidecar.mcp_tasks import TasksExtension
+        from sidecar.mcp.tasks import TasksExtension
 
         http = create_mcp_http_client(headers={"Authorization": f"Bearer {self.token}"})
         async with http, Client(streamable_http_client(self.url, http_client=http),
@@ -210,7 +210,7 @@ async def round_trips(ctx: Context, gateway: GatewayProcess, session: Any,
     """``calls`` round trips through the gateway and as many by Client.call, taking turns
     (each side first in turn) after WARM_UP unmeasured of each; seconds by side."""
     from sidecar.client import Client
-    from sidecar.config import load_settings
+    from sidecar.runtime.config import load_settings
 
     out: dict[str, list[float]] = {"mcp": [], "client": []}
     sides = list(out)
@@ -277,7 +277,7 @@ async def pending_tasks(ctx: Context, dsn: str, gateway: GatewayProcess,
     after another with the Tasks extension; no sidecar of HELD runs them); each task read
     back with tasks/get, then all cancelled. Bytes and seconds."""
     from sidecar.client import Client
-    from sidecar.mcp_tasks import get_task
+    from sidecar.mcp.tasks import get_task
 
     idle = await rss_settled(gateway.pid)
     started = time.perf_counter()
@@ -406,7 +406,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
         f"flight {memory['settled']:.2f} s after the first was sent; then one sidecar at "
         f"concurrency 8 ran them, each result checked"
         + f"; then {tasks['count']} tasks of `{HELD}` created one after another in a "
-        "session declaring the Tasks extension (sidecar.mcp_tasks), RSS read with all of "
+        "session declaring the Tasks extension (sidecar.mcp.tasks), RSS read with all of "
         "them pending, every twentieth read back with tasks/get, then all cancelled by tag"
         + ("" if here else "; the RSS on a second gateway and embedded PostgreSQL "
            f"(max_connections {need + 20}) after {WARM_UP} warm-up calls"))

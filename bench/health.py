@@ -30,7 +30,7 @@ from bench.common import (
     run_helpers,
 )
 from bench.report import Row
-from sidecar.queries import Q
+from sidecar.storage.queries import Q
 
 SIZES = """
 SELECT pg_relation_size('tool_jobs') AS heap, pg_indexes_size('tool_jobs') AS indexes,

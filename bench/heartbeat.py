@@ -38,7 +38,7 @@ from bench.common import (
     until,
 )
 from bench.report import Row
-from sidecar.queries import Q
+from sidecar.storage.queries import Q
 
 LEASES = (1, 8, 64)
 # How the heartbeat statement (queries.sql extend_leases_if_owner) shows in pg_stat_activity.

@@ -1,4 +1,4 @@
-"""5. Event-loop lag of an in-process ``sidecar.worker.Worker`` (on uvloop, as ``sidecar run``
+"""5. Event-loop lag of an in-process ``sidecar.worker.claim_loop.Worker`` (on uvloop, as ``sidecar run``
 runs it) while 8 children at a time flood stdout and stderr and new ones keep spawning: a
 probe task sleeps 10 ms in a loop and records how late it wakes. The baseline is the same
 probe beside the same Worker with no job.
@@ -49,11 +49,12 @@ def summary(lags: list[float], seconds: float) -> dict:
 
 
 async def measure(dsn: str, jobs: int, concurrency: int) -> dict:
-    from sidecar import cgroups, child, db, isolation, linux
-    from sidecar import log as log_mod
-    from sidecar.caller_store import CallerStore
-    from sidecar.config import load_settings
-    from sidecar.worker import Worker
+    from sidecar.runtime import log as log_mod
+    from sidecar.runtime.config import load_settings
+    from sidecar.storage import db
+    from sidecar.storage.caller_store import CallerStore
+    from sidecar.worker import cgroups, child, isolation, linux
+    from sidecar.worker.claim_loop import Worker
 
     settings = load_settings()
     profile = settings.profile("flood")

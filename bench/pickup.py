@@ -29,9 +29,9 @@ from bench.common import (
     until,
 )
 from bench.report import Row
-from sidecar.model import JobState, RawJson
-from sidecar.queries import Q
-from sidecar.worker import wake_channel
+from sidecar.protocol.model import JobState, RawJson
+from sidecar.storage.queries import Q
+from sidecar.worker.claim_loop import wake_channel
 
 DATE = ["/bin/date", "+%s%N"]
 
@@ -142,7 +142,7 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
                 f"bare LISTEN+claim+spawn {ms(b99)}", f"{p99 / b99:.2f} × bare",
                 "≤ 2 × bare", p99 <= 2 * b99)]
     q50, q99 = percentile(polled, 50), percentile(polled, 99)
-    # Poll periods drawn over [0.8, 1] x poll (sidecar.periodic.spread_period): a job
+    # Poll periods drawn over [0.8, 1] x poll (sidecar.ops.periodic.spread_period): a job
     # arriving at a random moment waits 0.449 x poll at the median and 0.941 x poll at
     # the 99th percentile (a renewal process of such periods, simulated).
     e50, e99 = 0.449 * poll, 0.941 * poll

@@ -39,7 +39,7 @@ from bench.common import (
     until,
 )
 from bench.report import Row
-from sidecar.queries import Q
+from sidecar.storage.queries import Q
 
 TREE = ["/bin/sh", "-c", "sleep 600 & sleep 600 & wait"]
 STUBBORN = ["/bin/sh", "-c", "trap '' TERM; sleep 600 & sleep 600 & wait"]

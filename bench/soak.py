@@ -4,7 +4,7 @@ stays as fast and as small at the end as near the start.
 Bare claim/complete loops (the sidecar's own ``claim_job`` and ``finish_job_if_owner``
 with its journal rows, in this process, CONSUMERS connections) take the jobs while a
 producer keeps about QUEUED of them queued; the retention the sidecar runs
-(sidecar.retention.prune, RETENTION_SECONDS) deletes finished jobs every second, and the
+(sidecar.ops.retention.prune, RETENTION_SECONDS) deletes finished jobs every second, and the
 server's autovacuum runs with the options of migration 008. Table and index sizes are
 sampled every 2 s; each claim is timed. The first and the last tenth of the run are
 compared: sizes (the largest sample in each; the table starts empty and reaches the size
@@ -33,12 +33,12 @@ SELECT pg_relation_size('tool_jobs') AS heap, pg_indexes_size('tool_jobs') AS in
 
 
 async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
-    from sidecar.db import create_pool
-    from sidecar.model import JobState
-    from sidecar.queries import Q
-    from sidecar.retention import prune
-    from sidecar.vocabulary import FailureKind
-    from sidecar.worker_store import WorkerStore
+    from sidecar.ops.retention import prune
+    from sidecar.protocol.model import JobState
+    from sidecar.protocol.vocabulary import FailureKind
+    from sidecar.storage.db import create_pool
+    from sidecar.storage.queries import Q
+    from sidecar.storage.worker_store import WorkerStore
 
     total = 10_000 if ctx.mode.name == "quick" else 1_000_000
     tool, owner = "soak", f"bench-soak:{uuid.uuid4().hex[:12]}"

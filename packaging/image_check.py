@@ -312,7 +312,7 @@ def _container_pids(name: str, env: dict) -> tuple[int, int]:
     sidecar = guardian = 0
     for line in table[1:]:
         pid, _, args = line.strip().partition(" ")
-        if "sidecar.guardian" in args:
+        if "sidecar.worker.guardian" in args:
             guardian = int(pid)
         elif " run " in f" {args} " and "tini" not in args:
             sidecar = int(pid)

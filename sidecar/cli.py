@@ -25,10 +25,19 @@ from typing import Any, TypeVar
 
 import orjson
 
-from sidecar import __version__, db, enqueue_args, jsontext, linux, parsing
-from sidecar import log as log_mod
-from sidecar.caller_store import CallerStore
-from sidecar.config import (
+from sidecar import __version__
+from sidecar.protocol import enqueue_args, jsontext, parsing
+from sidecar.protocol.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    IdempotencyConflict,
+    SidecarError,
+    UsageError,
+)
+from sidecar.protocol.masking import mask_url
+from sidecar.protocol.model import FINISHED_STATES, JobState, RawJson, tool_env_key
+from sidecar.runtime import log as log_mod
+from sidecar.runtime.config import (
     GLOBAL_FIELDS,
     MAX_ATTEMPTS_LIMIT,
     MAX_SECONDS,
@@ -37,18 +46,12 @@ from sidecar.config import (
     load_settings,
     validate_tool_name,
 )
-from sidecar.errors import (
-    ConfigError,
-    DatabaseUnavailable,
-    IdempotencyConflict,
-    SidecarError,
-    UsageError,
-)
-from sidecar.loop import run_async
-from sidecar.masking import mask_url
-from sidecar.model import FINISHED_STATES, JobState, RawJson, tool_env_key
-from sidecar.operator_store import OperatorStore
-from sidecar.store import StoreBase, check_producer_key
+from sidecar.runtime.loop import run_async
+from sidecar.storage import db
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.operator_store import OperatorStore
+from sidecar.storage.store import StoreBase, check_producer_key
+from sidecar.worker import linux
 
 # Plain strings: argparse shows choices with repr() in its errors.
 STATES = tuple(state.value for state in JobState)
@@ -57,7 +60,7 @@ RETRY_ACK_POLL_SECONDS = 0.2
 # `wait`: a job waited for ended failed or cancelled; the timeout passed first.
 EXIT_JOB_FAILED = 3
 EXIT_TIMEOUT = 4
-# The store a command opens: the one of its audience (sidecar.store).
+# The store a command opens: the one of its audience (sidecar.storage.store).
 S = TypeVar("S", bound=StoreBase)
 
 
@@ -106,7 +109,7 @@ async def open_store(settings: Settings, kind: type[S],
     cancel, OperatorStore for the operator's commands) on a small pool: the schema is
     checked once and never changed (SchemaMismatch, exit 1, when it is older than this
     sidecar or missing: only ``sidecar migrate`` and ``sidecar run`` migrate)."""
-    from sidecar import schema
+    from sidecar.storage import schema
 
     dsn = dsn or db.resolve_dsn(settings)
     pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=2)
@@ -119,7 +122,7 @@ async def open_store(settings: Settings, kind: type[S],
 
 
 def _job_id(text: str) -> uuid.UUID:
-    """A JOB_ID argument (sidecar.parsing.parse_job_id); UsageError (exit 2) otherwise."""
+    """A JOB_ID argument (sidecar.protocol.parsing.parse_job_id); UsageError (exit 2) otherwise."""
     return parsing.parse_job_id(text, "JOB_ID")
 
 
@@ -259,7 +262,7 @@ def cmd_wait(args, settings: Settings) -> int:
             if tags:
                 rows = await store.list_jobs(None, None, MAX_WAIT_JOBS + 1, tags)
                 if not rows:
-                    from sidecar.waiting import JobNotFound
+                    from sidecar.client.waiting import JobNotFound
 
                     raise JobNotFound(f"no job has the tags {_tags_text(tags)}")
                 if len(rows) > MAX_WAIT_JOBS:
@@ -274,12 +277,12 @@ def cmd_wait(args, settings: Settings) -> int:
 
 async def _wait(settings: Settings, store: CallerStore, job_ids: list[uuid.UUID], *,
                 timeout: float | None, first: bool = False, progress: bool = False) -> int:
-    """Wait for ``job_ids`` (sidecar.waiting.watch) on a connection of its own, printing
+    """Wait for ``job_ids`` (sidecar.client.waiting.watch) on a connection of its own, printing
     each end on stdout as it comes and, with ``progress``, each progress report on stderr;
     connect again after a failure, bounded by ``timeout`` seconds. Returns the exit code:
     0 all succeeded, EXIT_JOB_FAILED when one ended failed or cancelled (also when others
     then timed out), else EXIT_TIMEOUT."""
-    from sidecar import waiting
+    from sidecar.client import waiting
 
     dsn = db.resolve_dsn(settings)
     # LISTEN on SIDECAR_LISTEN_DATABASE_URL when set (a session even behind a transaction
@@ -327,7 +330,7 @@ async def _wait(settings: Settings, store: CallerStore, job_ids: list[uuid.UUID]
 def cmd_run(args, settings: Settings) -> int:
     """``sidecar run``: the arguments checked (bootstrap.check_run_args), then the
     bootstrap's named steps (bootstrap.run)."""
-    from sidecar import bootstrap
+    from sidecar.worker import bootstrap
 
     config = bootstrap.check_run_args(args.command, args.tool, args.concurrency, args.drain,
                                       settings, getattr(args, "inherited_signals", None))
@@ -530,7 +533,7 @@ def _limits_json(row) -> dict[str, Any]:
 
 
 def cmd_limit(args, settings: Settings) -> int:
-    from sidecar import flow
+    from sidecar.protocol import flow
 
     tool = validate_tool_name(args.tool)
     changes = flow.limit_changes(args.max_running, args.max_running_per_key, args.rate,
@@ -568,7 +571,7 @@ def cmd_limits(args, settings: Settings) -> int:
 
 
 def cmd_pause(args, settings: Settings) -> int:
-    from sidecar import flow
+    from sidecar.protocol import flow
 
     tool = validate_tool_name(args.tool)
     reason = flow.check_reason(args.reason) if args.reason is not None else None
@@ -606,7 +609,7 @@ def cmd_resume(args, settings: Settings) -> int:
 
 
 def cmd_prune(args, settings: Settings) -> int:
-    from sidecar import retention
+    from sidecar.ops import retention
 
     ages = retention.retention_by_state(settings)
     if args.older_than is not None:
@@ -633,15 +636,15 @@ def cmd_prune(args, settings: Settings) -> int:
 
 
 def cmd_receiver(args, settings: Settings) -> int:
-    from sidecar import receiver
+    from sidecar.ops import receiver
 
     host, port = parsing.parse_host_port(args.listen, "--listen", RECEIVER_LISTEN)
     return run_async(settings, receiver.serve(settings, host, port))
 
 
 def cmd_mcp(args, settings: Settings) -> int:
-    """Serve the ``--tool`` tools over MCP (sidecar.mcp_gateway; the ``[mcp]`` extra)."""
-    from sidecar import mcp_catalog
+    """Serve the ``--tool`` tools over MCP (sidecar.mcp.gateway; the ``[mcp]`` extra)."""
+    from sidecar.mcp import catalog as mcp_catalog
 
     catalog = mcp_catalog.load_catalog(settings, args.tool or ())
     if args.stdio and args.listen:
@@ -657,7 +660,7 @@ def cmd_mcp(args, settings: Settings) -> int:
                               "(or use --stdio)")
         tokens = mcp_catalog.load_tokens(settings.mcp_token_file)
     try:
-        from sidecar import mcp_gateway
+        from sidecar.mcp import gateway as mcp_gateway
     except ImportError as exc:
         raise UsageError(_MCP_EXTRA.format(exc.name)) from None
     options = mcp_gateway.GatewayOptions(
@@ -673,14 +676,14 @@ def cmd_mcp(args, settings: Settings) -> int:
 
 
 def cmd_web(args, settings: Settings) -> int:
-    """Serve the operator's web view (sidecar.web; the ``[web]`` extra), read-only unless
+    """Serve the operator's web view (sidecar.ops.web; the ``[web]`` extra), read-only unless
     SIDECAR_WEB_TOKEN_FILE names admin tokens (issue 30)."""
-    from sidecar import tokens
+    from sidecar.runtime import tokens
 
     admin = (tokens.load_tokens(settings.web_token_file, "SIDECAR_WEB_TOKEN_FILE")
              if settings.web_token_file else None)
     try:
-        from sidecar import web
+        from sidecar.ops import web
     except ImportError as exc:
         raise UsageError(f"sidecar web needs the web extra ({exc.name} is missing): "
                          "pip install 'sidecar[web]'") from None
@@ -718,7 +721,7 @@ def cmd_config(args, settings: Settings) -> int:
     gets here: load_settings already failed with one line and exit 2."""
     if settings.database_url:
         db.resolve_dsn(settings)  # checks the URL's scheme; connects to nothing
-    from sidecar import cgroups, isolation
+    from sidecar.worker import cgroups, isolation
 
     host = cgroups.detect(settings.cgroups, probe=False)  # changes nothing on the host
     out: dict[str, Any] = {"settings": _global_settings(settings),
@@ -746,7 +749,7 @@ def cmd_config(args, settings: Settings) -> int:
             entry["isolation_error"] = str(exc)
             refused.append(str(exc))
         if profile.mcp_input_schema_file:  # what `sidecar mcp` would refuse, said here
-            from sidecar import mcp_catalog
+            from sidecar.mcp import catalog as mcp_catalog
 
             try:
                 mcp_catalog.load_input_schema(
@@ -1096,7 +1099,7 @@ def main(argv: list[str] | None = None) -> int:
     # Before any thread exists, so every later thread and tool inherits the clean state.
     inherited = linux.reset_inherited_signal_state()
     if raw[:1] == ["_guardian"]:  # the guardian of a frozen bundle (no `python -m` there)
-        from sidecar import guardian
+        from sidecar.worker import guardian
 
         return guardian.main(raw[1:])
     args = build_parser().parse_args(argv)

@@ -13,14 +13,14 @@ import os
 import sys
 from pathlib import Path
 
-from sidecar import db
-from sidecar import log as log_mod
-from sidecar.caller_store import CallerStore
-from sidecar.config import Settings, load_settings
-from sidecar.loop import run_async
-from sidecar.model import JobState
-from sidecar.vocabulary import FailureKind
-from sidecar.worker import Worker
+from sidecar.protocol.model import JobState
+from sidecar.protocol.vocabulary import FailureKind
+from sidecar.runtime import log as log_mod
+from sidecar.runtime.config import Settings, load_settings
+from sidecar.runtime.loop import run_async
+from sidecar.storage import db
+from sidecar.storage.caller_store import CallerStore
+from sidecar.worker.claim_loop import Worker
 
 TOOLS = Path(__file__).parent / "demo_tools"
 CANDIDATE_FILES = ["/etc/os-release", "/etc/passwd", "/etc/services", "/etc/hostname",

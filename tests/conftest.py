@@ -23,7 +23,7 @@ import pytest
 pytest.register_assert_rewrite("kit")
 
 import kit  # noqa: E402 - after the rewrite hook, so its asserts explain themselves
-from sidecar.db import with_database  # noqa: E402
+from sidecar.storage.db import with_database  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -31,8 +31,8 @@ import asyncpg
 import orjson
 import psutil
 
-from sidecar import linux
-from sidecar.db import init_connection
+from sidecar.storage.db import init_connection
+from sidecar.worker import linux
 
 # The small real executables tests and the benchmark run as tools.
 TOOLS = Path(__file__).resolve().parent / "tools"
@@ -473,7 +473,7 @@ def short_root(path: Path) -> Path:
     """``path`` (made if missing) as a work root short enough for SIDECAR_WORK_DIR (at most
     isolation.MAX_WORK_ROOT_BYTES, so tools keep room for socket paths): itself when short
     enough, else a symlink /tmp/scXXXXXXXX to it, removed at the end of the session."""
-    from sidecar.isolation import MAX_WORK_ROOT_BYTES
+    from sidecar.worker.isolation import MAX_WORK_ROOT_BYTES
 
     if not path.is_absolute() or len(os.fsencode(str(path))) <= MAX_WORK_ROOT_BYTES:
         return path

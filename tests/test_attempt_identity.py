@@ -33,8 +33,8 @@ import psutil
 import pytest
 
 from kit import base_env, cli, enqueue, job_processes, job_row, query, run, scalar, wait_until
-from sidecar.db import init_connection
-from sidecar.queries import Q
+from sidecar.storage.db import init_connection
+from sidecar.storage.queries import Q
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

@@ -1,6 +1,6 @@
-"""Unit tests of ``sidecar run``'s argument check (sidecar.bootstrap.check_run_args: pure,
+"""Unit tests of ``sidecar run``'s argument check (sidecar.worker.bootstrap.check_run_args: pure,
 a RunConfig or one UsageError line) and of the one periodic-service shape
-(sidecar.periodic.Periodic) the pruner, the forwarder, the leftover sweep, the orphan
+(sidecar.ops.periodic.Periodic) the pruner, the forwarder, the leftover sweep, the orphan
 reaper and the loop watch share. Nothing here spawns a process or needs the database.
 """
 
@@ -16,11 +16,11 @@ import orjson
 import pytest
 from prometheus_client import REGISTRY
 
-from sidecar.bootstrap import check_run_args
-from sidecar.config import load_settings
-from sidecar.errors import UsageError
-from sidecar.log import log
-from sidecar.periodic import Periodic
+from sidecar.ops.periodic import Periodic
+from sidecar.protocol.errors import UsageError
+from sidecar.runtime.config import load_settings
+from sidecar.runtime.log import log
+from sidecar.worker.bootstrap import check_run_args
 
 pytestmark = pytest.mark.unit
 

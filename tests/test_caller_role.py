@@ -18,7 +18,7 @@ from test_roles import _as
 
 from kit import TOOLS, base_env, cli, job_row, pid_alive, query, read_pids, wait_until
 from sidecar.client import Client, JobEnd, JobFailed, JobProgress
-from sidecar.worker_store import WorkerStore
+from sidecar.storage.worker_store import WorkerStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

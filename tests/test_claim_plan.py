@@ -12,11 +12,11 @@ import orjson
 import pytest
 
 from kit import query, run
-from sidecar import db
-from sidecar.caller_store import CallerStore
-from sidecar.model import new_job_id
-from sidecar.queries import Q
-from sidecar.worker_store import WorkerStore
+from sidecar.protocol.model import new_job_id
+from sidecar.storage import db
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.queries import Q
+from sidecar.storage.worker_store import WorkerStore
 
 pytestmark = pytest.mark.database
 
@@ -150,7 +150,7 @@ def test_one_claim_takes_a_job_for_each_free_slot_expired_leases_first(dsn):
 
 def test_job_ids_are_time_ordered_from_sql_and_from_python(dsn):
     """Issue 28: ids made by the database (tool_job_new_id, every enqueue) and by the
-    sidecar (a next stage's, sidecar.model.new_job_id) are UUIDv7: version 7, RFC 9562
+    sidecar (a next stage's, sidecar.protocol.model.new_job_id) are UUIDv7: version 7, RFC 9562
     variant, the enqueue's millisecond first, so later jobs sort after earlier ones and
     land on the rightmost index pages; the rest stays random."""
     async def go():

@@ -1,4 +1,4 @@
-"""The claim loop's rules (sidecar.worker.may_claim, drained) as pure functions: fast unit
+"""The claim loop's rules (sidecar.worker.claim_loop.may_claim, drained) as pure functions: fast unit
 tests beside the end-to-end ones (test_worker_lifecycle.py, test_shortages_and_privileges.py,
 test_forwarding.py), which stay."""
 
@@ -8,7 +8,7 @@ import itertools
 
 import pytest
 
-from sidecar.worker import drained, may_claim
+from sidecar.worker.claim_loop import drained, may_claim
 
 pytestmark = pytest.mark.unit
 

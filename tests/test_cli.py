@@ -14,8 +14,8 @@ import orjson
 import pytest
 
 from kit import base_env, cli, enqueue, one_line_error, query, run, scalar
-from sidecar.db import with_database
-from sidecar.queries import migrations, repeatables
+from sidecar.storage.db import with_database
+from sidecar.storage.queries import migrations, repeatables
 
 pytestmark = pytest.mark.e2e
 

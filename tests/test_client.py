@@ -25,7 +25,7 @@ from kit import (
     wait_until_async,
 )
 from sidecar.client import Client, Job, JobEnd, JobFailed, JobNotFound, JobTimeout
-from sidecar.errors import ConfigError, IdempotencyConflict, UsageError
+from sidecar.protocol.errors import ConfigError, IdempotencyConflict, UsageError
 
 TOOL = "pt"
 COMMAND = [str(TOOLS / "progress_tool.py")]

@@ -4,7 +4,7 @@ The kind of fault: a local deadline of ownership kept on a clock that does not c
 time the host spent suspended. CLOCK_MONOTONIC stops in a suspend; the database clock
 that ends a lease does not, so after a suspend past the lease the guard answered "go"
 for a lease that had been taken over. Every local deadline of ownership now runs on
-CLOCK_BOOTTIME (sidecar.clock): the conservative local deadline (tolerated silence),
+CLOCK_BOOTTIME (sidecar.protocol.clock): the conservative local deadline (tolerated silence),
 the guard's answers, the renewal's new deadline, the fenced commit's retry bound, the
 stage deadline and the lifetime cap. After a jump between the two clocks every lease is
 unknown until a renewal sent after the jump confirms it.
@@ -14,7 +14,7 @@ A real suspend cannot be had in a test, so two tests stand for it:
   clocks go on, as they do in a pause the kernel sees); the tool asks the guard the whole
   time, and no "go" is answered after the takeover;
 - a simulated suspend inside one process: a real lease keeper, guard and database, and
-  the two clocks of sidecar.clock read with a suspend added (CLOCK_BOOTTIME jumps ahead
+  the two clocks of sidecar.protocol.clock read with a suspend added (CLOCK_BOOTTIME jumps ahead
   of CLOCK_MONOTONIC, as the kernel does on resume), while the job is taken over in the
   database meanwhile.
 """
@@ -33,14 +33,15 @@ import orjson
 import pytest
 
 from kit import FAST_PROFILE, base_env, enqueue, query, run, wait_until
-from sidecar import clock, supervisor
-from sidecar.caller_store import CallerStore
-from sidecar.config import load_settings
-from sidecar.db import init_connection
-from sidecar.guard import GuardServer
-from sidecar.lease import LeaseKeeper
-from sidecar.vocabulary import StopReason
-from sidecar.worker_store import WorkerStore
+from sidecar.protocol import clock
+from sidecar.protocol.vocabulary import StopReason
+from sidecar.runtime.config import load_settings
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.db import init_connection
+from sidecar.storage.worker_store import WorkerStore
+from sidecar.worker import supervisor
+from sidecar.worker.guard import GuardServer
+from sidecar.worker.lease import LeaseKeeper
 
 TOOL = "clocked"
 # L = 10 s, H = 0.5 s, J = 0.5 s: the local deadline lies 8 s after a renewal is sent
@@ -50,7 +51,7 @@ PROFILE = load_settings({**FAST_PROFILE, "SIDECAR_LEASE_SECONDS": "10",
 
 
 class Suspend:
-    """sidecar.clock as a host that was suspended for ``seconds``: CLOCK_BOOTTIME and
+    """sidecar.protocol.clock as a host that was suspended for ``seconds``: CLOCK_BOOTTIME and
     (CLOCK_BOOTTIME - CLOCK_MONOTONIC) read ``seconds`` more, the monotonic clock (and so
     the event loop) does not. Only the readings move; nothing else is replaced."""
 

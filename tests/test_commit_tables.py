@@ -1,4 +1,4 @@
-"""The one ender of an attempt (sidecar.commit.FencedCommit.end): its two tables, checked
+"""The one ender of an attempt (sidecar.worker.commit.FencedCommit.end): its two tables, checked
 without a database or a process. The fenced writes themselves are exercised end to end
 by test_ownership.py, test_lost_answers.py, test_db_faults.py and test_locks_and_settings.py."""
 
@@ -10,9 +10,9 @@ import typing
 import pytest
 from test_docs import _catalog
 
-from sidecar.commit import _ENDERS, ENDING_REPORTS, How, backoff_seconds
-from sidecar.model import LeaseProfile
-from sidecar.verdict import Ending
+from sidecar.protocol.model import LeaseProfile
+from sidecar.protocol.verdict import Ending
+from sidecar.worker.commit import _ENDERS, ENDING_REPORTS, How, backoff_seconds
 
 pytestmark = pytest.mark.unit
 

@@ -1,5 +1,5 @@
 """Lease profiles from the environment: defaults, per-tool overrides, rule P10
-(L > R x H + J), number parsing, unknown variables; both sidecar.config.load_settings
+(L > R x H + J), number parsing, unknown variables; both sidecar.runtime.config.load_settings
 directly and the `sidecar` command refusing to start (exit 2, one line)."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ import uuid
 import pytest
 
 from kit import FAST_PROFILE, base_env, cli, enqueue, one_line_error, scalar
-from sidecar.config import load_settings, secret_values
-from sidecar.errors import ConfigError
-from sidecar.model import tool_env_key
+from sidecar.protocol.errors import ConfigError
+from sidecar.protocol.model import tool_env_key
+from sidecar.runtime.config import load_settings, secret_values
 
 UNREACHABLE = "postgresql://bob:s3cretpw@127.0.0.1:1/nope"
 
@@ -365,7 +365,7 @@ def test_a_valid_listen_url_is_kept_and_its_password_is_a_secret():
 def test_the_listen_url_may_come_from_a_mounted_secret_file(tmp_path):
     """SIDECAR_LISTEN_DATABASE_URL_FILE, like SIDECAR_DATABASE_URL_FILE: its first line is
     the URL, checked as the variable is, a secret, and a file the sandbox hides."""
-    from sidecar.isolation import secret_files
+    from sidecar.worker.isolation import secret_files
 
     listen = f"postgresql://app:{LISTEN_PASSWORD}@db:5432/app"
     secret = tmp_path / "listen-url"

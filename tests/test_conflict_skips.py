@@ -7,7 +7,7 @@ never created, because an unrelated job already held the derived key ``K:stage:1
 Fixes: the stage-key namespace (``...:stage:N``) is reserved for the stages a job creates
 (P19) and refused at enqueue with one line naming ``--idempotency-key`` (exit 2), in the
 CLI and in ``CallerStore.enqueue`` (the only SQL enqueue); and every insert a conflict can skip is
-detected and handled. The audit of every ``ON CONFLICT`` in sidecar/sql and sidecar/*.py
+detected and handled. The audit of every ``ON CONFLICT`` in sidecar/storage/sql and sidecar/*.py
 (``test_every_on_conflict_is_audited`` fails when one is added or removed without
 updating this list):
 
@@ -24,7 +24,7 @@ updating this list):
   attempt fails ``next_stage_conflict`` (not retried) with the holder journaled
   (``next_stage_conflict`` event) and logged at error level.
 - ``fence.sql`` ``fence_claim_key``: ``ON CONFLICT (idempotency_key) DO NOTHING``. On a
-  skip ``sidecar.fence`` replays the stored answer (or 422 for another body); a stored row
+  skip ``sidecar.ops.fence`` replays the stored answer (or 422 for another body); a stored row
   deleted in between (an operator's pruning) -> the key is claimed again.
 - ``fence.sql`` ``fence_lock_entity``: ``ON CONFLICT (entity) DO UPDATE``: never skips; it
   waits for and locks the existing row.
@@ -48,27 +48,27 @@ import asyncpg
 import pytest
 
 from kit import base_env, cli, enqueue, job_row, one_line_error, parse_events, query, run
-from sidecar.caller_store import CallerStore
-from sidecar.db import init_connection
-from sidecar.errors import NextStageConflict, UsageError
-from sidecar.model import NextStage, RawJson
-from sidecar.worker_store import WorkerStore
+from sidecar.protocol.errors import NextStageConflict, UsageError
+from sidecar.protocol.model import NextStage, RawJson
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.db import init_connection
+from sidecar.storage.worker_store import WorkerStore
 
 TOOL = "stage_tool.py"
 ROOT = Path(__file__).resolve().parent.parent / "sidecar"
 
 # Every ON CONFLICT of the package: (file, statement name) -> what a skip does (above).
 AUDITED = {
-    ("sql/functions/enqueue.sql", "?"),  # tool_job_enqueue
-    ("sql/fence.sql", "fence_lock_entity"),
-    ("sql/fence.sql", "fence_claim_key"),
-    ("sql/queries.sql", "register_idle_sidecar"),
-    ("sql/functions/flow.sql", "?"),  # keyed flow row
-    ("sql/functions/claim.sql", "?"),  # key bucket
-    ("sql/queries.sql", "set_tool_limits"),
-    ("sql/queries.sql", "pause_tool"),
+    ("storage/sql/functions/enqueue.sql", "?"),  # tool_job_enqueue
+    ("storage/sql/fence.sql", "fence_lock_entity"),
+    ("storage/sql/fence.sql", "fence_claim_key"),
+    ("storage/sql/queries.sql", "register_idle_sidecar"),
+    ("storage/sql/functions/flow.sql", "?"),  # keyed flow row
+    ("storage/sql/functions/claim.sql", "?"),  # key bucket
+    ("storage/sql/queries.sql", "set_tool_limits"),
+    ("storage/sql/queries.sql", "pause_tool"),
     # a concurrent first sample made the tool's sweep row: the turn is that sample's
-    ("sql/queries.sql", "sample_tool"),
+    ("storage/sql/queries.sql", "sample_tool"),
 }
 
 
@@ -189,7 +189,7 @@ def test_the_store_tells_its_own_stage_from_someone_elses(dsn):
 def _on_conflict_sites() -> set[tuple[str, str]]:
     """(file, statement name or function) of every ON CONFLICT in the package."""
     found = set()
-    for path in sorted([*ROOT.glob("sql/**/*.sql"), *ROOT.glob("*.py")]):
+    for path in sorted([*ROOT.glob("storage/sql/**/*.sql"), *ROOT.rglob("*.py")]):
         text = path.read_text(encoding="utf-8")
         name = "?"
         for line in text.splitlines():

@@ -90,7 +90,7 @@ def _probe(dsn, sc, secret: Path, work: Path) -> tuple[dict, Path]:
     def pids():
         sidecar = psutil.Process(sc.pid)
         guardian = next(p.pid for p in sidecar.children()
-                        if "sidecar.guardian" in " ".join(p.cmdline()))
+                        if "sidecar.worker.guardian" in " ".join(p.cmdline()))
         return sc.pid, guardian
 
     return probe_beside_held(dsn, work, [str(secret)], pids)

@@ -406,7 +406,7 @@ def test_a_connection_with_broken_protocol_state_is_an_outage_not_a_worker_bug()
     as one, with ownership unknown, not as a bug that ends the worker and its tools."""
     import asyncpg
 
-    from sidecar import db
+    from sidecar.storage import db
 
     broken = asyncpg.InternalClientError(
         "cannot switch to state 12; another operation (2) is in progress")

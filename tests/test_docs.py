@@ -125,7 +125,7 @@ def _log_events() -> tuple[dict[str, set[str]], list[str]]:
     name is computed (which this test cannot check)."""
     found: dict[str, set[str]] = {}
     unresolved = []
-    # A periodic service (sidecar.periodic.Periodic) emits the ``error_event`` it is given,
+    # A periodic service (sidecar.ops.periodic.Periodic) emits the ``error_event`` it is given,
     # as a warning: each literal ``error_event=`` of a call is such an event.
     given = [name for _, tree in _modules() for call in _calls(tree)
              for kw in call.keywords if kw.arg == "error_event"
@@ -141,7 +141,7 @@ def _log_events() -> tuple[dict[str, set[str]], list[str]]:
             if names is None and ast.unparse(call.args[0]) == "report.event" \
                     and path.name == "commit.py":
                 # An attempt's outcome line: its event and level come from the one table,
-                # ENDING_REPORTS (sidecar.commit), read as written.
+                # ENDING_REPORTS (sidecar.worker.commit), read as written.
                 for event, level in _outcome_reports(tree):
                     found.setdefault(event, set()).add(level)
                 continue
@@ -188,7 +188,7 @@ def _journal_events() -> set[str]:
                     and isinstance(call.args[0], ast.List) and call.args[0].elts \
                     and isinstance(call.args[0].elts[0], ast.Tuple):
                 # Lease.keep_for_journal([(event, details)]): written once the database
-                # answers (sidecar.lease_state)
+                # answers (sidecar.protocol.lease_state)
                 argument = call.args[0].elts[0].elts[0]
             if argument is not None:
                 found.update(_literals(argument) or [])

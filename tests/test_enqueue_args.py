@@ -1,4 +1,4 @@
-"""The caller's options parsed without a database (sidecar.enqueue_args, pure): durations
+"""The caller's options parsed without a database (sidecar.protocol.enqueue_args, pure): durations
 and times, tags, and the W3C trace context, each refused with one line naming the option."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import datetime as dt
 
 import pytest
 
-from sidecar.enqueue_args import (
+from sidecar.protocol.enqueue_args import (
     check_traceparent,
     check_tracestate,
     enqueue_options,
@@ -16,7 +16,7 @@ from sidecar.enqueue_args import (
     parse_run_after,
     parse_tags,
 )
-from sidecar.errors import UsageError
+from sidecar.protocol.errors import UsageError
 
 pytestmark = pytest.mark.unit
 

@@ -16,8 +16,8 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from kit import Receiver, base_env, cli, query, run, scalar, wait_until_async
-from sidecar import db
-from sidecar.fence import FencedRequest, fence_middleware, fenced, run_fenced
+from sidecar.ops.fence import FencedRequest, fence_middleware, fenced, run_fenced
+from sidecar.storage import db
 
 KEY = "tool-job:8f1b:create_case"
 

@@ -33,12 +33,12 @@ from kit import (
     scalar,
     wait_until,
 )
-from sidecar import db
-from sidecar import log as log_mod
-from sidecar.caller_store import CallerStore
-from sidecar.cgroups import detect
-from sidecar.config import load_settings
-from sidecar.worker import Worker
+from sidecar.runtime import log as log_mod
+from sidecar.runtime.config import load_settings
+from sidecar.storage import db
+from sidecar.storage.caller_store import CallerStore
+from sidecar.worker.cgroups import detect
+from sidecar.worker.claim_loop import Worker
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

@@ -14,11 +14,11 @@ import asyncpg
 import orjson
 import pytest
 
-from sidecar import db
 from sidecar.client import Client
-from sidecar.flow import limit_changes
-from sidecar.model import JobState, RawJson
-from sidecar.worker_store import WorkerStore
+from sidecar.protocol.flow import limit_changes
+from sidecar.protocol.model import JobState, RawJson
+from sidecar.storage import db
+from sidecar.storage.worker_store import WorkerStore
 from tests.kit import (
     TOOLS,
     base_env,

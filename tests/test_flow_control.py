@@ -13,13 +13,13 @@ from itertools import pairwise
 import asyncpg
 import pytest
 
-from sidecar import db
-from sidecar.caller_store import CallerStore
-from sidecar.enqueue_args import EnqueueOptions
-from sidecar.flow import ClaimHeld, Held, limit_changes, parse_rate
-from sidecar.model import ClaimedJob, JobState, RawJson
-from sidecar.operator_store import OperatorStore
-from sidecar.worker_store import WorkerStore
+from sidecar.protocol.enqueue_args import EnqueueOptions
+from sidecar.protocol.flow import ClaimHeld, Held, limit_changes, parse_rate
+from sidecar.protocol.model import ClaimedJob, JobState, RawJson
+from sidecar.storage import db
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.operator_store import OperatorStore
+from sidecar.storage.worker_store import WorkerStore
 from tests.kit import run
 
 pytestmark = pytest.mark.database
@@ -341,7 +341,7 @@ def test_a_limited_claim_refuses_an_isolation_level_that_would_count_stale_rows(
             conn = await asyncpg.connect(dsn)
             try:
                 async with conn.transaction(isolation="repeatable_read"):
-                    from sidecar.queries import Q
+                    from sidecar.storage.queries import Q
                     with pytest.raises(asyncpg.PostgresError, match="READ COMMITTED"):
                         await conn.fetch(Q["claim_job"], "erp", "o", LEASE, None, 3, 1)
             finally:

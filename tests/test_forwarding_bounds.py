@@ -31,7 +31,7 @@ from kit import (
     scraped_metric,
     wait_until,
 )
-from sidecar.config import load_settings
+from sidecar.runtime.config import load_settings
 
 TOOL = "echo-json"
 

@@ -10,15 +10,15 @@ a. ``sidecar enqueue`` arguments, through the real CLI entry (``sidecar.cli.main
    given payload (jsonb equality with the input text) or the exit code is 2 with one error
    line and no row; never a traceback. Arguments are built the way Python builds
    ``sys.argv`` (bytes without NUL, decoded with surrogateescape).
-b. ``sidecar.config.load_settings`` on generated ``SIDECAR_*`` environments and
+b. ``sidecar.runtime.config.load_settings`` on generated ``SIDECAR_*`` environments and
    ``Settings.profile`` on arbitrary tool text: ConfigError (one line, naming a
    ``SIDECAR_`` variable) or success; what succeeds is JSON-serialisable for ``sidecar
    config`` and every accepted profile variable takes effect. ``mask_url`` hides any
    password it is given.
-c. ``sidecar.results.parse_result`` on arbitrary bytes and JSON-ish texts: BadResult or
+c. ``sidecar.protocol.results.parse_result`` on arbitrary bytes and JSON-ish texts: BadResult or
    ``(value, text)``, and then PostgreSQL accepts ``text`` as jsonb; ``scrub_text`` output
    is always storable in jsonb.
-d. The guard API (``sidecar.guard.GuardServer``, real aiohttp server on loopback, a real
+d. The guard API (``sidecar.worker.guard.GuardServer``, real aiohttp server on loopback, a real
    lease claimed from PostgreSQL): arbitrary bodies, Authorization headers, chunked
    transfer; every answer is a documented status, and the server keeps answering.
 
@@ -46,11 +46,15 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from kit import FAST_PROFILE, base_env, cli
-from sidecar import jsontext
-from sidecar.caller_store import CallerStore
 from sidecar.cli import main as cli_main
-from sidecar.clock import ownership_now
-from sidecar.config import (
+from sidecar.protocol import jsontext
+from sidecar.protocol.clock import ownership_now
+from sidecar.protocol.errors import ConfigError
+from sidecar.protocol.jsontext import ExactNumber
+from sidecar.protocol.masking import mask_url
+from sidecar.protocol.model import RawJson, tool_env_key
+from sidecar.protocol.results import BadResult, parse_result, scrub_text
+from sidecar.runtime.config import (
     GLOBAL_FIELDS,
     MAX_ATTEMPTS_LIMIT,
     PASSIVE_VARIABLES,
@@ -59,15 +63,11 @@ from sidecar.config import (
     Settings,
     load_settings,
 )
-from sidecar.db import init_connection
-from sidecar.errors import ConfigError
-from sidecar.guard import CHECKPOINT_LIMIT, GUARD_BODY_LIMIT, MAX_REQUEST_ID, GuardServer
-from sidecar.jsontext import ExactNumber
-from sidecar.lease import Lease
-from sidecar.masking import mask_url
-from sidecar.model import RawJson, tool_env_key
-from sidecar.results import BadResult, parse_result, scrub_text
-from sidecar.worker_store import WorkerStore
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.db import init_connection
+from sidecar.storage.worker_store import WorkerStore
+from sidecar.worker.guard import CHECKPOINT_LIMIT, GUARD_BODY_LIMIT, MAX_REQUEST_ID, GuardServer
+from sidecar.worker.lease import Lease
 
 
 def fuzz(examples: int):
@@ -1094,7 +1094,7 @@ def test_a_malformed_authorization_header_does_not_put_the_secret_in_the_log(gua
     """The HTTP parser refuses a header with a control character (400); aiohttp logs that
     at ERROR with the raw header line, and the sidecar's library bridge copies 300
     characters of it into a library_log event: the job's guard secret ends up in the log."""
-    from sidecar import log as log_mod
+    from sidecar.runtime import log as log_mod
 
     sink = io.BytesIO()
     log_mod.configure("info", "json")
@@ -1111,7 +1111,7 @@ def test_a_text_log_line_stays_one_line_whatever_a_field_holds():
     """SIDECAR_LOG_FORMAT=text escapes control characters "so a tool cannot drive the
     terminal", but not a newline: a field holding one (aiohttp's parser errors always do,
     see the test above) splits one event over several lines, and can forge a line."""
-    from sidecar.log import EventLog
+    from sidecar.runtime.log import EventLog
 
     sink = io.BytesIO()
     EventLog("info", "text", sink).emit("library_log", "error", reason="a\nFAKE event=x",

@@ -1,4 +1,4 @@
-"""The guard before irreversible steps and checkpoints (sidecar/guard.py): a real aiohttp
+"""The guard before irreversible steps and checkpoints (sidecar/worker/guard.py): a real aiohttp
 server on loopback, real leases claimed from a real PostgreSQL, real HTTP clients (aiohttp,
 curl, urllib) and, at the end, a real ``sidecar run``."""
 
@@ -30,14 +30,14 @@ from kit import (
     run,
     wait_until_async,
 )
-from sidecar.caller_store import CallerStore
-from sidecar.clock import ownership_now
-from sidecar.config import load_settings
-from sidecar.db import init_connection
-from sidecar.guard import CHECKPOINT_LIMIT, CONNECTIONS_PER_ATTEMPT, GuardServer
-from sidecar.lease import Lease
-from sidecar.vocabulary import StopReason
-from sidecar.worker_store import WorkerStore
+from sidecar.protocol.clock import ownership_now
+from sidecar.protocol.vocabulary import StopReason
+from sidecar.runtime.config import load_settings
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.db import init_connection
+from sidecar.storage.worker_store import WorkerStore
+from sidecar.worker.guard import CHECKPOINT_LIMIT, CONNECTIONS_PER_ATTEMPT, GuardServer
+from sidecar.worker.lease import Lease
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
 TOOL = "guarded"

@@ -25,8 +25,8 @@ from kit import (
     metrics_text,
     wait_until,
 )
-from sidecar.guard import CONNECTIONS_PER_ATTEMPT, UNAUTHENTICATED_CONNECTIONS
-from sidecar.httpserver import DESCRIPTOR_RESERVE
+from sidecar.ops.httpserver import DESCRIPTOR_RESERVE
+from sidecar.worker.guard import CONNECTIONS_PER_ATTEMPT, UNAUTHENTICATED_CONNECTIONS
 
 pytestmark = pytest.mark.e2e
 
@@ -157,7 +157,7 @@ def test_a_flood_of_the_health_port_is_capped_and_jobs_still_run(dsn, sidecars):
     once and counted; a job asking the guard meanwhile succeeds on its first attempt."""
     import socket
 
-    from sidecar.health import HEALTH_MAX_CONNECTIONS
+    from sidecar.ops.health import HEALTH_MAX_CONNECTIONS
 
     env = base_env(dsn, SIDECAR_STAGE_TIMEOUT_SECONDS="60")
     sidecar = sidecars(dsn, [str(TOOLS / "guard_flood.py")], "--tool", TOOL,

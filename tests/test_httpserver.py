@@ -1,4 +1,4 @@
-"""sidecar.httpserver, the small HTTP/1.1 server of the guard and the health endpoints,
+"""sidecar.ops.httpserver, the small HTTP/1.1 server of the guard and the health endpoints,
 driven over real sockets: keep-alive, HEAD, unknown paths and methods, a body over the
 limit, ``Expect: 100-continue`` and a header the RFC calls invalid."""
 
@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from sidecar.httpserver import BodyTooLarge, HttpServer, Request, Response
+from sidecar.ops.httpserver import BodyTooLarge, HttpServer, Request, Response
 
 pytestmark = pytest.mark.unit
 

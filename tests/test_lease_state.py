@@ -1,5 +1,5 @@
 """The lease as a state machine with one writer, and the guard's answer as a pure function of
-its state (sidecar.lease_state): fast unit tests, no database and no process (the rules
+its state (sidecar.protocol.lease_state): fast unit tests, no database and no process (the rules
 are also exercised end to end by test_guard.py, test_ownership.py and test_clocks.py)."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import uuid
 
 import pytest
 
-from sidecar.clock import ownership_now, suspended_seconds
-from sidecar.lease_state import Lease, LeaseState, guard_refusal
-from sidecar.model import ClaimedJob
-from sidecar.vocabulary import GuardRefusal, StopReason
+from sidecar.protocol.clock import ownership_now, suspended_seconds
+from sidecar.protocol.lease_state import Lease, LeaseState, guard_refusal
+from sidecar.protocol.model import ClaimedJob
+from sidecar.protocol.vocabulary import GuardRefusal, StopReason
 
 pytestmark = pytest.mark.unit
 

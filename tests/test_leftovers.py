@@ -1,5 +1,5 @@
-"""Breaking the leftovers sweep and the orphan attribution (sidecar/leftovers.py,
-sidecar/guardian.py, child.find_tree's claim_unmarked): can a start, a guardian or a tree
+"""Breaking the leftovers sweep and the orphan attribution (sidecar/worker/leftovers.py,
+sidecar/worker/guardian.py, child.find_tree's claim_unmarked): can a start, a guardian or a tree
 kill ever reach what belongs to a LIVE sidecar, or to nobody's job at all? Real
 `sidecar run` processes, a real PostgreSQL, real tools (tests/tools/leftover_probe.py).
 Tests that fail here are reproducers of bugs."""

@@ -8,12 +8,12 @@ shared work root (/tmp, an emptyDir). Any name on that path may be a symlink the
 planted, so root writes, chowns, reads or removes a file the tool chose. The fix: each
 such operation names one component relative to a directory descriptor, with
 O_NOFOLLOW, O_CREAT|O_EXCL for new files, fchown/fchmod on descriptors
-(sidecar/safefs.py), and the sidecar writes its own files into a work directory before
+(sidecar/worker/safefs.py), and the sidecar writes its own files into a work directory before
 it hands the directory to the tool's user.
 
 Every place audited (what it does now):
 
-- checkpoint (sidecar/supervisor.py -> Sandbox ``files``/``write_file``): written in
+- checkpoint (sidecar/worker/supervisor.py -> Sandbox ``files``/``write_file``): written in
   ``Sandbox.open`` while the directory is still root's 0700, O_EXCL|O_NOFOLLOW through
   the directory's descriptor, fchown on the file's descriptor; ``write_file`` after the
   hand-over raises.
@@ -35,7 +35,7 @@ Every place audited (what it does now):
   descriptor, never into another filesystem, at most MAX_HELD_DIRS descriptors held.
 - kept directories found touched or discarded at shutdown (``SparePool.take``,
   ``SparePool.close``): removed through the descriptor that locks them.
-- abandoned work directories (sidecar/leftovers.py ``remove_if_abandoned``, used by the
+- abandoned work directories (sidecar/worker/leftovers.py ``remove_if_abandoned``, used by the
   start-up sweep and the guardian): locked and removed through the descriptor, only if
   the name still is the directory that was locked.
 - owner lock files in the work root (``OwnerLock.acquire``, ``sweep_dead_owners``):
@@ -59,12 +59,12 @@ from pathlib import Path
 import pytest
 
 from kit import TOOLS, base_env, cli, enqueue, job_row, short_root
-from sidecar import safefs
-from sidecar.cgroups import CgroupHost
-from sidecar.config import load_settings
-from sidecar.isolation import RESULT_FILE_NAME, Sandbox
-from sidecar.leftovers import OwnerLock, owner_key, remove_if_abandoned, remove_tree
-from sidecar.results import BadResult
+from sidecar.protocol.results import BadResult
+from sidecar.runtime.config import load_settings
+from sidecar.worker import safefs
+from sidecar.worker.cgroups import CgroupHost
+from sidecar.worker.isolation import RESULT_FILE_NAME, Sandbox
+from sidecar.worker.leftovers import OwnerLock, owner_key, remove_if_abandoned, remove_tree
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="RUN_AS needs a root sidecar")
@@ -306,7 +306,7 @@ def test_a_kept_directory_with_a_link_in_it_is_not_reused(tmp_path):
     """Reuse (no RUN_AS): a kept directory whose HOME was swapped for a link to an empty
     private directory elsewhere is not pristine; it is removed through its descriptor,
     the link's target stays."""
-    from sidecar import isolation
+    from sidecar.worker import isolation
     root = tmp_path / "root"
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir(mode=0o700)

@@ -36,9 +36,9 @@ from kit import (
     stop_process,
     wait_until,
 )
-from sidecar import db
-from sidecar.caller_store import CallerStore
 from sidecar.client import Client
+from sidecar.storage import db
+from sidecar.storage.caller_store import CallerStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

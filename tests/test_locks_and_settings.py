@@ -27,7 +27,7 @@ import asyncpg
 import pytest
 
 from kit import TOOLS, BouncerError, PgBouncer, base_env, cli, enqueue, query, scalar, wait_until
-from sidecar import db
+from sidecar.storage import db
 
 TOOL = str(TOOLS / "lock_probe.py")
 # A lease long enough to hold a table lock of a few seconds inside its local deadline:

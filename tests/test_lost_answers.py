@@ -13,7 +13,7 @@ to the queue without spending the attempt (``lease_released``, reason
 ``claim_answer_lost``) before the next claim; after a fenced write with no answer whose
 retry is refused, the journal row the write commits in its own statement tells whether
 it did commit (``commit_answer_lost``). Places with the same shape: the claim; the
-success, failure, requeue and release writes of sidecar.commit (one ``_fenced`` path).
+success, failure, requeue and release writes of sidecar.worker.commit (one ``_fenced`` path).
 
 The answers are lost by a real PostgreSQL protocol proxy (tests/pgproxy.py) that lets
 the statement commit and then cuts the connection instead of passing its answer on.
@@ -28,7 +28,7 @@ from netproxy import through, upstream_of
 from pgproxy import AnswerDropProxy
 
 from kit import base_env, enqueue, job_row, query, wait_until
-from sidecar.queries import Q
+from sidecar.storage.queries import Q
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

@@ -38,8 +38,8 @@ from kit import (
     stop_process,
     wait_until,
 )
-from sidecar import mcp_catalog
-from sidecar.errors import ConfigError
+from sidecar.mcp import catalog as mcp_catalog
+from sidecar.protocol.errors import ConfigError
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 ALICE = "a" * 40
@@ -121,7 +121,7 @@ def _job_id(result) -> str:
 
 
 def mcp_catalog_job_meta() -> str:
-    from sidecar.mcp_gateway import JOB_META
+    from sidecar.mcp.gateway import JOB_META
 
     return JOB_META
 
@@ -435,7 +435,7 @@ def test_call_keys_need_a_session_and_are_scoped():
 @pytest.mark.server
 def test_run_never_imports_the_mcp_sdk():
     """`sidecar run`'s modules import no MCP SDK (the extra is optional)."""
-    code = ("import sys, sidecar.cli, sidecar.worker, sidecar.supervisor\n"
+    code = ("import sys, sidecar.cli, sidecar.worker.claim_loop, sidecar.worker.supervisor\n"
             "bad = [m for m in sys.modules if m == 'mcp' or m.startswith(('mcp.', "
             "'mcp_types', 'uvicorn', 'starlette', 'jsonschema'))]\n"
             "assert not bad, bad\n")

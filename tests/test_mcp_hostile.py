@@ -25,7 +25,7 @@ from test_mcp_gateway import (  # noqa: F401 - the fixture
 )
 
 from kit import TOOLS, base_env, cli, job_row, pid_alive, read_pids, scalar, wait_until
-from sidecar.mcp_tasks import TaskHandle, TasksExtension, list_tasks
+from sidecar.mcp.tasks import TaskHandle, TasksExtension, list_tasks
 
 pytestmark = pytest.mark.e2e
 

@@ -1,5 +1,5 @@
 """Durable MCP Tasks through `sidecar mcp` (issue 29, point 3), with the SDK's client and
-sidecar.mcp_tasks: a call returns a task at once; the task outlives the client's
+sidecar.mcp.tasks: a call returns a task at once; the task outlives the client's
 connection, a restart of the gateway, and is served by a second replica on the same
 database; `tasks/result` waits for it; `tasks/cancel` kills the tool's tree; another
 principal can neither see, read nor cancel it; task ids are random UUIDs."""
@@ -14,7 +14,7 @@ from mcp.shared.exceptions import MCPError
 from test_mcp_gateway import BOB, _gateway_env, gateway  # noqa: F401 - the fixture
 
 from kit import TOOLS, job_row, pid_alive, read_pids, scalar, wait_until
-from sidecar.mcp_tasks import (
+from sidecar.mcp.tasks import (
     TaskHandle,
     TasksExtension,
     cancel_task,

@@ -44,7 +44,7 @@ from kit import (
     stop_process,
     wait_until,
 )
-from sidecar.db import with_database
+from sidecar.storage.db import with_database
 
 pytestmark = pytest.mark.xdist_group("prometheus")
 

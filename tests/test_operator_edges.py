@@ -31,9 +31,9 @@ from kit import (
     stop_process,
     wait_until,
 )
-from sidecar import jsontext
-from sidecar.config import GLOBAL_FIELDS, PROFILE_FIELDS, load_settings
-from sidecar.results import BadResult, parse_result
+from sidecar.protocol import jsontext
+from sidecar.protocol.results import BadResult, parse_result
+from sidecar.runtime.config import GLOBAL_FIELDS, PROFILE_FIELDS, load_settings
 
 # --- input edges ---------------------------------------------------------------
 
@@ -225,7 +225,7 @@ def test_metric_names_say_what_they_count_no_created_series_no_none_label():
 
     from prometheus_client import REGISTRY, generate_latest
 
-    from sidecar import metrics
+    from sidecar.ops import metrics
 
     metrics.start_at_zero("ocr", "")
     metrics.start_at_zero("pdf", "acme")
@@ -319,7 +319,7 @@ def test_http_stop_closes_idle_keepalive_connections_and_logs_no_error():
     a request in flight still gets its answer (and Connection: close)."""
     import asyncio
 
-    from sidecar.httpserver import HttpServer, Response
+    from sidecar.ops.httpserver import HttpServer, Response
 
     async def go():
         errors: list[dict] = []
@@ -516,7 +516,7 @@ def test_readiness_accepts_a_newer_compatible_schema_and_rechecks(dsn, sidecars)
     whose releases keep working on it (`-- compatible-from: N`, recorded with it);
     readiness accepts a newer schema whose every newer migration declares at most the
     release's own, and rechecks while it runs."""
-    from sidecar.queries import migrations
+    from sidecar.storage.queries import migrations
 
     assert cli(dsn, "migrate").returncode == 0
     mine = migrations()[-1].version
@@ -578,7 +578,7 @@ def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn,
         assert len(sidecar_b) == 1, [p.cmdline() for p in inside]
         sidecar_a = sidecar_a[0]
         guardian = [p for p in sidecar_a.children()
-                    if "sidecar.guardian" in " ".join(p.cmdline())]
+                    if "sidecar.worker.guardian" in " ".join(p.cmdline())]
         assert len(guardian) == 1, [p.cmdline() for p in sidecar_a.children()]
         assert [p.name for p in work.iterdir() if ".j" in p.name]
         guardian[0].kill()  # the guardian first: nothing of A's is left to clean up

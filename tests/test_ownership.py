@@ -41,9 +41,9 @@ from kit import (
     wait_attempt_counted,
     wait_until,
 )
-from sidecar.db import init_connection
-from sidecar.model import ClaimedJob
-from sidecar.worker_store import WorkerStore
+from sidecar.protocol.model import ClaimedJob
+from sidecar.storage.db import init_connection
+from sidecar.storage.worker_store import WorkerStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

@@ -1,6 +1,6 @@
-"""One parser per kind of input (sidecar.parsing, pure; issue 40, point 4): HOST:PORT,
+"""One parser per kind of input (sidecar.protocol.parsing, pure; issue 40, point 4): HOST:PORT,
 durations, job ids and the loopback hosts, and the enqueue options' one parser
-(sidecar.enqueue_args.enqueue_options) from the command line and from Python. Each case
+(sidecar.protocol.enqueue_args.enqueue_options) from the command line and from Python. Each case
 is one that a former copy accepted or refused (config's SIDECAR_HTTP_ADDR, the MCP
 gateway's, the web view's and the receiver's --listen; config's and enqueue_args'
 durations; the CLI's, the client's and the web view's job ids; the web view's and the
@@ -13,9 +13,9 @@ import uuid
 
 import pytest
 
-from sidecar import enqueue_args, parsing
-from sidecar.config import MAX_SECONDS, ConfigError, load_settings
-from sidecar.errors import SidecarError, UsageError
+from sidecar.protocol import enqueue_args, parsing
+from sidecar.protocol.errors import SidecarError, UsageError
+from sidecar.runtime.config import MAX_SECONDS, ConfigError, load_settings
 
 pytestmark = pytest.mark.unit
 

@@ -19,8 +19,8 @@ import orjson
 import pytest
 
 from kit import Receiver, base_env, cli, query
-from sidecar import db
-from sidecar.caller_store import CallerStore
+from sidecar.storage import db
+from sidecar.storage.caller_store import CallerStore
 
 JOBS = 200
 SIDECARS = 4
@@ -152,7 +152,7 @@ def test_no_statement_needs_asyncpgs_type_introspection(dsn):
     without one."""
     import asyncpg
 
-    from sidecar.queries import Q
+    from sidecar.storage.queries import Q
 
     async def check() -> list[str]:
         conn = await asyncpg.connect(dsn, connection_class=_CountingIntrospection)

@@ -1,4 +1,4 @@
-"""Issue 28: a fleet's polls do not come in step (sidecar.periodic.spread_period).
+"""Issue 28: a fleet's polls do not come in step (sidecar.ops.periodic.spread_period).
 
 Sidecars that cannot LISTEN (behind a transaction pooler, no SIDECAR_LISTEN_DATABASE_URL)
 find their jobs by polling. If their polls fall at the same instant, every one of them
@@ -25,7 +25,7 @@ import time
 import pytest
 
 import kit
-from sidecar.periodic import POLL_SPREAD, Periodic, spread_period
+from sidecar.ops.periodic import POLL_SPREAD, Periodic, spread_period
 
 TOOL = "poll-spread"
 FLEET = 8
@@ -96,7 +96,7 @@ def test_spread_period_stays_within_its_period_and_refuses_nonsense():
 
 @pytest.mark.unit
 def test_a_periodic_service_with_a_spread_draws_each_wait(monkeypatch):
-    """The forwarder's shape (sidecar.forwarder): with ``spread`` each wait after a run is
+    """The forwarder's shape (sidecar.worker.forwarder): with ``spread`` each wait after a run is
     drawn by spread_period. A draw of 1 with a spread of 1 makes a 30 s period's wait 0 s:
     the service runs again at once, where a plain one would wait the 30 s."""
     monkeypatch.setattr(random, "random", lambda: 1.0)

@@ -1,7 +1,7 @@
 """Unit tests of the objects a Worker owns instead of module globals: the process table
-(sidecar.child.ProcessTable: managed and exempt pids, spawn generation and in-flight
+(sidecar.worker.child.ProcessTable: managed and exempt pids, spawn generation and in-flight
 count, live attempts, the reap lock, the spawn threads) and the pool of kept work
-directories (sidecar.isolation.SparePool). Nothing here spawns a process or needs the
+directories (sidecar.worker.isolation.SparePool). Nothing here spawns a process or needs the
 database; the end-to-end tests (test_child_process, test_leftovers, test_spawn_path)
 cover the same rules through real tools.
 """
@@ -13,11 +13,11 @@ import threading
 
 import pytest
 
-from sidecar import safefs
-from sidecar.child import ProcessTable, find_tree
-from sidecar.config import load_settings
-from sidecar.isolation import HOME_DIR_NAME, RUNTIME_DIR_NAME, SparePool, lock_directory
-from sidecar.worker import Worker
+from sidecar.runtime.config import load_settings
+from sidecar.worker import safefs
+from sidecar.worker.child import ProcessTable, find_tree
+from sidecar.worker.claim_loop import Worker
+from sidecar.worker.isolation import HOME_DIR_NAME, RUNTIME_DIR_NAME, SparePool, lock_directory
 
 pytestmark = pytest.mark.unit
 

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from kit import base_env, cli, one_line_error, query, run, scalar
-from sidecar.retention import PRUNE_LOCK_KEY
+from sidecar.ops.retention import PRUNE_LOCK_KEY
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

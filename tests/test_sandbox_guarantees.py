@@ -29,7 +29,7 @@ from kit import (
     short_root,
     wait_until,
 )
-from sidecar.cgroups import detect
+from sidecar.worker.cgroups import detect
 
 pytestmark = [
     pytest.mark.e2e,

@@ -19,8 +19,8 @@ import pytest
 
 import kit
 from kit import base_env, cli, one_line_error
-from sidecar.db import with_database
-from sidecar.queries import Q, migrations
+from sidecar.storage.db import with_database
+from sidecar.storage.queries import Q, migrations
 
 LATEST = migrations()[-1].version
 OLDER = migrations()[-2].version

@@ -10,7 +10,7 @@ stderr tail, the log and the journal (``[secret]``), and a result, next-stage pa
 checkpoint that holds one is not stored (``secret_in_output``, not retried, journaled as
 sha256 and size only). Both a userinfo password and a ``?password=`` parameter.
 
-The first part checks the pure pieces (sidecar.masking's registry, the tail cut,
+The first part checks the pure pieces (sidecar.protocol.masking's registry, the tail cut,
 config.secret_values) without a database.
 """
 
@@ -23,9 +23,9 @@ import pytest
 from test_secrets import every_row_as_text, leaks, with_password
 
 from kit import base_env, cli, enqueue, job_row, journal_rows, query
-from sidecar.config import load_settings, secret_values
-from sidecar.masking import SECRET_MARK, SECRETS, SecretRegistry, secret_forms
-from sidecar.results import stderr_tail_text
+from sidecar.protocol.masking import SECRET_MARK, SECRETS, SecretRegistry, secret_forms
+from sidecar.protocol.results import stderr_tail_text
+from sidecar.runtime.config import load_settings, secret_values
 
 PASSWORD = "Sup3rSecretPw_xyz"
 TOOL = "echo_secret.py"  # tests/tools/echo_secret.py; the tool is the command's basename
@@ -96,7 +96,7 @@ def test_answers_are_the_same_before_and_after_the_alternation_is_compiled():
     REGEX_AFTER_SEARCHES times, then by its compiled alternation: holds and scrub answer
     alike either way, for text and bytes, and a change of the set (a guard token in or
     out) starts over with the new set at once."""
-    from sidecar.masking import REGEX_AFTER_SEARCHES
+    from sidecar.protocol.masking import REGEX_AFTER_SEARCHES
 
     password, token = 'pä/ss"word', "tok-" + "a" * 39
     registry = SecretRegistry()
@@ -301,7 +301,7 @@ def test_a_guard_token_coming_and_going_recompiles_nothing():
     """Each key's spellings are searched on their own: once the database password's
     alternation is compiled, a guard token added and discarded (twice per attempt) leaves
     that alternation as it is, and a token (one spelling) is never compiled at all."""
-    from sidecar.masking import INLINE_FORMS, REGEX_AFTER_SEARCHES
+    from sidecar.protocol.masking import INLINE_FORMS, REGEX_AFTER_SEARCHES
 
     password = 'pä/ss"word'
     registry = SecretRegistry()

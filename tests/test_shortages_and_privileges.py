@@ -27,9 +27,14 @@ from kit import (
     short_root,
     wait_until,
 )
-from sidecar.child import Child, SpawnSetupFailed, SpawnShortage
-from sidecar.isolation import make_preexec
-from sidecar.shortage import PAUSE_BASE_SECONDS, PAUSE_MAX_SECONDS, ClaimPause, shortage_errno
+from sidecar.protocol.shortage import (
+    PAUSE_BASE_SECONDS,
+    PAUSE_MAX_SECONDS,
+    ClaimPause,
+    shortage_errno,
+)
+from sidecar.worker.child import Child, SpawnSetupFailed, SpawnShortage
+from sidecar.worker.isolation import make_preexec
 
 PIDS_ROOT = Path("/sys/fs/cgroup/pids")
 TOOL_UID = 4243  # the unprivileged user the F23 sidecar runs as
@@ -105,7 +110,7 @@ def test_spawn_without_descriptors_is_a_shortage_not_a_spawn_failure():
 
 
 async def _spawn_joining(procs_file: str):
-    """Spawn ``true`` through the real ``preexec_fn`` (sidecar.isolation.make_preexec),
+    """Spawn ``true`` through the real ``preexec_fn`` (sidecar.worker.isolation.make_preexec),
     joining ``procs_file`` as its cgroup: the exception raised, or the child's exit status."""
     try:
         child = await Child.spawn(

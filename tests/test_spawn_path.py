@@ -14,13 +14,13 @@ import time
 import pytest
 
 from kit import TOOLS, base_env, enqueue, query, short_root, wait_until
-from sidecar import linux
-from sidecar.cgroups import JobCgroup, detect
+from sidecar.worker import linux
+from sidecar.worker.cgroups import JobCgroup, detect
 
 pytestmark = pytest.mark.e2e
 
 ROOT = os.geteuid() == 0
-SRC = TOOLS.parent.parent  # the checkout: the tool imports sidecar.linux from it
+SRC = TOOLS.parent.parent  # the checkout: the tool imports sidecar.worker.linux from it
 
 
 def _env(dsn, tmp_path, **extra):
@@ -75,7 +75,7 @@ def test_a_scan_reaps_the_exited_orphans_it_lists_and_keeps_the_rest():
     reading each from /proc until the periodic reaper comes; a running child, a managed
     tool's pid and an exempt pid are returned untouched, and while a spawn holds the reap
     lock (case F9) nothing is reaped at all."""
-    from sidecar.child import ProcessTable
+    from sidecar.worker.child import ProcessTable
 
     table = ProcessTable(subreaper=True)
     exited = subprocess.Popen(["/bin/true"])

@@ -1,5 +1,5 @@
 """One definition per SQL function (issue 40, point 2): functions and triggers live once, in
-sidecar/sql/functions/*.sql, applied by `sidecar migrate` after the migrations whenever a
+sidecar/storage/sql/functions/*.sql, applied by `sidecar migrate` after the migrations whenever a
 file's checksum changes (docs/development.md, "SQL functions").
 
 A database built fresh and databases upgraded from the schemas 9 and 19 as releases shipped
@@ -20,8 +20,8 @@ import orjson
 import pytest
 
 from kit import cli, query, run
-from sidecar.db import with_database
-from sidecar.queries import migrations, repeatables
+from sidecar.storage.db import with_database
+from sidecar.storage.queries import migrations, repeatables
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 

@@ -18,12 +18,12 @@ from kit import (
     run,
     wait_until,
 )
-from sidecar.caller_store import CallerStore
-from sidecar.commit import backoff_seconds
-from sidecar.config import load_settings
-from sidecar.db import init_connection
-from sidecar.model import NextStage, RawJson
-from sidecar.worker_store import WorkerStore
+from sidecar.protocol.model import NextStage, RawJson
+from sidecar.runtime.config import load_settings
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.db import init_connection
+from sidecar.storage.worker_store import WorkerStore
+from sidecar.worker.commit import backoff_seconds
 
 TOOL = "stage_tool.py"
 

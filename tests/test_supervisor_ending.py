@@ -1,5 +1,5 @@
 """One way to end an attempt (issue 40, point 4): the supervisor hands every attempt's
-ending (sidecar.verdict.Ending) to one call, ``FencedCommit.end``, which picks the one
+ending (sidecar.protocol.verdict.Ending) to one call, ``FencedCommit.end``, which picks the one
 fenced statement of its kind (``_ENDERS``), reports it once (``ENDING_REPORTS``) and counts
 it. Read from the source with ``ast`` and from the tables themselves: no database, no
 process. That each way of ending still writes, journals and logs what it did is shown by
@@ -15,21 +15,21 @@ from typing import get_args
 
 import pytest
 
-from sidecar.commit import (
+from sidecar.protocol.verdict import Commit, Failure, Reject, Release, Succeeded, Verdict
+from sidecar.protocol.vocabulary import LEASE_ENDINGS
+from sidecar.worker.commit import (
     _ENDERS,
     ACKNOWLEDGING_OUTCOMES,
     ENDING_REPORTS,
     LEASE_ENDING_OUTCOMES,
     FencedCommit,
 )
-from sidecar.verdict import Commit, Failure, Reject, Release, Succeeded, Verdict
-from sidecar.vocabulary import LEASE_ENDINGS
 
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
 
-# The fenced statements (sidecar.worker_store.WorkerStore) that write an attempt's end.
+# The fenced statements (sidecar.storage.worker_store.WorkerStore) that write an attempt's end.
 ENDING_STATEMENTS = frozenset({"finish_if_owner", "requeue_if_owner", "release_if_owner"})
 # FencedCommit's own ways of writing: only end() may be called from outside.
 COMMIT_INTERNALS = frozenset({"_succeed", "_fail", "_release", "_lease_ended", "_abandon",
@@ -65,10 +65,10 @@ def _functions(tree: ast.Module, class_name: str) -> dict[str, ast.AST]:
 
 
 def test_the_supervisor_ends_an_attempt_by_one_call_of_fenced_commit_end():
-    """Exactly one ``self.commit.end(...)`` in sidecar/supervisor.py, in
+    """Exactly one ``self.commit.end(...)`` in sidecar/worker/supervisor.py, in
     ``JobSupervisor.run``; no fenced statement and no FencedCommit internal is called from
     it, so no path of an attempt can end it another way."""
-    tree = _tree("supervisor")
+    tree = _tree("worker/supervisor")
     ends = [call for call in _method_calls(tree) if call.func.attr == "end"]
     assert len(ends) == 1, [ast.unparse(call) for call in ends]
     assert ast.unparse(ends[0].func) == "self.commit.end"
@@ -78,13 +78,13 @@ def test_the_supervisor_ends_an_attempt_by_one_call_of_fenced_commit_end():
                  if call.func.attr in COMMIT_INTERNALS or call.func.attr.endswith("_if_owner")
                  or (isinstance(call.func.value, ast.Attribute)
                      and call.func.value.attr == "store"))
-    assert not bad, f"sidecar/supervisor.py ends or writes an attempt besides end(): {bad}"
+    assert not bad, f"sidecar/worker/supervisor.py ends or writes an attempt besides end(): {bad}"
 
 
 def test_every_verdict_becomes_an_ending_with_its_ender():
     """Each entry of the dispatch table is a FencedCommit coroutine (that it covers the
     Ending union is test_commit_tables'); every verdict is an ending once a Commit's output
-    is checked into Succeeded, so no verdict of sidecar.verdict.decide lacks an ender."""
+    is checked into Succeeded, so no verdict of sidecar.protocol.verdict.decide lacks an ender."""
     for kind, ender in _ENDERS.items():
         assert getattr(FencedCommit, ender.__name__) is ender, kind
         assert inspect.iscoroutinefunction(ender), kind
@@ -93,10 +93,10 @@ def test_every_verdict_becomes_an_ending_with_its_ender():
 
 
 def test_each_ender_runs_only_the_fenced_statements_of_its_kind():
-    """Ending -> statement, read from sidecar/commit.py: each ender calls its own fenced
+    """Ending -> statement, read from sidecar/worker/commit.py: each ender calls its own fenced
     statements (STATEMENTS_OF) and no other method of FencedCommit calls one, so a write
     of an attempt's end happens only under end()."""
-    methods = _functions(_tree("commit"), "FencedCommit")
+    methods = _functions(_tree("worker/commit"), "FencedCommit")
 
     def statements(node: ast.AST) -> set[str]:
         return {call.func.attr for call in _method_calls(node)

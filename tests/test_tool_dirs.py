@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from kit import TOOLS, base_env, cli, enqueue, job_row, query, short_root
-from sidecar.isolation import MAX_WORK_ROOT_BYTES, SOCKET_NAME_BYTES, SOCKET_PATH_MAX_BYTES
+from sidecar.worker.isolation import MAX_WORK_ROOT_BYTES, SOCKET_NAME_BYTES, SOCKET_PATH_MAX_BYTES
 
 pytestmark = pytest.mark.e2e
 

@@ -22,7 +22,7 @@ import pytest
 from otlp_receiver import OtlpReceiver
 
 import kit
-from sidecar.db import with_database
+from sidecar.storage.db import with_database
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("tracing")]
 

@@ -1,4 +1,4 @@
-"""The verdict on an attempt (sidecar.verdict) without processes or a database: every stop
+"""The verdict on an attempt (sidecar.protocol.verdict) without processes or a database: every stop
 reason against every class of exit status, with and without a limit's evidence, and the
 vocabulary the metrics are built from."""
 
@@ -8,11 +8,10 @@ import signal
 
 import pytest
 
-from sidecar import metrics
-from sidecar.config import load_settings
-from sidecar.model import Usage
-from sidecar.verdict import Commit, Failure, Observed, Reject, Release, decide
-from sidecar.vocabulary import (
+from sidecar.ops import metrics
+from sidecar.protocol.model import Usage
+from sidecar.protocol.verdict import Commit, Failure, Observed, Reject, Release, decide
+from sidecar.protocol.vocabulary import (
     LEASE_ENDINGS,
     RETRYABLE,
     FailureKind,
@@ -21,6 +20,7 @@ from sidecar.vocabulary import (
     Outcome,
     StopReason,
 )
+from sidecar.runtime.config import load_settings
 
 pytestmark = pytest.mark.unit
 

@@ -33,11 +33,11 @@ from kit import (
     stop_process,
     wait_until,
 )
-from sidecar import db
-from sidecar.model import JobState, RawJson
-from sidecar.queries import Q
-from sidecar.waiting import job_channel
-from sidecar.worker_store import WorkerStore
+from sidecar.client.waiting import job_channel
+from sidecar.protocol.model import JobState, RawJson
+from sidecar.storage import db
+from sidecar.storage.queries import Q
+from sidecar.storage.worker_store import WorkerStore
 
 pytestmark = [pytest.mark.e2e, pytest.mark.server]
 
@@ -58,7 +58,7 @@ def _waiter(dsn: str, *args: str, env: dict | None = None) -> subprocess.Popen:
 
 def _waiter_listening(dsn: str, count: int = 1) -> None:
     """Wait until ``count`` waiters have LISTENed and read their jobs: their connection's
-    last statement is the waiter's read (sidecar/sql/queries.sql jobs_to_wait_for), done."""
+    last statement is the waiter's read (sidecar/storage/sql/queries.sql jobs_to_wait_for), done."""
     sql = ("SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() "
            "AND state = 'idle' AND query LIKE '%the waiter''s read%'")
     wait_until(lambda: query(dsn, sql)[0][0] >= count, 20, what="the waiter to listen")
@@ -165,7 +165,7 @@ def test_a_job_deleted_while_waited_for_ends_the_wait_with_no_job(dsn):
     transaction pooler) at its next poll."""
     import uuid as uuid_mod
 
-    from sidecar.waiting import JobNotFound, watch
+    from sidecar.client.waiting import JobNotFound, watch
 
     job_id = enqueue(dsn, TOOL, {})
 

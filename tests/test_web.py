@@ -31,8 +31,8 @@ import orjson
 import pytest
 
 import kit
-from sidecar.db import with_database
-from sidecar.queries import Q
+from sidecar.storage.db import with_database
+from sidecar.storage.queries import Q
 
 pytestmark = pytest.mark.xdist_group("web")
 

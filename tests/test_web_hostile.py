@@ -27,7 +27,7 @@ import pytest
 from netproxy import BlackholeProxy, through, upstream_of
 
 import kit
-from sidecar.db import with_database
+from sidecar.storage.db import with_database
 
 pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("web_hostile")]
 
@@ -299,7 +299,7 @@ def test_a_huge_result_and_journal_make_a_bounded_page(world):
     megabyte of details: the page holds the first MAX_CONTENT_CHARS of the content and the
     newest MAX_TIMELINE_EVENTS events, each cut to MAX_EVENT_CHARS, escaped, and says
     so."""
-    from sidecar.web import MAX_CONTENT_CHARS, MAX_EVENT_CHARS, MAX_TIMELINE_EVENTS
+    from sidecar.ops.web import MAX_CONTENT_CHARS, MAX_EVENT_CHARS, MAX_TIMELINE_EVENTS
 
     status, body, _ = _get(world.url + f"/jobs/{world.jobs['big']}?show=result",
                            {"Authorization": f"Bearer {ALICE}"})
@@ -352,7 +352,7 @@ def test_the_tools_page_is_bounded_however_many_tool_names_there_are(world):
     """Callers can make any number of tool names (and SQL any length of one): /tools
     lists the first MAX_TOOLS by name and says so; a long name is cut, escaped. Runs last:
     it leaves 601 tools behind."""
-    from sidecar.web import MAX_TOOLS
+    from sidecar.ops.web import MAX_TOOLS
 
     kit.query(world.dsn, "INSERT INTO tool_jobs (id, tool, max_attempts, idempotency_key, "
                          "payload) SELECT gen_random_uuid(), 'many-' || lpad(n::text, 4, "
@@ -381,7 +381,7 @@ def test_listening_beyond_loopback_needs_the_token_file(world, tmp_path, listen)
     err = done.stderr.decode()
     assert done.returncode == 2, err
     assert err.count("\n") == 1 and "--listen" in err and "SIDECAR_WEB_TOKEN_FILE" in err, err
-    from sidecar.web import check_exposure
+    from sidecar.ops.web import check_exposure
 
     check_exposure(listen.rpartition(":")[0].strip("[]"), {"alice": ALICE})  # no raise
     for loopback in ("127.0.0.1", "127.3.4.5", "::1", "localhost"):

@@ -13,10 +13,10 @@ import asyncpg
 import pytest
 
 from kit import base_env, query, run, wait_until
-from sidecar.config import load_settings
-from sidecar.db import with_database
-from sidecar.errors import ConfigError
-from sidecar.worker import Worker
+from sidecar.protocol.errors import ConfigError
+from sidecar.runtime.config import load_settings
+from sidecar.storage.db import with_database
+from sidecar.worker.claim_loop import Worker
 
 pytestmark = pytest.mark.database
 

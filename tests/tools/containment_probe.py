@@ -73,7 +73,7 @@ def is_process(pid, marker):
         return False
 
 
-for name, marker in (("sidecar", b"sidecar"), ("guardian", b"sidecar.guardian")):
+for name, marker in (("sidecar", b"sidecar"), ("guardian", b"sidecar.worker.guardian")):
     pid = payload[f"{name}_pid"]
     visible = is_process(pid, marker)
     for what in ("environ", "cmdline", "mem", "fd"):

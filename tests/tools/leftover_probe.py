@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Test tool for tests/test_leftovers.py: what a (hostile) tool can do to the leftovers
-sweep of sidecar.leftovers, as the payload's "mode" says.
+sweep of sidecar.worker.leftovers, as the payload's "mode" says.
 
 Modes:
 - ok: print {"ok": true}.

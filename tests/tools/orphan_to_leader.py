@@ -3,7 +3,7 @@
 child which double-forks a grandchild and exits, as a tool's launcher does. Prints one
 JSON line: the orphaned grandchild's pid, the children listed for the leader thread and
 for the forking thread (from /proc/<pid>/task/<tid>/children), and what
-sidecar.linux.adopted_pids returns; then kills the grandchild it made and exits."""
+sidecar.worker.linux.adopted_pids returns; then kills the grandchild it made and exits."""
 import ctypes
 import json
 import os
@@ -13,7 +13,7 @@ import threading
 import time
 
 sys.path.insert(0, sys.argv[1])
-from sidecar import linux  # noqa: E402
+from sidecar.worker import linux  # noqa: E402
 
 PR_SET_CHILD_SUBREAPER = 36
 ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)

@@ -1,0 +1,548 @@
+"""The caller's half of a tool call, from Python (issue 26, point 5): ``Client``.
+
+```python
+from sidecar.client import Client, JobFailed
+
+async with Client() as sidecar:            # the DSN as the CLI resolves it
+    result = await sidecar.call("ocr", {"file": "/data/scan.png"}, timeout=300)
+```
+
+A thin layer over what the CLI uses, with no second implementation: the DSN resolved as
+the CLI does (``SIDECAR_DATABASE_URL``, ``SIDECAR_DATABASE_URL_FILE``, else the embedded
+PostgreSQL: sidecar.runtime.config.load_settings, sidecar.storage.db.resolve_dsn), the options checked by
+sidecar.protocol.enqueue_args and then by the database in ``tool_job_enqueue`` (CallerStore.enqueue, the
+statement ``sidecar enqueue`` and ``sidecar_enqueue`` run), the waiter of ``sidecar wait``
+(sidecar.client.waiting.follow: LISTEN on each job's own channel, on
+``SIDECAR_LISTEN_DATABASE_URL`` when it is set; or, with
+``SIDECAR_DATABASE_POOLER=transaction`` and no such URL, a read of the unfinished jobs
+every waiting.POLL_SECONDS). It imports nothing of the worker
+(tests/test_import_graph.py), and ``sidecar run`` does not import it.
+docs/callers.md#from-python has the whole story.
+
+Errors: bad input raises sidecar.protocol.errors.UsageError (or ConfigError for a bad tool name or
+environment), one line naming the argument, before anything is written; an unreachable
+database raises DatabaseUnavailable; a database whose schema is older than this sidecar
+(or missing) raises SchemaMismatch at open, with nothing changed (``sidecar migrate``
+applies migrations, never the client); a statement raises what asyncpg raises.
+
+The package ``sidecar.client`` is the caller's end: this library (Client) and waiting for
+jobs without polling (sidecar.client.waiting). It imports sidecar.protocol, sidecar.runtime
+and sidecar.storage only; never the worker's end (tests/test_package_rules.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import datetime as dt
+import json
+import math
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import asyncpg
+
+from sidecar.client import waiting
+from sidecar.client.waiting import JobEnd, JobNotFound, JobProgress
+from sidecar.protocol import enqueue_args, jsontext, parsing
+from sidecar.protocol.errors import SchemaMismatch, UsageError, one_line
+from sidecar.protocol.model import RawJson
+from sidecar.runtime.config import (
+    POOLER_MODES,
+    Settings,
+    check_postgres_url,
+    load_settings,
+    validate_tool_name,
+)
+from sidecar.storage import db, schema
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.store import check_producer_key
+
+__all__ = ["Client", "Job", "JobEnd", "JobFailed", "JobNotFound", "JobProgress", "JobRef",
+           "JobTimeout", "SchemaMismatch"]
+
+# What the client's journal row (job_enqueued) says enqueued the job.
+ENQUEUED_BY = "sidecar.client"
+
+
+@dataclass(frozen=True)
+class JobRef:
+    """One enqueued job: its ``id``, and ``created`` (False when the idempotency key named
+    a job that existed already, whose id this is). Accepted wherever a job id is;
+    ``str()`` is the id."""
+
+    id: uuid.UUID
+    created: bool
+
+    def __str__(self) -> str:
+        return str(self.id)
+
+
+JobId = uuid.UUID | str | JobRef
+
+
+class JobFailed(Exception):
+    """A job called ended ``failed`` or ``cancelled``: ``job_id``, ``state``, ``error``
+    (the row's error object, e.g. ``{"kind": "exit_code", "message": "..."}``; ``kind``
+    and ``message`` are its two fields) and the ``attempt`` that ended it."""
+
+    def __init__(self, end: JobEnd):
+        self.job_id: uuid.UUID = end.id
+        self.state: str = end.state
+        self.error: dict[str, Any] = end.error if isinstance(end.error, dict) else {}
+        self.attempt: int = end.attempt
+        super().__init__(one_line(f"job {end.id} {end.state} on attempt {end.attempt}: "
+                                  f"{self.kind or 'unknown'}: {self.message or ''}"[:1000]))
+
+    @property
+    def kind(self) -> str | None:
+        """The error's kind (``exit_code``, ``timeout``, ``expired``, ``cancelled``...)."""
+        return self.error.get("kind")
+
+    @property
+    def message(self) -> str | None:
+        """The error's message."""
+        text = self.error.get("message")
+        return text if isinstance(text, str) else None
+
+
+class JobTimeout(TimeoutError):
+    """The timeout of a ``wait`` or ``call`` passed before the jobs ended. ``job_ids``: the
+    jobs still unfinished (``job_id`` the first of them); ``ended``: the JobEnd of those
+    that ended meanwhile. The jobs go on: ``Client.cancel`` stops them."""
+
+    def __init__(self, job_ids: list[uuid.UUID], timeout: float,
+                 ended: Iterable[JobEnd] = ()):
+        self.job_ids = list(job_ids)
+        self.timeout = timeout
+        self.ended = list(ended)
+        shown = ", ".join(str(job_id) for job_id in self.job_ids[:5])
+        more = f" and {len(self.job_ids) - 5} more" if len(self.job_ids) > 5 else ""
+        super().__init__(f"timed out after {timeout:g} s; still unfinished: {shown}{more}")
+
+    @property
+    def job_id(self) -> uuid.UUID:
+        return self.job_ids[0]
+
+
+@dataclass(frozen=True)
+class Job:
+    """One job's row as ``sidecar show`` reads it (docs/protocol.md names every column).
+    Times are timezone-aware datetimes; ``payload``, ``result``, ``error``, ``checkpoint``
+    and ``progress`` (``{"value", "message", "at", "attempt"}``) are decoded JSON."""
+
+    id: uuid.UUID
+    tool: str
+    state: str
+    attempt: int
+    max_attempts: int | None
+    priority: int
+    tags: dict[str, str]
+    payload: Any
+    result: Any
+    error: dict[str, Any] | None
+    progress: dict[str, Any] | None
+    idempotency_key: str
+    run_after: dt.datetime | None
+    expires_at: dt.datetime | None
+    created_at: dt.datetime
+    first_claimed_at: dt.datetime | None
+    finished_at: dt.datetime | None
+    parent_id: uuid.UUID | None
+    stage: int
+    traceparent: str | None
+    tracestate: str | None
+    owner_id: str | None
+    lease_until: dt.datetime | None
+    fencing_token: int
+    heartbeat_at: dt.datetime | None
+    checkpoint: Any
+
+    @property
+    def finished(self) -> bool:
+        """Succeeded, failed or cancelled."""
+        return self.state in ("succeeded", "failed", "cancelled")
+
+
+_JOB_FIELDS = tuple(field.name for field in dataclasses.fields(Job))
+
+
+def _job_id(value: JobId) -> uuid.UUID:
+    """A job id as the client takes it: a JobRef, a UUID or its text
+    (sidecar.protocol.parsing.parse_job_id); UsageError otherwise."""
+    if isinstance(value, JobRef):
+        return value.id
+    return parsing.parse_job_id(value, "job id")
+
+
+def _seconds(value: float | dt.timedelta | None, what: str) -> float | None:
+    """A timeout in seconds (more than 0), None when None; UsageError otherwise."""
+    if value is None:
+        return None
+    return parsing.seconds_value(value, what, positive=True)
+
+
+def enqueue_options(*, priority: int = 0,
+                    run_after: dt.datetime | dt.timedelta | float | str | None = None,
+                    expires_in: dt.datetime | dt.timedelta | float | str | None = None,
+                    tags: Mapping[str, str] | None = None, traceparent: str | None = None,
+                    tracestate: str | None = None,
+                    concurrency_key: str | None = None) -> enqueue_args.EnqueueOptions:
+    """The client's options as EnqueueOptions: the one parser of the CLI's options
+    (sidecar.protocol.enqueue_args.enqueue_options), errors naming the Python arguments.
+    ``run_after`` an aware datetime (not claimed before) or a delay (seconds, a timedelta
+    or a duration's text such as ``"30m"``, counted by the database's clock);
+    ``expires_in`` a duration (more than 0) or an aware datetime (no attempt starts after
+    it). UsageError for the first that is not allowed."""
+    return enqueue_args.enqueue_options(
+        priority, run_after, expires_in, tags, traceparent, tracestate, concurrency_key,
+        names=enqueue_args.PYTHON_NAMES)
+
+
+class Client:
+    """A caller of the sidecar's tools: enqueue, wait, call, cancel, progress, get.
+
+    ``dsn``: a PostgreSQL URL; None resolves it as the CLI does (``SIDECAR_DATABASE_URL``,
+    ``SIDECAR_DATABASE_URL_FILE``, else the embedded PostgreSQL in ``SIDECAR_DATA_DIR``,
+    started if needed). ``settings``: default ``load_settings()`` of the environment
+    (ConfigError for a bad ``SIDECAR_*`` variable); from them come the statement bound
+    (``SIDECAR_DB_TIMEOUT_SECONDS``), the payload limit (``SIDECAR_MAX_PAYLOAD_BYTES``)
+    and the pooler (``SIDECAR_DATABASE_POOLER``; ``pooler`` overrides it: ``transaction``
+    behind PgBouncer in transaction mode, where waiting polls every
+    waiting.POLL_SECONDS instead of LISTEN). ``listen_dsn``: where a wait's connection
+    goes to LISTEN, a session (the server itself, or a session-mode pool), even behind a
+    transaction pooler (default ``SIDECAR_LISTEN_DATABASE_URL``; unset: ``dsn``, or
+    polling behind a transaction pooler; ConfigError when it is not a PostgreSQL URL).
+    ``max_connections``: the pool's size (each wait opens one connection more, of its
+    own, for as long as it waits).
+
+    Use it as ``async with Client() as client:`` or ``client = await Client.connect()``
+    (then ``await client.close()``). Opening checks the schema and never changes it:
+    sidecar.protocol.errors.SchemaMismatch when it is older than this sidecar or missing (run
+    ``sidecar migrate``), or newer without declaring compatibility."""
+
+    def __init__(self, dsn: str | None = None, *, settings: Settings | None = None,
+                 pooler: str | None = None, listen_dsn: str | None = None,
+                 max_connections: int = 4):
+        if max_connections < 1:
+            raise UsageError(f"max_connections {max_connections}: must be at least 1")
+        self._dsn_given = dsn
+        self._settings_given = settings
+        self._pooler_given = pooler
+        self._listen_dsn_given = listen_dsn
+        self._max_connections = max_connections
+        self._pool: asyncpg.Pool | None = None
+        self._store: CallerStore | None = None
+        self.dsn: str | None = None
+        self.settings: Settings | None = None
+        self.pooler = "none"
+        self.listen_dsn = ""  # where waits LISTEN ("": on dsn, or none behind a pooler)
+
+    @classmethod
+    async def connect(cls, dsn: str | None = None, **options: Any) -> Client:
+        """A Client already open (``options`` as the constructor's)."""
+        client = cls(dsn, **options)
+        await client.open()
+        return client
+
+    async def open(self) -> None:
+        """Resolve the DSN, open the pool and check the schema (one read, no DDL);
+        DatabaseUnavailable when the database cannot be reached, SchemaMismatch when its
+        schema is one this sidecar may not work on (nothing is changed). Calling it again
+        does nothing."""
+        if self._store is not None:
+            return
+        settings = self._settings_given or load_settings()
+        if self._dsn_given is not None:
+            settings = dataclasses.replace(settings, database_url=self._dsn_given)
+        # The embedded server may take seconds to start: not on the event loop.
+        dsn = await asyncio.to_thread(db.resolve_dsn, settings)
+        pooler = self._pooler_given or settings.database_pooler
+        if pooler not in POOLER_MODES:
+            raise UsageError(f"pooler {pooler!r}: use none or transaction")
+        listen_dsn = settings.listen_database_url
+        if self._listen_dsn_given is not None:
+            listen_dsn = self._listen_dsn_given and check_postgres_url(
+                "listen_dsn", self._listen_dsn_given)
+        pool = await db.create_pool(dsn, settings.db_timeout_seconds, self._max_connections,
+                                    pooler=pooler)
+        try:
+            store = CallerStore(pool, settings.db_timeout_seconds)
+            await schema.require_current(store)
+        except BaseException:
+            pool.terminate()
+            raise
+        self.dsn, self.settings, self.pooler = dsn, settings, pooler
+        self.listen_dsn = listen_dsn
+        self._pool, self._store = pool, store
+
+    async def close(self) -> None:
+        """Close the pool (bounded by the statement bound; then its connections are
+        terminated)."""
+        pool, self._pool, self._store = self._pool, None, None
+        if pool is None:
+            return
+        try:
+            await asyncio.wait_for(pool.close(), self._timeout)
+        except (TimeoutError, *db.DATABASE_ERRORS):
+            pool.terminate()
+
+    async def __aenter__(self) -> Client:
+        await self.open()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+    @property
+    def _timeout(self) -> float:
+        return self.settings.db_timeout_seconds if self.settings else 10.0
+
+    def _opened(self) -> CallerStore:
+        if self._store is None:
+            raise RuntimeError("the Client is not open: use 'async with Client() as c' or "
+                               "'await Client.connect()'")
+        return self._store
+
+    # --- enqueue --------------------------------------------------------------
+
+    async def enqueue(self, tool: str, payload: Any = None, *,
+                      idempotency_key: str | None = None, priority: int = 0,
+                      run_after: dt.datetime | dt.timedelta | float | None = None,
+                      expires_in: dt.datetime | dt.timedelta | float | None = None,
+                      tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
+                      traceparent: str | None = None, tracestate: str | None = None,
+                      concurrency_key: str | None = None,
+                      connection: asyncpg.Connection | None = None) -> JobRef:
+        """Queue one call of ``tool`` with ``payload`` (any JSON value, None is ``{}``; a
+        sidecar.protocol.model.RawJson is sent as the JSON text it is) and return its JobRef.
+
+        ``idempotency_key``: the same key returns the existing job (``created`` False)
+        when tool and payload are the same, and raises IdempotencyConflict otherwise.
+        ``priority`` 0 (claimed first) to 9. ``run_after``: an aware datetime, or a delay
+        in seconds or as a timedelta. ``expires_in``: seconds or a timedelta (no attempt
+        starts later than that after enqueue), or an aware datetime. ``tags``: at most 16
+        ``{key: value}`` strings (``cancel(tag=...)`` acts on them). ``max_attempts``
+        1-1000, None: the profile's MAX_ATTEMPTS. ``traceparent``/``tracestate``: W3C
+        trace context, given to the tool as TRACEPARENT/TRACESTATE. ``concurrency_key``:
+        1-256 printable characters (a tenant, an account): flow control caps it and lets
+        keys take turns (``sidecar limit``, issue 27); None: no key.
+
+        ``connection``: your own asyncpg connection, in a transaction you opened: the job
+        is written in it and exists only if that transaction commits; the wake-up of an
+        idle sidecar is a NOTIFY, sent at commit (none on rollback). Without it the job is
+        written and committed at once on the client's pool.
+
+        Raises UsageError (or ConfigError for the tool name) for bad input, with nothing
+        written; IdempotencyConflict; DatabaseUnavailable or asyncpg errors."""
+        store = self._opened()
+        assert self.settings is not None
+        tool = validate_tool_name(tool)
+        options = enqueue_options(priority=priority, run_after=run_after,
+                                  expires_in=expires_in, tags=tags, traceparent=traceparent,
+                                  tracestate=tracestate, concurrency_key=concurrency_key)
+        enqueue_args.check_max_attempts(max_attempts, "max_attempts")
+        if idempotency_key is not None:
+            check_producer_key(enqueue_args.check_idempotency_key(idempotency_key,
+                                                                  "idempotency_key"))
+        text = _payload_text({} if payload is None else payload,
+                             self.settings.max_payload_bytes)
+        job_id, created = await store.enqueue(tool, text, idempotency_key, max_attempts,
+                                              {"by": ENQUEUED_BY}, options, conn=connection)
+        return JobRef(uuid.UUID(str(job_id)), bool(created))
+
+    # --- waiting ----------------------------------------------------------------
+
+    def _follow(self, job_ids: list[uuid.UUID]) -> AsyncIterator[JobEnd | JobProgress]:
+        self._opened()
+        assert self.dsn is not None
+        target = db.listen_target(self.dsn, self.pooler, self.listen_dsn)
+        if target is None:  # behind a transaction pooler: poll through it
+            return waiting.follow(self.dsn, job_ids, db_timeout=self._timeout, listen=False,
+                                  pooler=self.pooler)
+        return waiting.follow(target[0], job_ids, db_timeout=self._timeout, pooler=target[1],
+                              setting="SIDECAR_LISTEN_DATABASE_URL (listen_dsn)"
+                              if self.listen_dsn else "SIDECAR_DATABASE_URL")
+
+    async def wait(self, jobs: JobId | Iterable[JobId], *,
+                   timeout: float | dt.timedelta | None = None,
+                   any: bool = False) -> JobEnd | list[JobEnd]:  # noqa: A002 - as the CLI's
+        """Wait until the jobs end, without polling (a NOTIFY on each job's channel; behind
+        a transaction pooler without ``listen_dsn`` a read every waiting.POLL_SECONDS).
+
+        ``jobs``: one id (a UUID, its text or a JobRef): returns its JobEnd; or several:
+        returns their JobEnd in the order given (a repeated id counts once), or with
+        ``any`` a list of the first one to end. A JobEnd has ``id``, ``state``
+        (``succeeded``, ``failed`` or ``cancelled``), ``result`` or ``error`` and
+        ``attempt``; a failed job does not raise here (``call`` does). ``timeout``:
+        seconds or a timedelta, None waits for as long as it takes.
+
+        Raises JobTimeout (a TimeoutError) when the timeout passes first, JobNotFound when
+        a job does not exist, DatabaseUnavailable when no connection can be made (a
+        connection that fails while waiting is made again, nothing missed)."""
+        single = isinstance(jobs, uuid.UUID | str | JobRef)
+        ids = list(dict.fromkeys(_job_id(job) for job in ([jobs] if single else jobs)))
+        if not ids:
+            raise UsageError("wait: give at least one job id")
+        seconds = _seconds(timeout, "timeout")
+        ended: dict[uuid.UUID, JobEnd] = {}
+        try:
+            async with asyncio.timeout(seconds), \
+                    contextlib.aclosing(self._follow(ids)) as events:
+                async for event in events:
+                    if isinstance(event, JobEnd):
+                        ended[event.id] = event
+                        if any:
+                            break
+        except TimeoutError:
+            if len(ended) == len(ids) or (any and ended):
+                pass  # ended just as the timeout passed
+            else:
+                raise JobTimeout([j for j in ids if j not in ended], seconds or 0.0,
+                                 ended.values()) from None
+        if single:
+            return ended[ids[0]]
+        return [ended[j] for j in ids if j in ended]
+
+    async def call(self, tool: str, payload: Any = None, *,
+                   timeout: float | dt.timedelta | None,
+                   idempotency_key: str | None = None, priority: int = 0,
+                   run_after: dt.datetime | dt.timedelta | float | None = None,
+                   expires_in: dt.datetime | dt.timedelta | float | None = None,
+                   tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
+                   traceparent: str | None = None, tracestate: str | None = None,
+                   concurrency_key: str | None = None) -> Any:
+        """Enqueue ``tool`` with ``payload`` (options as ``enqueue``'s; no ``connection``:
+        a job in an open transaction could not run before it commits) and wait for it;
+        return its result (the JSON the tool printed, decoded).
+
+        ``timeout``: seconds or a timedelta for the wait (None: no bound; say so). Raises
+        JobFailed (``job_id``, ``state``, ``error`` with ``kind`` and ``message``,
+        ``attempt``) when the job ends failed or cancelled, JobTimeout (a TimeoutError,
+        ``job_id``) when the timeout passes first (the job goes on: ``cancel`` it if it
+        should not), and what ``enqueue`` raises."""
+        seconds = _seconds(timeout, "timeout")
+        ref = await self.enqueue(tool, payload, idempotency_key=idempotency_key,
+                                 priority=priority, run_after=run_after,
+                                 expires_in=expires_in, tags=tags, max_attempts=max_attempts,
+                                 traceparent=traceparent, tracestate=tracestate,
+                                 concurrency_key=concurrency_key)
+        end = await self.wait(ref, timeout=seconds)
+        assert isinstance(end, JobEnd)
+        if not end.succeeded:
+            raise JobFailed(end)
+        return end.result
+
+    async def follow(self, job_id: JobId) -> AsyncIterator[JobProgress | JobEnd]:
+        """What happens to one job, as it happens: its progress reports (the latest one
+        first when it has one), then its JobEnd, after which the iteration stops. No
+        polling (as ``wait``); raises JobNotFound for a job that does not exist. Bound it
+        with ``asyncio.timeout`` if needed."""
+        async with contextlib.aclosing(self._follow([_job_id(job_id)])) as events:
+            async for event in events:
+                yield event
+                if isinstance(event, JobEnd):
+                    return
+
+    async def progress(self, job_id: JobId) -> AsyncIterator[JobProgress]:
+        """The progress reports of a job as they come (the latest one first when it has
+        one), until it ends; then the iteration stops (``wait`` gives its end at once).
+        A JobProgress has ``value`` (0..1 or None), ``message``, ``at`` (ISO 8601, the
+        database's time) and ``attempt``. Behind a transaction pooler a report replaced
+        within one poll is not seen. Bound it with ``asyncio.timeout`` if needed; raises
+        JobNotFound for a job that does not exist."""
+        async with contextlib.aclosing(self._follow([_job_id(job_id)])) as events:
+            async for event in events:
+                if isinstance(event, JobProgress):
+                    yield event
+
+    # --- acting on jobs ---------------------------------------------------------
+
+    async def cancel(self, job_id: JobId | None = None, *,
+                     tag: Mapping[str, str] | None = None) -> dict[uuid.UUID, str]:
+        """Cancel one job, or with ``tag`` (``{key: value, ...}``) every queued or running
+        job whose tags include all of them; their later stages too. A running job's tree
+        is killed by its sidecar at its next heartbeat. Returns ``{id: previous state}``
+        of every job cancelled, empty when none was (already finished, or no such job).
+        UsageError unless exactly one of ``job_id`` and ``tag`` is given."""
+        store = self._opened()
+        if (job_id is None) == (not tag):
+            raise UsageError("cancel: give one job_id, or tag={key: value} for every "
+                             "queued or running job with those tags")
+        if tag:
+            if not isinstance(tag, Mapping):
+                raise UsageError("tag: give a dict of strings, e.g. {'run': '42'}")
+            return await store.cancel(None, enqueue_args.check_tags(dict(tag)))
+        return await store.cancel(_job_id(job_id))
+
+    async def jobs(self, *, tags: Mapping[str, str] | None = None, state: str | None = None,
+                   tool: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        """The newest jobs first (at most ``limit``, 1-1000), filtered by ``state``,
+        ``tool`` and ``tags`` (all of them), as dicts of ``id``, ``tool``, ``state``,
+        ``attempt``, ``max_attempts``, ``fencing_token``, ``owner_id``, ``lease_until``,
+        ``created_at``, ``finished_at``, ``error_kind`` (as ``sidecar jobs``) and ``tags``."""
+        if not 1 <= limit <= 1000:
+            raise UsageError(f"limit {limit}: must be from 1 to 1000")
+        checked = enqueue_args.check_tags(dict(tags)) if tags else None
+        rows = await self._opened().list_jobs(state, tool, limit, checked)
+        return [dict(row) for row in rows]
+
+    async def count_unfinished(self, tags: Mapping[str, str], up_to: int = 10_000) -> int:
+        """How many queued or running jobs carry all of ``tags`` (a non-empty dict),
+        counted up to ``up_to`` + 1."""
+        if not tags:
+            raise UsageError("count_unfinished: give at least one tag")
+        return await self._opened().unfinished_jobs_tagged(
+            enqueue_args.check_tags(dict(tags)), up_to)
+
+    async def get(self, job_id: JobId) -> Job:
+        """The job's row as a Job; JobNotFound when there is none (never enqueued, or
+        pruned)."""
+        wanted = _job_id(job_id)
+        row = await self._opened().get_job(wanted)
+        if row is None:
+            raise JobNotFound(f"no job {wanted}")
+        return Job(**{name: row[name] for name in _JOB_FIELDS})
+
+
+def _non_finite(value: Any) -> bool:
+    """True when ``value`` (JSON-like: dicts, lists, scalars) holds a NaN or an infinity
+    anywhere; walked without recursion."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list | tuple):
+            stack.extend(item)
+    return False
+
+
+def _payload_text(payload: Any, limit: int) -> RawJson:
+    """The payload as JSON text, at most ``limit`` bytes (0: any), as the CLI checks it;
+    UsageError otherwise."""
+    if isinstance(payload, RawJson):
+        text = payload.encode()
+    else:
+        if _non_finite(payload):
+            raise UsageError("payload holds NaN or an infinity, which JSON cannot write "
+                             "(it would be stored as null); send null or a string")
+        try:
+            text = jsontext.dumps(payload)
+        except TypeError as exc:
+            try:  # an integer past 64 bits: the standard encoder keeps every digit
+                text = json.dumps(payload, ensure_ascii=False, allow_nan=False,
+                                  separators=(",", ":")).encode()
+            except (TypeError, ValueError, UnicodeEncodeError):
+                raise UsageError(f"payload is not JSON ({exc}); pass dicts, lists, "
+                                 "strings, numbers, booleans and None") from None
+    if limit and len(text) > limit:
+        raise UsageError(f"payload: {len(text)} bytes, larger than SIDECAR_MAX_PAYLOAD_BYTES="
+                         f"{limit} bytes; pass a reference (a URL or object key) instead, "
+                         "or raise that limit")
+    return RawJson(text.decode())

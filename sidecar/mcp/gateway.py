@@ -1,0 +1,640 @@
+"""``sidecar mcp``: every tool it is given as an MCP tool whose calls are jobs (issue 29).
+
+A ``tools/call`` is one job of that tool: the arguments, checked against the tool's
+schema, are its payload; the job carries the MCP principal, session and request as tags
+and, where the request can be told apart from every other, an idempotency key derived
+from it (sidecar.mcp.catalog.call_idempotency_key), so a client's retry joins the job
+instead of running the tool twice. The gateway waits for the job without polling (a
+LISTEN on the job's channel, sidecar.client.Client.follow), turns the tool's progress
+into ``notifications/progress`` when the client sent a progress token, and returns the
+job's result (``isError`` with the error's kind and message when it failed). A request
+the client cancels (``notifications/cancelled``, or closing its response stream on the
+2026-07-28 protocol) cancels the job: its sidecar kills the tree at its next heartbeat.
+
+Built on the official MCP Python SDK (``pip install 'sidecar[mcp]'``): its low-level
+server, its Streamable HTTP transport at ``/mcp`` (served by uvicorn) and its stdio
+transport. ``sidecar run`` never imports this module (tests/test_import_graph.py).
+
+Secure by default: bound to 127.0.0.1 unless told otherwise; over HTTP every request
+but ``/livez`` needs a bearer token from SIDECAR_MCP_TOKEN_FILE (none there: refuses to
+start); ``Host`` and ``Origin`` are checked (DNS rebinding); request bodies and the calls
+in flight per principal are bounded; bad input is a JSON-RPC error with one clear line.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import re
+import secrets
+import uuid
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import jsonschema
+import mcp_types as types
+import orjson
+from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
+from mcp.server.auth.provider import AccessToken
+from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
+from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
+
+from sidecar.client import Client, JobEnd, JobNotFound, JobProgress
+from sidecar.mcp import catalog as mcp_catalog
+from sidecar.mcp.catalog import McpTool
+from sidecar.protocol import parsing
+from sidecar.protocol.errors import (
+    ConfigError,
+    DatabaseUnavailable,
+    IdempotencyConflict,
+    SidecarError,
+    UsageError,
+    one_line,
+)
+from sidecar.runtime.config import Settings
+from sidecar.storage import db
+
+log = logging.getLogger("sidecar.mcp")
+
+# A client's own idempotency key for a call, in the request's _meta (1-256 printable
+# characters; scoped to its principal).
+IDEMPOTENCY_META = "io.github.sidecar/idempotency-key"
+# What a result's _meta says about the job behind it.
+JOB_META = "io.github.sidecar/job"
+# The MCP Tasks extension (SEP-2663, protocol 2026-07-28): a client that lists it in its
+# per-request capabilities gets a task handle from tools/call at once.
+TASKS_EXTENSION = "io.modelcontextprotocol/tasks"
+# The pollIntervalMs a task suggests (tasks/result waits without polling).
+TASK_POLL_MS = 1000
+# tasks/list: the newest tasks of the principal, at most this many.
+TASK_LIST_LIMIT = 100
+TASK_ID = re.compile(r"[A-Za-z0-9_-]{32}")
+_TASK_STATUS = {"queued": "working", "running": "working", "succeeded": "completed",
+                "failed": "completed", "cancelled": "cancelled"}
+# Defaults of the command's bounds.
+DEFAULT_MAX_CALLS_PER_PRINCIPAL = 64
+DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
+DEFAULT_MAX_TASKS_PER_PRINCIPAL = 1000
+# How long cancelling a job may take when its request is cancelled (seconds).
+CANCEL_BOUND_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class GatewayOptions:
+    """How ``sidecar mcp`` serves: ``max_calls_per_principal`` (calls in flight at once
+    per principal; one more is refused with a JSON-RPC error), ``max_tasks_per_principal``
+    (unfinished tasks per principal, counted in the database) and, over HTTP,
+    ``max_request_bytes`` (a larger body gets 413), ``allowed_hosts`` and
+    ``allowed_origins`` (``Host``/``Origin`` values accepted besides the loopback ones;
+    ``host:*`` admits any port)."""
+
+    max_calls_per_principal: int = DEFAULT_MAX_CALLS_PER_PRINCIPAL
+    max_tasks_per_principal: int = DEFAULT_MAX_TASKS_PER_PRINCIPAL
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    allowed_hosts: Sequence[str] = ()
+    allowed_origins: Sequence[str] = ()
+
+
+class Gateway:
+    """The MCP face of a set of tools: builds the SDK's low-level ``Server`` whose
+    ``tools/list`` lists ``catalog`` and whose ``tools/call`` runs a job through
+    ``client`` (open; the caller closes it). ``principal_of`` tells who sent a request
+    (the HTTP transport's bearer token; ``stdio`` on stdio)."""
+
+    def __init__(self, client: Client, catalog: Sequence[McpTool], options: GatewayOptions,
+                 principal_of: Callable[[Any], str]):
+        self.client = client
+        self.settings = client.settings
+        self.options = options
+        self.tools = {tool.name: tool for tool in catalog}
+        self.validators = {tool.name: _validator(tool) for tool in catalog}
+        self.principal_of = principal_of
+        self.in_flight: dict[str, int] = {}
+        self.stopping = False  # a shutdown cancels handlers: their jobs go on
+        self.server: Server[Any] = Server(
+            "sidecar", version=_version(), instructions=(
+                "Each tool call runs as a leased job of the sidecar queue; a cancelled "
+                "request cancels its job."),
+            on_list_tools=self._list_tools, on_call_tool=self._call_tool)
+        self.server.middleware.append(_clear_validation)
+        # Tasks: every method reads the job row, so any replica serves any task.
+        self.server.extensions[TASKS_EXTENSION] = {}
+        self.server.add_request_handler("tasks/get", TaskParams, self._task_get)
+        self.server.add_request_handler("tasks/result", TaskParams, self._task_result)
+        self.server.add_request_handler("tasks/cancel", TaskParams, self._task_cancel)
+        self.server.add_request_handler("tasks/list", types.PaginatedRequestParams,
+                                        self._task_list)
+
+    async def _list_tools(self, ctx: Any, params: Any) -> types.ListToolsResult:
+        return types.ListToolsResult(tools=[
+            types.Tool(name=tool.name, description=tool.description,
+                       input_schema=dict(tool.input_schema))
+            for tool in self.tools.values()])
+
+    async def _call_tool(self, ctx: Any,
+                         params: types.CallToolRequestParams) -> types.CallToolResult:
+        tool = self.tools.get(params.name)
+        if tool is None:
+            raise MCPError(code=INVALID_PARAMS, message=(
+                f"unknown tool {params.name[:80]!r}: this server exposes "
+                f"{', '.join(sorted(self.tools))}"))
+        arguments = params.arguments if params.arguments is not None else {}
+        _check_arguments(tool.name, self.validators[tool.name], arguments)
+        principal = self.principal_of(ctx)
+        meta = _wire_meta(ctx)
+        key = self._idempotency_key(ctx, principal, meta)
+        as_task = _wants_task(ctx)
+        with self._slot(principal):
+            tags = {"mcp.principal": principal, "mcp.tool_call": _tag_id(ctx.request_id)}
+            if session := _session_id(ctx):
+                tags["mcp.session"] = session[:256]
+            if as_task:  # the task id: 192 random bits, not the job id
+                await self._check_task_bound(principal)
+                tags["mcp.task"] = secrets.token_urlsafe(24)
+                tags["mcp.kind"] = "task"
+            try:
+                ref = await self.client.enqueue(tool.name, arguments, idempotency_key=key,
+                                                tags=tags)
+            except IdempotencyConflict as exc:
+                raise MCPError(code=INVALID_PARAMS,
+                               message=_conflict(str(exc), meta, key)) from None
+            except (UsageError, ConfigError) as exc:
+                raise MCPError(code=INVALID_PARAMS, message=one_line(str(exc))) from None
+            except (SidecarError, *db.DATABASE_ERRORS) as exc:
+                log.warning("mcp call of %s: enqueue failed: %s", tool.name, one_line(str(exc)))
+                raise MCPError(code=INTERNAL_ERROR, message=(
+                    f"the job could not be queued: {one_line(str(exc))}")) from None
+            if as_task:  # the handle at once; the job goes on without this request
+                job = await self.client.get(ref.id)
+                if "mcp.task" not in (job.tags or {}):  # the key named a plain call
+                    raise MCPError(code=INVALID_PARAMS, message=(
+                        f"_meta {IDEMPOTENCY_META}: this key already names a call made "
+                        f"without the Tasks extension (job {job.id}); use another key"))
+                return {"resultType": "task", **self._task(job, with_result=False)}
+            progress_token = meta.get("progressToken")
+            if isinstance(progress_token, bool) or not isinstance(progress_token, str | int):
+                progress_token = None
+            end = await self._wait(ctx, ref.id, progress_token, cancel_on_cancel=True)
+        return _tool_result(end)
+
+    def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:
+        given = meta.get(IDEMPOTENCY_META)
+        if given is not None:
+            if not isinstance(given, str) or not 1 <= len(given) <= 256 \
+                    or not given.isprintable():
+                raise MCPError(code=INVALID_PARAMS, message=(
+                    f"_meta {IDEMPOTENCY_META}: give 1-256 printable characters"))
+            return mcp_catalog.client_idempotency_key(principal, given)
+        return mcp_catalog.call_idempotency_key(principal, _session_id(ctx), ctx.request_id)
+
+    @contextlib.contextmanager
+    def _slot(self, principal: str):
+        limit = self.options.max_calls_per_principal
+        if self.in_flight.get(principal, 0) >= limit:
+            raise MCPError(code=INVALID_REQUEST, message=(
+                f"too many calls in flight for principal {principal} (at most {limit}); "
+                "wait for one to end"))
+        self.in_flight[principal] = self.in_flight.get(principal, 0) + 1
+        try:
+            yield
+        finally:
+            self.in_flight[principal] -= 1
+            if not self.in_flight[principal]:
+                del self.in_flight[principal]
+
+    async def _wait(self, ctx: Any, job_id: uuid.UUID, progress_token: str | int | None,
+                    cancel_on_cancel: bool) -> JobEnd:
+        """``_follow``; a cancelled request cancels the job (``cancel_on_cancel``, unless
+        the gateway is stopping); losing sight of the job (the database away longer than
+        the waiter's reconnects) is INTERNAL_ERROR saying the job goes on."""
+        try:
+            return await self._follow(ctx, job_id, progress_token)
+        except asyncio.CancelledError:
+            if cancel_on_cancel and not self.stopping:
+                await self._cancel(job_id)
+            raise
+        except (SidecarError, *db.DATABASE_ERRORS) as exc:
+            if isinstance(exc, JobNotFound):
+                raise MCPError(code=INVALID_PARAMS, message=f"job {job_id} is gone "
+                               "(pruned after its retention)") from None
+            log.warning("mcp: lost sight of job %s: %s", job_id, one_line(str(exc)))
+            raise MCPError(code=INTERNAL_ERROR, message=(
+                f"the gateway lost sight of job {job_id}, which goes on; ask again (the "
+                f"same request or task) to wait for it: {one_line(str(exc))[:200]}")) \
+                from None
+
+    async def _follow(self, ctx: Any, job_id: uuid.UUID,
+                      progress_token: str | int | None) -> JobEnd:
+        reports = 0
+        async for event in self.client.follow(job_id):
+            if isinstance(event, JobEnd):
+                return event
+            if progress_token is not None and isinstance(event, JobProgress):
+                reports += 1
+                value = event.value
+                await ctx.session.send_progress_notification(
+                    progress_token, float(value) if value is not None else float(reports),
+                    total=1.0 if value is not None else None, message=event.message,
+                    related_request_id=_text_id(ctx.request_id))
+        raise MCPError(code=INTERNAL_ERROR, message=f"job {job_id}: its events ended early")
+
+    # --- tasks (the job row is the task's whole state) ---------------------------------
+
+    async def _check_task_bound(self, principal: str) -> None:
+        """INVALID_REQUEST when the principal has max_tasks_per_principal unfinished
+        tasks (counted in the database: the bound holds across replicas, give or take
+        the tasks being created at the same moment)."""
+        limit = self.options.max_tasks_per_principal
+        count = await self.client.count_unfinished(
+            {"mcp.principal": principal, "mcp.kind": "task"}, limit)
+        if count >= limit:
+            raise MCPError(code=INVALID_REQUEST, message=(
+                f"too many unfinished tasks for principal {principal} (at most {limit}); "
+                "wait for some to end or cancel them"))
+
+    async def _own_task(self, ctx: Any, task_id: str) -> Any:
+        """The job behind ``task_id`` if the requesting principal created it as a task;
+        else the same INVALID_PARAMS as for a task that does not exist (another
+        principal's task is not even confirmed to exist)."""
+        principal = self.principal_of(ctx)
+        missing = MCPError(code=INVALID_PARAMS, message=f"no task {task_id[:80]!r}")
+        if not TASK_ID.fullmatch(task_id):
+            raise missing
+        rows = await self.client.jobs(tags={"mcp.task": task_id, "mcp.principal": principal},
+                                      limit=1)
+        if not rows:
+            raise missing
+        try:
+            return await self.client.get(rows[0]["id"])
+        except JobNotFound:  # pruned just now
+            raise missing from None
+
+    def _task(self, job: Any, with_result: bool = True) -> dict[str, Any]:
+        """The task of a job row: its status, times, TTL (the retention of its state,
+        SIDECAR_RETENTION_SECONDS / _FAILED_SECONDS; null when kept for ever), the poll
+        interval and, once completed, the tool result (``isError`` for a failed job)."""
+        status = _TASK_STATUS.get(job.state, "working")
+        moments = [job.created_at, job.first_claimed_at, job.finished_at]
+        progress = job.progress if isinstance(job.progress, dict) else {}
+        task: dict[str, Any] = {
+            "taskId": job.tags["mcp.task"], "status": status, "createdAt": _iso(job.created_at),
+            "lastUpdatedAt": _iso(max(m for m in moments if m is not None)),
+            "ttlMs": self._ttl_ms(job.state), "pollIntervalMs": TASK_POLL_MS}
+        if job.state == "queued":
+            task["statusMessage"] = "queued"
+        elif job.state == "running":
+            note = progress.get("message")
+            task["statusMessage"] = f"running, attempt {job.attempt}" + (
+                f": {note}" if isinstance(note, str) and note else "")
+        elif job.state == "failed" and isinstance(job.error, dict):
+            task["statusMessage"] = f"{job.error.get('kind')}: {job.error.get('message')}"
+        if with_result and status == "completed":
+            end = JobEnd(job.id, job.state, job.attempt, job.result, job.error)
+            task["result"] = _tool_result(end).model_dump(by_alias=True, mode="json",
+                                                          exclude_none=True)
+        return task
+
+    def _ttl_ms(self, state: str) -> int | None:
+        """The retention of a job in ``state`` in ms (SIDECAR_RETENTION_SECONDS, or
+        _FAILED_SECONDS for a failed one); None when kept for ever."""
+        if self.settings is None:
+            return None
+        seconds = (self.settings.retention_failed_seconds if state == "failed"
+                   else self.settings.retention_seconds)
+        return int(seconds * 1000) or None
+
+    async def _task_get(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
+        job = await self._own_task(ctx, params.task_id)
+        return {"resultType": "complete", **self._task(job)}
+
+    async def _task_result(self, ctx: Any, params: TaskParams) -> types.CallToolResult:
+        """Wait for the task's job to end (no polling) and return its tool result."""
+        job = await self._own_task(ctx, params.task_id)
+        with self._slot(self.principal_of(ctx)):
+            end = await self._wait(ctx, job.id, None, cancel_on_cancel=False)
+        return _tool_result(end)
+
+    async def _task_cancel(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
+        """Cancel the task's job (its tree dies at its sidecar's next heartbeat); a
+        finished task stays as it is."""
+        job = await self._own_task(ctx, params.task_id)
+        await self.client.cancel(job.id)
+        return {"resultType": "complete"}
+
+    async def _task_list(self, ctx: Any, params: Any) -> dict[str, Any]:
+        """The principal's newest tasks (at most TASK_LIST_LIMIT), without results."""
+        principal = self.principal_of(ctx)
+        rows = await self.client.jobs(tags={"mcp.principal": principal, "mcp.kind": "task"},
+                                      limit=TASK_LIST_LIMIT)
+        tasks = []
+        for row in rows:
+            task_id = (row["tags"] or {}).get("mcp.task")
+            if not task_id:
+                continue
+            moments = [row["created_at"], row["finished_at"]]
+            tasks.append({"taskId": task_id,
+                          "status": _TASK_STATUS.get(row["state"], "working"),
+                          "createdAt": _iso(row["created_at"]),
+                          "lastUpdatedAt": _iso(max(m for m in moments if m is not None)),
+                          "ttlMs": self._ttl_ms(row["state"]),
+                          "pollIntervalMs": TASK_POLL_MS})
+        return {"resultType": "complete", "tasks": tasks}
+
+    async def _cancel(self, job_id: uuid.UUID) -> None:
+        """Cancel the job of a request that was cancelled (shielded: the request's own
+        scope is being cancelled)."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_BOUND_SECONDS):
+            try:
+                await self.client.cancel(job_id)
+                log.info("mcp call cancelled: job %s cancelled", job_id)
+            except Exception as exc:  # noqa: BLE001 - logged; the request is gone anyway
+                log.warning("mcp call cancelled, but cancelling job %s failed: %s", job_id,
+                            one_line(str(exc)))
+
+
+class TaskParams(types.RequestParams):
+    """Params of tasks/get, tasks/result and tasks/cancel: ``taskId``."""
+
+    task_id: str
+
+
+def _wants_task(ctx: Any) -> bool:
+    """The request is on a 2026-07-28 connection and its client lists the Tasks
+    extension in its per-request capabilities."""
+    from mcp_types import CLIENT_CAPABILITIES_META_KEY
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+    if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+        return False
+    capabilities = _wire_meta(ctx).get(CLIENT_CAPABILITIES_META_KEY)
+    extensions = capabilities.get("extensions") if isinstance(capabilities, Mapping) else None
+    return isinstance(extensions, Mapping) and TASKS_EXTENSION in extensions
+
+
+def _iso(moment: Any) -> str:
+    return moment.isoformat().replace("+00:00", "Z")
+
+
+def check_catalog(catalog: Sequence[McpTool]) -> None:
+    """ConfigError naming the tool when its input schema is not a valid JSON Schema of
+    its own draft (``$schema``; default 2020-12)."""
+    for tool in catalog:
+        _validator(tool)
+
+
+def _version() -> str:
+    from sidecar import __version__
+
+    return __version__
+
+
+def _validator(tool: McpTool) -> Any:
+    """A validator of the tool's schema, in the schema's own draft (``$schema``; default
+    2020-12). ConfigError naming the tool when the schema is not valid in its draft."""
+    cls = jsonschema.validators.validator_for(tool.input_schema,
+                                              default=jsonschema.Draft202012Validator)
+    try:
+        cls.check_schema(tool.input_schema)
+    except jsonschema.SchemaError as exc:
+        raise ConfigError(f"--tool {tool.name}: its MCP_INPUT_SCHEMA_FILE is not a valid "
+                          f"JSON Schema: {one_line(exc.message)}") from None
+    return cls(tool.input_schema)
+
+
+def _check_arguments(tool: str, validator: Any, arguments: Any) -> None:
+    """INVALID_PARAMS naming the first failing argument (by its JSON path) and why."""
+    error = jsonschema.exceptions.best_match(validator.iter_errors(arguments))
+    if error is not None:
+        where = error.json_path if error.path else "arguments"
+        raise MCPError(code=INVALID_PARAMS, message=(
+            f"{tool}: {where}: {one_line(error.message)[:300]}"))
+
+
+def _wire_meta(ctx: Any) -> Mapping[str, Any]:
+    """The request's ``_meta`` as sent (wire keys: ``progressToken``, ours), or {}."""
+    params = ctx.params if isinstance(ctx.params, Mapping) else {}
+    meta = params.get("_meta")
+    return meta if isinstance(meta, Mapping) else {}
+
+
+def _text_id(request_id: Any) -> str:
+    return "" if request_id is None else str(request_id)[:256]
+
+
+def _conflict(message: str, meta: Mapping[str, Any], key: str | None) -> str:
+    """An idempotency conflict in the client's terms: its own ``_meta`` key, or its
+    session's request id, never the gateway's derived key."""
+    found = re.search(r"job ([0-9a-f-]{36})", message)
+    job = f" (job {found.group(1)})" if found else ""
+    given = meta.get(IDEMPOTENCY_META)
+    if isinstance(given, str):
+        return (f"_meta {IDEMPOTENCY_META} {given[:80]!r} already names a call with other "
+                f"arguments or another tool{job}; use another key")
+    return (f"this request id was already used in this session for a call with other "
+            f"arguments or another tool{job}; use a new request id")
+
+
+async def _clear_validation(ctx: Any, call_next: Any) -> Any:
+    """Server middleware: params the SDK refuses (pydantic, before any handler) become
+    INVALID_PARAMS naming the field and why, instead of a bare "Invalid request
+    parameters"; a database failure in any handler is one INTERNAL_ERROR line (the
+    request may be sent again), never a traceback."""
+    from pydantic import ValidationError
+
+    try:
+        return await call_next(ctx)
+    except (DatabaseUnavailable, *db.DATABASE_ERRORS) as exc:
+        if ctx.request_id is None:
+            raise
+        log.warning("mcp %s: %s", ctx.method, one_line(str(exc)))
+        raise MCPError(code=INTERNAL_ERROR, message=(
+            f"{ctx.method}: the database did not answer; send it again: "
+            f"{one_line(str(exc))[:200]}")) from None
+    except ValidationError as exc:
+        if ctx.request_id is None:  # a notification: nobody to answer
+            raise
+        first = exc.errors()[0] if exc.errors() else {}
+        where = ".".join(str(part) for part in first.get("loc", ())) or "params"
+        raise MCPError(code=INVALID_PARAMS, message=(
+            f"{ctx.method}: params.{where}: {one_line(str(first.get('msg', 'invalid')))}"
+            [:300])) from None
+
+
+def _tag_id(request_id: Any) -> str:
+    """The request id as a tag value: as is when it is 1-256 printable characters, else
+    (an empty id, control characters, a longer one: all legal JSON-RPC) ``sha256:`` and
+    the first 32 hex digits of its digest."""
+    text = "" if request_id is None else str(request_id)
+    if 1 <= len(text) <= 256 and text.isprintable():
+        return text
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
+
+
+def _session_id(ctx: Any) -> str | None:
+    """The Streamable HTTP session of the request (``Mcp-Session-Id``), if any."""
+    request = getattr(ctx, "request", None)
+    headers = getattr(request, "headers", None)
+    return headers.get("mcp-session-id") if headers is not None else None
+
+
+def _tool_result(end: JobEnd) -> types.CallToolResult:
+    """The job's end as a tool result: its JSON result as text (and as structured content
+    when it is an object); a failed or cancelled job ``isError`` with its kind and
+    message."""
+    meta = {JOB_META: {"id": str(end.id), "state": end.state, "attempt": end.attempt}}
+    if end.state == "succeeded":
+        text = orjson.dumps(end.result).decode()
+        return types.CallToolResult(
+            content=[types.TextContent(type="text", text=text)],
+            structured_content=end.result if isinstance(end.result, dict) else None,
+            _meta=meta)
+    error = end.error if isinstance(end.error, dict) else {"message": str(end.error)}
+    kind = error.get("kind") or end.state
+    message = error.get("message") or ""
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text=f"{kind}: {message}".rstrip(": "))],
+        structured_content={"error": {"kind": kind, "message": message},
+                            "state": end.state},
+        is_error=True, _meta=meta)
+
+
+# --- transports -------------------------------------------------------------------------
+
+class BearerAuth:
+    """ASGI middleware: every request but ``exempt`` paths needs ``Authorization: Bearer
+    TOKEN`` with a token of SIDECAR_MCP_TOKEN_FILE; else 401 with ``WWW-Authenticate``.
+    The principal goes into the request's scope (``sidecar.principal``), where the call
+    handler reads it per request."""
+
+    def __init__(self, app: Any, tokens: Mapping[str, str], exempt: Sequence[str] = ()):
+        self.app = app
+        self.tokens = tokens
+        self.exempt = frozenset(exempt)
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope.get("path") in self.exempt:
+            await self.app(scope, receive, send)
+            return
+        principal = None
+        for name, value in scope.get("headers", ()):
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and token.strip():
+                    principal = mcp_catalog.principal_of(self.tokens, token.strip())
+                break
+        if principal is None:
+            await _plain(send, 401, b"a bearer token of SIDECAR_MCP_TOKEN_FILE is required\n",
+                         [(b"www-authenticate", b'Bearer realm="sidecar-mcp"')])
+            return
+        scope["sidecar.principal"] = principal
+        # The SDK binds a session to the credential that opened it (scope["user"]): a
+        # session id used with another principal's token is answered 404, as unknown.
+        scope["user"] = AuthenticatedUser(AccessToken(token="-", client_id=principal,
+                                                      scopes=[]))
+        await self.app(scope, receive, send)
+
+
+async def _plain(send: Any, status: int, body: bytes,
+                 headers: list[tuple[bytes, bytes]] = ()) -> None:
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"text/plain; charset=utf-8"),
+                            (b"content-length", str(len(body)).encode()), *headers]})
+    await send({"type": "http.response.body", "body": body})
+
+
+def _http_principal(ctx: Any) -> str:
+    request = getattr(ctx, "request", None)
+    principal = request.scope.get("sidecar.principal") if request is not None else None
+    if not principal:  # BearerAuth lets nothing through without one
+        raise MCPError(code=INVALID_REQUEST, message="no principal: a bearer token is required")
+    return principal
+
+
+def _stdio_principal(ctx: Any) -> str:
+    return mcp_catalog.STDIO_PRINCIPAL
+
+
+def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> Any:
+    """The ASGI application: MCP at ``/mcp`` (Streamable HTTP), ``/livez``; bearer
+    tokens, Host/Origin checks and the body bound as GatewayOptions says."""
+    from mcp.server.transport_security import TransportSecuritySettings
+    from starlette.responses import PlainTextResponse
+    from starlette.routing import Route
+
+    options = gateway.options
+    hosts = [*parsing.loopback_patterns(), *options.allowed_hosts]
+    if not parsing.is_loopback(host) and host not in ("0.0.0.0", "::"):
+        hosts.append(parsing.format_host_port(host, 0).rpartition(":")[0] + ":*")
+    security = TransportSecuritySettings(
+        enable_dns_rebinding_protection=True, allowed_hosts=hosts,
+        allowed_origins=[*parsing.loopback_patterns("http"), *options.allowed_origins])
+
+    async def livez(request: Any) -> Any:
+        return PlainTextResponse("ok\n")
+
+    app = gateway.server.streamable_http_app(
+        streamable_http_path="/mcp", host=host, transport_security=security,
+        max_request_body_size=options.max_request_bytes,
+        custom_starlette_routes=[Route("/livez", livez)])
+    return BearerAuth(app, tokens, exempt=("/livez",))
+
+
+async def serve_http(client: Client, catalog: Sequence[McpTool], options: GatewayOptions,
+                     host: str, port: int, tokens: Mapping[str, str],
+                     ready: Callable[[int], Awaitable[None] | None] | None = None) -> None:
+    """Serve MCP over Streamable HTTP on ``host:port`` until SIGTERM/SIGINT (uvicorn's
+    handlers); prints ``sidecar mcp: listening on http://HOST:PORT/mcp`` on stderr."""
+    import sys
+
+    import uvicorn
+
+    gateway = Gateway(client, catalog, options, _http_principal)
+    app = build_http_app(gateway, host, tokens)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", lifespan="on",
+                            access_log=False, timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+
+    async def watch_stop() -> None:
+        while not server.should_exit:
+            await asyncio.sleep(0.1)
+        gateway.stopping = True  # before uvicorn cancels the handlers
+
+    watcher = asyncio.create_task(watch_stop())
+    try:
+        config.load()
+        print(f"sidecar mcp: listening on http://{parsing.format_host_port(host, port)}/mcp "
+              f"({len(catalog)} tool(s): {', '.join(t.name for t in catalog)})",
+              file=sys.stderr, flush=True)
+        await server.serve()
+    finally:
+        watcher.cancel()
+
+
+async def serve_stdio(client: Client, catalog: Sequence[McpTool],
+                      options: GatewayOptions) -> None:
+    """Serve MCP over this process's stdin/stdout (an MCP client started it) until stdin
+    closes. The principal is ``stdio``: whoever could start the process."""
+    from mcp.server.stdio import stdio_server
+
+    gateway = Gateway(client, catalog, options, _stdio_principal)
+    async with stdio_server() as (read, write):
+        await gateway.server.run(read, write, gateway.server.create_initialization_options())
+
+
+async def serve(settings: Settings, catalog: Sequence[McpTool], options: GatewayOptions, *,
+                stdio: bool, host: str = "", port: int = 0,
+                tokens: Mapping[str, str] | None = None) -> int:
+    """Open a Client on the settings' database (DSN as the CLI resolves it) and serve
+    over stdio, or over HTTP on ``host:port`` with ``tokens``; return 0 when stopped."""
+    async with Client(settings=settings) as client:
+        if stdio:
+            await serve_stdio(client, catalog, options)
+        else:
+            await serve_http(client, catalog, options, host, port, tokens or {})
+    return 0
+

@@ -1,0 +1,90 @@
+"""The caller's store: what a producer of jobs does in SQL (sidecar.client, the MCP gateway,
+``sidecar enqueue``, ``wait`` and ``cancel``): enqueue, read and wait for its jobs, cancel
+them. Statements by name from ``sql/queries.sql``; the schema, the bounded pool and the job
+reads it shares with the operator come from sidecar.storage.store.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterable
+from typing import Any
+
+import asyncpg
+
+from sidecar.protocol.enqueue_args import EnqueueOptions
+from sidecar.protocol.errors import IdempotencyConflict, UsageError
+from sidecar.protocol.model import RawJson
+from sidecar.storage import db
+from sidecar.storage.queries import Q
+from sidecar.storage.store import JobAccess, check_producer_key
+
+
+class CallerStore(JobAccess):
+    """The caller's SQL: enqueue, the waiter's read, the tag bound; and (JobAccess) read,
+    list and cancel jobs. Bounded as StoreBase's."""
+
+    # --- producers ----------------------------------------------------------------
+
+    async def enqueue(
+        self, tool: str, payload: Any, idempotency_key: str | None, max_attempts: int | None,
+        details: dict[str, Any], options: EnqueueOptions | None = None,
+        max_payload_bytes: int | None = None, conn: asyncpg.Connection | None = None,
+    ) -> tuple[uuid.UUID, bool]:
+        """Insert a queued job; return ``(id, created)``. ``payload`` is any JSON-able value,
+        or RawJson text kept exactly as given (big integers, decimals). ``max_attempts``
+        None leaves it to the profile of the sidecar that claims the job (migration 014);
+        ``options``: priority, schedule, expiry, tags and trace context (issue 26);
+        ``max_payload_bytes``: the limit on the payload as stored, None when the caller
+        checked it already. ``details`` go into the ``job_enqueued`` journal row.
+        ``conn``: a caller's own connection (sidecar.client), so the job is part of the
+        transaction open on it (the wake-up leaves at its commit); default the pool.
+
+        One statement, tool_job_enqueue (migration 014), the implementation the SQL
+        function sidecar_enqueue shares: the same idempotency key returns the existing job
+        and inserts nothing, also under concurrent calls. Raises IdempotencyConflict when
+        the key already names a job of another tool or with another payload, and
+        UsageError for a key in the namespace of next stages (``...:stage:N``, case F22)
+        or any value the database refuses (SQLSTATE 22023, the message names the field).
+        """
+        key = check_producer_key(idempotency_key) if idempotency_key else None
+        value = RawJson("null") if payload is None else payload
+        o = options or EnqueueOptions()
+        # JSON goes as text (the query casts it), so no connection's jsonb codec is needed.
+        args = (tool, db.encode_json(value), key, o.priority, o.run_after, o.run_in,
+                o.expires_in, db.encode_json(o.tags), max_attempts, o.traceparent,
+                o.tracestate, max_payload_bytes, db.encode_json(details), o.expires_at,
+                o.concurrency_key)
+        try:
+            if conn is None:
+                row = await self.db.fetchrow(Q["enqueue_job"], *args, timeout=self.timeout)
+            else:
+                row = await db.run(conn, "fetchrow", Q["enqueue_job"], *args,
+                                   timeout=self.timeout)
+        except asyncpg.InvalidParameterValueError as exc:  # 22023: the field is named
+            raise UsageError(exc.args[0] if exc.args else str(exc)) from None
+        except asyncpg.UniqueViolationError as exc:  # the key names another operation
+            raise IdempotencyConflict(exc.args[0] if exc.args else str(exc)) from None
+        except asyncpg.SerializationError as exc:  # the key's holder kept vanishing
+            raise IdempotencyConflict(exc.args[0] if exc.args else str(exc)) from None
+        except asyncpg.DataError as exc:  # e.g. \u0000 in a string: valid JSON, not jsonb
+            message = exc.args[0] if exc.args else str(exc)
+            detail = getattr(exc, "detail", None)
+            raise UsageError(f"the payload cannot be stored as jsonb: {message}"
+                             + (f"; {detail}" if detail else "")) from None
+        return row["id"], row["created"]
+
+    async def unfinished_jobs_tagged(self, tags: dict[str, str], up_to: int) -> int:
+        """How many queued or running jobs carry all of ``tags``, counted up to ``up_to``
+        + 1 (enough to tell a bound is reached)."""
+        return await self.db.fetchval(Q["unfinished_jobs_tagged"], tags, up_to,
+                                      timeout=self.timeout)
+
+    @staticmethod
+    async def jobs_to_wait_for(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID],
+                               timeout: float) -> list[asyncpg.Record]:
+        """``id, state, attempt, result, error, progress`` of each job of ``job_ids`` that
+        exists, on the caller's own connection (the waiter's, which LISTENs first:
+        sidecar.client.waiting). Bounded by ``timeout`` seconds."""
+        ids = [str(job_id) for job_id in job_ids]
+        return await db.run(conn, "fetch", Q["jobs_to_wait_for"], ids, timeout=timeout)

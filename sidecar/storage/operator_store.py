@@ -1,0 +1,178 @@
+"""The operator's store: what a person running the queue does in SQL (``sidecar web``,
+``jobs``, ``show``, ``events``, ``retry``, flow control, ``prune``, ``migrate --grant``).
+Statements by name from ``sql/queries.sql``; the schema, the bounded pool, the job reads and
+cancel (shared with callers) and the retention's deletes (shared with the worker's pruner)
+come from sidecar.storage.store.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from typing import Any
+
+import asyncpg
+
+from sidecar.storage import db
+from sidecar.storage.queries import Q
+from sidecar.storage.store import JobAccess, Pruning
+
+
+class OperatorStore(JobAccess, Pruning):
+    """The operator's SQL: roles, retries, a job's journal, next stages and forwarding,
+    flow control and the web view's reads; and (JobAccess) read, list and cancel jobs,
+    (Pruning) the retention's deletes. Bounded as StoreBase's."""
+
+    # --- roles --------------------------------------------------------------------
+
+    async def grant_roles(self, worker: str | None, scaler: str | None,
+                          caller: str | None = None) -> list[str]:
+        """Grant ``worker`` the worker's privileges, ``scaler`` EXECUTE on tool_job_demand
+        and ``caller`` what enqueue, wait, get and cancel need (sql/roles.sql; each None
+        is skipped), in one transaction; return the statements run. Run as the schema
+        owner after migrating; the roles themselves are the DBA's (asyncpg's
+        UndefinedObjectError when one does not exist, and nothing is granted)."""
+        done: list[str] = []
+        async with self.pool.acquire() as conn, conn.transaction():
+            for name, role in (("worker_grants", worker), ("scaler_grants", scaler),
+                               ("caller_grants", caller)):
+                if role is None:
+                    continue
+                for row in await conn.fetch(Q[name], role, timeout=self.timeout):
+                    await conn.execute(row[0], timeout=self.timeout)
+                    done.append(row[0])
+        return done
+
+    # --- retries (case F14) -------------------------------------------------------
+
+    async def retry(self, job_id: uuid.UUID | None, state: str | None, tool: str | None,
+                    by: str, tags: dict[str, str] | None = None) -> list[asyncpg.Record]:
+        """Requeue failed or cancelled jobs with fresh attempts (journaled ``job_retried``
+        with ``by``, the operator's description): the one ``job_id``, or every one of
+        ``tool`` and/or whose tags include all of ``tags`` (in ``state`` when given).
+        Returns ``id, tool, previous_state`` of each.
+
+        A job cancelled while it ran is left alone until its owner acknowledged the
+        cancel (its tree is dead) or the lease it held then has ended (by then the owner
+        gave it up by its local deadline): see ``unacknowledged_cancels`` (case F14)."""
+        return await self.db.fetch(Q["retry_jobs"], job_id, state, tool, by, tags or None,
+                                   timeout=self.timeout)
+
+    async def retry_when_acknowledged(
+        self, job_id: uuid.UUID | None, state: str | None, tool: str | None, by: str,
+        tags: dict[str, str] | None = None, poll_seconds: float = 0.2,
+    ) -> tuple[list[asyncpg.Record], float]:
+        """``retry``, and again until no cancelled job of the selection is left waiting
+        for its owner (case F14): a job cancelled while it ran is retried only once its
+        owner acknowledged the cancel (its tree is dead) or the lease it held has ended,
+        so the wait is bounded by the database's own lease end. What is pending is read
+        before each retry, so an acknowledgement between the two is not missed. Returns
+        the rows of every job retried and the seconds waited (what ``sidecar retry`` and
+        ``sidecar web``'s retry run)."""
+        started, rows = time.monotonic(), []
+        while True:
+            pending = await self.unacknowledged_cancels(job_id, state, tool, tags)
+            rows += await self.retry(job_id, state, tool, by, tags)
+            if not pending:
+                return rows, time.monotonic() - started
+            wait = max(row["wait_seconds"] for row in pending)
+            await asyncio.sleep(min(poll_seconds, max(wait, 0.0) + 0.01))
+
+    async def unacknowledged_cancels(self, job_id: uuid.UUID | None, state: str | None,
+                                     tool: str | None,
+                                     tags: dict[str, str] | None = None
+                                     ) -> list[asyncpg.Record]:
+        """Cancelled jobs ``retry`` would take but must not yet (case F14): ``id``,
+        ``owner_id``, ``fencing_token`` and ``wait_seconds`` (until the cancelled lease
+        ends by the database's clock, the longest the owner may still run the tree)."""
+        return await self.db.fetch(Q["unacknowledged_cancels"], job_id, state, tool,
+                                   tags or None, timeout=self.timeout)
+
+    # --- inspection ---------------------------------------------------------------
+
+    async def job_events(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
+        """The journal of one job, oldest first."""
+        return await self.db.fetch(Q["job_events"], job_id, timeout=self.timeout)
+
+    async def children(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
+        """The next-stage jobs a job created (P19)."""
+        return await self.db.fetch(Q["children_of_job"], job_id, timeout=self.timeout)
+
+    async def outbox_of_job(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
+        """The forwarding rows of one job (for ``sidecar show``)."""
+        return await self.db.fetch(Q["outbox_of_job"], job_id, timeout=self.timeout)
+
+    async def outbox_redeliver(self, job_id: uuid.UUID, by: str) -> list[int]:
+        """Make the dead-lettered outbox rows of ``job_id`` pending again with fresh
+        attempts and age (journaled ``forward_redelivery`` with ``by``); returns their ids,
+        empty when the job has none."""
+        rows = await self.db.fetch(Q["outbox_redeliver"], job_id, by, timeout=self.timeout)
+        return [row["id"] for row in rows]
+
+    async def running_jobs(self, tool: str) -> list[uuid.UUID]:
+        """Ids of the jobs of ``tool`` running now."""
+        return [row["id"] for row in await self.db.fetch(Q["running_jobs_of_tool"], tool,
+                                                         timeout=self.timeout)]
+
+    # --- flow control (issue 27) --------------------------------------------------
+
+    async def set_limits(self, tool: str, changes: dict[str, Any], by: str) -> int:
+        """Change ``tool``'s limits fleet-wide (``changes`` from sidecar.protocol.flow.limit_changes:
+        only the fields given; None clears one), journaled ``limits_set`` with ``by``;
+        every idle sidecar of the tool is woken. Returns how many were woken."""
+        row = await self.db.fetchrow(Q["set_tool_limits"], tool, db.encode_json(changes),
+                                     by, timeout=self.timeout)
+        return row["woken"]
+
+    async def limits(self, tool: str | None = None) -> list[asyncpg.Record]:
+        """Every tool with a flow row (or only ``tool``): limits, pause, and its running
+        (live lease) and queued jobs now."""
+        return await self.db.fetch(Q["tool_limits"], tool, timeout=self.timeout)
+
+    async def pause(self, tool: str, reason: str | None, by: str) -> asyncpg.Record:
+        """Stop every claim of ``tool`` fleet-wide from now on (running jobs go on),
+        journaled ``tool_paused``; ``reason`` None keeps an earlier one. Returns
+        ``paused_at, pause_reason, was_paused``."""
+        return await self.db.fetchrow(Q["pause_tool"], tool, reason, by,
+                                      timeout=self.timeout)
+
+    async def resume(self, tool: str, by: str) -> bool:
+        """Let claims of ``tool`` start again and wake its idle sidecars, journaled
+        ``tool_resumed``. False when it was not paused."""
+        return await self.db.fetchrow(Q["resume_tool"], tool, by,
+                                      timeout=self.timeout) is not None
+
+    async def flow_events(self, tool: str | None, limit: int) -> list[asyncpg.Record]:
+        """The newest ``limit`` flow changes (of ``tool``, or of every tool), oldest
+        first: ``id, tool, event, at, details``."""
+        return await self.db.fetch(Q["flow_events"], tool, limit, timeout=self.timeout)
+
+    # --- the operator's web view (sidecar web, issue 30) --------------------------
+
+    async def web_read(self, name: str, *args: Any, method: str = "fetch") -> Any:
+        """Run the named read ``name`` of the web view in a transaction of its own that
+        plans it for its parameters (web_custom_plans; behind a transaction pooler with
+        the sidecar's settings too): ``fetch`` rows, ``fetchrow`` one or None, or
+        ``fetchval``. Bounded by ``timeout`` for acquiring and again for the reads
+        (TimeoutError), a connection that failed terminated (as BoundedPool)."""
+        # Bounded end to end as BoundedPool's calls are: a transaction block's ROLLBACK
+        # on the way out of a timeout would wait forever on a blackholed path, so the
+        # connection is terminated instead (its transaction ends with it).
+        async with asyncio.timeout(self.timeout):
+            conn = await self.pool.acquire()
+        try:
+            async with asyncio.timeout(self.timeout):
+                await conn.execute("BEGIN")
+                begin = db.local_settings_sql(conn)
+                if begin is not None:
+                    await conn.execute(begin)
+                await conn.execute(Q["web_custom_plans"])
+                result = await getattr(conn, method)(Q[name], *args)
+                await conn.execute("COMMIT")
+            return result
+        except BaseException:
+            conn.terminate()
+            raise
+        finally:
+            await self.pool.release(conn, timeout=self.timeout)

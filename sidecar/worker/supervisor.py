@@ -1,0 +1,620 @@
+"""One job, start to end: spawn -> race(exit | lease lost | cancel | stage deadline |
+lifetime cap | idle tree | shutdown) -> kill the tree -> fenced commit.
+
+The race lives in ``JobSupervisor._race``; its outcome is one ``stop_reason`` that decides
+the verdict (P8, P13). Every path of an attempt, those that end it before its tool ran
+included, yields one ending (sidecar.protocol.verdict.Ending), and ``JobSupervisor.run`` hands it to
+the one call that ends the attempt, ``FencedCommit.end``: the fenced write, its journal
+row, log line and metrics are all there (tests/test_supervisor_ending.py holds it so).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from collections.abc import Callable, Collection
+from typing import TYPE_CHECKING, Any
+
+import psutil
+
+from sidecar.ops import metrics
+from sidecar.ops.tracing import NO_TRACE, AttemptTrace
+from sidecar.protocol import clock
+from sidecar.protocol.masking import SECRETS
+from sidecar.protocol.model import ClaimedJob, LeaseProfile, NextStage, RawJson, Usage
+from sidecar.protocol.results import (
+    BadResult,
+    SecretInOutput,
+    check_no_secret,
+    parse_result,
+    split_next_stage,
+    stderr_tail_text,
+)
+from sidecar.protocol.shortage import shortage_errno
+from sidecar.protocol.verdict import (
+    Commit,
+    Ending,
+    Failure,
+    Observed,
+    Reject,
+    Release,
+    Succeeded,
+    decide,
+    failure,
+    lifetime_failure,
+    profile_var,
+)
+from sidecar.protocol.vocabulary import LEASE_ENDINGS, FailureKind, KillSignal, Outcome, StopReason
+from sidecar.runtime.config import Settings
+from sidecar.runtime.log import log, log_fields, payload_digest
+from sidecar.worker.child import (
+    STDERR_LINE_BYTES,
+    STDERR_TAIL_BYTES,
+    Child,
+    SpawnFailed,
+    SpawnSetupFailed,
+    SpawnShortage,
+    tree_processes,
+)
+from sidecar.worker.commit import FencedCommit
+from sidecar.worker.context import WorkerContext
+from sidecar.worker.isolation import TMPDIR_VARIABLES, Sandbox, child_environment
+from sidecar.worker.lease import Lease
+from sidecar.worker.leftovers import job_name, work_dir_prefix
+from sidecar.worker.progress import PROGRESS_FILE_NAME, ProgressReporter
+
+if TYPE_CHECKING:
+    pass
+
+CHECKPOINT_FILE_NAME = "checkpoint.json"
+
+_STDERR_LINES_PER_SECOND = 200
+# Results up to this many bytes are parsed on the event loop (well under a millisecond).
+PARSE_ON_LOOP_BYTES = 64 * 1024
+
+
+def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
+                  sandbox: Sandbox) -> dict[str, str]:
+    """The variables a child gets for one attempt (docs/child-process.md): the
+    ``SIDECAR_*`` ones, its temporary directory (its work directory) and, by the profile's
+    ``HOME``, its own HOME and XDG base directories."""
+    variables = dict(
+        SIDECAR_JOB_ID=str(job.id),
+        SIDECAR_TOOL=job.tool,
+        SIDECAR_ATTEMPT=str(job.attempt),
+        SIDECAR_FENCING_TOKEN=str(job.fencing_token),
+        SIDECAR_IDEMPOTENCY_KEY=f"tool-job:{job.id}",
+        SIDECAR_STAGE_TIMEOUT_SECONDS=f"{profile.stage_timeout_seconds:g}",
+        SIDECAR_OWNER_ID=owner_id,
+        SIDECAR_JOB_DIR=sandbox.job_dir,
+        SIDECAR_RESULT_FILE=sandbox.result_file,
+        SIDECAR_PROGRESS_FILE=os.path.join(sandbox.job_dir, PROGRESS_FILE_NAME),
+    )
+    # The caller's trace context, by OpenTelemetry's environment-carrier convention.
+    if job.trace_context_ignored:
+        log.emit("trace_context_ignored", "warning", job_id=str(job.id),
+                 ignored=list(job.trace_context_ignored))
+    if job.traceparent:
+        variables["TRACEPARENT"] = job.traceparent
+        if job.tracestate:
+            variables["TRACESTATE"] = job.tracestate
+    variables.update(dict.fromkeys(TMPDIR_VARIABLES, sandbox.job_dir))
+    variables.update(sandbox.home_variables())
+    return variables
+
+
+class _StderrRelay:
+    """The child's stderr in the log. By default (P23) only a count: one ``tool_stderr``
+    event with lines and bytes when the attempt ends. With ``SIDECAR_LOG_TOOL_STDERR`` each
+    line is an event of its own, at most ``_STDERR_LINES_PER_SECOND`` a second; the rest
+    are counted, not lost silently."""
+
+    def __init__(self, job: ClaimedJob, with_content: bool):
+        self.job = job
+        self.with_content = with_content
+        self.window = time.monotonic()
+        self.count = 0
+        self.dropped = 0
+        self.lines = 0
+        self.bytes = 0
+        self.cut = False  # the last line was cut at STDERR_LINE_BYTES: the next one starts cut
+
+    def summary(self) -> None:
+        """The end-of-attempt event: how much the tool wrote to stderr."""
+        self.flush()
+        if self.lines:
+            log.emit("tool_stderr", **log_fields(self.job), lines=self.lines,
+                     bytes=self.bytes)
+
+    def __call__(self, line: bytes) -> None:
+        self.lines += 1
+        self.bytes += len(line) + 1
+        if not self.with_content:
+            return
+        now = time.monotonic()
+        if now - self.window >= 1.0:
+            self.flush()
+            self.window, self.count = now, 0
+        self.count += 1
+        if self.count > _STDERR_LINES_PER_SECOND:
+            self.dropped += 1
+            return
+        # A line longer than STDERR_LINE_BYTES comes in pieces: a secret cut there is
+        # masked in both (the log scrubs whole secrets in every event anyway).
+        cut_start, self.cut = self.cut, len(line) >= STDERR_LINE_BYTES
+        log.emit("tool_stderr", **log_fields(self.job),
+                 line=SECRETS.scrub(line.decode("utf-8", "replace").rstrip("\r"),
+                                    cut_start=cut_start, cut_end=self.cut))
+
+    def flush(self) -> None:
+        if self.dropped:
+            log.emit("tool_stderr_dropped", "warning", **log_fields(self.job),
+                     lines=self.dropped)
+            self.dropped = 0
+
+
+class JobSupervisor:
+    """Runs one claimed job to a terminal, requeued, released or abandoned end: spawn,
+    race, kill and measure here; the verdict in sidecar.protocol.verdict; the fenced write in
+    sidecar.worker.commit."""
+
+    def __init__(self, ctx: WorkerContext, job: ClaimedJob, lease: Lease,
+                 predecessors: Collection[asyncio.Task] = (), trace: AttemptTrace = NO_TRACE):
+        """``predecessors``: the supervisors of older attempts of the same job this
+        sidecar still runs (their leases already marked lost, case F14); this attempt
+        spawns nothing before every one of them has ended, so at most one tree of a job
+        is alive here at any time. ``trace``: the attempt's trace (sidecar.ops.tracing,
+        issue 30), told of the spawn, the race's end, the kill and the end."""
+        self.ctx = ctx
+        self.job = job
+        self.lease = lease
+        self.predecessors = tuple(predecessors)
+        self.started = time.monotonic()
+        self.claimed_at = clock.ownership_now()  # the lifetime cap's origin (F20)
+        self.trace = trace
+        self.commit = FencedCommit(ctx, job, lease, self.started, trace)
+        # The tool's progress reports (guard and SIDECAR_PROGRESS_FILE, issue 26).
+        self.progress = ProgressReporter(ctx.store, ctx.owner_id, job, lease)
+
+    async def run(self) -> Outcome:
+        """Supervise the job; return how the attempt ended."""
+        error: BaseException | None = None
+        try:
+            if self.predecessors:
+                await asyncio.wait(self.predecessors)  # each kills its tree, bounded by grace
+            # What the attempt holds (its work directory and cgroup, its guard registration,
+            # its progress reports) is let go once its end is written.
+            async with contextlib.AsyncExitStack() as held:
+                # The one place an attempt ends, whichever way it went.
+                outcome = await self.commit.end(await self._attempt(held))
+            await self.commit.journal(None, {})  # whatever the attempt noted and no end wrote
+            await self.commit.acknowledge_cancel(outcome)
+        except Exception as exc:
+            error = exc
+            self.commit.crashed()  # a bug: counted once, then the worker logs it
+            raise
+        finally:
+            self.ctx.keeper.drop(self.job.attempt_id)
+            self.trace.finish(error)
+        return outcome
+
+    async def _attempt(self, held: contextlib.AsyncExitStack) -> Ending:
+        """Run the attempt up to its verdict: how it is to end (sidecar.protocol.verdict.Ending).
+        What it holds until that end is written goes on ``held``."""
+        if self.lease.lost.is_set():  # lost (cancelled again?) while we waited
+            return Reject(self._lease_ending())
+        return await self._run(held)
+
+    def _fail_before_spawn(self, fault: Failure) -> Failure:
+        self.lease.settle()
+        return fault
+
+    def _short_before_spawn(self, stage: str, errno_name: str, reason: str) -> Release:
+        """Case F19: the host ran short of processes, memory, descriptors or disk while
+        this attempt was set up (``stage``: sandbox, checkpoint or spawn) before its tool
+        ran. Not the job's fault: journal ``attempt_shortage``, count it, give the lease
+        back without spending the attempt, and pause this sidecar's claiming
+        (sidecar.protocol.shortage.ClaimPause) so the backlog is not burnt meanwhile."""
+        self.lease.settle()
+        pause = self.ctx.claim_pause.begin()
+        asyncio.get_running_loop().call_later(pause, self.ctx.claim_pause.on_end)
+        log.emit("attempt_shortage", "warning", **log_fields(self.job), stage=stage,
+                 errno=errno_name, reason=reason, claim_pause_s=pause)
+        metrics.ATTEMPT_SHORTAGES.labels(self.job.tool, self.ctx.profile.provider,
+                                         errno_name).inc()
+        self.commit.note("attempt_shortage", {"stage": stage, "errno": errno_name,
+                                              "reason": reason, "attempt": self.job.attempt,
+                                              "claim_pause_s": pause})
+        return Release("shortage")
+
+    async def _run(self, held: contextlib.AsyncExitStack) -> Ending:
+        job, profile = self.job, self.ctx.profile
+        payload = job.payload_text.encode()
+        self.payload_digest = payload_digest(payload)  # logged here, journaled at the start
+        log.emit("job_claimed", **log_fields(job), lease_until=job.lease_until,
+                 reclaimed=job.reclaimed or None, payload=self.payload_digest)
+        if job.lifetime_remaining is not None and job.lifetime_remaining <= 0:
+            return self._fail_before_spawn(lifetime_failure(profile))
+        # The checkpoint is written while the work directory is still the sidecar's own,
+        # before the RUN_AS user (and so a sibling attempt) can plant a link in it (F15).
+        files = {} if job.checkpoint_text is None else {CHECKPOINT_FILE_NAME: job.checkpoint_text}
+        sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
+                          job_name(self.ctx.owner_id, job.id, job.fencing_token),
+                          work_dir_prefix(self.ctx.owner_id), spares=self.ctx.spares,
+                          files=files)
+        loop = asyncio.get_running_loop()
+        try:
+            if not sandbox.open_kept():
+                await loop.run_in_executor(None, sandbox.open)
+        except Exception as exc:  # noqa: BLE001 - any failure here fails the attempt, cleanly
+            await loop.run_in_executor(None, sandbox.close)
+            short = shortage_errno(exc)
+            if short is not None:
+                return self._short_before_spawn("sandbox", short, str(exc))
+            log.emit("sandbox_failed", "error", **log_fields(job), reason=str(exc))
+            return self._fail_before_spawn(failure(
+                FailureKind.SANDBOX_FAILED, f"cannot set up the attempt's work directory or "
+                f"cgroup: {exc}; check SIDECAR_WORK_DIR and the cgroup filesystem"))
+        for note in sandbox.notes:
+            log.emit("cgroup_unavailable", "warning", **log_fields(job),
+                     reason=note + "; this attempt runs under rlimits only")
+        env = child_environment(self.ctx.base_env, profile,
+                                job_variables(job, profile, self.ctx.owner_id, sandbox))
+        # Traced: the tool's TRACEPARENT names this attempt's span (the same trace).
+        tool_context = self.trace.tool_context()
+        if tool_context:
+            env.update(tool_context)
+        held.push_async_callback(self._let_go, sandbox)
+        if files:
+            env["SIDECAR_CHECKPOINT_FILE"] = os.path.join(sandbox.job_dir,
+                                                          CHECKPOINT_FILE_NAME)
+        # A tool in an empty network namespace (NETWORK=none) cannot reach the
+        # loopback guard: it gets neither its URL nor a secret (docs/isolation.md).
+        if self.ctx.guard is not None and (self.ctx.sandbox is None
+                                           or self.ctx.sandbox.network != "none"):
+            env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
+            env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease,
+                                                                 self.progress)
+        return await self._supervise(env, payload, sandbox)
+
+    async def _let_go(self, sandbox: Sandbox) -> None:
+        """Let go of what the attempt held once its end is written (or the supervisor
+        raised): its progress reports, its guard registration, its work directory and
+        cgroup (``sandbox_left`` logged for paths that could not be removed)."""
+        self.progress.close()
+        if self.ctx.guard is not None:
+            self.ctx.guard.unregister(self.job.attempt_id)
+        left = [] if sandbox.close_kept() else \
+            await asyncio.get_running_loop().run_in_executor(None, sandbox.close)
+        if left:
+            log.emit("sandbox_left", "warning", **log_fields(self.job), paths=left)
+
+    async def _supervise(self, env: dict[str, str], payload: bytes, sandbox: Sandbox
+                         ) -> Ending:
+        profile = self.ctx.profile
+        cookie = {k: env[k] for k in ("SIDECAR_JOB_ID", "SIDECAR_FENCING_TOKEN")}
+        relay = _StderrRelay(self.job, self.ctx.settings.log_tool_stderr)
+        self.trace.spawning()
+        try:
+            child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
+                                      relay, cookie, cwd=sandbox.job_dir,
+                                      make_preexec=sandbox.preexec if sandbox.needs_preexec
+                                      else None, cgroup=sandbox.cgroup,
+                                      new_privileges=profile.allow_new_privs,
+                                      processes=self.ctx.processes,
+                                      wrap=self._sandbox_wrap(sandbox))
+            child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
+            self.trace.spawned(child.pid)
+        except SpawnShortage as exc:
+            return self._short_before_spawn("spawn", exc.errno_name, exc.message)
+        except SpawnSetupFailed as exc:
+            log.emit("sandbox_failed", "error", **log_fields(self.job), reason=exc.message)
+            return self._fail_before_spawn(failure(
+                FailureKind.SANDBOX_FAILED, f"{exc.message}; the tool did not run"))
+        except SpawnFailed as exc:
+            log.emit("spawn_failed", "error", **log_fields(self.job), reason=exc.message)
+            return self._fail_before_spawn(failure(
+                FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
+
+        self.ctx.claim_pause.started()
+        self.commit.note("tool_request_started", {
+            "pid": child.pid, "argv0": self.ctx.argv[0], "payload": self.payload_digest})
+        log.emit("tool_request_started", **log_fields(self.job), pid=child.pid)
+
+        # SIDECAR_PROGRESS_FILE, read once per heartbeat period while the tool runs.
+        progress_file = asyncio.ensure_future(self.progress.watch_file(
+            sandbox.dir_lock, sandbox.ids[0] if sandbox.ids else None,
+            profile.heartbeat_seconds))
+        try:
+            reason = await self._race(child, sandbox)
+        finally:
+            progress_file.cancel()
+        self.trace.stopped(reason)
+        if reason is not StopReason.EXITED:
+            self.lease.stop(reason)  # the guard refuses from now on ("deadline")
+        kill_started = time.monotonic()
+        report = await child.kill_tree(profile.kill_grace_seconds)
+        if report.signal is not None:  # a kill that signalled: its latency (issue 30)
+            metrics.KILL_DURATION.labels(self.job.tool, profile.provider).observe(
+                time.monotonic() - kill_started)
+        sandbox.tree_clean = (reason is StopReason.EXITED and report.signal is None
+                              and not report.survivors)
+        await child.close_pipes(timeout=1.0)
+        relay.summary()
+        if reason is not StopReason.EXITED or report.signal is not None:
+            self._killed(StopReason.ORPHANED_DESCENDANTS
+                         if reason is StopReason.EXITED else reason, report)
+        usage = measure(child, sandbox)  # a few small cgroup files: no hop to a thread
+        self.commit.resources = {k: v for k, v in (
+            ("peak_memory_bytes", usage.peak_memory_bytes),
+            ("cpu_seconds", None if usage.cpu_seconds is None else round(usage.cpu_seconds, 3)),
+            ("oom_kills", usage.oom_kills or None),
+            ("process_limit_hits", usage.process_limit_hits or None)) if v is not None}
+        return await self._settle(reason, child, sandbox, usage)
+
+    def _sandbox_wrap(self, sandbox: Sandbox):
+        """The wrapper of the tool's command line in this attempt's bubblewrap sandbox
+        (sidecar.worker.isolation.SandboxPlan.argv over its work directory), or None when
+        attempts run unsandboxed."""
+        plan = self.ctx.sandbox
+        if plan is None:
+            return None
+        return lambda argv, status_fd: plan.argv(argv, sandbox.job_dir, status_fd)
+
+    def _killed(self, reason: StopReason, report) -> None:
+        """Log, count and journal one tree kill."""
+        gone = KillSignal.ALREADY_EXITED
+        sig = KillSignal(report.signal.name) if report.signal is not None else gone
+        details = {"reason": str(reason), "signal": None if sig is gone else str(sig),
+                   "killed": len(report.killed), "survivors": len(report.survivors)}
+        if report.unsignalled:  # EPERM: the tree holds a process of another user (F23)
+            details["unsignalled"] = len(report.unsignalled)
+        log.emit("child_killed", "warning", **log_fields(self.job), reason=str(reason),
+                 signal=details["signal"],
+                 killed=len(report.killed), survivors=report.survivors or None,
+                 unsignalled=report.unsignalled or None)
+        labels = (self.job.tool, self.ctx.profile.provider)
+        metrics.CHILD_KILLS.labels(*labels, reason, sig).inc()
+        metrics.PROCESSES_LEFT.labels(*labels).inc(len(report.survivors))
+        self.commit.note("child_killed", details)
+        self.trace.killed(str(reason), details["signal"], len(report.killed),
+                          len(report.survivors))
+
+    async def _race(self, child: Child, sandbox: Sandbox) -> StopReason:
+        """Wait for the first of: the child exits, the lease is lost (or cancelled), the
+        stage deadline or the job's lifetime cap passes, the tree goes idle, or shutdown
+        demands the kill. Return which. Ownership wins every tie (P13)."""
+        profile = self.ctx.profile
+        timeout, on_timeout = profile.stage_timeout_seconds, StopReason.STAGE_TIMEOUT
+        lifetime = self.job.lifetime_remaining
+        elapsed = clock.ownership_now() - self.claimed_at
+        if lifetime is not None and lifetime - elapsed < timeout:
+            timeout = max(0.0, lifetime - elapsed)
+            on_timeout = StopReason.MAX_LIFETIME
+        waiters = {
+            # On CLOCK_BOOTTIME: a suspend counts toward the deadline (case F20).
+            asyncio.ensure_future(watch_deadline(clock.ownership_now() + timeout)):
+                on_timeout,
+            asyncio.ensure_future(asyncio.shield(child.exited)): StopReason.EXITED,
+            asyncio.ensure_future(self.lease.lost.wait()): StopReason.LEASE_LOST,
+            asyncio.ensure_future(self.ctx.shutdown_kill.wait()): StopReason.SHUTDOWN,
+            asyncio.ensure_future(asyncio.shield(child.overflowed)):
+                StopReason.RESULT_TOO_LARGE,
+        }
+        if profile.idle_timeout_seconds > 0:
+            waiters[asyncio.ensure_future(
+                watch_idle(child, profile.idle_timeout_seconds,
+                           lambda: self.progress.reports))] = StopReason.IDLE_TIMEOUT
+        if profile.cpu_seconds > 0:
+            waiters[asyncio.ensure_future(
+                watch_cpu(child, sandbox, profile.cpu_seconds))] = StopReason.CPU_LIMIT
+        try:
+            done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for fut in waiters:
+                fut.cancel()
+        if self.lease.lost.is_set():
+            return self._lease_ending()
+        reasons = {waiters[fut] for fut in done}
+        for reason in (StopReason.SHUTDOWN, StopReason.EXITED, StopReason.RESULT_TOO_LARGE,
+                       StopReason.IDLE_TIMEOUT, StopReason.CPU_LIMIT, on_timeout):
+            if reason in reasons:
+                return reason
+        return StopReason.EXITED
+
+    def _lease_ending(self) -> StopReason:
+        """Why the lease ended (lease_lost, cancelled or local_deadline)."""
+        reason = StopReason(self.lease.reason or StopReason.LEASE_LOST)
+        return reason if reason in LEASE_ENDINGS else StopReason.LEASE_LOST
+
+    async def _settle(self, reason: StopReason, child: Child, sandbox: Sandbox,
+                      usage: Usage) -> Ending:
+        self.lease.settle()
+        if self.lease.lost.is_set():  # lost during the kill too: ownership first (P13)
+            reason = self._lease_ending()
+        # Scrubbed before it goes anywhere (issue 25): a tool that echoes the mounted
+        # database Secret or its guard token leaves "[secret]" in the tail.
+        stderr_tail = stderr_tail_text(child.stderr_tail,
+                                       child.stderr_bytes > len(child.stderr_tail),
+                                       STDERR_TAIL_BYTES)
+        if child.sandbox_failed and reason is StopReason.EXITED:
+            # bwrap exited without starting the tool: the sandbox's failure, not the
+            # tool's exit status (retried, as any sandbox_failed).
+            last = (stderr_tail or "").strip().splitlines()[-1:] or ["no message"]
+            log.emit("sandbox_failed", "error", **log_fields(self.job), reason=last[0])
+            return failure(
+                FailureKind.SANDBOX_FAILED, f"the sandbox (bwrap) did not start the tool: "
+                f"{last[0]}", stderr_tail=stderr_tail)
+        seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
+                        child.stdout_bytes, usage, stderr_tail,
+                        sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)
+        verdict = decide(seen, self.ctx.profile)
+        match verdict:
+            case Reject(reason=ending):
+                returned = (child.returncode == 0 or child.status_lost) \
+                    and not child.stdout_overflow
+                # Up to MAX_RESULT_BYTES from disk: off the event loop, which heartbeats
+                # the other jobs' leases.
+                digest = await asyncio.get_running_loop().run_in_executor(
+                    None, self._output_digest, child, sandbox) if returned else None
+                return Reject(ending, digest)
+            case Release() | Failure():
+                return verdict
+            case Commit():
+                return await self._commit_output(child, sandbox, stderr_tail)
+        raise AssertionError(f"no verdict handled: {verdict!r}")
+
+    async def _commit_output(self, child: Child, sandbox: Sandbox,
+                             stderr_tail: str | None) -> Succeeded | Failure:
+        """Read what the tool returned (its result file, else its stdout) and check it:
+        Succeeded with the result to commit, or the Failure it is. The output is held
+        once: parsed, then only the text for PostgreSQL."""
+        profile = self.ctx.profile
+        try:
+            # The result file, when there is one, is the result; stdout is ignored.
+            # Up to MAX_RESULT_BYTES from disk: off the event loop, which heartbeats (a
+            # tool that left none costs one lstat here, no hop to a thread).
+            # Both through the work directory's descriptor, never its path (F15).
+            if not sandbox.has_result():
+                raise FileNotFoundError(sandbox.result_file)
+            output = await asyncio.get_running_loop().run_in_executor(
+                None, sandbox.read_result, profile.max_result_bytes,
+                profile_var(profile, "MAX_RESULT_BYTES"))
+            source = "SIDECAR_RESULT_FILE"
+        except FileNotFoundError:
+            output, child.stdout = child.stdout, bytearray()  # handed over, not copied
+            source = "stdout"
+        except BadResult as exc:
+            return failure(FailureKind(exc.kind), exc.message, stderr_tail=stderr_tail)
+        digest = payload_digest(output)
+        try:
+            if len(output) > PARSE_ON_LOOP_BYTES:
+                # An exact parse costs about 20 ms per MiB, and so does freeing the parsed
+                # value: both off the event loop, which heartbeats the other jobs' leases.
+                result, next_stage = await asyncio.get_running_loop().run_in_executor(
+                    None, _parse_output, output, source, self.ctx.settings, profile)
+            else:
+                result, next_stage = _parse_output(output, source, self.ctx.settings,
+                                                   profile)
+            del output  # a large result is held once, as the text sent to PostgreSQL
+        except SecretInOutput as exc:
+            return self._refuse_secret(exc, digest, source, stderr_tail)
+        except BadResult as exc:
+            return failure(FailureKind(exc.kind), exc.message, stderr_tail=stderr_tail)
+        return Succeeded(result, digest, next_stage, stderr_tail)
+
+    def _refuse_secret(self, exc: SecretInOutput, digest: dict[str, Any], source: str,
+                       stderr_tail: str | None) -> Failure:
+        """The output holds a secret (issue 25): nothing of it is stored; the attempt fails
+        ``secret_in_output`` (not retried), journaled with the output's sha256 and size and
+        the kinds of secret found, never the value."""
+        details = {"result": digest, "source": source, "secrets": exc.labels}
+        log.emit("secret_in_output", "error", **log_fields(self.job), reason=exc.message,
+                 result=digest, secrets=exc.labels)
+        self.commit.note("secret_in_output", details)
+        return failure(FailureKind.SECRET_IN_OUTPUT, exc.message, stderr_tail=stderr_tail,
+                       secrets=exc.labels, result=digest)
+
+    def _output_digest(self, child: Child, sandbox: Sandbox) -> dict[str, Any] | None:
+        """payload_digest of what the tool returned (its result file, else its stdout),
+        for the journal of a result that may not be committed (P6)."""
+        try:
+            return payload_digest(sandbox.read_result(self.ctx.profile.max_result_bytes))
+        except FileNotFoundError:
+            return payload_digest(child.stdout)
+        except BadResult:
+            return None
+
+
+def _parse_output(output: bytearray, source: str, settings: Settings,
+                  profile: LeaseProfile) -> tuple[RawJson, NextStage | None]:
+    """The tool's output checked (parse_result) and split into the result's JSON text and
+    the next stage (split_next_stage); the parsed value is dropped here, in whichever
+    thread runs this. Raises BadResult (SecretInOutput first, for output that holds a
+    secret the sidecar knows: result and next-stage payload alike, issue 25)."""
+    check_no_secret(output, source)
+    value, text = parse_result(output, source)
+    return split_next_stage(value, text, settings, profile)
+
+
+# The longest a deadline on CLOCK_BOOTTIME may be seen late after a suspend: sleeps (on
+# the monotonic clock, which stops in a suspend) are cut into pieces of at most this.
+DEADLINE_CHECK_SECONDS = 1.0
+
+
+async def watch_deadline(deadline: float) -> None:
+    """Return once sidecar.protocol.clock.ownership_now() reaches ``deadline`` (CLOCK_BOOTTIME
+    seconds), which counts time the host spent suspended (case F20). Sleeps on the
+    event loop's monotonic clock at most DEADLINE_CHECK_SECONDS at a time, so a deadline
+    that passed during a suspend is seen within that of the resume."""
+    while (left := deadline - clock.ownership_now()) > 0:
+        await asyncio.sleep(min(left, DEADLINE_CHECK_SECONDS))
+
+
+async def watch_idle(child: Child, idle_seconds: float,
+                     reports: Callable[[], int] = lambda: 0) -> None:
+    """Return once the child's tree has shown no CPU time, no I/O, no output and no
+    progress report (``reports()``: how many it made so far, issue 26) for
+    ``idle_seconds``: hung, although the sidecar itself is healthy and heartbeating."""
+    loop = asyncio.get_running_loop()
+    period = min(1.0, idle_seconds / 4)
+    last_sample, last_progress = None, time.monotonic()
+    while True:
+        await asyncio.sleep(period)
+        sample = (await loop.run_in_executor(None, tree_activity, child.pid),
+                  child.stdout_bytes, child.stderr_bytes, reports())
+        now = time.monotonic()
+        if sample != last_sample:
+            last_sample, last_progress = sample, now
+        elif now - last_progress >= idle_seconds:
+            return
+
+
+async def watch_cpu(child: Child, sandbox: Sandbox, limit_seconds: float) -> None:
+    """Return once the tool's whole tree has used ``limit_seconds`` of CPU time: from the
+    job cgroup where there is one (exited processes count too), else from the live tree.
+    RLIMIT_CPU bounds each process on its own; this bounds their sum."""
+    loop = asyncio.get_running_loop()
+    period = min(1.0, max(0.05, limit_seconds / 10))
+    while True:
+        await asyncio.sleep(period)
+        used = sandbox.cgroup.cpu_seconds() if sandbox.cgroup is not None else None
+        if used is None:
+            used = (await loop.run_in_executor(None, tree_activity, child.pid))[0]
+        if used >= limit_seconds:
+            return
+
+
+def measure(child: Child, sandbox: Sandbox) -> Usage:
+    """The attempt's resource use once its tree is dead: the cgroup's figures where there
+    is one, else (and for what it lacks) the child's own rusage from wait4, which counts
+    the descendants it reaped itself."""
+    usage = sandbox.cgroup.usage() if sandbox.cgroup is not None else Usage()
+    if child.rusage is not None:
+        if usage.cpu_seconds is None:
+            usage.cpu_seconds = child.rusage.ru_utime + child.rusage.ru_stime
+        if usage.peak_memory_bytes is None:
+            usage.peak_memory_bytes = child.rusage.ru_maxrss * 1024  # KiB on Linux
+    return usage
+
+
+def tree_activity(pid: int) -> tuple[float, int]:
+    """CPU seconds and I/O bytes (read + written) of a process and its descendants, the
+    CPU time of descendants they already reaped included."""
+    cpu, io = 0.0, 0
+    for proc in tree_processes(pid):
+        try:
+            with proc.oneshot():
+                times = proc.cpu_times()
+                # children_*: descendants this process already reaped (sequential workers)
+                cpu += times.user + times.system + times.children_user + times.children_system
+                counters = proc.io_counters()
+                io += counters.read_chars + counters.write_chars
+        except (psutil.Error, AttributeError):
+            continue
+    return round(cpu, 2), io
+
+
+
