@@ -23,7 +23,6 @@ from kit import base_env, cli, enqueue, pid_alive, query, read_pids, wait_until
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [
     pytest.mark.e2e,
-    pytest.mark.xdist_group("bundle"),
     pytest.mark.timeout(600),
 ]
 

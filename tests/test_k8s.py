@@ -24,8 +24,6 @@ import yaml
 
 from kit import base_env, enqueue, query, scalar
 
-pytestmark = pytest.mark.xdist_group("k8s")
-
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 # The MCP gateway's overlay serves tools over MCP (docs/mcp.md); the others run tools.

@@ -46,8 +46,6 @@ from kit import (
 )
 from sidecar.storage.db import with_database
 
-pytestmark = pytest.mark.xdist_group("prometheus")
-
 ROOT = Path(__file__).resolve().parent.parent
 MONITORING = ROOT / "k8s" / "monitoring"
 ALERT_TESTS = Path(__file__).resolve().parent / "monitoring" / "alerts_test.yaml"

@@ -24,7 +24,7 @@ from otlp_receiver import OtlpReceiver
 import kit
 from sidecar.storage.db import with_database
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("tracing")]
+pytestmark = pytest.mark.e2e
 
 TOOL = "traced"
 CALLER_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

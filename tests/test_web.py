@@ -34,8 +34,6 @@ import kit
 from sidecar.storage.db import with_database
 from sidecar.storage.queries import Q
 
-pytestmark = pytest.mark.xdist_group("web")
-
 ALICE = "alice-" + "7" * 40
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"

@@ -29,7 +29,7 @@ from netproxy import BlackholeProxy, through, upstream_of
 import kit
 from sidecar.storage.db import with_database
 
-pytestmark = [pytest.mark.e2e, pytest.mark.xdist_group("web_hostile")]
+pytestmark = pytest.mark.e2e
 
 ALICE = "alice-" + "7" * 40
 # A token as long as a form field may be: a bearer token longer than it, whose first
