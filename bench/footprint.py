@@ -24,7 +24,8 @@ from bench.report import Row
 
 MIB = 1048576
 IMPORTS = ("import asyncio, asyncpg, h11, orjson, psutil, uvloop, sidecar.cli, "
-           "sidecar.worker.claim_loop, sidecar.worker.guardian, sys, time; print('ready', flush=True); "
+           "sidecar.worker.claim_loop, sidecar.worker.guardian, sys, time; "
+           "print('ready', flush=True); "
            "time.sleep(600)")
 
 

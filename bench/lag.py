@@ -1,4 +1,5 @@
-"""5. Event-loop lag of an in-process ``sidecar.worker.claim_loop.Worker`` (on uvloop, as ``sidecar run``
+"""5. Event-loop lag of an in-process ``sidecar.worker.claim_loop.Worker`` (on uvloop, as
+``sidecar run``
 runs it) while 8 children at a time flood stdout and stderr and new ones keep spawning: a
 probe task sleeps 10 ms in a loop and records how late it wakes. The baseline is the same
 probe beside the same Worker with no job.

@@ -4,7 +4,6 @@ a zombie behind. The helpers they use, and tests import, are in tests/kit.py."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import shutil
@@ -50,7 +49,7 @@ def migrated_template(server_dsn):
     migrate`; each test's ``dsn`` is a copy of it (CREATE DATABASE ... TEMPLATE), which
     costs a fraction of a migrate per test. Dropped at the end of the session."""
     name = f"sidecar_tpl_{uuid.uuid4().hex[:12]}"
-    kit.run(_admin(server_dsn, f'CREATE DATABASE "{name}"'))
+    kit.admin(server_dsn, f'CREATE DATABASE "{name}"')
     try:
         url = with_database(server_dsn, name)
         migrate = subprocess.run([sys.executable, "-m", "sidecar", "migrate"],
@@ -58,7 +57,7 @@ def migrated_template(server_dsn):
         assert migrate.returncode == 0, migrate.stderr.decode()
         yield name
     finally:
-        kit.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        kit.admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture
@@ -66,26 +65,9 @@ def dsn(server_dsn, migrated_template):
     """A fresh, migrated database for this test (a copy of the session's template);
     dropped afterwards."""
     name = f"sidecar_t_{uuid.uuid4().hex[:12]}"
-    kit.run(_admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{migrated_template}"'))
+    kit.admin(server_dsn, f'CREATE DATABASE "{name}" TEMPLATE "{migrated_template}"')
     yield with_database(server_dsn, name)
-    kit.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
-
-
-async def _admin(server_dsn: str, sql: str) -> None:
-    """Run one statement on the server's maintenance database (CREATE/DROP DATABASE).
-    A copy from a template fails while another session is connected to the template, so
-    it is retried briefly (only this module connects to it, but a copy takes a moment)."""
-    for attempt in range(50):
-        conn = await asyncpg.connect(server_dsn)
-        try:
-            await conn.execute(sql)
-            return
-        except asyncpg.ObjectInUseError:
-            if attempt == 49:
-                raise
-        finally:
-            await conn.close()
-        await asyncio.sleep(0.1)
+    kit.admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture

@@ -89,6 +89,27 @@ def scalar(dsn: str, sql: str, *args):
     return rows[0][0] if rows else None
 
 
+def admin(server_dsn: str, sql: str) -> None:
+    """Run one statement on the server's maintenance database (CREATE/DROP DATABASE).
+    A copy from a template fails while another session is still connected to the
+    template (a copy just made lingers a moment): retried for up to 5 s."""
+
+    async def go():
+        for attempt in range(50):
+            conn = await asyncpg.connect(server_dsn)
+            try:
+                await conn.execute(sql)
+                return
+            except asyncpg.ObjectInUseError:
+                if attempt == 49:
+                    raise
+            finally:
+                await conn.close()
+            await asyncio.sleep(0.1)
+
+    run(go())
+
+
 def job_row(dsn: str, job_id) -> dict:
     """The tool_jobs row of one job (``job_id`` a string or a UUID), as a dict."""
     rows = query(dsn, "SELECT * FROM tool_jobs WHERE id = $1::uuid", str(job_id))

@@ -1,6 +1,6 @@
-"""The claim loop's rules (sidecar.worker.claim_loop.may_claim, drained) as pure functions: fast unit
-tests beside the end-to-end ones (test_worker_lifecycle.py, test_shortages_and_privileges.py,
-test_forwarding.py), which stay."""
+"""The claim loop's rules (sidecar.worker.claim_loop.may_claim, drained) as pure functions:
+fast unit tests beside the end-to-end ones (test_worker_lifecycle.py,
+test_shortages_and_privileges.py, test_forwarding.py), which stay."""
 
 from __future__ import annotations
 

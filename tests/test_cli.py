@@ -9,11 +9,10 @@ import sys
 import time
 import uuid
 
-import asyncpg
 import orjson
 import pytest
 
-from kit import base_env, cli, enqueue, one_line_error, query, run, scalar
+from kit import admin, base_env, cli, enqueue, one_line_error, query, scalar
 from sidecar.storage.db import with_database
 from sidecar.storage.queries import migrations, repeatables
 
@@ -485,23 +484,16 @@ def test_migrate_twice_applies_nothing_the_second_time(dsn):
     assert scalar(dsn, "SELECT count(*) FROM sidecar_schema_migrations") == len(ALL_VERSIONS)
 
 
-async def _admin(server_dsn: str, sql: str) -> None:
-    conn = await asyncpg.connect(server_dsn)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
 
 @pytest.fixture
 def fresh_database(server_dsn):
     """An empty database (never migrated); dropped afterwards."""
     name = f"sidecar_fresh_{uuid.uuid4().hex[:12]}"
-    run(_admin(server_dsn, f'CREATE DATABASE "{name}"'))
+    admin(server_dsn, f'CREATE DATABASE "{name}"')
     try:
         yield with_database(server_dsn, name)
     finally:
-        run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_first_migrate_on_empty_database(fresh_database):

@@ -48,13 +48,6 @@ CALLER_COMMANDS = {
 }
 
 
-async def _admin(server_dsn: str, sql: str) -> None:
-    conn = await asyncpg.connect(server_dsn)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
 
 async def _migrate_up_to(dsn: str, version: int) -> None:
     """Apply the migrations up to ``version`` as Store.upgrade applies them (one
@@ -81,7 +74,7 @@ def stale(request, server_dsn):
     """A database this sidecar may not work on: ``empty`` (never migrated) or ``older``
     (migrated up to the migration before the newest); yields (dsn, expected line)."""
     name = f"sidecar_door_{uuid.uuid4().hex[:12]}"
-    kit.run(_admin(server_dsn, f'CREATE DATABASE "{name}"'))
+    kit.admin(server_dsn, f'CREATE DATABASE "{name}"')
     url = with_database(server_dsn, name)
     try:
         if request.param == "older":
@@ -93,7 +86,7 @@ def stale(request, server_dsn):
                     "run 'sidecar migrate' first")
         yield url, line
     finally:
-        kit.run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        kit.admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def _schema_snapshot(dsn: str) -> tuple:

@@ -19,7 +19,7 @@ import asyncpg
 import orjson
 import pytest
 
-from kit import cli, query, run
+from kit import admin, cli, query, run
 from sidecar.storage.db import with_database
 from sidecar.storage.queries import migrations, repeatables
 
@@ -73,13 +73,6 @@ def _migrate(dsn: str, *args: str) -> dict:
     return orjson.loads(done.stdout)
 
 
-async def _admin(server_dsn: str, sql: str) -> None:
-    conn = await asyncpg.connect(server_dsn)
-    try:
-        await conn.execute(sql)
-    finally:
-        await conn.close()
-
 
 async def _load(dsn: str, frozen: Path) -> None:
     conn = await asyncpg.connect(dsn)
@@ -97,7 +90,7 @@ def databases(server_dsn):
 
     def make(frozen: str | None = None) -> str:
         name = f"sidecar_defs_{uuid.uuid4().hex[:12]}"
-        run(_admin(server_dsn, f'CREATE DATABASE "{name}"'))
+        admin(server_dsn, f'CREATE DATABASE "{name}"')
         made.append(name)
         url = with_database(server_dsn, name)
         if frozen:
@@ -106,7 +99,7 @@ def databases(server_dsn):
 
     yield make
     for name in made:
-        run(_admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin(server_dsn, f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def test_fresh_and_upgraded_databases_hold_the_same_definitions(databases):

@@ -7,17 +7,16 @@ async with Client() as sidecar:            # the DSN as the CLI resolves it
     result = await sidecar.call("ocr", {"file": "/data/scan.png"}, timeout=300)
 ```
 
-A thin layer over what the CLI uses, with no second implementation: the DSN resolved as
-the CLI does (``SIDECAR_DATABASE_URL``, ``SIDECAR_DATABASE_URL_FILE``, else the embedded
-PostgreSQL: sidecar.runtime.config.load_settings, sidecar.storage.db.resolve_dsn), the options checked by
-sidecar.protocol.enqueue_args and then by the database in ``tool_job_enqueue`` (CallerStore.enqueue, the
-statement ``sidecar enqueue`` and ``sidecar_enqueue`` run), the waiter of ``sidecar wait``
-(sidecar.client.waiting.follow: LISTEN on each job's own channel, on
-``SIDECAR_LISTEN_DATABASE_URL`` when it is set; or, with
-``SIDECAR_DATABASE_POOLER=transaction`` and no such URL, a read of the unfinished jobs
-every waiting.POLL_SECONDS). It imports nothing of the worker
-(tests/test_import_graph.py), and ``sidecar run`` does not import it.
-docs/callers.md#from-python has the whole story.
+A thin layer over what the CLI uses, with no second implementation: the DSN resolved as the
+CLI does (``SIDECAR_DATABASE_URL``, ``SIDECAR_DATABASE_URL_FILE``, else the embedded
+PostgreSQL: sidecar.runtime.config.load_settings, sidecar.storage.db.resolve_dsn), the
+options checked by sidecar.protocol.enqueue_args and then by the database in
+``tool_job_enqueue`` (CallerStore.enqueue, the statement ``sidecar enqueue`` and
+``sidecar_enqueue`` run), the waiter of ``sidecar wait`` (sidecar.client.waiting.follow:
+LISTEN on each job's own channel, on ``SIDECAR_LISTEN_DATABASE_URL`` when it is set; or,
+with ``SIDECAR_DATABASE_POOLER=transaction`` and no such URL, a read of the unfinished jobs
+every waiting.POLL_SECONDS). It imports nothing of the worker (tests/test_import_graph.py),
+and ``sidecar run`` does not import it. docs/callers.md#from-python has the whole story.
 
 Errors: bad input raises sidecar.protocol.errors.UsageError (or ConfigError for a bad tool name or
 environment), one line naming the argument, before anything is written; an unreachable

@@ -115,7 +115,8 @@ def _count_refusal(reason: str, _key) -> None:
 
 async def serve(readiness: Readiness, addr: str, *,
                 next_free: bool = False) -> tuple[HttpServer, str]:
-    """Listen on ``addr`` (HOST:PORT, ``[IPV6]:PORT``, as sidecar.protocol.parsing reads it; port 0 =
+    """Listen on ``addr`` (HOST:PORT, ``[IPV6]:PORT``, as sidecar.protocol.parsing reads it;
+    port 0 =
     any); return the server (``stop()`` it) and the bound address in the same form. With
     ``next_free`` (the default address, not one the user set), a port in use moves to the
     next of DEFAULT_PORT_TRIES ports, so two sidecars in one pod (one network namespace)

@@ -328,6 +328,7 @@ class SecretRegistry:
 
 
 # The process-wide registry: filled by the worker (sidecar.worker.claim_loop) and the guard
-# (sidecar.worker.guard), read by the log (sidecar.runtime.log), the jsonb encoder (sidecar.storage.db) and the
+# (sidecar.worker.guard), read by the log (sidecar.runtime.log), the jsonb encoder
+# (sidecar.storage.db) and the
 # result check (sidecar.protocol.results).
 SECRETS = SecretRegistry()

@@ -118,7 +118,8 @@ class OperatorStore(JobAccess, Pruning):
     # --- flow control (issue 27) --------------------------------------------------
 
     async def set_limits(self, tool: str, changes: dict[str, Any], by: str) -> int:
-        """Change ``tool``'s limits fleet-wide (``changes`` from sidecar.protocol.flow.limit_changes:
+        """Change ``tool``'s limits fleet-wide (``changes`` from
+        sidecar.protocol.flow.limit_changes:
         only the fields given; None clears one), journaled ``limits_set`` with ``by``;
         every idle sidecar of the tool is woken. Returns how many were woken."""
         row = await self.db.fetchrow(Q["set_tool_limits"], tool, db.encode_json(changes),

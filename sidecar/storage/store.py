@@ -8,7 +8,8 @@ worker's pruner and by ``sidecar prune``).
 Each end of the queue constructs the store of its audience and nothing else:
 ``sidecar.storage.worker_store.WorkerStore`` (the worker and its supervisors),
 ``sidecar.storage.caller_store.CallerStore`` (sidecar.client, the MCP gateway, ``sidecar enqueue``,
-``wait``, ``cancel``) and ``sidecar.storage.operator_store.OperatorStore`` (``sidecar web``, ``jobs``,
+``wait``, ``cancel``) and ``sidecar.storage.operator_store.OperatorStore`` (``sidecar web``,
+``jobs``,
 ``show``, flow control, retry, ``prune``, ``migrate``); tests/test_import_graph.py holds them
 apart.
 """

@@ -56,13 +56,10 @@ LANGUAGE sql STABLE AS $$
 $$;
 
 -- The row tool_job_claim_flow returns when a limit held the tool's jobs back: no job,
--- only the reason and, for a rate, the seconds until this owner's turn.
+-- only the reason and, for a rate, the seconds until this owner's turn. Its type is the
+-- claim's row (tool_job_claim_row, migration 017; migration 020 changed it to that).
 CREATE OR REPLACE FUNCTION tool_flow_held(p_tool text, p_reason text, p_retry_in float8)
-RETURNS TABLE (id uuid, tool text, payload_text text, fencing_token bigint, attempt integer,
-               max_attempts integer, lease_until timestamptz, idempotency_key text,
-               previous_state text, refunded boolean, lease_remaining float8,
-               checkpoint_text text, stage integer, traceparent text, tracestate text,
-               lifetime_remaining float8, blocked text, retry_in float8)
+RETURNS SETOF tool_job_claim_row
 SET search_path FROM CURRENT
 LANGUAGE sql IMMUTABLE AS $$
     SELECT NULL::uuid, p_tool, NULL::text, NULL::bigint, NULL::integer, NULL::integer,
