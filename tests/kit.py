@@ -509,6 +509,17 @@ def short_root(path: Path) -> Path:
     return holder
 
 
+# --- the import graph ------------------------------------------------------------------------
+
+def chain(via: dict[str, str], start: str, target: str) -> str:
+    """``start -> ... -> target`` as an import graph walk reached ``target`` (``via``:
+    {module: the module that imports it}); the import-graph tests' failure messages."""
+    path = [target]
+    while path[-1] != start:
+        path.append(via[path[-1]])
+    return " -> ".join(reversed(path))
+
+
 # --- PgBouncer -------------------------------------------------------------------------------
 
 class BouncerError(RuntimeError):

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kit import chain
+
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
@@ -152,13 +154,6 @@ def reached(graph: dict[str, set[str]], start: str) -> dict[str, str]:
                     todo.append(target)
     return via
 
-
-def chain(via: dict[str, str], start: str, target: str) -> str:
-    """``start -> ... -> target`` as the graph reaches it."""
-    path = [target]
-    while path[-1] != start:
-        path.append(via[path[-1]])
-    return " -> ".join(reversed(path))
 
 
 GRAPH = import_graph()

@@ -23,6 +23,8 @@ from pathlib import Path
 
 import pytest
 
+from kit import chain
+
 # Static analysis of the source: no database, no process.
 pytestmark = pytest.mark.unit
 
@@ -107,12 +109,6 @@ def reached(start: str) -> dict[str, str]:
                 todo.append(target)
     return via
 
-
-def chain(via: dict[str, str], start: str, target: str) -> str:
-    path = [target]
-    while path[-1] != start:
-        path.append(via[path[-1]])
-    return " -> ".join(reversed(path))
 
 
 def modules_of(package: str) -> list[str]:
