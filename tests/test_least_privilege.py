@@ -383,3 +383,73 @@ def test_definer_functions_are_the_owners_pinned_and_not_public(dsn, roles):
             await pool.close()
 
     run(main())
+
+
+# What `sidecar migrate --caller-role` and `--worker-role` granted before issue 41, which
+# granting again with this release takes back.
+EARLIER_CALLER_GRANTS = (
+    'GRANT SELECT, INSERT (id, tool, idempotency_key, payload, max_attempts, priority, '
+    'run_after, expires_at, tags, traceparent, tracestate, concurrency_key) '
+    'ON tool_jobs TO "{r}"',
+    'GRANT INSERT (job_id, fencing_token, event, details) ON tool_job_events TO "{r}"',
+    'GRANT USAGE ON SEQUENCE tool_job_events_id_seq TO "{r}"',
+    'GRANT SELECT, UPDATE (seen_at), DELETE ON tool_idle_sidecars TO "{r}"',
+    'GRANT SELECT (tool), INSERT (tool, updated_by) ON tool_flow TO "{r}"',
+    'GRANT EXECUTE ON FUNCTION tool_job_wake(text, bigint), tool_job_new_id() TO "{r}"',
+)
+EARLIER_WORKER_GRANTS = (
+    'GRANT SELECT, INSERT, UPDATE, DELETE ON ' + ", ".join(TABLES) + ' TO "{r}"',
+)
+PRIVILEGES = """
+SELECT has_any_column_privilege($1, 'tool_jobs', 'INSERT') AS insert_job,
+       has_table_privilege($1, 'tool_jobs', 'UPDATE') AS update_job,
+       has_any_column_privilege($1, 'tool_job_events', 'INSERT') AS insert_event,
+       has_table_privilege($1, 'tool_job_events', 'UPDATE') AS update_event,
+       has_table_privilege($1, 'tool_flow_events', 'UPDATE') AS update_flow_event,
+       has_any_column_privilege($1, 'tool_idle_sidecars', 'UPDATE') AS update_idle,
+       has_table_privilege($1, 'tool_idle_sidecars', 'DELETE') AS delete_idle,
+       has_any_column_privilege($1, 'tool_flow', 'INSERT') AS insert_flow,
+       has_table_privilege($1, 'tool_flow', 'DELETE') AS delete_flow,
+       has_table_privilege($1, 'tool_sweeps', 'DELETE') AS delete_sweep,
+       has_sequence_privilege($1, 'tool_job_events_id_seq', 'USAGE') AS events_sequence,
+       has_function_privilege($1, 'tool_job_wake(text, bigint)', 'EXECUTE') AS wake,
+       has_function_privilege($1, 'tool_job_cancel(uuid, jsonb, text)', 'EXECUTE')
+           AS cancel
+"""
+
+
+def test_granting_again_takes_back_what_earlier_releases_granted(dsn):
+    """Roles granted by an earlier release (the callers' direct INSERTs, the idle list and
+    the flow row; the workers' UPDATE of the journals) keep none of that once the
+    migration Job of this release grants them again; a role named both worker and caller
+    keeps the rights of both (every revoke runs before any grant)."""
+    suffix = uuid.uuid4().hex[:10]
+    caller, worker, both = (f"sidecar_lp_{k}_{suffix}" for k in ("c", "w", "b"))
+    for name in (caller, worker, both):
+        query(dsn, f'CREATE ROLE "{name}" LOGIN')
+        query(dsn, f'GRANT USAGE ON SCHEMA public TO "{name}"')
+    for sql in EARLIER_CALLER_GRANTS:
+        query(dsn, sql.format(r=caller))
+    for sql in EARLIER_WORKER_GRANTS:
+        query(dsn, sql.format(r=worker))
+
+    async def grant(*names):
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=1)
+        try:
+            await OperatorStore(pool, 10).grant_roles(*names)
+        finally:
+            await pool.close()
+
+    try:
+        run(grant(worker, None, caller))
+        run(grant(both, None, both, both))
+        got = {name: dict(query(dsn, PRIVILEGES, name)[0]) for name in (caller, worker, both)}
+    finally:
+        for name in (caller, worker, both):
+            query(dsn, f'DROP OWNED BY "{name}"')
+            query(dsn, f'DROP ROLE "{name}"')
+    assert got[caller] == dict.fromkeys(got[caller], False) | {"cancel": True}
+    assert got[worker] == dict.fromkeys(got[worker], True) | {
+        "update_event": False, "update_flow_event": False, "delete_flow": False,
+        "delete_sweep": False}
+    assert got[both] == got[worker]
