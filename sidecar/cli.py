@@ -138,10 +138,11 @@ def cmd_migrate(args, settings: Settings) -> int:
             applied, defined = await store.upgrade()
             out = {"applied": applied, "definitions": defined,
                    "version": await store.schema_version()}
-            if args.worker_role or args.scaler_role or args.caller_role:
-                await store.grant_roles(args.worker_role, args.scaler_role, args.caller_role)
+            if args.worker_role or args.scaler_role or args.caller_role or args.web_role:
+                await store.grant_roles(args.worker_role, args.scaler_role, args.caller_role,
+                                        args.web_role)
                 out["granted"] = {"worker": args.worker_role, "scaler": args.scaler_role,
-                                  "caller": args.caller_role}
+                                  "caller": args.caller_role, "web": args.web_role}
             return out
         finally:
             await pool.close()
@@ -917,8 +918,8 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     p = add("migrate", cmd_migrate, "create or upgrade the schema; then, as its owner, "
-            "grant the worker's, the scaler's and the callers' roles what they need "
-            "and no more")
+            "grant the worker's, the scaler's, the callers' and the web view's roles "
+            "what they need and no more")
     p.add_argument("--worker-role", metavar="ROLE",
                    help="grant ROLE the workers' privileges: rows of the queue's tables, "
                         "no DDL (docs/operations.md, 'Roles and Secrets')")
@@ -926,8 +927,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="grant ROLE EXECUTE on tool_job_demand only (KEDA's query)")
     p.add_argument("--caller-role", metavar="ROLE",
                    help="grant ROLE what a caller needs and no more: enqueue, wait, read "
-                        "and cancel jobs (the MCP gateway's, sidecar.client's); no UPDATE "
-                        "or DELETE of jobs, no DDL")
+                        "and cancel jobs (the MCP gateway's, sidecar.client's), through "
+                        "functions; no write on any table, no DDL")
+    p.add_argument("--web-role", metavar="ROLE",
+                   help="grant ROLE what `sidecar web` needs and no more: read jobs, "
+                        "journals and flow rows; cancel, retry, pause and resume through "
+                        "functions; no write on any table, no DDL")
     p = add("enqueue", cmd_enqueue, "queue one job for TOOL; prints {id, created}")
     p.add_argument("tool", metavar="TOOL")
     p.add_argument("--payload", metavar="JSON")

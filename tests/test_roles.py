@@ -18,10 +18,14 @@ from kit import base_env, cli, enqueue, job_row, query, run, scalar
 # The worker's privileges as docs/operations.md lists them: (kind, object, privileges).
 WORKER_PRIVILEGES = {
     ("schema", "public", "USAGE"),
-    *(("table", t, p) for t in ("tool_jobs", "tool_job_events", "tool_job_outbox",
-                                "tool_idle_sidecars", "tool_flow", "tool_flow_keys",
-                                "tool_flow_events", "tool_sweeps")
+    *(("table", t, p) for t in ("tool_jobs", "tool_job_outbox", "tool_idle_sidecars",
+                                "tool_flow_keys")
       for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
+    # the journals are appended and pruned, never rewritten (issue 41, point 2)
+    *(("table", t, p) for t in ("tool_job_events", "tool_flow_events")
+      for p in ("SELECT", "INSERT", "DELETE")),
+    *(("table", t, p) for t in ("tool_flow", "tool_sweeps")
+      for p in ("SELECT", "INSERT", "UPDATE")),
     ("table", "sidecar_schema_migrations", "SELECT"),
     ("table", "sidecar_schema_repeatables", "SELECT"),
     ("sequence", "tool_job_events_id_seq", "USAGE"),
@@ -39,6 +43,10 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_claim_flow_many", "EXECUTE"),
     ("function", "tool_job_new_id", "EXECUTE"),
     ("function", "tool_job_cancel", "EXECUTE"),
+    ("function", "tool_job_check_actor", "EXECUTE"),
+    ("function", "tool_job_retry", "EXECUTE"),
+    ("function", "tool_flow_pause", "EXECUTE"),
+    ("function", "tool_flow_resume", "EXECUTE"),
     ("function", "tool_flow_key_blocked", "EXECUTE"),
     ("function", "tool_flow_key_wait", "EXECUTE"),
     ("function", "tool_flow_occupied", "EXECUTE"),

@@ -29,6 +29,7 @@ from pathlib import Path
 import asyncpg
 import orjson
 import pytest
+from test_roles import _as
 
 import kit
 from sidecar.storage.db import with_database
@@ -163,13 +164,26 @@ def _start_server(dsn: str, tmp: Path, token_file: Path | None) -> Server:
 
 @pytest.fixture(scope="module")
 def server(world, tmp_path_factory):
-    """`sidecar web` with ALICE's admin token."""
+    """`sidecar web` with ALICE's admin token, connected as the web view's own role
+    (`sidecar migrate --web-role`, issue 41: reads, and its actions through definer
+    functions only; a login role of our own, dropped afterwards)."""
     tmp = tmp_path_factory.mktemp("web-server")
     token_file = tmp / "tokens"
     token_file.write_text(f"# the operators\nalice {ALICE}\n")
-    started = _start_server(world.dsn, tmp, token_file)
-    yield started
-    kit.stop_process(started.proc)
+    role = f"sidecar_web_{uuid.uuid4().hex[:10]}"
+    kit.query(world.dsn, f'CREATE ROLE "{role}" LOGIN')
+    try:
+        granted = kit.cli(world.dsn, "migrate", "--web-role", role)
+        assert granted.returncode == 0, granted.stderr.decode()
+        started = _start_server(_as(world.dsn, role), tmp, token_file)
+        try:
+            yield started
+        finally:
+            kit.stop_process(started.proc)
+            assert "permission denied" not in started.log.read_text(errors="replace")
+    finally:
+        kit.query(world.dsn, f'DROP OWNED BY "{role}"')
+        kit.query(world.dsn, f'DROP ROLE "{role}"')
 
 
 @pytest.fixture(scope="module")

@@ -27,21 +27,27 @@ class OperatorStore(JobAccess, Pruning):
     # --- roles --------------------------------------------------------------------
 
     async def grant_roles(self, worker: str | None, scaler: str | None,
-                          caller: str | None = None) -> list[str]:
-        """Grant ``worker`` the worker's privileges, ``scaler`` EXECUTE on tool_job_demand
-        and ``caller`` what enqueue, wait, get and cancel need (sql/roles.sql; each None
-        is skipped), in one transaction; return the statements run. Run as the schema
-        owner after migrating; the roles themselves are the DBA's (asyncpg's
-        UndefinedObjectError when one does not exist, and nothing is granted)."""
+                          caller: str | None = None, web: str | None = None) -> list[str]:
+        """Grant ``worker`` the worker's privileges, ``scaler`` EXECUTE on tool_job_demand,
+        ``caller`` what enqueue, wait, get and cancel need and ``web`` what ``sidecar web``
+        reads and the definer functions of its actions (sql/roles.sql; each None is
+        skipped), in one transaction; return the statements run. Every named role's
+        revokes (what earlier releases granted and this one does not: the callers' direct
+        writes, the workers' UPDATE of the journals) run before any grant, so a role named
+        twice ends with the rights of both (issue 41, point 2). Run as the schema owner
+        after migrating; the roles themselves are the DBA's (asyncpg's UndefinedObjectError
+        when one does not exist, and nothing is granted)."""
+        roles = (("worker", worker), ("scaler", scaler), ("caller", caller), ("web", web))
         done: list[str] = []
         async with self.pool.acquire() as conn, conn.transaction():
-            for name, role in (("worker_grants", worker), ("scaler_grants", scaler),
-                               ("caller_grants", caller)):
-                if role is None:
-                    continue
-                for row in await conn.fetch(Q[name], role, timeout=self.timeout):
-                    await conn.execute(row[0], timeout=self.timeout)
-                    done.append(row[0])
+            for phase in ("revokes", "grants"):
+                for kind, role in roles:
+                    name = f"{kind}_{phase}"
+                    if role is None or name not in Q:
+                        continue
+                    for row in await conn.fetch(Q[name], role, timeout=self.timeout):
+                        await conn.execute(row[0], timeout=self.timeout)
+                        done.append(row[0])
         return done
 
     # --- retries (case F14) -------------------------------------------------------

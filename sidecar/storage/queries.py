@@ -83,7 +83,7 @@ def migrations() -> list[Migration]:
 # plpgsql bodies are only parsed. So: expiry before demand (tool_job_demand calls
 # tool_job_expiry_refunded); within a file, a function before the SQL ones calling it.
 REPEATABLE_ORDER = ("journal", "retention", "wake", "expiry", "waiting", "enqueue", "flow",
-                    "claim", "demand", "cancel")
+                    "claim", "demand", "cancel", "actions")
 
 
 @dataclass(frozen=True)

@@ -412,40 +412,12 @@ SELECT cancelled_id AS id, previous_state FROM tool_job_cancel($1::uuid, $2::jso
 -- name: retry_jobs
 -- An operator's re-run: failed or cancelled jobs, one ($1) or every one of a tool ($3)
 -- and/or of a tag set ($5, jsonb), optionally only in state $2, back to queued with fresh
--- attempts and lifetime, and a fresh expiry as long as the one given at enqueue. The
--- fencing token is kept, so the next claim's token is still higher than any before (P7).
-WITH target AS (
-    SELECT id, state AS previous_state, attempt AS previous_attempts, error->>'kind' AS kind
-    FROM tool_jobs
-    WHERE state IN ('failed', 'cancelled')
-      AND ($1::uuid IS NULL OR id = $1)
-      AND ($2::text IS NULL OR state = $2)
-      AND ($3::text IS NULL OR tool = $3)
-      AND ($5::jsonb IS NULL OR (tags @> $5::jsonb AND tags <> '{}'::jsonb))
-      -- F14: not a cancel whose owner may still run the tree (see cancel_job)
-      AND (state <> 'cancelled' OR lease_until IS NULL OR lease_until <= now())
-    FOR UPDATE
-), retried AS (
-    UPDATE tool_jobs j
-    SET state = 'queued', attempt = 0, run_after = now(), owner_id = NULL,
-        lease_until = NULL, heartbeat_at = NULL, error = NULL, finished_at = NULL,
-        cancel_pending = false,
-        first_claimed_at = NULL,
-        expires_at = now() + (j.expires_at - j.created_at)  -- NULL stays NULL
-    FROM target
-    WHERE j.id = target.id
-    RETURNING j.id, j.tool, j.fencing_token, target.previous_state, target.previous_attempts,
-              target.kind
-), journal AS (
-    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, fencing_token, 'job_retried',
-           jsonb_build_object('previous_state', previous_state,
-                              'previous_attempts', previous_attempts, 'previous_error', kind,
-                              'by', $4::text)
-    FROM retried
-)
-SELECT r.id, r.tool, r.previous_state FROM retried r,
-    LATERAL (SELECT tool_job_wake(r.tool, 1)) AS woken;
+-- attempts and lifetime, journaled job_retried with $4 (who): tool_job_retry
+-- (sql/functions/actions.sql), which writes with the schema owner's rights so that the
+-- web view's role needs no UPDATE on tool_jobs (issue 41). The fencing token is kept, so
+-- the next claim's token is still higher than any before (P7).
+SELECT retried_id AS id, retried_tool AS tool, previous_state
+FROM tool_job_retry($1::uuid, $2::text, $3::text, $4::text, $5::jsonb);
 
 -- name: unacknowledged_cancels
 -- Cancelled jobs retry_jobs leaves alone for now (same selection, $1-$3, tags $4): the owner of the
@@ -714,38 +686,15 @@ SELECT tool, tool_job_wake(tool, 1000) AS woken FROM applied;
 -- name: pause_tool
 -- Issue 27: no claim of tool $1 starts from now on, on any sidecar (running jobs go on);
 -- $2 the reason (NULL keeps an earlier one), $3 who. Journaled tool_paused. Returns the
--- pause's time and reason, and whether it was paused already.
-WITH before AS (
-    SELECT paused_at IS NOT NULL AS was_paused FROM tool_flow WHERE tool = $1
-), paused AS (
-    INSERT INTO tool_flow AS f (tool, paused_at, pause_reason, paused_by, updated_by)
-    VALUES ($1, now(), $2, $3, $3)
-    ON CONFLICT (tool) DO UPDATE
-    SET paused_at = coalesce(f.paused_at, now()),
-        pause_reason = coalesce($2, f.pause_reason), paused_by = $3,
-        updated_at = now(), updated_by = $3
-    RETURNING f.tool, f.paused_at, f.pause_reason
-), journal AS (
-    INSERT INTO tool_flow_events (tool, event, details)
-    SELECT tool, 'tool_paused', jsonb_build_object('reason', $2::text, 'by', $3::text)
-    FROM paused
-)
-SELECT paused_at, pause_reason, coalesce((SELECT was_paused FROM before), false) AS was_paused
-FROM paused;
+-- pause's time and reason, and whether it was paused already: tool_flow_pause
+-- (sql/functions/actions.sql, SECURITY DEFINER: the web role writes no flow row itself).
+SELECT paused_at, pause_reason, was_paused FROM tool_flow_pause($1::text, $2::text, $3::text);
 
 -- name: resume_tool
 -- Issue 27: claims of tool $1 start again; every idle sidecar of it is woken. Journaled
--- tool_resumed with $2 (who). No row when the tool was not paused.
-WITH resumed AS (
-    UPDATE tool_flow SET paused_at = NULL, pause_reason = NULL, paused_by = NULL,
-                         updated_at = now(), updated_by = $2
-    WHERE tool = $1 AND paused_at IS NOT NULL
-    RETURNING tool
-), journal AS (
-    INSERT INTO tool_flow_events (tool, event, details)
-    SELECT tool, 'tool_resumed', jsonb_build_object('by', $2::text) FROM resumed
-)
-SELECT tool, tool_job_wake(tool, 1000) AS woken FROM resumed;
+-- tool_resumed with $2 (who). No row when the tool was not paused: tool_flow_resume
+-- (sql/functions/actions.sql, SECURITY DEFINER).
+SELECT resumed_tool AS tool, woken FROM tool_flow_resume($1::text, $2::text);
 
 -- name: tool_limits
 -- Issue 27: every tool with a flow row (or only $1), with what it is doing now: jobs

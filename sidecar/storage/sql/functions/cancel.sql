@@ -9,14 +9,40 @@
 -- the caller role may call it. A role given table rights by hand instead of by `sidecar
 -- migrate --worker-role` needs EXECUTE on it for `sidecar cancel`.
 --
+-- The checks every definer function that acts for someone makes on its inputs (issue 41,
+-- point 2: the function is the only way in, so it bounds what it journals): p_by, who
+-- asked, NULL or 1-512 printable characters; p_tags, NULL or a JSON object of at most 16
+-- members. Raises SQLSTATE 22023 naming the field; returns nothing.
+CREATE OR REPLACE FUNCTION tool_job_check_actor(p_by text, p_tags jsonb) RETURNS void
+SET search_path FROM CURRENT
+LANGUAGE plpgsql IMMUTABLE AS $$
+BEGIN
+    IF p_by IS NOT NULL AND (length(p_by) NOT BETWEEN 1 AND 512 OR btrim(p_by) = ''
+                             OR p_by ~ '[\x01-\x1f\x7f-\x9f]') THEN
+        RAISE EXCEPTION 'by must be 1-512 printable characters, e.g. ''sidecar web (alice)'' '
+                        '(NULL: not said)' USING ERRCODE = '22023';
+    END IF;
+    IF p_tags IS NOT NULL AND (jsonb_typeof(p_tags) <> 'object'
+            OR (SELECT count(*) FROM jsonb_object_keys(p_tags)) NOT BETWEEN 1 AND 16) THEN
+        RAISE EXCEPTION 'tags: a JSON object of 1-16 tags, e.g. ''{"run": "42"}''::jsonb '
+                        '(NULL: no tag selection)' USING ERRCODE = '22023';
+    END IF;
+END
+$$;
+
 -- The job p_job, or every queued or running job whose tags contain p_tags, and every
 -- later stage of them still queued or running. A running job keeps its owner, token and
 -- lease end (case F14: its owner kills the tree at its next heartbeat). p_by says who
--- asked, journaled as job_cancelled's "by" (left out when NULL).
+-- asked, journaled as job_cancelled's "by" (left out when NULL). p_by and p_tags are
+-- checked (tool_job_check_actor: 22023 naming the field).
 CREATE OR REPLACE FUNCTION tool_job_cancel(p_job uuid, p_tags jsonb, p_by text)
 RETURNS TABLE (cancelled_id uuid, previous_state text)
 SECURITY DEFINER SET search_path FROM CURRENT
-LANGUAGE sql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+BEGIN
+PERFORM tool_job_check_actor(p_by, p_tags);
+RETURN QUERY
 WITH RECURSIVE chain AS (
     SELECT id FROM tool_jobs WHERE id = p_job
     UNION
@@ -47,7 +73,8 @@ WITH RECURSIVE chain AS (
                                                 'by', p_by))
     FROM cancelled
 )
-SELECT id, previous_state FROM cancelled
+SELECT cancelled.id, cancelled.previous_state FROM cancelled;
+END
 $$;
 
 -- The cancel without p_by (migration 018's), kept for releases built for schema 18.

@@ -32,14 +32,25 @@ $$;
 -- by name or position means the same): 1-256 printable characters, NULL is no key. The
 -- id is time-ordered (tool_job_new_id). Inserted, journaled (job_enqueued) and, when due
 -- now, one idle sidecar of the tool woken (tool_job_wake, a NOTIFY sent at commit): a
--- rolled-back transaction leaves none of it.
+-- rolled-back transaction leaves none of it. p_details (the journal row's details): a
+-- JSON object of at most 4096 bytes as stored, or NULL.
+--
+-- Least privilege (issue 41, point 2; docs/operations.md "Roles and Secrets"): this is a
+-- caller's only way to create a job. The callers' role has no INSERT on tool_jobs or
+-- tool_job_events and no write on tool_idle_sidecars or tool_flow, so no direct write
+-- goes around the checks below (a job inserted claimed, a tool name or key out of bounds,
+-- a forged journal row): the function writes with its owner's rights (SECURITY DEFINER,
+-- the schema owner that ran the migrations) under a search_path pinned to its own schema
+-- with pg_temp last, as tool_job_cancel and tool_job_demand do, and checks every input.
+-- EXECUTE is taken from PUBLIC: the owner and the roles `sidecar migrate --worker-role`
+-- and `--caller-role` name may call it (a role given rights by hand needs EXECUTE on it).
 CREATE OR REPLACE FUNCTION tool_job_enqueue(
     p_tool text, p_payload jsonb, p_idempotency_key text, p_priority integer,
     p_run_after timestamptz, p_run_in interval, p_expires_in interval, p_tags jsonb,
     p_max_attempts integer, p_traceparent text, p_tracestate text,
     p_max_payload_bytes bigint, p_details jsonb, p_concurrency_key text)
 RETURNS TABLE (enqueued_id uuid, created boolean)
-SET search_path FROM CURRENT
+SECURITY DEFINER SET search_path FROM CURRENT
 LANGUAGE plpgsql VOLATILE AS $$
 DECLARE
     v_id uuid := tool_job_new_id();  -- time-ordered (migration 017)
@@ -60,6 +71,11 @@ BEGIN
         RAISE EXCEPTION 'tool %: use 1-63 letters, digits, ''.'', ''_'' or ''-'', starting '
                         'with a letter or digit', coalesce(quote_literal(p_tool), 'NULL')
             USING ERRCODE = '22023';
+    END IF;
+    IF p_details IS NOT NULL AND (jsonb_typeof(p_details) <> 'object'
+                                  OR octet_length(p_details::text) > 4096) THEN
+        RAISE EXCEPTION 'details: a JSON object of at most 4096 bytes, e.g. '
+                        '''{"by": "my-app"}''::jsonb (NULL: none)' USING ERRCODE = '22023';
     END IF;
     IF p_payload IS NULL THEN
         RAISE EXCEPTION 'payload is NULL: pass a JSON value, e.g. ''{}''::jsonb'
@@ -234,7 +250,9 @@ $$;
 -- sidecar of the tool is woken) only if that transaction commits. Same validation and
 -- defaults as `sidecar enqueue`; the payload limit is the setting sidecar.max_payload_bytes
 -- (ALTER DATABASE ... SET, or SET LOCAL), 8 MiB when unset, as SIDECAR_MAX_PAYLOAD_BYTES.
--- Runs with the caller's rights (the worker role's grants suffice: sql/roles.sql).
+-- Runs with the caller's rights; the writes are tool_job_enqueue's (SECURITY DEFINER), so
+-- a role needs EXECUTE on both: `sidecar migrate --worker-role` and `--caller-role` grant
+-- them (sql/roles.sql), and PUBLIC may call neither.
 CREATE OR REPLACE FUNCTION sidecar_enqueue(
     tool text, payload jsonb, idempotency_key text DEFAULT NULL, priority integer DEFAULT 0,
     run_after timestamptz DEFAULT NULL, expires_in interval DEFAULT NULL,
@@ -250,3 +268,8 @@ LANGUAGE sql VOLATILE AS $$
                  8388608),
         '{"by": "sidecar_enqueue"}'::jsonb, $11) e
 $$;
+
+REVOKE EXECUTE ON FUNCTION tool_job_enqueue(text, jsonb, text, integer, timestamptz,
+    interval, interval, jsonb, integer, text, text, bigint, jsonb, text) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION sidecar_enqueue(text, jsonb, text, integer, timestamptz,
+    interval, jsonb, integer, text, text, text) FROM PUBLIC;

@@ -1,0 +1,14 @@
+-- Least privilege at every database boundary (issue 41, point 2): a caller, the MCP
+-- gateway and the web view reach jobs only through SECURITY DEFINER functions with a
+-- pinned search_path that check their inputs, and read-only SELECTs. tool_job_enqueue
+-- (sql/functions/enqueue.sql) and tool_job_wake (wake.sql) now write with their owner's
+-- rights, tool_job_cancel checks who asked and the tags (cancel.sql), and the operator's
+-- retry, pause and resume are the functions tool_job_retry, tool_flow_pause and
+-- tool_flow_resume (actions.sql). PUBLIC may call none of them. `sidecar migrate
+-- --caller-role` now revokes the direct writes earlier releases granted the callers
+-- (INSERT on tool_jobs and tool_job_events, the idle list, the flow row), `--worker-role`
+-- the journals' UPDATE and `--web-role` grants the web view's role (sql/roles.sql).
+-- No schema change here. A release built for schema 20 keeps working on it: its enqueue
+-- and cancel call the same functions, and its retry, pause and resume run as the owner or
+-- the worker role, which still have those rights.
+-- compatible-from: 20
