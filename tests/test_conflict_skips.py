@@ -34,8 +34,9 @@ updating this list):
   NOTHING`` skips only when the tool has its flow row already, which is all it is for.
 - ``functions/claim.sql``: ``tool_job_claim_flow``'s per-key bucket ``ON CONFLICT (tool,
   concurrency_key) DO UPDATE`` never skips (it refills and takes the token).
-- ``queries.sql`` ``set_tool_limits`` and ``pause_tool``: ``ON CONFLICT (tool) DO
-  UPDATE``: never skip; they change the existing flow row, journaled.
+- ``queries.sql`` ``set_tool_limits`` and ``functions/actions.sql`` ``tool_flow_pause``
+  (behind ``pause_tool``): ``ON CONFLICT (tool) DO UPDATE``: never skip; they change the
+  existing flow row, journaled.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ AUDITED = {
     ("storage/sql/functions/flow.sql", "?"),  # keyed flow row
     ("storage/sql/functions/claim.sql", "?"),  # key bucket
     ("storage/sql/queries.sql", "set_tool_limits"),
-    ("storage/sql/queries.sql", "pause_tool"),
+    ("storage/sql/functions/actions.sql", "?"),  # tool_flow_pause
     # a concurrent first sample made the tool's sweep row: the turn is that sample's
     ("storage/sql/queries.sql", "sample_tool"),
 }
