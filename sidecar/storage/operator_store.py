@@ -177,3 +177,41 @@ class OperatorStore(JobAccess, Pruning):
             raise
         finally:
             await self.pool.release(conn, timeout=self.timeout)
+
+    # --- the web view's sessions and failed logins (issue 41, migration 025) ---------
+
+    async def web_session_create(self, key_sha256: bytes, principal: str, csrf: str,
+                                 seconds: float, per_principal: int, total: int) -> None:
+        """Store a session of ``principal`` (only the sha256 of its key, 32 bytes) with
+        its CSRF token, ending ``seconds`` from now by the database's clock; expired
+        sessions go first, then the oldest beyond ``per_principal`` of the principal's and
+        ``total`` in all (this one counted)."""
+        await self.db.execute(Q["web_session_create"], key_sha256, principal, csrf,
+                              seconds, per_principal, total, timeout=self.timeout)
+
+    async def web_session(self, key_sha256: bytes) -> asyncpg.Record | None:
+        """The live session whose key hashes to ``key_sha256``: ``principal, csrf``, or
+        None (none, or expired)."""
+        return await self.db.fetchrow(Q["web_session_get"], key_sha256,
+                                      timeout=self.timeout)
+
+    async def web_session_delete(self, key_sha256: bytes) -> None:
+        """Delete the session whose key hashes to ``key_sha256`` (logging out)."""
+        await self.db.execute(Q["web_session_delete"], key_sha256, timeout=self.timeout)
+
+    async def web_login_lock(self, source: str, token_sha256: str | None
+                             ) -> asyncpg.Record | None:
+        """The lock on ``source`` or on the token whose sha256 (hex) is ``token_sha256``:
+        ``scope`` ('source' or 'token') and ``retry_after_s`` (whole seconds), or None."""
+        return await self.db.fetchrow(Q["web_login_lock"], source, token_sha256,
+                                      timeout=self.timeout)
+
+    async def web_login_failed(self, source: str, token_sha256: str, window_s: float,
+                               allowed: int, lock_s: float, max_rows: int
+                               ) -> list[asyncpg.Record]:
+        """Count one failed login for ``source`` and for the token hash in a window of
+        ``window_s`` seconds; the ``allowed``-th failure of a window locks its subject for
+        ``lock_s`` seconds; at most ``max_rows`` rows are kept. Returns ``scope,
+        failures, locked_now`` per subject (locked_now: this failure locked it)."""
+        return await self.db.fetch(Q["web_login_failed"], source, token_sha256, window_s,
+                                   allowed, lock_s, max_rows, timeout=self.timeout)
