@@ -44,6 +44,7 @@ from sidecar.runtime.config import (
     Settings,
     default_data_dir,
     load_settings,
+    register_secrets,
     validate_tool_name,
 )
 from sidecar.runtime.loop import run_async
@@ -112,6 +113,9 @@ async def open_store(settings: Settings, kind: type[S],
     from sidecar.storage import schema
 
     dsn = dsn or db.resolve_dsn(settings)
+    # What the command shows of stored rows is scrubbed of the secrets it knows, in rows
+    # written before scrubbing existed too (issue 41; the store's reads are ``shown``).
+    register_secrets(settings, dsn, "cli")
     pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=2)
     try:
         store = kind(pool, settings.db_timeout_seconds)

@@ -53,10 +53,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, g
 
 from sidecar.protocol import enqueue_args, jsontext, parsing
 from sidecar.protocol.errors import ConfigError, SidecarError, UsageError
+from sidecar.protocol.masking import SECRETS
 from sidecar.protocol.model import JobState
 from sidecar.runtime import log as log_mod
 from sidecar.runtime import tokens
-from sidecar.runtime.config import Settings, validate_tool_name
+from sidecar.runtime.config import Settings, register_secrets, validate_tool_name
 from sidecar.storage import db, schema
 from sidecar.storage.operator_store import OperatorStore
 
@@ -601,6 +602,10 @@ async def job_page(request: web.Request) -> web.Response:
                               "principal only on a server with admin tokens; log in first")
         content = await state.store.web_read("web_job_content", job_id, show,
                                              MAX_CONTENT_CHARS, method="fetchrow")
+        if content is not None and content["text"] is not None \
+                and content["chars"] > MAX_CONTENT_CHARS:
+            # cut by the database: a secret the cut splits is masked too
+            content["text"] = SECRETS.scrub(content["text"], cut_end=True)
     events = await state.store.web_read("web_job_events", job_id, MAX_TIMELINE_EVENTS)
     total = await state.store.web_read("web_job_event_count", job_id, method="fetchval")
     timeline, previous, first = [], None, None
@@ -889,8 +894,11 @@ async def serve(settings: Settings, host: str, port: int,
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    pool = await db.create_pool(db.resolve_dsn(settings), settings.db_timeout_seconds,
-                                max_size=4)
+    dsn = db.resolve_dsn(settings)
+    # Every value a page shows of a row is scrubbed of these (the store's reads are
+    # ``shown``), in rows written before scrubbing existed too (issue 41).
+    register_secrets(settings, dsn, "web")
+    pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=4)
     try:
         store = OperatorStore(pool, settings.db_timeout_seconds)
         await schema.require_current(store)

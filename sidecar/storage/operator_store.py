@@ -14,9 +14,10 @@ from typing import Any
 
 import asyncpg
 
+from sidecar.protocol.masking import mask_text, mask_url
 from sidecar.storage import db
 from sidecar.storage.queries import Q
-from sidecar.storage.store import JobAccess, Pruning
+from sidecar.storage.store import JobAccess, Pruning, shown, shown_rows
 
 
 class OperatorStore(JobAccess, Pruning):
@@ -91,17 +92,29 @@ class OperatorStore(JobAccess, Pruning):
 
     # --- inspection ---------------------------------------------------------------
 
-    async def job_events(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
-        """The journal of one job, oldest first."""
-        return await self.db.fetch(Q["job_events"], job_id, timeout=self.timeout)
+    async def job_events(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
+        """The journal of one job, oldest first, ``shown`` (secrets scrubbed)."""
+        return shown_rows(await self.db.fetch(Q["job_events"], job_id, timeout=self.timeout))
 
-    async def children(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
-        """The next-stage jobs a job created (P19)."""
-        return await self.db.fetch(Q["children_of_job"], job_id, timeout=self.timeout)
+    async def children(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
+        """The next-stage jobs a job created (P19), ``shown``."""
+        return shown_rows(await self.db.fetch(Q["children_of_job"], job_id,
+                                              timeout=self.timeout))
 
-    async def outbox_of_job(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
-        """The forwarding rows of one job (for ``sidecar show``)."""
-        return await self.db.fetch(Q["outbox_of_job"], job_id, timeout=self.timeout)
+    async def outbox_of_job(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
+        """The forwarding rows of one job (for ``sidecar show`` and the web view),
+        ``shown``, and each RESULT_URL as ``masking.mask_url`` shows it (its credentials
+        ``***``, also where its delivery error quotes them): the row keeps the URL whole
+        for delivery, and the process that shows it rarely knows the workers'
+        RESULT_URL."""
+        rows = shown_rows(await self.db.fetch(Q["outbox_of_job"], job_id,
+                                              timeout=self.timeout))
+        for row in rows:
+            url = row["url"] or ""
+            row["url"] = mask_url(url)
+            if row["last_error"]:
+                row["last_error"] = mask_text(row["last_error"], [url])
+        return rows
 
     async def outbox_redeliver(self, job_id: uuid.UUID, by: str) -> list[int]:
         """Make the dead-lettered outbox rows of ``job_id`` pending again with fresh
@@ -126,10 +139,10 @@ class OperatorStore(JobAccess, Pruning):
                                      by, timeout=self.timeout)
         return row["woken"]
 
-    async def limits(self, tool: str | None = None) -> list[asyncpg.Record]:
+    async def limits(self, tool: str | None = None) -> list[dict[str, Any]]:
         """Every tool with a flow row (or only ``tool``): limits, pause, and its running
-        (live lease) and queued jobs now."""
-        return await self.db.fetch(Q["tool_limits"], tool, timeout=self.timeout)
+        (live lease) and queued jobs now, ``shown`` (a pause reason is free text)."""
+        return shown_rows(await self.db.fetch(Q["tool_limits"], tool, timeout=self.timeout))
 
     async def pause(self, tool: str, reason: str | None, by: str) -> asyncpg.Record:
         """Stop every claim of ``tool`` fleet-wide from now on (running jobs go on),
@@ -146,8 +159,9 @@ class OperatorStore(JobAccess, Pruning):
 
     async def flow_events(self, tool: str | None, limit: int) -> list[asyncpg.Record]:
         """The newest ``limit`` flow changes (of ``tool``, or of every tool), oldest
-        first: ``id, tool, event, at, details``."""
-        return await self.db.fetch(Q["flow_events"], tool, limit, timeout=self.timeout)
+        first: ``id, tool, event, at, details``, ``shown``."""
+        return shown_rows(await self.db.fetch(Q["flow_events"], tool, limit,
+                                              timeout=self.timeout))
 
     # --- the operator's web view (sidecar web, issue 30) --------------------------
 
@@ -155,8 +169,9 @@ class OperatorStore(JobAccess, Pruning):
         """Run the named read ``name`` of the web view in a transaction of its own that
         plans it for its parameters (web_custom_plans; behind a transaction pooler with
         the sidecar's settings too): ``fetch`` rows, ``fetchrow`` one or None, or
-        ``fetchval``. Bounded by ``timeout`` for acquiring and again for the reads
-        (TimeoutError), a connection that failed terminated (as BoundedPool)."""
+        ``fetchval``, each ``shown`` (secrets scrubbed). Bounded by ``timeout`` for
+        acquiring and again for the reads (TimeoutError), a connection that failed
+        terminated (as BoundedPool)."""
         # Bounded end to end as BoundedPool's calls are: a transaction block's ROLLBACK
         # on the way out of a timeout would wait forever on a blackholed path, so the
         # connection is terminated instead (its transaction ends with it).
@@ -171,7 +186,7 @@ class OperatorStore(JobAccess, Pruning):
                 await conn.execute(Q["web_custom_plans"])
                 result = await getattr(conn, method)(Q[name], *args)
                 await conn.execute("COMMIT")
-            return result
+            return shown_rows(result) if method == "fetch" else shown(result)
         except BaseException:
             conn.terminate()
             raise
