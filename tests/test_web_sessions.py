@@ -43,14 +43,14 @@ class Web:
         kit.stop_process(self.proc)
 
 
-def start_web(dsn: str, tmp: Path, port: int | None = None) -> Web:
+def start_web(dsn: str, tmp: Path, port: int | None = None, *extra: str) -> Web:
     token_file = tmp / "tokens"
     token_file.write_text(f"alice {ALICE}\n")
     port = port or kit.free_port()
     log = tmp / f"web-{port}-{len(list(tmp.glob('web-*.log')))}.log"
     with open(log, "wb") as out:
         proc = subprocess.Popen([sys.executable, "-m", "sidecar", "web", "--listen",
-                                 f"127.0.0.1:{port}"],
+                                 f"127.0.0.1:{port}", *extra],
                                 env=kit.base_env(dsn, SIDECAR_WEB_TOKEN_FILE=str(token_file)),
                                 stdout=out, stderr=out)
     kit.wait_until(lambda: proc.poll() is not None
@@ -197,6 +197,36 @@ def test_one_token_failing_from_many_sources_is_locked(webs):
     assert [(e["scope"], e["token_sha256"]) for e in events] == [
         ("token", hashlib.sha256(guess.encode()).hexdigest()[:16])]
     assert (lockouts(first, "token") or 0) + (lockouts(second, "token") or 0) == 1
+
+
+@pytest.mark.e2e
+def test_a_trusted_proxy_names_the_source_and_only_its_nearest_hop_counts(dsn, tmp_path):
+    """With --trusted-proxy, the right-most X-Forwarded-For address that is not a trusted
+    proxy is the source (what the proxy saw): a client cannot pick its source by writing
+    addresses to the left of it."""
+    proxy, client, other = "127.0.0.5", "198.51.100.7", "198.51.100.8"
+    server = start_web(dsn, tmp_path, None, "--trusted-proxy", proxy)
+    try:
+        for n in range(ALLOWED):
+            status, _, _ = request(server, "POST", "/login", source=proxy,
+                                   fields={"token": f"wrong-{n}"},
+                                   headers={"X-Forwarded-For": f"10.9.9.{n}, {client}"})
+            assert status == 401, n
+        status, _, _ = request(server, "POST", "/login", source=proxy,
+                               fields={"token": ALICE},
+                               headers={"X-Forwarded-For": client})
+        assert status == 429
+        status, _, _ = request(server, "POST", "/login", source=proxy,
+                               fields={"token": ALICE},
+                               headers={"X-Forwarded-For": f"{client}, {other}"})
+        assert status == 303
+        assert [e["source"] for e in locked_events(server)] == [client]
+    finally:
+        server.stop()
+    done = kit.cli(dsn, "web", "--trusted-proxy", "not-an-address")
+    assert done.returncode == 2
+    assert kit.one_line_error(done).startswith("sidecar: error: --trusted-proxy 'not-an"), \
+        done.stderr.decode()
 
 
 # --- the bounds of both tables (the statements, no web process) -----------------------------

@@ -164,6 +164,7 @@ class WebState:
     allowed_hosts: frozenset[str]
     templates: jinja2.Environment
     metrics: WebMetrics
+    trusted_proxies: tuple[IPNetwork, ...] = ()
 
 
 class WebMetrics:
@@ -312,20 +313,58 @@ def _sha256(text: str) -> bytes:
     return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
 
 
+# The longest X-Forwarded-For read from a trusted proxy (longer: the peer is the source).
+MAX_FORWARDED_CHARS = 2000
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _address(text: str) -> IPAddress | None:
+    """An IP address (an IPv4-mapped IPv6 one as IPv4; a zone dropped), None otherwise."""
+    try:
+        address = ipaddress.ip_address(text.strip().split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def parse_trusted_proxy(text: str) -> IPNetwork:
+    """A ``--trusted-proxy`` value: an IP address or network (``10.0.0.0/8``); UsageError
+    (exit 2) naming the option and the fix otherwise."""
+    try:
+        return ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        raise UsageError(f"--trusted-proxy {text[:80]!r}: give an IP address or network, "
+                         "e.g. 10.0.0.0/8 (the proxy in front of sidecar web)") from None
+
+
 def source_of(request: web.Request) -> str:
-    """The source a failed login is counted against: the peer's address (an IPv6 one by
-    its /64, which one host commonly holds whole; an IPv4-mapped one as IPv4), never a
-    header (X-Forwarded-For is not trusted). ``unknown`` when the transport has none."""
+    """The source a failed login is counted against: the peer's address, an IPv6 one by
+    its /64 (which one host commonly holds whole), an IPv4-mapped one as IPv4. A header
+    is believed only from a proxy of ``--trusted-proxy`` (WebState.trusted_proxies;
+    none by default): then the source is the right-most X-Forwarded-For address that is
+    not itself a trusted proxy (what the nearest proxy saw; a client writes what it
+    likes to the left of it). ``unknown`` when the transport has no peer."""
     peer = request.transport.get_extra_info("peername") if request.transport else None
     if not peer:
         return "unknown"
-    try:
-        address = ipaddress.ip_address(str(peer[0]).split("%", 1)[0])
-    except ValueError:
+    address = _address(str(peer[0]))
+    if address is None:
         return str(peer[0])[:100] or "unknown"
+    trusted = request.app[STATE].trusted_proxies
+    if trusted and any(address in net for net in trusted):
+        forwarded = ",".join(request.headers.getall("X-Forwarded-For", []))
+        if len(forwarded) <= MAX_FORWARDED_CHARS:
+            for item in reversed(forwarded.split(",")):
+                hop = _address(item)
+                if hop is None:
+                    break
+                address = hop
+                if not any(hop in net for net in trusted):
+                    break
     if isinstance(address, ipaddress.IPv6Address):
-        if address.ipv4_mapped is not None:
-            return str(address.ipv4_mapped)
         return str(ipaddress.IPv6Network((address, 64), strict=False))
     return str(address)
 
@@ -835,14 +874,16 @@ def _as_response(exc: web.HTTPException) -> web.Response:
 
 
 def make_app(store: OperatorStore, settings: Settings, admin_tokens: dict[str, str] | None,
-             allowed_hosts: tuple[str, ...] = ()) -> web.Application:
+             allowed_hosts: tuple[str, ...] = (),
+             trusted_proxies: tuple[IPNetwork, ...] = ()) -> web.Application:
     """The web view's aiohttp application on ``store`` (its schema checked). ``admin_tokens``:
     ``{token: principal}`` (sidecar.runtime.tokens.load_tokens), None for a read-only server;
     ``allowed_hosts``: Host headers accepted besides loopback (``name``, ``name:port``
-    or ``name:*``)."""
+    or ``name:*``); ``trusted_proxies``: the proxies whose X-Forwarded-For names the
+    source of a failed login (``source_of``; none: the peer is the source)."""
     app = web.Application(middlewares=[guard_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE] = WebState(store, settings, admin_tokens, frozenset(allowed_hosts),
-                          make_templates(), WebMetrics())
+                          make_templates(), WebMetrics(), tuple(trusted_proxies))
     app.router.add_get("/", _root)
     app.router.add_get("/tools", tools_page)
     app.router.add_get("/running", running_page)
@@ -885,10 +926,11 @@ def check_exposure(host: str, admin_tokens: dict[str, str] | None) -> None:
 
 async def serve(settings: Settings, host: str, port: int,
                 admin_tokens: dict[str, str] | None,
-                allowed_hosts: tuple[str, ...] = ()) -> int:
+                allowed_hosts: tuple[str, ...] = (),
+                trusted_proxies: tuple[IPNetwork, ...] = ()) -> int:
     """Check the schema (SchemaMismatch before listening when it is older than this
     sidecar or missing; the web view never migrates), serve the web view until SIGTERM
-    or SIGINT, return 0. Prints
+    or SIGINT, return 0 (``trusted_proxies`` as make_app's). Prints
     ``sidecar: web listening on http://HOST:PORT`` on stderr once it serves, and logs
     ``web_started``."""
     stop = asyncio.Event()
@@ -902,7 +944,8 @@ async def serve(settings: Settings, host: str, port: int,
     try:
         store = OperatorStore(pool, settings.db_timeout_seconds)
         await schema.require_current(store)
-        runner = web.AppRunner(make_app(store, settings, admin_tokens, allowed_hosts),
+        runner = web.AppRunner(make_app(store, settings, admin_tokens, allowed_hosts,
+                                        trusted_proxies),
                                access_log=None, shutdown_timeout=5)
         await runner.setup()
         try:
