@@ -229,6 +229,25 @@ def test_a_trusted_proxy_names_the_source_and_only_its_nearest_hop_counts(dsn, t
         done.stderr.decode()
 
 
+@pytest.mark.unit
+@pytest.mark.parametrize(("peer", "forwarded", "trusted", "want"), [
+    ("127.0.0.2", "203.0.113.9", (), "127.0.0.2"),                 # not believed by default
+    ("2001:db8:1:2:3:4:5:6", "", (), "2001:db8:1:2::/64"),          # one host's /64
+    ("::ffff:192.0.2.1", "", (), "192.0.2.1"),                      # IPv4-mapped
+    ("10.0.0.1", "203.0.113.9", ("10.0.0.0/8",), "203.0.113.9"),
+    ("10.0.0.1", "1.1.1.1, 203.0.113.9, 10.0.0.2", ("10.0.0.0/8",), "203.0.113.9"),
+    ("10.0.0.1", "junk, 203.0.113.9", ("10.0.0.0/8",), "203.0.113.9"),
+    ("10.0.0.1", "203.0.113.9, junk", ("10.0.0.0/8",), "10.0.0.1"),  # no address: the peer
+    ("10.0.0.1", "10.0.0.3", ("10.0.0.0/8",), "10.0.0.3"),          # proxies all the way
+    ("10.0.0.1", "1.1.1.1," * 400, ("10.0.0.0/8",), "10.0.0.1"),     # over-long: the peer
+    ("192.0.2.5", "203.0.113.9", ("10.0.0.0/8",), "192.0.2.5"),      # not from the proxy
+    (None, "", (), "unknown"),
+])
+def test_the_source_of_a_login(peer, forwarded, trusted, want):
+    networks = tuple(web.parse_trusted_proxy(t) for t in trusted)
+    assert web.source(peer, forwarded, networks) == want
+
+
 # --- the bounds of both tables (the statements, no web process) -----------------------------
 
 @pytest.mark.database

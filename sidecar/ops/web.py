@@ -341,29 +341,37 @@ def parse_trusted_proxy(text: str) -> IPNetwork:
 
 
 def source_of(request: web.Request) -> str:
-    """The source a failed login is counted against: the peer's address, an IPv6 one by
-    its /64 (which one host commonly holds whole), an IPv4-mapped one as IPv4. A header
-    is believed only from a proxy of ``--trusted-proxy`` (WebState.trusted_proxies;
-    none by default): then the source is the right-most X-Forwarded-For address that is
-    not itself a trusted proxy (what the nearest proxy saw; a client writes what it
-    likes to the left of it). ``unknown`` when the transport has no peer."""
+    """The source a failed login from ``request`` is counted against (``source``: its
+    peer, and X-Forwarded-For from a proxy of ``--trusted-proxy`` only)."""
     peer = request.transport.get_extra_info("peername") if request.transport else None
+    return source(str(peer[0]) if peer else None,
+                  ",".join(request.headers.getall("X-Forwarded-For", [])),
+                  request.app[STATE].trusted_proxies)
+
+
+def source(peer: str | None, forwarded: str, trusted: tuple[IPNetwork, ...]) -> str:
+    """The source of a request from ``peer`` (the socket's address; None: unknown) with
+    the X-Forwarded-For text ``forwarded`` (every such header, joined by commas): the
+    peer's address, an IPv6 one by its /64 (which one host commonly holds whole), an
+    IPv4-mapped one as IPv4. The header is believed only from a proxy in ``trusted``
+    (``--trusted-proxy``; none by default): then the source is the right-most address
+    that is not itself a trusted proxy (what the nearest proxy saw; a client writes what
+    it likes to the left of it), the peer when the header is longer than
+    MAX_FORWARDED_CHARS, up to the first entry that is no address. Pure; never raises."""
     if not peer:
         return "unknown"
-    address = _address(str(peer[0]))
+    address = _address(peer)
     if address is None:
-        return str(peer[0])[:100] or "unknown"
-    trusted = request.app[STATE].trusted_proxies
-    if trusted and any(address in net for net in trusted):
-        forwarded = ",".join(request.headers.getall("X-Forwarded-For", []))
-        if len(forwarded) <= MAX_FORWARDED_CHARS:
-            for item in reversed(forwarded.split(",")):
-                hop = _address(item)
-                if hop is None:
-                    break
-                address = hop
-                if not any(hop in net for net in trusted):
-                    break
+        return peer[:100]
+    if trusted and any(address in net for net in trusted) \
+            and len(forwarded) <= MAX_FORWARDED_CHARS:
+        for item in reversed(forwarded.split(",")):
+            hop = _address(item)
+            if hop is None:
+                break
+            address = hop
+            if not any(hop in net for net in trusted):
+                break
     if isinstance(address, ipaddress.IPv6Address):
         return str(ipaddress.IPv6Network((address, 64), strict=False))
     return str(address)
