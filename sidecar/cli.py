@@ -44,6 +44,7 @@ from sidecar.runtime.config import (
     Settings,
     default_data_dir,
     load_settings,
+    register_secrets,
     validate_tool_name,
 )
 from sidecar.runtime.loop import run_async
@@ -112,6 +113,9 @@ async def open_store(settings: Settings, kind: type[S],
     from sidecar.storage import schema
 
     dsn = dsn or db.resolve_dsn(settings)
+    # What the command shows of stored rows is scrubbed of the secrets it knows, in rows
+    # written before scrubbing existed too (issue 41; the store's reads are ``shown``).
+    register_secrets(settings, dsn, "cli")
     pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=2)
     try:
         store = kind(pool, settings.db_timeout_seconds)
@@ -690,8 +694,9 @@ def cmd_web(args, settings: Settings) -> int:
                          "pip install 'sidecar[web]'") from None
     host, port = parsing.parse_host_port(args.listen, "--listen", web.DEFAULT_LISTEN)
     web.check_exposure(host, admin)
+    proxies = tuple(web.parse_trusted_proxy(text) for text in args.trusted_proxy or ())
     return run_async(settings, web.serve(settings, host, port, admin,
-                                         tuple(args.allowed_host or ())))
+                                         tuple(args.allowed_host or ()), proxies))
 
 
 DEFAULT_MCP_LISTEN = "127.0.0.1:8765"
@@ -1081,6 +1086,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allowed-host", action="append", metavar="HOST[:PORT|:*]",
                    help="a Host header to accept besides loopback (repeatable), e.g. the "
                         "Service's name: sidecar-web:*")
+    p.add_argument("--trusted-proxy", action="append", metavar="ADDRESS[/BITS]",
+                   help="a proxy in front of sidecar web (repeatable): its X-Forwarded-For "
+                        "names the source failed logins are counted against; none by "
+                        "default (the peer's address)")
     p = add("demo", cmd_demo,
             "run the sidecar on real programs and a hung tool, print outcomes")
     p.add_argument("--yes", action="store_true",

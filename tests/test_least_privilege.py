@@ -76,6 +76,13 @@ WRITES: dict[str, set[str]] = {
     **{f"TRUNCATE {table}": set() for table in TABLES},
     "INSERT INTO sidecar_schema_migrations (version, name) VALUES (999, 'x')": set(),
     "DELETE FROM sidecar_schema_repeatables": set(),
+    # the web view's logins (migration 025): its own rows, nobody else's
+    "SELECT * FROM sidecar_web_sessions": {"web"},
+    "DELETE FROM sidecar_web_sessions": {"web"},
+    "INSERT INTO sidecar_web_login_failures (scope, subject, failures) "
+    "VALUES ('source', 'x', 1)":
+        {"web"},
+    "DELETE FROM sidecar_web_login_failures": {"web"},
     "INSERT INTO fence_entities DEFAULT VALUES": set(),
     "SELECT * FROM fence_effects": set(),
     "ALTER TABLE tool_jobs ADD COLUMN x int": set(),
@@ -262,11 +269,23 @@ def test_the_web_role_reads_and_acts_only_through_the_functions(dsn, roles):
             for name, values in args.items():
                 await store.web_read(name, *values)
             done = {"get_job", "outbox_of_job", "children", "cancel",
-                    "retry_when_acknowledged", "pause", "resume"}
+                    "retry_when_acknowledged", "pause", "resume", "web_session",
+                    "web_session_create", "web_session_delete", "web_login_lock",
+                    "web_login_failed"}
             assert calls == done, "a call of web.py this test does not make"
             await store.get_job(job)
             await store.outbox_of_job(job)
             await store.children(job)
+            # its logins (migration 025): sessions and failed-login windows are its rows
+            digest = bytes(32)
+            await store.web_session_create(digest, "alice", "csrf", 60, 20, 1000)
+            assert (await store.web_session(digest))["principal"] == "alice"
+            await store.web_session_delete(digest)
+            assert await store.web_session(digest) is None
+            assert [r["scope"] for r in await store.web_login_failed(
+                "127.0.0.1", "ab" * 32, 300, 1, 60, 100)] in (["source", "token"],
+                                                              ["token", "source"])
+            assert (await store.web_login_lock("127.0.0.1", None))["scope"] == "source"
             assert await store.cancel(job, by="sidecar web (alice)") == {job: "queued"}
             rows, _ = await store.retry_when_acknowledged(failed, None, None,
                                                           "sidecar web (alice)")

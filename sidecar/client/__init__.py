@@ -48,12 +48,14 @@ from sidecar.client import waiting
 from sidecar.client.waiting import JobEnd, JobNotFound, JobProgress
 from sidecar.protocol import enqueue_args, jsontext, parsing
 from sidecar.protocol.errors import SchemaMismatch, UsageError, one_line
+from sidecar.protocol.masking import SECRETS
 from sidecar.protocol.model import RawJson
 from sidecar.runtime.config import (
     POOLER_MODES,
     Settings,
     check_postgres_url,
     load_settings,
+    register_secrets,
     validate_tool_name,
 )
 from sidecar.storage import db, schema
@@ -235,6 +237,7 @@ class Client:
         self._max_connections = max_connections
         self._pool: asyncpg.Pool | None = None
         self._store: CallerStore | None = None
+        self._secret_keys: list = []  # this client's keys in masking.SECRETS
         self.dsn: str | None = None
         self.settings: Settings | None = None
         self.pooler = "none"
@@ -277,6 +280,11 @@ class Client:
         self.dsn, self.settings, self.pooler = dsn, settings, pooler
         self.listen_dsn = listen_dsn
         self._pool, self._store = pool, store
+        # What this client reads back (get, jobs, wait) is scrubbed of the secrets it
+        # knows, in rows written before scrubbing existed too (issue 41).
+        self._secret_keys = register_secrets(
+            dataclasses.replace(settings, listen_database_url=listen_dsn or None), dsn,
+            ("client", id(self)))
 
     async def close(self) -> None:
         """Close the pool (bounded by the statement bound; then its connections are
@@ -284,6 +292,9 @@ class Client:
         pool, self._pool, self._store = self._pool, None, None
         if pool is None:
             return
+        for key in self._secret_keys:
+            SECRETS.discard(key)
+        self._secret_keys = []
         try:
             await asyncio.wait_for(pool.close(), self._timeout)
         except (TimeoutError, *db.DATABASE_ERRORS):

@@ -29,6 +29,7 @@ import asyncpg
 import orjson
 
 from sidecar.protocol.errors import SidecarError
+from sidecar.protocol.masking import SECRETS
 from sidecar.protocol.model import FINISHED_STATES, JobState
 from sidecar.storage import db
 from sidecar.storage.caller_store import CallerStore
@@ -267,6 +268,8 @@ async def _notifications(heard: asyncio.Queue, check_seconds: float
             return
         try:
             note = orjson.loads(payload)
-            yield uuid.UUID(note["id"]), note["state"], note.get("progress")
+            # scrubbed as the rows a waiter reads are (CallerStore.jobs_to_wait_for)
+            yield uuid.UUID(note["id"]), note["state"], SECRETS.scrub_value(
+                note.get("progress"))
         except (ValueError, KeyError, TypeError):
             continue

@@ -9,41 +9,55 @@ clock, progress), ``/jobs`` (filters, keyset pages), ``/jobs/{id}`` (the journal
 timeline, digests, content on request).
 
 Read-only unless SIDECAR_WEB_TOKEN_FILE names admin tokens (sidecar.runtime.tokens): a principal
-logs in with its token (a session cookie, HttpOnly, SameSite=Strict) or sends it as a
-bearer token, and may then cancel, retry, pause and resume, each behind a confirmation
+logs in with its token (a session cookie, HttpOnly, SameSite=Strict; the session is a row of
+sidecar_web_sessions, migration 025, so it outlives this process and works on every
+replica) or sends it as a bearer token, and may then cancel, retry, pause and resume, each
+behind a confirmation
 page, by POST only, with a CSRF token bound to the session, journaled with the principal
 (``by``) through the statements the CLI runs. Everything from the database is escaped
 (jinja2's autoescape); every input is bounded; bad input is a 400 whose one line names
 the field. Security headers on every answer: a CSP without inline script, no framing,
 no-store.
+
+Failed logins (a token that is not one of the file's, on the login form or as a bearer
+token) are counted per source address and per token presented (sidecar_web_login_failures):
+LOGIN_FAILURES_ALLOWED in LOGIN_WINDOW_SECONDS lock that source, or that token, for
+LOGIN_LOCK_SECONDS on every replica (429, even for a good token), each lockout logged
+(``web_login_locked``) and counted (``sidecar_web_login_lockouts_total`` on ``/metrics``).
+The source is the peer's address (an IPv6 one by its /64): X-Forwarded-For is never
+trusted. Every value shown from a row is scrubbed of the secrets this process knows
+(``masking.SECRETS``: its database URL and password, RESULT_URL credentials), as a row
+written before scrubbing existed may hold them (issue 41).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import hashlib
 import hmac
+import ipaddress
 import re
 import secrets
 import signal
 import sys
-import time
 import uuid
-from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from importlib import resources
 from typing import Any
 from urllib.parse import quote, urlencode
 
 import jinja2
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
 from sidecar.protocol import enqueue_args, jsontext, parsing
 from sidecar.protocol.errors import ConfigError, SidecarError, UsageError
+from sidecar.protocol.masking import SECRETS
 from sidecar.protocol.model import JobState
 from sidecar.runtime import log as log_mod
 from sidecar.runtime import tokens
-from sidecar.runtime.config import Settings, validate_tool_name
+from sidecar.runtime.config import Settings, register_secrets, validate_tool_name
 from sidecar.storage import db, schema
 from sidecar.storage.operator_store import OperatorStore
 
@@ -70,7 +84,17 @@ MAX_EVENT_CHARS = 1000
 KIND = re.compile(r"[a-z0-9_]{1,64}")
 SESSION_COOKIE = "sidecar_web_session"
 SESSION_SECONDS = 8 * 3600
+# Sessions kept (sidecar_web_sessions): at most this many per principal and in all; a
+# login beyond either ends the oldest.
+MAX_SESSIONS_PER_PRINCIPAL = 20
 MAX_SESSIONS = 1000
+# Failed logins: this many in a window of LOGIN_WINDOW_SECONDS (from the first) lock the
+# source, or the token presented, for LOGIN_LOCK_SECONDS; the failures table keeps at most
+# MAX_FAILURE_ROWS rows.
+LOGIN_FAILURES_ALLOWED = 10
+LOGIN_WINDOW_SECONDS = 300
+LOGIN_LOCK_SECONDS = 300
+MAX_FAILURE_ROWS = 10_000
 STATES = tuple(state.value for state in JobState)
 
 # Every answer carries these (no inline script or style: the CSP forbids both).
@@ -117,31 +141,57 @@ class BadInput(SidecarError):
     exit_code = 2
 
 
-@dataclass
+@dataclass(frozen=True)
 class Session:
-    """One logged-in browser: its principal, the CSRF token its forms carry, and when it
-    ends (time.monotonic seconds)."""
+    """One logged-in browser, as its row in sidecar_web_sessions says: its principal, the
+    CSRF token its forms carry, and the sha256 of its cookie's key (the row's key)."""
 
     principal: str
     csrf: str
-    expires: float
+    key_sha256: bytes
 
 
 @dataclass
 class WebState:
-    """What every handler of one server shares: the store, the settings (for the stage
-    deadline of each tool's profile), the admin tokens (None: read-only), the sessions,
-    the Host headers accepted besides loopback, and the templates."""
+    """What every handler of one server shares: the store (sessions and failed logins
+    live in its database), the settings (for the stage deadline of each tool's profile),
+    the admin tokens (None: read-only), the Host headers accepted besides loopback, the
+    templates and the metrics this process serves on ``/metrics``."""
 
     store: OperatorStore
     settings: Settings
     tokens: dict[str, str] | None
     allowed_hosts: frozenset[str]
     templates: jinja2.Environment
-    sessions: OrderedDict[str, Session] = field(default_factory=OrderedDict)
+    metrics: WebMetrics
+    trusted_proxies: tuple[IPNetwork, ...] = ()
+
+
+class WebMetrics:
+    """The web view's own counters, in a registry of their own (``/metrics`` of ``sidecar
+    web`` shows these, not the sidecar's): ``sidecar_web_login_failures_total`` and
+    ``sidecar_web_login_lockouts_total`` by ``scope`` (source or token), both scopes at
+    zero from the start."""
+
+    SCOPES = ("source", "token")
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.failures = Counter("sidecar_web_login_failures",
+                                "Failed logins of this web view (a token that is not one "
+                                "of SIDECAR_WEB_TOKEN_FILE's, on the form or as a bearer "
+                                "token).", registry=self.registry)
+        self.lockouts = Counter("sidecar_web_login_lockouts",
+                                "Lockouts after too many failed logins, by scope: source "
+                                "(the peer address) or token (one token presented).",
+                                ("scope",), registry=self.registry)
+        for scope in self.SCOPES:
+            self.lockouts.labels(scope)
 
 
 STATE = web.AppKey("state", WebState)
+# Who sent a request (principal, session), worked out once by the middleware.
+WHO = web.RequestKey("who", tuple)
 
 
 # --- inputs ---------------------------------------------------------------------------------
@@ -259,32 +309,151 @@ async def _form(request: web.Request) -> dict[str, str]:
 
 # --- who is asking --------------------------------------------------------------------------
 
-def _session(request: web.Request) -> Session | None:
+def _sha256(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+# The longest X-Forwarded-For read from a trusted proxy (longer: the peer is the source).
+MAX_FORWARDED_CHARS = 2000
+IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def _address(text: str) -> IPAddress | None:
+    """An IP address (an IPv4-mapped IPv6 one as IPv4; a zone dropped), None otherwise."""
+    try:
+        address = ipaddress.ip_address(text.strip().split("%", 1)[0])
+    except ValueError:
+        return None
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    return address
+
+
+def parse_trusted_proxy(text: str) -> IPNetwork:
+    """A ``--trusted-proxy`` value: an IP address or network (``10.0.0.0/8``); UsageError
+    (exit 2) naming the option and the fix otherwise."""
+    try:
+        return ipaddress.ip_network(text.strip(), strict=False)
+    except ValueError:
+        raise UsageError(f"--trusted-proxy {text[:80]!r}: give an IP address or network, "
+                         "e.g. 10.0.0.0/8 (the proxy in front of sidecar web)") from None
+
+
+def source_of(request: web.Request) -> str:
+    """The source a failed login from ``request`` is counted against (``source``: its
+    peer, and X-Forwarded-For from a proxy of ``--trusted-proxy`` only)."""
+    peer = request.transport.get_extra_info("peername") if request.transport else None
+    return source(str(peer[0]) if peer else None,
+                  ",".join(request.headers.getall("X-Forwarded-For", [])),
+                  request.app[STATE].trusted_proxies)
+
+
+def source(peer: str | None, forwarded: str, trusted: tuple[IPNetwork, ...]) -> str:
+    """The source of a request from ``peer`` (the socket's address; None: unknown) with
+    the X-Forwarded-For text ``forwarded`` (every such header, joined by commas): the
+    peer's address, an IPv6 one by its /64 (which one host commonly holds whole), an
+    IPv4-mapped one as IPv4. The header is believed only from a proxy in ``trusted``
+    (``--trusted-proxy``; none by default): then the source is the right-most address
+    that is not itself a trusted proxy (what the nearest proxy saw; a client writes what
+    it likes to the left of it), the peer when the header is longer than
+    MAX_FORWARDED_CHARS, up to the first entry that is no address. Pure; never raises."""
+    if not peer:
+        return "unknown"
+    address = _address(peer)
+    if address is None:
+        return peer[:100]
+    if trusted and any(address in net for net in trusted) \
+            and len(forwarded) <= MAX_FORWARDED_CHARS:
+        for item in reversed(forwarded.split(",")):
+            hop = _address(item)
+            if hop is None:
+                break
+            address = hop
+            if not any(hop in net for net in trusted):
+                break
+    if isinstance(address, ipaddress.IPv6Address):
+        return str(ipaddress.IPv6Network((address, 64), strict=False))
+    return str(address)
+
+
+async def _session(request: web.Request) -> Session | None:
+    """The live session of the request's cookie (its row in sidecar_web_sessions), None
+    without one; a session whose principal is no longer in the token file is none."""
     state = request.app[STATE]
     key = request.cookies.get(SESSION_COOKIE)
     if not key or len(key) > 100:
         return None
-    found = state.sessions.get(key)
-    if found is None or found.expires < time.monotonic():
+    digest = _sha256(key)
+    row = await state.store.web_session(digest)
+    if row is None or state.tokens is None or row["principal"] not in state.tokens.values():
         return None
-    return found
+    return Session(row["principal"], row["csrf"], digest)
 
 
-def principal(request: web.Request) -> tuple[str | None, Session | None]:
-    """Who sent ``request``: a bearer token's principal (no session), or a logged-in
+def _locked(scope: str, retry_after: int) -> web.HTTPException:
+    """The 429 of a locked source or token: one line and Retry-After."""
+    what = "this address" if scope == "source" else "this token"
+    return web.HTTPTooManyRequests(
+        text=f"too many failed logins from {what}: locked for {retry_after} s more; wait, "
+             "then log in with a token of SIDECAR_WEB_TOKEN_FILE\n",
+        content_type="text/plain", headers={"Retry-After": str(max(retry_after, 1))})
+
+
+async def check_token(request: web.Request, presented: str) -> str | None:
+    """The principal of the token ``presented`` (a login form's or a bearer token), None
+    when it is none of the token file's: that failure is counted for the request's source
+    and for the token (``login_failed``). A source or token that is locked is refused
+    first, a good token too: HTTPTooManyRequests (429, Retry-After)."""
+    state = request.app[STATE]
+    assert state.tokens is not None
+    source, digest = source_of(request), _sha256(presented).hex()
+    lock = await state.store.web_login_lock(source, digest)
+    if lock is not None:
+        raise _locked(lock["scope"], lock["retry_after_s"])
+    # compared whole: a longer one is no token (a prefix must not pass as one)
+    who = None if len(presented) > MAX_PARAM_CHARS else \
+        tokens.principal_of(state.tokens, presented)
+    if who is None:
+        await login_failed(request, source, digest)
+    return who
+
+
+async def login_failed(request: web.Request, source: str, token_sha256: str) -> None:
+    """Count a failed login for ``source`` and the token; each lockout it causes is
+    logged once (``web_login_locked``, warning: scope, source, the token's sha256 prefix,
+    failures, seconds) and counted (``sidecar_web_login_lockouts_total``)."""
+    state = request.app[STATE]
+    state.metrics.failures.inc()
+    rows = await state.store.web_login_failed(
+        source, token_sha256, LOGIN_WINDOW_SECONDS, LOGIN_FAILURES_ALLOWED,
+        LOGIN_LOCK_SECONDS, MAX_FAILURE_ROWS)
+    for row in rows:
+        if row["locked_now"]:
+            state.metrics.lockouts.labels(row["scope"]).inc()
+            log_mod.log.emit("web_login_locked", "warning", scope=row["scope"],
+                             source=source, token_sha256=token_sha256[:16],
+                             failures=row["failures"], window_s=LOGIN_WINDOW_SECONDS,
+                             locked_s=LOGIN_LOCK_SECONDS)
+
+
+async def identify(request: web.Request) -> tuple[str | None, Session | None]:
+    """Who sent ``request``: a bearer token's principal (no session; a wrong one is a
+    failed login, and a locked source or token a 429: check_token), or a logged-in
     session's; ``(None, None)`` for an anonymous reader or a read-only server."""
     state = request.app[STATE]
     if state.tokens is None:
         return None, None
     header = request.headers.get("Authorization", "")
     if header[:7].lower() == "bearer ":
-        # compared whole: a longer header is no token (a prefix must not pass as one)
-        presented = header[7:].strip()
-        if len(presented) > MAX_PARAM_CHARS:
-            return None, None
-        return tokens.principal_of(state.tokens, presented), None
-    found = _session(request)
+        return await check_token(request, header[7:].strip()), None
+    found = await _session(request)
     return (found.principal, found) if found else (None, None)
+
+
+def principal(request: web.Request) -> tuple[str | None, Session | None]:
+    """Who sent ``request`` (``identify``'s answer, worked out once by the middleware)."""
+    return request.get(WHO, (None, None))
 
 
 def _require_admin(request: web.Request, form: dict[str, str]) -> str:
@@ -307,7 +476,8 @@ def _require_admin(request: web.Request, form: dict[str, str]) -> str:
 def _plain(status: int, line: str) -> web.HTTPException:
     """An HTTP error whose body is one line of text."""
     kinds = {400: web.HTTPBadRequest, 401: web.HTTPUnauthorized, 403: web.HTTPForbidden,
-             404: web.HTTPNotFound, 503: web.HTTPServiceUnavailable}
+             404: web.HTTPNotFound, 429: web.HTTPTooManyRequests,
+             503: web.HTTPServiceUnavailable}
     return kinds[status](text=line + "\n", content_type="text/plain")
 
 
@@ -479,6 +649,10 @@ async def job_page(request: web.Request) -> web.Response:
                               "principal only on a server with admin tokens; log in first")
         content = await state.store.web_read("web_job_content", job_id, show,
                                              MAX_CONTENT_CHARS, method="fetchrow")
+        if content is not None and content["text"] is not None \
+                and content["chars"] > MAX_CONTENT_CHARS:
+            # cut by the database: a secret the cut splits is masked too
+            content["text"] = SECRETS.scrub(content["text"], cut_end=True)
     events = await state.store.web_read("web_job_events", job_id, MAX_TIMELINE_EVENTS)
     total = await state.store.web_read("web_job_event_count", job_id, method="fetchval")
     timeline, previous, first = [], None, None
@@ -605,16 +779,15 @@ async def login(request: web.Request) -> web.Response:
     if state.tokens is None:
         raise _plain(403, "read-only: this server has no admin tokens")
     form = await _form(request)
-    who = tokens.principal_of(state.tokens, form.get("token", "").strip())
+    who = await check_token(request, form.get("token", "").strip())
     if who is None:
-        log_mod.log.emit("web_login_refused", "warning", remote=request.remote)
+        log_mod.log.emit("web_login_refused", "warning", remote=source_of(request))
         return _render(request, "login.html", status=401, next=_next(form.get("next")),
                        failed=True)
     key = secrets.token_urlsafe(32)
-    state.sessions[key] = Session(who, secrets.token_urlsafe(32),
-                                  time.monotonic() + SESSION_SECONDS)
-    while len(state.sessions) > MAX_SESSIONS:
-        state.sessions.popitem(last=False)
+    await state.store.web_session_create(_sha256(key), who, secrets.token_urlsafe(32),
+                                         SESSION_SECONDS, MAX_SESSIONS_PER_PRINCIPAL,
+                                         MAX_SESSIONS)
     response = _see_other(_next(form.get("next")))
     response.set_cookie(SESSION_COOKIE, key, max_age=SESSION_SECONDS, httponly=True,
                         samesite="Strict", secure=request.secure, path="/")
@@ -624,10 +797,11 @@ async def login(request: web.Request) -> web.Response:
 
 async def logout(request: web.Request) -> web.Response:
     form = await _form(request)
-    found = _session(request)
+    _, found = principal(request)
     if found is not None and hmac.compare_digest(form.get("csrf", "").encode(),
                                                  found.csrf.encode()):
-        request.app[STATE].sessions.pop(request.cookies.get(SESSION_COOKIE, ""), None)
+        # the row goes: the cookie is no session on any replica from now on
+        await request.app[STATE].store.web_session_delete(found.key_sha256)
     response = _see_other("/tools")
     response.del_cookie(SESSION_COOKIE, path="/")
     return response
@@ -680,6 +854,8 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
                     origin.split("://", 1)[-1] != request.host:
                 raise _plain(403, "Origin: a form of another site; actions are taken from "
                                   "this server's own pages only")
+        if not request.path.startswith("/static/"):
+            request[WHO] = await identify(request)
         response = await handler(request)
     except BadInput as exc:
         response = _as_response(_plain(400, exc.message))
@@ -706,14 +882,16 @@ def _as_response(exc: web.HTTPException) -> web.Response:
 
 
 def make_app(store: OperatorStore, settings: Settings, admin_tokens: dict[str, str] | None,
-             allowed_hosts: tuple[str, ...] = ()) -> web.Application:
+             allowed_hosts: tuple[str, ...] = (),
+             trusted_proxies: tuple[IPNetwork, ...] = ()) -> web.Application:
     """The web view's aiohttp application on ``store`` (its schema checked). ``admin_tokens``:
     ``{token: principal}`` (sidecar.runtime.tokens.load_tokens), None for a read-only server;
     ``allowed_hosts``: Host headers accepted besides loopback (``name``, ``name:port``
-    or ``name:*``)."""
+    or ``name:*``); ``trusted_proxies``: the proxies whose X-Forwarded-For names the
+    source of a failed login (``source_of``; none: the peer is the source)."""
     app = web.Application(middlewares=[guard_middleware], client_max_size=MAX_BODY_BYTES)
     app[STATE] = WebState(store, settings, admin_tokens, frozenset(allowed_hosts),
-                          make_templates())
+                          make_templates(), WebMetrics(), tuple(trusted_proxies))
     app.router.add_get("/", _root)
     app.router.add_get("/tools", tools_page)
     app.router.add_get("/running", running_page)
@@ -727,7 +905,15 @@ def make_app(store: OperatorStore, settings: Settings, admin_tokens: dict[str, s
     app.router.add_post("/login", login)
     app.router.add_post("/logout", logout)
     app.router.add_get("/static/{name}", static)
+    app.router.add_get("/metrics", metrics_page)
     return app
+
+
+async def metrics_page(request: web.Request) -> web.Response:
+    """The web view's own counters (WebMetrics) in Prometheus' text format."""
+    response = web.Response(body=generate_latest(request.app[STATE].metrics.registry))
+    response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+    return response
 
 
 async def _root(request: web.Request) -> web.Response:
@@ -748,21 +934,26 @@ def check_exposure(host: str, admin_tokens: dict[str, str] | None) -> None:
 
 async def serve(settings: Settings, host: str, port: int,
                 admin_tokens: dict[str, str] | None,
-                allowed_hosts: tuple[str, ...] = ()) -> int:
+                allowed_hosts: tuple[str, ...] = (),
+                trusted_proxies: tuple[IPNetwork, ...] = ()) -> int:
     """Check the schema (SchemaMismatch before listening when it is older than this
     sidecar or missing; the web view never migrates), serve the web view until SIGTERM
-    or SIGINT, return 0. Prints
+    or SIGINT, return 0 (``trusted_proxies`` as make_app's). Prints
     ``sidecar: web listening on http://HOST:PORT`` on stderr once it serves, and logs
     ``web_started``."""
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-    pool = await db.create_pool(db.resolve_dsn(settings), settings.db_timeout_seconds,
-                                max_size=4)
+    dsn = db.resolve_dsn(settings)
+    # Every value a page shows of a row is scrubbed of these (the store's reads are
+    # ``shown``), in rows written before scrubbing existed too (issue 41).
+    register_secrets(settings, dsn, "web")
+    pool = await db.create_pool(dsn, settings.db_timeout_seconds, max_size=4)
     try:
         store = OperatorStore(pool, settings.db_timeout_seconds)
         await schema.require_current(store)
-        runner = web.AppRunner(make_app(store, settings, admin_tokens, allowed_hosts),
+        runner = web.AppRunner(make_app(store, settings, admin_tokens, allowed_hosts,
+                                        trusted_proxies),
                                access_log=None, shutdown_timeout=5)
         await runner.setup()
         try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import unquote, urlsplit
@@ -20,7 +20,7 @@ from urllib.parse import unquote, urlsplit
 from sidecar.protocol import parsing
 from sidecar.protocol.enqueue_args import MAX_ATTEMPTS_LIMIT
 from sidecar.protocol.errors import ConfigError, SidecarError
-from sidecar.protocol.masking import mask_url, url_secrets
+from sidecar.protocol.masking import SECRETS, mask_url, url_secrets
 from sidecar.protocol.model import (
     PROFILE_FIELD_NAMES,
     LeaseProfile,
@@ -590,6 +590,21 @@ def secret_values(settings: Settings, dsn: str) -> dict[str, list[str]]:
     found["result_url_credential"] = [piece for url in urls if url
                                       for piece in _decoded(url_secrets(str(url)))]
     return {label: values for label, values in found.items() if values}
+
+
+def register_secrets(settings: Settings, dsn: str, owner: Hashable) -> list[Hashable]:
+    """Add every secret value of these settings (``secret_values``) to the process-wide
+    ``masking.SECRETS``, each label under the key ``(owner, label)``, and return those keys
+    (``SECRETS.discard`` each to forget them). Every process that writes or shows rows
+    registers what it knows: the worker (what it writes is scrubbed, issue 25), and the
+    readers that show stored rows to a person or a caller (``sidecar show``, ``events``,
+    ``jobs``, ``wait``, ``sidecar web``, sidecar.client and so the MCP gateway: rows
+    written before scrubbing existed are scrubbed on display, issue 41)."""
+    keys: list[Hashable] = []
+    for label, values in secret_values(settings, dsn).items():
+        keys.append((owner, label))
+        SECRETS.add(keys[-1], label, values)
+    return keys
 
 
 def _decoded(pieces: list[str]) -> list[str]:

@@ -17,7 +17,7 @@ from sidecar.protocol.errors import IdempotencyConflict, UsageError
 from sidecar.protocol.model import RawJson
 from sidecar.storage import db
 from sidecar.storage.queries import Q
-from sidecar.storage.store import JobAccess, check_producer_key
+from sidecar.storage.store import JobAccess, check_producer_key, shown_rows
 
 
 class CallerStore(JobAccess):
@@ -82,9 +82,11 @@ class CallerStore(JobAccess):
 
     @staticmethod
     async def jobs_to_wait_for(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID],
-                               timeout: float) -> list[asyncpg.Record]:
+                               timeout: float) -> list[dict[str, Any]]:
         """``id, state, attempt, result, error, progress`` of each job of ``job_ids`` that
         exists, on the caller's own connection (the waiter's, which LISTENs first:
-        sidecar.client.waiting). Bounded by ``timeout`` seconds."""
+        sidecar.client.waiting), ``shown`` (secrets scrubbed: what a waiter prints or
+        returns). Bounded by ``timeout`` seconds."""
         ids = [str(job_id) for job_id in job_ids]
-        return await db.run(conn, "fetch", Q["jobs_to_wait_for"], ids, timeout=timeout)
+        return shown_rows(await db.run(conn, "fetch", Q["jobs_to_wait_for"], ids,
+                                       timeout=timeout))

@@ -14,9 +14,10 @@ from typing import Any
 
 import asyncpg
 
+from sidecar.protocol.masking import mask_text, mask_url
 from sidecar.storage import db
 from sidecar.storage.queries import Q
-from sidecar.storage.store import JobAccess, Pruning
+from sidecar.storage.store import JobAccess, Pruning, shown, shown_rows
 
 
 class OperatorStore(JobAccess, Pruning):
@@ -97,17 +98,29 @@ class OperatorStore(JobAccess, Pruning):
 
     # --- inspection ---------------------------------------------------------------
 
-    async def job_events(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
-        """The journal of one job, oldest first."""
-        return await self.db.fetch(Q["job_events"], job_id, timeout=self.timeout)
+    async def job_events(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
+        """The journal of one job, oldest first, ``shown`` (secrets scrubbed)."""
+        return shown_rows(await self.db.fetch(Q["job_events"], job_id, timeout=self.timeout))
 
-    async def children(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
-        """The next-stage jobs a job created (P19)."""
-        return await self.db.fetch(Q["children_of_job"], job_id, timeout=self.timeout)
+    async def children(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
+        """The next-stage jobs a job created (P19), ``shown``."""
+        return shown_rows(await self.db.fetch(Q["children_of_job"], job_id,
+                                              timeout=self.timeout))
 
-    async def outbox_of_job(self, job_id: uuid.UUID) -> list[asyncpg.Record]:
-        """The forwarding rows of one job (for ``sidecar show``)."""
-        return await self.db.fetch(Q["outbox_of_job"], job_id, timeout=self.timeout)
+    async def outbox_of_job(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
+        """The forwarding rows of one job (for ``sidecar show`` and the web view),
+        ``shown``, and each RESULT_URL as ``masking.mask_url`` shows it (its credentials
+        ``***``, also where its delivery error quotes them): the row keeps the URL whole
+        for delivery, and the process that shows it rarely knows the workers'
+        RESULT_URL."""
+        rows = shown_rows(await self.db.fetch(Q["outbox_of_job"], job_id,
+                                              timeout=self.timeout))
+        for row in rows:
+            url = row["url"] or ""
+            row["url"] = mask_url(url)
+            if row["last_error"]:
+                row["last_error"] = mask_text(row["last_error"], [url])
+        return rows
 
     async def outbox_redeliver(self, job_id: uuid.UUID, by: str) -> list[int]:
         """Make the dead-lettered outbox rows of ``job_id`` pending again with fresh
@@ -132,10 +145,10 @@ class OperatorStore(JobAccess, Pruning):
                                      by, timeout=self.timeout)
         return row["woken"]
 
-    async def limits(self, tool: str | None = None) -> list[asyncpg.Record]:
+    async def limits(self, tool: str | None = None) -> list[dict[str, Any]]:
         """Every tool with a flow row (or only ``tool``): limits, pause, and its running
-        (live lease) and queued jobs now."""
-        return await self.db.fetch(Q["tool_limits"], tool, timeout=self.timeout)
+        (live lease) and queued jobs now, ``shown`` (a pause reason is free text)."""
+        return shown_rows(await self.db.fetch(Q["tool_limits"], tool, timeout=self.timeout))
 
     async def pause(self, tool: str, reason: str | None, by: str) -> asyncpg.Record:
         """Stop every claim of ``tool`` fleet-wide from now on (running jobs go on),
@@ -152,8 +165,9 @@ class OperatorStore(JobAccess, Pruning):
 
     async def flow_events(self, tool: str | None, limit: int) -> list[asyncpg.Record]:
         """The newest ``limit`` flow changes (of ``tool``, or of every tool), oldest
-        first: ``id, tool, event, at, details``."""
-        return await self.db.fetch(Q["flow_events"], tool, limit, timeout=self.timeout)
+        first: ``id, tool, event, at, details``, ``shown``."""
+        return shown_rows(await self.db.fetch(Q["flow_events"], tool, limit,
+                                              timeout=self.timeout))
 
     # --- the operator's web view (sidecar web, issue 30) --------------------------
 
@@ -161,8 +175,9 @@ class OperatorStore(JobAccess, Pruning):
         """Run the named read ``name`` of the web view in a transaction of its own that
         plans it for its parameters (web_custom_plans; behind a transaction pooler with
         the sidecar's settings too): ``fetch`` rows, ``fetchrow`` one or None, or
-        ``fetchval``. Bounded by ``timeout`` for acquiring and again for the reads
-        (TimeoutError), a connection that failed terminated (as BoundedPool)."""
+        ``fetchval``, each ``shown`` (secrets scrubbed). Bounded by ``timeout`` for
+        acquiring and again for the reads (TimeoutError), a connection that failed
+        terminated (as BoundedPool)."""
         # Bounded end to end as BoundedPool's calls are: a transaction block's ROLLBACK
         # on the way out of a timeout would wait forever on a blackholed path, so the
         # connection is terminated instead (its transaction ends with it).
@@ -177,9 +192,47 @@ class OperatorStore(JobAccess, Pruning):
                 await conn.execute(Q["web_custom_plans"])
                 result = await getattr(conn, method)(Q[name], *args)
                 await conn.execute("COMMIT")
-            return result
+            return shown_rows(result) if method == "fetch" else shown(result)
         except BaseException:
             conn.terminate()
             raise
         finally:
             await self.pool.release(conn, timeout=self.timeout)
+
+    # --- the web view's sessions and failed logins (issue 41, migration 025) ---------
+
+    async def web_session_create(self, key_sha256: bytes, principal: str, csrf: str,
+                                 seconds: float, per_principal: int, total: int) -> None:
+        """Store a session of ``principal`` (only the sha256 of its key, 32 bytes) with
+        its CSRF token, ending ``seconds`` from now by the database's clock; expired
+        sessions go first, then the oldest beyond ``per_principal`` of the principal's and
+        ``total`` in all (this one counted)."""
+        await self.db.execute(Q["web_session_create"], key_sha256, principal, csrf,
+                              seconds, per_principal, total, timeout=self.timeout)
+
+    async def web_session(self, key_sha256: bytes) -> asyncpg.Record | None:
+        """The live session whose key hashes to ``key_sha256``: ``principal, csrf``, or
+        None (none, or expired)."""
+        return await self.db.fetchrow(Q["web_session_get"], key_sha256,
+                                      timeout=self.timeout)
+
+    async def web_session_delete(self, key_sha256: bytes) -> None:
+        """Delete the session whose key hashes to ``key_sha256`` (logging out)."""
+        await self.db.execute(Q["web_session_delete"], key_sha256, timeout=self.timeout)
+
+    async def web_login_lock(self, source: str, token_sha256: str | None
+                             ) -> asyncpg.Record | None:
+        """The lock on ``source`` or on the token whose sha256 (hex) is ``token_sha256``:
+        ``scope`` ('source' or 'token') and ``retry_after_s`` (whole seconds), or None."""
+        return await self.db.fetchrow(Q["web_login_lock"], source, token_sha256,
+                                      timeout=self.timeout)
+
+    async def web_login_failed(self, source: str, token_sha256: str, window_s: float,
+                               allowed: int, lock_s: float, max_rows: int
+                               ) -> list[asyncpg.Record]:
+        """Count one failed login for ``source`` and for the token hash in a window of
+        ``window_s`` seconds; the ``allowed``-th failure of a window locks its subject for
+        ``lock_s`` seconds; at most ``max_rows`` rows are kept. Returns ``scope,
+        failures, locked_now`` per subject (locked_now: this failure locked it)."""
+        return await self.db.fetch(Q["web_login_failed"], source, token_sha256, window_s,
+                                   allowed, lock_s, max_rows, timeout=self.timeout)

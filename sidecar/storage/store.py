@@ -12,6 +12,11 @@ Each end of the queue constructs the store of its audience and nothing else:
 ``jobs``,
 ``show``, flow control, retry, ``prune``, ``migrate``); tests/test_import_graph.py holds them
 apart.
+
+Every read that shows stored rows to a person or a caller returns them ``shown``: a row
+written before scrubbing existed (issue 25) may hold a secret, so the secrets this process
+knows (``masking.SECRETS``, registered by ``config.register_secrets``) are scrubbed on
+display too (issue 41), with the registry writes are scrubbed with.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 import asyncpg
 
 from sidecar.protocol.errors import UsageError
+from sidecar.protocol.masking import SECRETS
 from sidecar.storage import db
 from sidecar.storage.queries import Q, Repeatable, migrations, repeatables
 
@@ -198,23 +204,41 @@ class StoreBase:
             return 0
 
 
+def shown(row: Any) -> Any:
+    """A row as a person or a caller is shown it: a dict (an asyncpg.Record's columns)
+    whose every string, in nested JSON values too and keys included, has the secrets this
+    process knows replaced by ``[secret]`` (``masking.SECRETS.scrub_value``; numbers, ids
+    and times as they are, F11's exact numbers too). None stays None; any other value (a
+    ``fetchval``'s) is scrubbed as it is. Never raises."""
+    if row is None:
+        return None
+    if isinstance(row, asyncpg.Record):
+        row = dict(row)
+    return SECRETS.scrub_value(row)
+
+
+def shown_rows(rows: Iterable[Any]) -> list[Any]:
+    """Each of ``rows`` ``shown``."""
+    return [shown(row) for row in rows]
+
+
 class JobAccess(StoreBase):
     """What a caller and an operator both do to jobs: read one, list them, cancel them
     (CallerStore and OperatorStore have it; the worker's store has not)."""
 
     # --- jobs ---------------------------------------------------------------------
 
-    async def get_job(self, job_id: uuid.UUID) -> asyncpg.Record | None:
-        """The whole row of one job, or None."""
-        return await self.db.fetchrow(Q["get_job"], job_id, timeout=self.timeout)
+    async def get_job(self, job_id: uuid.UUID) -> dict[str, Any] | None:
+        """The whole row of one job ``shown`` (secrets scrubbed), or None."""
+        return shown(await self.db.fetchrow(Q["get_job"], job_id, timeout=self.timeout))
 
     async def list_jobs(
         self, state: str | None, tool: str | None, limit: int,
         tags: dict[str, str] | None = None,
-    ) -> list[asyncpg.Record]:
-        """Newest jobs first, filtered by state, tool and tags (all of them)."""
-        return await self.db.fetch(Q["list_jobs"], state, tool, limit, tags or None,
-                                   timeout=self.timeout)
+    ) -> list[dict[str, Any]]:
+        """Newest jobs first, filtered by state, tool and tags (all of them), ``shown``."""
+        return shown_rows(await self.db.fetch(Q["list_jobs"], state, tool, limit,
+                                              tags or None, timeout=self.timeout))
 
     async def cancel(self, job_id: uuid.UUID | None,
                      tags: dict[str, str] | None = None,

@@ -30,7 +30,7 @@ from sidecar.protocol.masking import SECRETS, mask_url
 from sidecar.protocol.model import ClaimedJob, LeaseProfile
 from sidecar.protocol.shortage import ClaimPause
 from sidecar.protocol.vocabulary import AttemptId, FailureKind
-from sidecar.runtime.config import Settings, secret_values
+from sidecar.runtime.config import Settings, register_secrets
 from sidecar.runtime.log import log
 from sidecar.storage import db
 from sidecar.storage.queries import migrations
@@ -152,10 +152,7 @@ class Worker:
                                    draining=self.stopping.is_set)
         # The secrets this sidecar knows, scrubbed from all it writes from now on and
         # refused in results (issue 25); the guard adds each attempt's token.
-        self._secret_keys = []
-        for label, values in secret_values(settings, dsn).items():
-            self._secret_keys.append(("worker", self.owner_id, label))
-            SECRETS.add(self._secret_keys[-1], label, values)
+        self._secret_keys = register_secrets(settings, dsn, ("worker", self.owner_id))
 
     def request_stop(self, reason: str = "requested") -> None:
         """First call: stop claiming and drain, logged as ``stop_requested`` with

@@ -878,3 +878,85 @@ ORDER BY at, id;
 
 -- name: web_job_event_count
 SELECT count(*) FROM tool_job_events WHERE job_id = $1;
+
+-- name: web_session_create
+-- A session of principal $2 (issue 41, migration 025): the sha256 of its key ($1), its CSRF
+-- token ($3), ending $4 seconds from now. Expired sessions are deleted first, and the
+-- oldest beyond $5 - 1 of the principal's and beyond $6 - 1 of all, so that with this one
+-- at most $5 and $6 are kept.
+WITH expired AS (
+    DELETE FROM sidecar_web_sessions WHERE expires_at <= now()
+), over_principal AS (
+    DELETE FROM sidecar_web_sessions WHERE key_sha256 IN (
+        SELECT key_sha256 FROM sidecar_web_sessions WHERE principal = $2
+        ORDER BY created_at DESC, key_sha256 OFFSET greatest($5::int - 1, 0))
+), over_all AS (
+    DELETE FROM sidecar_web_sessions WHERE key_sha256 IN (
+        SELECT key_sha256 FROM sidecar_web_sessions
+        ORDER BY created_at DESC, key_sha256 OFFSET greatest($6::int - 1, 0))
+)
+INSERT INTO sidecar_web_sessions (key_sha256, principal, csrf, expires_at)
+VALUES ($1, $2, $3, now() + make_interval(secs => $4::float8));
+
+-- name: web_session_get
+-- The live session whose key has the sha256 $1: its principal and CSRF token; no row when
+-- there is none or it has expired.
+SELECT principal, csrf FROM sidecar_web_sessions WHERE key_sha256 = $1 AND expires_at > now();
+
+-- name: web_session_delete
+-- Log out: the session whose key has the sha256 $1 is gone, on every replica.
+DELETE FROM sidecar_web_sessions WHERE key_sha256 = $1;
+
+-- name: web_login_lock
+-- The lock, if any, on source $1 or on the token whose sha256 is $2 (NULL: none
+-- presented): the scope locked ('source' or 'token', the later-ending lock) and the whole
+-- seconds it still holds; no row when neither is locked.
+SELECT scope, ceil(extract(epoch FROM locked_until - now()))::int AS retry_after_s
+FROM sidecar_web_login_failures
+WHERE ((scope = 'source' AND subject = $1) OR (scope = 'token' AND subject = $2))
+  AND locked_until > now()
+ORDER BY locked_until DESC
+LIMIT 1;
+
+-- name: web_login_failed
+-- One failed login from source $1 with a token whose sha256 is $2, counted for both in a
+-- window of $3 seconds that starts at the first failure (a window that is over, or a lock
+-- that has ended, starts again at 1); the failure that makes $4 locks its subject for $5
+-- seconds. Rows whose window and lock are over are deleted, and the oldest unlocked rows
+-- beyond $6 in all: the table stays bounded whatever an attacker sends. Returns each
+-- subject counted: its scope, failures in the window, and locked_now (true only for the
+-- failure that locked it, so each lockout is logged and counted once).
+WITH stale AS (
+    DELETE FROM sidecar_web_login_failures
+    WHERE (window_start <= now() - make_interval(secs => $3::float8)
+           OR locked_until <= now())
+      AND (locked_until IS NULL OR locked_until <= now())
+      AND (scope, subject) NOT IN (('source', $1::text), ('token', $2::text))
+), over AS (
+    DELETE FROM sidecar_web_login_failures WHERE (scope, subject) IN (
+        SELECT scope, subject FROM sidecar_web_login_failures
+        WHERE (scope, subject) NOT IN (('source', $1::text), ('token', $2::text))
+        ORDER BY coalesce(locked_until > now(), false) DESC, window_start DESC
+        OFFSET greatest($6::int - 2, 0))
+)
+INSERT INTO sidecar_web_login_failures AS f (scope, subject, failures, locked_until)
+VALUES ('source', $1::text, 1,
+        CASE WHEN $4::int <= 1 THEN now() + make_interval(secs => $5::float8) END),
+       ('token', $2::text, 1,
+        CASE WHEN $4::int <= 1 THEN now() + make_interval(secs => $5::float8) END)
+ON CONFLICT (scope, subject) DO UPDATE SET
+    window_start = CASE WHEN f.window_start <= now() - make_interval(secs => $3::float8)
+                             OR f.locked_until <= now() THEN now()
+                        ELSE f.window_start END,
+    failures = CASE WHEN f.window_start <= now() - make_interval(secs => $3::float8)
+                         OR f.locked_until <= now() THEN 1
+                    ELSE f.failures + 1 END,
+    locked_until = CASE
+        WHEN (CASE WHEN f.window_start <= now() - make_interval(secs => $3::float8)
+                        OR f.locked_until <= now() THEN 1
+                   ELSE f.failures + 1 END) = $4::int
+            THEN now() + make_interval(secs => $5::float8)
+        WHEN f.window_start <= now() - make_interval(secs => $3::float8)
+             OR f.locked_until <= now() THEN NULL
+        ELSE f.locked_until END
+RETURNING scope, failures, failures = $4::int AS locked_now;

@@ -131,9 +131,8 @@ UNION ALL
 -- tool_job_cancel, tool_job_retry, tool_flow_pause and tool_flow_resume. No write on any
 -- table of the queue, no claim, no limits (`sidecar limit` is the owner's or the worker
 -- role's), not the fence_* tables or the demand.
--- GRANTS FOR THE WEB VIEW'S SESSIONS GO HERE (issue 41: tables sidecar_web_sessions and
--- sidecar_web_login_failures, added by another point's migration 025; the lead adds them
--- at merge: SELECT, INSERT, UPDATE, DELETE ON TABLE of both, nothing more).
+-- Its logins (issue 41, point 5; migration 025): the sessions and failed-login windows are
+-- rows every replica reads and writes (SELECT, INSERT, UPDATE, DELETE on those two only).
 SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
@@ -141,6 +140,10 @@ SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
               '%I.tool_job_outbox, %I.tool_flow, %I.tool_idle_sidecars TO %I',
               current_schema(), current_schema(), current_schema(), current_schema(),
               current_schema(), current_schema(), current_schema(), $1::text)
+UNION ALL
+SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.sidecar_web_sessions, '
+              '%I.sidecar_web_login_failures TO %I', current_schema(), current_schema(),
+              $1::text)
 UNION ALL
 (SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, $1::text)
  FROM pg_proc p
