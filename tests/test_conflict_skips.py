@@ -37,6 +37,8 @@ updating this list):
 - ``queries.sql`` ``set_tool_limits`` and ``functions/actions.sql`` ``tool_flow_pause``
   (behind ``pause_tool``): ``ON CONFLICT (tool) DO UPDATE``: never skip; they change the
   existing flow row, journaled.
+- ``queries.sql`` ``web_login_failed``: ``ON CONFLICT (scope, subject) DO UPDATE``: never
+  skips; a failure counts on the subject's existing window.
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ AUDITED = {
     ("storage/sql/functions/claim.sql", "?"),  # key bucket
     ("storage/sql/queries.sql", "set_tool_limits"),
     ("storage/sql/functions/actions.sql", "?"),  # tool_flow_pause
+    ("storage/sql/queries.sql", "web_login_failed"),
     # a concurrent first sample made the tool's sweep row: the turn is that sample's
     ("storage/sql/queries.sql", "sample_tool"),
 }

@@ -278,7 +278,7 @@ def test_the_web_role_reads_and_acts_only_through_the_functions(dsn, roles):
             await store.children(job)
             # its logins (migration 025): sessions and failed-login windows are its rows
             digest = bytes(32)
-            await store.web_session_create(digest, "alice", "csrf", 60, 20, 1000)
+            await store.web_session_create(digest, "alice", "c" * 32, 60, 20, 1000)
             assert (await store.web_session(digest))["principal"] == "alice"
             await store.web_session_delete(digest)
             assert await store.web_session(digest) is None
