@@ -96,8 +96,7 @@ WITH exhausted AS (
     WHERE id IN (
         SELECT id FROM tool_jobs
         WHERE tool = $1 AND state = 'running' AND lease_until < now()
-          AND attempt >= max_attempts
-          AND NOT tool_job_expiry_refunded(tool_jobs)
+          AND NOT tool_job_attempt_left(tool_jobs, NULL)  -- claimable.sql
         FOR UPDATE SKIP LOCKED)
     RETURNING id, fencing_token, owner_id, attempt
 ), journal AS (
@@ -158,6 +157,9 @@ SELECT id, tool, fencing_token, attempt FROM expired;
 -- concurrency keys) claims through tool_job_claim_flow instead, which enforces them; this
 -- statement's own parts then do nothing (one-time filters). blocked and retry_in say why
 -- that claim took nothing: NULL here, and on every row that holds a job.
+-- Issue 41: which rows may be taken is said once, in claimable.sql (tool_job_queued_due,
+-- tool_job_lease_retakeable), which the scaler's demand counts with; the planner inlines
+-- them, so each part still reads its partial index.
 -- Issue 28 (migration 017): up to $6 jobs (the sidecar's free slots; NULL or less than 1
 -- counts as 1) in this one statement, each with its own token, attempt, lease and
 -- job_claimed row: expired leases first, the rest of $6 from the queue in claim order; a
@@ -168,18 +170,15 @@ WITH flow AS (
 ), expired AS (
     SELECT id, 'running'::text AS previous_state, tool_job_expiry_refunded(j) AS refunded
     FROM tool_jobs j
-    WHERE tool = $1 AND state = 'running' AND lease_until < now()
+    WHERE tool = $1 AND tool_job_lease_retakeable(j, $5::int)
       AND NOT EXISTS (SELECT FROM flow)
-      AND (attempt < coalesce(max_attempts, $5::int) OR tool_job_expiry_refunded(j))
-      AND (expires_at IS NULL OR expires_at > now())
     ORDER BY priority, run_after, created_at, id
     LIMIT greatest($6::int, 1)
     FOR UPDATE SKIP LOCKED
 ), queued AS (
     SELECT id, 'queued'::text AS previous_state, false AS refunded
-    FROM tool_jobs
-    WHERE tool = $1 AND concurrency_key = '' AND state = 'queued' AND run_after <= now()
-      AND (expires_at IS NULL OR expires_at > now())
+    FROM tool_jobs j
+    WHERE tool = $1 AND concurrency_key = '' AND tool_job_queued_due(j)
       AND NOT EXISTS (SELECT FROM flow)
     ORDER BY priority, run_after, created_at, id
     LIMIT greatest($6::int, 1) - (SELECT count(*) FROM expired)
@@ -575,8 +574,11 @@ RETURNING id;
 -- name: sample_tool
 -- Once per poll period per sidecar (issue 28): whether it is this sidecar's turn to sweep
 -- ($2: its poll period in seconds; the tool's last sweep is at least that old), the queue
--- depth (jobs claimable now: queued and due, or under an expired lease), how long the
--- oldest queued job has been due (queue_age, seconds; 0 when none), the results waiting in
+-- depth (jobs the claim's row rules admit now: queued, due and not past their expiry, or
+-- under an expired lease with an attempt left; claimable.sql tool_job_claimable; the flow
+-- limits are not applied here: the claim says which one holds a job back, and the
+-- scaler's tool_job_demand counts them), how long the oldest of those queued jobs has
+-- been due (queue_age, seconds; 0 when none), the results waiting in
 -- the outbox (forward_backlog, issue 30) and the tool's flow row with its slots taken
 -- (has_flow false and NULLs without one), in one round trip, in place of the four
 -- statements a poll used to cost. The turn moves with a plain UPDATE: a concurrent sample waits for it, then finds it taken,
@@ -592,13 +594,10 @@ WITH turn AS (
     RETURNING tool
 )
 SELECT EXISTS (SELECT FROM turn) OR EXISTS (SELECT FROM first_turn) AS sweep,
-       (SELECT count(*) FROM tool_jobs
-        WHERE tool = $1
-          AND ((state = 'queued' AND run_after <= now())
-               OR (state = 'running' AND lease_until < now()))) AS depth,
+       (SELECT count(*) FROM tool_jobs j
+        WHERE tool = $1 AND tool_job_claimable(j, NULL)) AS depth,
        (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(run_after))::float8, 0)
-        FROM tool_jobs WHERE tool = $1 AND state = 'queued' AND run_after <= now())
-           AS queue_age,
+        FROM tool_jobs j WHERE tool = $1 AND tool_job_queued_due(j)) AS queue_age,
        (SELECT count(*) FROM tool_job_outbox WHERE tool = $1 AND state = 'pending')
            AS forward_backlog,
        f.tool IS NOT NULL AS has_flow,
@@ -853,7 +852,7 @@ SELECT t.tool,
            AS running,
        coalesce(failed.n, 0) AS failed_last_hour,
        (SELECT extract(epoch FROM now() - min(j.run_after))::float8 FROM tool_jobs j
-        WHERE j.tool = t.tool AND j.state = 'queued' AND j.run_after <= now())
+        WHERE j.tool = t.tool AND tool_job_queued_due(j))  -- claimable.sql
            AS oldest_queued_s,
        f.paused_at, f.pause_reason, f.paused_by, f.max_running, f.max_running_per_key,
        f.rate, f.rate_per_key, f.burst,
