@@ -653,9 +653,15 @@ ON CONFLICT (owner_id) DO UPDATE SET tool = excluded.tool, channel = excluded.ch
 -- name: unregister_idle_sidecar
 DELETE FROM tool_idle_sidecars WHERE owner_id = $1;
 
--- name: forget_dead_idle_sidecars
--- Registrations not refreshed for ten minutes: their sidecars died without unregistering.
-DELETE FROM tool_idle_sidecars WHERE seen_at < now() - interval '10 minutes';
+-- name: prune_dead_idle_sidecars
+-- Retention (sidecar.ops.retention RETENTION, like every prune_* statement below: one
+-- statement per kind, returning how many rows it removed; `sidecar prune --dry-run` runs
+-- it in a transaction it rolls back). Idle registrations not refreshed for ten minutes:
+-- their sidecars died without unregistering.
+WITH gone AS (
+    DELETE FROM tool_idle_sidecars WHERE seen_at < now() - interval '10 minutes' RETURNING 1
+)
+SELECT count(*) FROM gone;
 
 -- name: set_tool_limits
 -- Issue 27: a tool's limits, set fleet-wide. $2 holds only the fields to change
@@ -778,26 +784,48 @@ SELECT * FROM (
     ORDER BY id DESC LIMIT $2) newest
 ORDER BY id;
 
--- name: forget_ended_cancels
--- A cancelled job's slot whose lease ended without its owner's confirmation (the owner
--- died): no longer taken (the count already ignores it; this keeps the index small).
-UPDATE tool_jobs SET cancel_pending = false
-WHERE cancel_pending AND (lease_until IS NULL OR lease_until <= now());
+-- name: prune_ended_cancels
+-- Retention: a cancelled job's slot whose lease ended without its owner's confirmation
+-- (the owner died): no longer taken (the count already ignores it; this keeps the index
+-- small). A flag cleared, no row deleted; returns how many.
+WITH cleared AS (
+    UPDATE tool_jobs SET cancel_pending = false
+    WHERE cancel_pending AND (lease_until IS NULL OR lease_until <= now())
+    RETURNING 1
+)
+SELECT count(*) FROM cleared;
 
--- name: forget_full_key_buckets
--- Per-key buckets that refilled (burst / rate seconds after their last claim), or of a
--- tool without a per-key rate now. A missing bucket is a full one, so nothing changes for
--- the claim; a bucket a claim refreshes meanwhile is re-checked under its row lock and
--- kept.
-DELETE FROM tool_flow_keys k
-USING tool_flow f
-WHERE k.tool = f.tool
-  AND (f.key_rate_per_second IS NULL
-       OR k.tokens_at < now() - (f.burst / f.key_rate_per_second) * interval '1 second');
+-- name: prune_full_key_buckets
+-- Retention: per-key buckets that refilled (burst / rate seconds after their last claim),
+-- or of a tool without a per-key rate now. A missing bucket is a full one, so nothing
+-- changes for the claim; a bucket a claim refreshes meanwhile is re-checked under its row
+-- lock and kept.
+WITH gone AS (
+    DELETE FROM tool_flow_keys k
+    USING tool_flow f
+    WHERE k.tool = f.tool
+      AND (f.key_rate_per_second IS NULL
+           OR k.tokens_at < now() - (f.burst / f.key_rate_per_second) * interval '1 second')
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
 
 -- name: prune_flow_events
--- Flow changes (limits set, pauses, resumes) older than $1 seconds.
-DELETE FROM tool_flow_events WHERE at < now() - $1::float8 * interval '1 second';
+-- Retention: flow changes (limits set, pauses, resumes) older than $1 seconds (the
+-- longest retention of finished jobs).
+WITH gone AS (
+    DELETE FROM tool_flow_events WHERE at < now() - $1::float8 * interval '1 second'
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: prune_idle_sweeps
+-- Retention: the sweep turn (tool_sweeps, migration 017) of a tool no sidecar has sampled
+-- for a day: a tool renamed or retired. The first sample of a tool makes its row again.
+WITH gone AS (
+    DELETE FROM tool_sweeps WHERE swept_at < now() - interval '1 day' RETURNING 1
+)
+SELECT count(*) FROM gone;
 
 -- The operator's web view (`sidecar web`, issue 30). Read-only statements; every one runs
 -- with custom plans (web_custom_plans), so an unset filter ($n IS NULL) drops out of the
