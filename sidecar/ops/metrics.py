@@ -136,8 +136,10 @@ JOBS_EXPIRED = Counter("sidecar_jobs_expired",
                        "Jobs this sidecar's sweep ended failed because no attempt started "
                        "before their expiry (--expires-in), by the job's tool.", ("tool",))
 PRUNED_ROWS = Counter("sidecar_pruned_rows",
-                      "Rows retention deleted: finished jobs, their journal events and outbox "
-                      "rows.", ("table",))
+                      "Rows retention deleted, by table (sidecar.ops.retention.RETENTION): "
+                      "finished jobs, their journal events and outbox rows, old flow changes, "
+                      "refilled rate buckets, dead idle registrations, stale sweep turns.",
+                      ("table",))
 FORWARD_DEAD_LETTER_KINDS = ("refused", "redirect", "max_attempts", "max_age")
 FORWARD_DEAD_LETTERS = Counter("sidecar_forward_dead_letters",
                                "Forwarded results dead-lettered, by kind: refused (a 4xx), "
