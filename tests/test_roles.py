@@ -31,6 +31,7 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_journal_rows", "EXECUTE"),
     ("function", "tool_job_notify_end", "EXECUTE"),
     ("function", "tool_job_still_needed", "EXECUTE"),
+    ("function", "tool_job_prunable", "EXECUTE"),
     ("function", "tool_job_wake", "EXECUTE"),
     ("function", "tool_job_enqueue", "EXECUTE"),
     ("function", "tool_job_keyed_flow", "EXECUTE"),

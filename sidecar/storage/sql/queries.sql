@@ -617,9 +617,7 @@ WITH lock AS (
     SELECT pg_try_advisory_xact_lock($4::bigint) AS held
 ), doomed AS (
     SELECT j.id FROM tool_jobs j
-    WHERE (SELECT held FROM lock)
-      AND j.state = $1 AND j.finished_at < now() - $2::float8 * interval '1 second'
-      AND NOT tool_job_still_needed(j.id)
+    WHERE (SELECT held FROM lock) AND tool_job_prunable(j, $1, $2::float8)
     ORDER BY j.finished_at
     LIMIT $3
     FOR UPDATE OF j SKIP LOCKED
@@ -634,11 +632,10 @@ SELECT (SELECT held FROM lock) AS locked, (SELECT count(*) FROM jobs) AS jobs,
        (SELECT count(*) FROM events) AS events, (SELECT count(*) FROM outbox) AS outbox;
 
 -- name: count_prunable_jobs
--- What prune_finished_jobs would delete for state $1 and age $2 seconds, all batches.
+-- What prune_finished_jobs would delete for state $1 and age $2 seconds, all batches: the
+-- same rule (retention.sql tool_job_prunable).
 WITH doomed AS (
-    SELECT j.id FROM tool_jobs j
-    WHERE j.state = $1 AND j.finished_at < now() - $2::float8 * interval '1 second'
-      AND NOT tool_job_still_needed(j.id)
+    SELECT j.id FROM tool_jobs j WHERE tool_job_prunable(j, $1, $2::float8)
 )
 SELECT true AS locked, (SELECT count(*) FROM doomed) AS jobs,
        (SELECT count(*) FROM tool_job_events e JOIN doomed d ON e.job_id = d.id) AS events,
