@@ -94,7 +94,9 @@ PANELS: tuple[PanelSpec, ...] = (
               "ours (P6): the fence refused a stale owner.", "short",
               (Query(f"sum by (tool) (increase(sidecar_completions_rejected_total{{{TOOL}}}"
                      f"[{RATE}]))", "{{tool}}"),)),
-    PanelSpec("Queue depth", "Jobs claimable now (queued and due, or under an expired lease).",
+    PanelSpec("Queue depth", "Jobs the claim may take now by its row rules (queued, due and "
+              "before their expiry, or under an expired lease with an attempt left); flow "
+              "limits not applied.",
               "short", (Query(f"max by (tool) (sidecar_queue_depth{{{TOOL}}})", "{{tool}}"),)),
     PanelSpec("Queue age", "How long the oldest queued job has been due, by the database's "
               "clock.", "s",

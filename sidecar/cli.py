@@ -627,7 +627,8 @@ def cmd_prune(args, settings: Settings) -> int:
 
     async def go():
         async with open_store(settings, OperatorStore) as store:
-            return await retention.prune(store, ages, dry_run=args.dry_run)
+            return await retention.prune(store, ages, dry_run=args.dry_run,
+                                         finished_only=args.state is not None)
 
     done = run_async(settings, go())
     done["older_than_s"] = {state: age for state, age in ages.items() if age > 0}
@@ -1042,12 +1043,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("resume", cmd_resume, "let claims of a paused TOOL start again")
     p.add_argument("tool", metavar="TOOL")
     p = add("prune", cmd_prune, "delete finished jobs, with their journal and outbox rows, "
-            "older than their state's retention; prints what it removed as JSON")
+            "older than their state's retention, and what else a sidecar's pruner removes "
+            "(old flow changes, refilled rate buckets, ended cancels, dead idle "
+            "registrations, stale sweep turns); prints what it removed as JSON")
     p.add_argument("--older-than", metavar="DURATION",
                    help="instead of SIDECAR_RETENTION_SECONDS and "
                         "SIDECAR_RETENTION_FAILED_SECONDS: seconds, or e.g. 12h, 7d")
     p.add_argument("--state", choices=tuple(state.value for state in FINISHED_STATES),
-                   help="only jobs in this state")
+                   help="only jobs in this state (and nothing of the other kinds)")
     p.add_argument("--dry-run", action="store_true",
                    help="count what would be removed; remove nothing")
     p = add("receiver", cmd_receiver,

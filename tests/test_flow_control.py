@@ -547,7 +547,7 @@ def test_refilled_per_key_buckets_are_forgotten_and_fresh_ones_kept(dsn):
             assert [r["tool"] for r in await fleet.admin.db.fetch(buckets)] == ["fast", "slow"]
             # 600/m refills its one token in 0.1 s of the database's clock.
             await fleet.admin.db.execute("SELECT pg_sleep(0.2)")
-            await fleet.admin.forget_full_key_buckets()
+            await fleet.admin.prune_rows("prune_full_key_buckets")
             assert [r["tool"] for r in await fleet.admin.db.fetch(buckets)] == ["slow"]
 
     run(go())
@@ -694,7 +694,7 @@ def test_old_flow_changes_are_pruned_and_recent_ones_kept(dsn):
             await fleet.admin.db.execute(
                 "UPDATE tool_flow_events SET at = now() - interval '40 days'")
             await fleet.admin.resume("erp", "test")
-            assert await fleet.admin.prune_flow_events(30 * 86400) == 1
+            assert await fleet.admin.prune_rows("prune_flow_events", 30 * 86400) == 1
             assert [r["event"] for r in await fleet.admin.flow_events("erp", 10)] == \
                 ["tool_resumed"]
 

@@ -111,12 +111,16 @@ FLOW_RUNNING = Gauge("sidecar_flow_running", "Jobs of the tool running under a l
                      "fleet-wide (sampled; only for a tool with a flow row).", ("tool",))
 FLOW_PAUSED = Gauge("sidecar_flow_paused", "1 while the tool is paused fleet-wide "
                     "(sidecar pause), else 0.", ("tool",))
-QUEUE_DEPTH = Gauge("sidecar_queue_depth", "Jobs of the tool claimable now (sampled).", _TP)
+QUEUE_DEPTH = Gauge("sidecar_queue_depth",
+                    "Jobs of the tool the claim may take now by its row rules: queued, due "
+                    "and before their expiry, or under an expired lease with an attempt "
+                    "left; flow limits not applied (sampled).", _TP)
 # An age by the database's clock, not a timestamp: the queue's own clock decides when a
 # job became due, and an empty queue has an age (0) where a timestamp has none.
 QUEUE_AGE = Gauge("sidecar_queue_oldest_age_seconds",
                   "How long the oldest queued job of the tool has been due (now() - "
-                  "run_after by the database's clock; 0 when none is due; sampled).", _TP)
+                  "run_after by the database's clock; jobs past their expiry not counted; 0 "
+                  "when none is due; sampled).", _TP)
 FORWARD_BACKLOG = Gauge("sidecar_forward_backlog",
                         "Results of the tool's jobs waiting in the outbox to be forwarded "
                         "to RESULT_URL, fleet-wide (sampled).", _TP)
@@ -132,8 +136,10 @@ JOBS_EXPIRED = Counter("sidecar_jobs_expired",
                        "Jobs this sidecar's sweep ended failed because no attempt started "
                        "before their expiry (--expires-in), by the job's tool.", ("tool",))
 PRUNED_ROWS = Counter("sidecar_pruned_rows",
-                      "Rows retention deleted: finished jobs, their journal events and outbox "
-                      "rows.", ("table",))
+                      "Rows retention deleted, by table (sidecar.ops.retention.RETENTION): "
+                      "finished jobs, their journal events and outbox rows, old flow changes, "
+                      "refilled rate buckets, dead idle registrations, stale sweep turns.",
+                      ("table",))
 FORWARD_DEAD_LETTER_KINDS = ("refused", "redirect", "max_attempts", "max_age")
 FORWARD_DEAD_LETTERS = Counter("sidecar_forward_dead_letters",
                                "Forwarded results dead-lettered, by kind: refused (a 4xx), "

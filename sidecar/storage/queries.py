@@ -80,10 +80,11 @@ def migrations() -> list[Migration]:
 # each file after those whose functions it needs when it is created. PostgreSQL checks the
 # body of a LANGUAGE sql function at CREATE (the tables, types and functions it names must
 # exist), a trigger needs its function, and the migrations (tables, types) all come first;
-# plpgsql bodies are only parsed. So: expiry before demand (tool_job_demand calls
-# tool_job_expiry_refunded); within a file, a function before the SQL ones calling it.
+# plpgsql bodies are only parsed. So: expiry before claimable (its row rules call
+# tool_job_expiry_refunded), flow before claimable (tool_flow_occupied), claimable before
+# demand; within a file, a function before the SQL ones calling it.
 REPEATABLE_ORDER = ("journal", "retention", "wake", "expiry", "waiting", "enqueue", "flow",
-                    "claim", "demand", "cancel", "actions")
+                    "claimable", "claim", "demand", "cancel", "actions")
 
 
 @dataclass(frozen=True)

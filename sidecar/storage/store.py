@@ -22,6 +22,7 @@ display too (issue 41), with the registry writes are scrubbed with.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import uuid
 from collections.abc import Iterable
@@ -97,6 +98,34 @@ class BoundedPool:
 
     async def execute(self, query: str, *args: Any, timeout: float | None = None):
         return await self._call("execute", query, *args, timeout=timeout)
+
+    async def fetchval_rolled_back(self, query: str, *args: Any,
+                                   timeout: float | None = None):
+        """``fetchval`` of ``query`` in a transaction that is then rolled back: what a
+        write would answer, with nothing written (a dry run of it). Bounded as every call
+        (the sidecar's own settings too, behind a transaction pooler: case F18)."""
+        timeout = self.timeout if timeout is None else timeout
+        async with asyncio.timeout(timeout):
+            conn = await self.pool.acquire()
+        try:
+            async with asyncio.timeout(timeout):
+                await conn.execute("BEGIN")
+                try:
+                    local = db.local_settings_sql(conn)
+                    if local is not None:
+                        await conn.execute(local)
+                    value = await conn.fetchval(query, *args)
+                except asyncpg.PostgresError:
+                    with contextlib.suppress(*db.DATABASE_ERRORS):
+                        await conn.execute("ROLLBACK")
+                    raise
+                await conn.execute("ROLLBACK")
+                return value
+        except BaseException:  # a connection in doubt is not reused (its transaction dies)
+            conn.terminate()
+            raise
+        finally:
+            await self.pool.release(conn, timeout=timeout)
 
 
 class StoreBase:
@@ -275,21 +304,12 @@ class Pruning(StoreBase):
         return await self.db.fetchrow(Q["count_prunable_jobs"], state, older_than_seconds,
                                       timeout=self.timeout)
 
-    async def forget_dead_idle(self) -> None:
-        """Delete idle registrations their sidecars stopped refreshing long ago."""
-        await self.db.execute(Q["forget_dead_idle_sidecars"], timeout=self.timeout)
-
-    async def forget_full_key_buckets(self) -> None:
-        """Delete per-key rate buckets that have refilled (or whose tool has no per-key
-        rate any more): a missing bucket is a full one, so the table holds only keys
-        claimed recently (issue 27); and clear the pending cancels whose lease ended
-        unconfirmed (their slot is no longer counted)."""
-        await self.db.execute(Q["forget_full_key_buckets"], timeout=self.timeout)
-        await self.db.execute(Q["forget_ended_cancels"], timeout=self.timeout)
-
-    async def prune_flow_events(self, older_than_seconds: float) -> int:
-        """Delete the journal of flow changes (``tool_flow_events``) older than
-        ``older_than_seconds``; returns how many rows went."""
-        status = await self.db.execute(Q["prune_flow_events"], older_than_seconds,
-                                       timeout=self.timeout)
-        return int(status.split()[-1])
+    async def prune_rows(self, statement: str, *args: Any, dry_run: bool = False) -> int:
+        """Run the retention statement named ``statement`` (queries.sql; the ones
+        sidecar.ops.retention.RETENTION lists: each removes one kind of row and returns how
+        many) with ``args``; with ``dry_run``, in a transaction rolled back: how many it
+        would remove, nothing removed. KeyError for a name queries.sql does not hold;
+        database errors propagate."""
+        if dry_run:
+            return await self.db.fetchval_rolled_back(Q[statement], *args)
+        return await self.db.fetchval(Q[statement], *args, timeout=self.timeout)

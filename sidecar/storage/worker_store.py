@@ -302,9 +302,11 @@ class WorkerStore(Pruning):
     async def sample_tool(self, tool: str, period: float) -> asyncpg.Record:
         """One poll's reading of ``tool`` (issue 28), in one statement: ``sweep`` (True when
         this caller takes the fleet's turn to run the lease and expiry sweeps: the tool's
-        last sweep is at least ``period`` seconds old), ``depth`` (jobs claimable now:
-        queued and due, or under an expired lease), ``queue_age`` (seconds the oldest queued
-        job has been due, by the database's clock; 0 when none), ``forward_backlog``
+        last sweep is at least ``period`` seconds old), ``depth`` (jobs the claim's row
+        rules admit now: queued, due and before their expiry, or under an expired lease with
+        an attempt left; sql/functions/claimable.sql; flow limits not applied: the claim
+        says which one holds a job back), ``queue_age`` (seconds the oldest of those queued
+        jobs has been due, by the database's clock; 0 when none), ``forward_backlog``
         (pending outbox rows of the tool), ``has_flow`` and the tool's flow row
         with its slots taken (``running``; NULLs without flow control)."""
         return await self.db.fetchrow(Q["sample_tool"], tool, period, timeout=self.timeout)

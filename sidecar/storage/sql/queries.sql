@@ -96,8 +96,7 @@ WITH exhausted AS (
     WHERE id IN (
         SELECT id FROM tool_jobs
         WHERE tool = $1 AND state = 'running' AND lease_until < now()
-          AND attempt >= max_attempts
-          AND NOT tool_job_expiry_refunded(tool_jobs)
+          AND NOT tool_job_attempt_left(tool_jobs, NULL)  -- claimable.sql
         FOR UPDATE SKIP LOCKED)
     RETURNING id, fencing_token, owner_id, attempt
 ), journal AS (
@@ -158,6 +157,9 @@ SELECT id, tool, fencing_token, attempt FROM expired;
 -- concurrency keys) claims through tool_job_claim_flow instead, which enforces them; this
 -- statement's own parts then do nothing (one-time filters). blocked and retry_in say why
 -- that claim took nothing: NULL here, and on every row that holds a job.
+-- Issue 41: which rows may be taken is said once, in claimable.sql (tool_job_queued_due,
+-- tool_job_lease_retakeable), which the scaler's demand counts with; the planner inlines
+-- them, so each part still reads its partial index.
 -- Issue 28 (migration 017): up to $6 jobs (the sidecar's free slots; NULL or less than 1
 -- counts as 1) in this one statement, each with its own token, attempt, lease and
 -- job_claimed row: expired leases first, the rest of $6 from the queue in claim order; a
@@ -168,18 +170,15 @@ WITH flow AS (
 ), expired AS (
     SELECT id, 'running'::text AS previous_state, tool_job_expiry_refunded(j) AS refunded
     FROM tool_jobs j
-    WHERE tool = $1 AND state = 'running' AND lease_until < now()
+    WHERE tool = $1 AND tool_job_lease_retakeable(j, $5::int)
       AND NOT EXISTS (SELECT FROM flow)
-      AND (attempt < coalesce(max_attempts, $5::int) OR tool_job_expiry_refunded(j))
-      AND (expires_at IS NULL OR expires_at > now())
     ORDER BY priority, run_after, created_at, id
     LIMIT greatest($6::int, 1)
     FOR UPDATE SKIP LOCKED
 ), queued AS (
     SELECT id, 'queued'::text AS previous_state, false AS refunded
-    FROM tool_jobs
-    WHERE tool = $1 AND concurrency_key = '' AND state = 'queued' AND run_after <= now()
-      AND (expires_at IS NULL OR expires_at > now())
+    FROM tool_jobs j
+    WHERE tool = $1 AND concurrency_key = '' AND tool_job_queued_due(j)
       AND NOT EXISTS (SELECT FROM flow)
     ORDER BY priority, run_after, created_at, id
     LIMIT greatest($6::int, 1) - (SELECT count(*) FROM expired)
@@ -547,8 +546,11 @@ RETURNING id;
 -- name: sample_tool
 -- Once per poll period per sidecar (issue 28): whether it is this sidecar's turn to sweep
 -- ($2: its poll period in seconds; the tool's last sweep is at least that old), the queue
--- depth (jobs claimable now: queued and due, or under an expired lease), how long the
--- oldest queued job has been due (queue_age, seconds; 0 when none), the results waiting in
+-- depth (jobs the claim's row rules admit now: queued, due and not past their expiry, or
+-- under an expired lease with an attempt left; claimable.sql tool_job_claimable; the flow
+-- limits are not applied here: the claim says which one holds a job back, and the
+-- scaler's tool_job_demand counts them), how long the oldest of those queued jobs has
+-- been due (queue_age, seconds; 0 when none), the results waiting in
 -- the outbox (forward_backlog, issue 30) and the tool's flow row with its slots taken
 -- (has_flow false and NULLs without one), in one round trip, in place of the four
 -- statements a poll used to cost. The turn moves with a plain UPDATE: a concurrent sample waits for it, then finds it taken,
@@ -564,13 +566,10 @@ WITH turn AS (
     RETURNING tool
 )
 SELECT EXISTS (SELECT FROM turn) OR EXISTS (SELECT FROM first_turn) AS sweep,
-       (SELECT count(*) FROM tool_jobs
-        WHERE tool = $1
-          AND ((state = 'queued' AND run_after <= now())
-               OR (state = 'running' AND lease_until < now()))) AS depth,
+       (SELECT count(*) FROM tool_jobs j
+        WHERE tool = $1 AND tool_job_claimable(j, NULL)) AS depth,
        (SELECT COALESCE(EXTRACT(EPOCH FROM now() - min(run_after))::float8, 0)
-        FROM tool_jobs WHERE tool = $1 AND state = 'queued' AND run_after <= now())
-           AS queue_age,
+        FROM tool_jobs j WHERE tool = $1 AND tool_job_queued_due(j)) AS queue_age,
        (SELECT count(*) FROM tool_job_outbox WHERE tool = $1 AND state = 'pending')
            AS forward_backlog,
        f.tool IS NOT NULL AS has_flow,
@@ -590,9 +589,7 @@ WITH lock AS (
     SELECT pg_try_advisory_xact_lock($4::bigint) AS held
 ), doomed AS (
     SELECT j.id FROM tool_jobs j
-    WHERE (SELECT held FROM lock)
-      AND j.state = $1 AND j.finished_at < now() - $2::float8 * interval '1 second'
-      AND NOT tool_job_still_needed(j.id)
+    WHERE (SELECT held FROM lock) AND tool_job_prunable(j, $1, $2::float8)
     ORDER BY j.finished_at
     LIMIT $3
     FOR UPDATE OF j SKIP LOCKED
@@ -607,11 +604,10 @@ SELECT (SELECT held FROM lock) AS locked, (SELECT count(*) FROM jobs) AS jobs,
        (SELECT count(*) FROM events) AS events, (SELECT count(*) FROM outbox) AS outbox;
 
 -- name: count_prunable_jobs
--- What prune_finished_jobs would delete for state $1 and age $2 seconds, all batches.
+-- What prune_finished_jobs would delete for state $1 and age $2 seconds, all batches: the
+-- same rule (retention.sql tool_job_prunable).
 WITH doomed AS (
-    SELECT j.id FROM tool_jobs j
-    WHERE j.state = $1 AND j.finished_at < now() - $2::float8 * interval '1 second'
-      AND NOT tool_job_still_needed(j.id)
+    SELECT j.id FROM tool_jobs j WHERE tool_job_prunable(j, $1, $2::float8)
 )
 SELECT true AS locked, (SELECT count(*) FROM doomed) AS jobs,
        (SELECT count(*) FROM tool_job_events e JOIN doomed d ON e.job_id = d.id) AS events,
@@ -626,9 +622,15 @@ ON CONFLICT (owner_id) DO UPDATE SET tool = excluded.tool, channel = excluded.ch
 -- name: unregister_idle_sidecar
 DELETE FROM tool_idle_sidecars WHERE owner_id = $1;
 
--- name: forget_dead_idle_sidecars
--- Registrations not refreshed for ten minutes: their sidecars died without unregistering.
-DELETE FROM tool_idle_sidecars WHERE seen_at < now() - interval '10 minutes';
+-- name: prune_dead_idle_sidecars
+-- Retention (sidecar.ops.retention RETENTION, like every prune_* statement below: one
+-- statement per kind, returning how many rows it removed; `sidecar prune --dry-run` runs
+-- it in a transaction it rolls back). Idle registrations not refreshed for ten minutes:
+-- their sidecars died without unregistering.
+WITH gone AS (
+    DELETE FROM tool_idle_sidecars WHERE seen_at < now() - interval '10 minutes' RETURNING 1
+)
+SELECT count(*) FROM gone;
 
 -- name: set_tool_limits
 -- Issue 27: a tool's limits, set fleet-wide. $2 holds only the fields to change
@@ -728,26 +730,48 @@ SELECT * FROM (
     ORDER BY id DESC LIMIT $2) newest
 ORDER BY id;
 
--- name: forget_ended_cancels
--- A cancelled job's slot whose lease ended without its owner's confirmation (the owner
--- died): no longer taken (the count already ignores it; this keeps the index small).
-UPDATE tool_jobs SET cancel_pending = false
-WHERE cancel_pending AND (lease_until IS NULL OR lease_until <= now());
+-- name: prune_ended_cancels
+-- Retention: a cancelled job's slot whose lease ended without its owner's confirmation
+-- (the owner died): no longer taken (the count already ignores it; this keeps the index
+-- small). A flag cleared, no row deleted; returns how many.
+WITH cleared AS (
+    UPDATE tool_jobs SET cancel_pending = false
+    WHERE cancel_pending AND (lease_until IS NULL OR lease_until <= now())
+    RETURNING 1
+)
+SELECT count(*) FROM cleared;
 
--- name: forget_full_key_buckets
--- Per-key buckets that refilled (burst / rate seconds after their last claim), or of a
--- tool without a per-key rate now. A missing bucket is a full one, so nothing changes for
--- the claim; a bucket a claim refreshes meanwhile is re-checked under its row lock and
--- kept.
-DELETE FROM tool_flow_keys k
-USING tool_flow f
-WHERE k.tool = f.tool
-  AND (f.key_rate_per_second IS NULL
-       OR k.tokens_at < now() - (f.burst / f.key_rate_per_second) * interval '1 second');
+-- name: prune_full_key_buckets
+-- Retention: per-key buckets that refilled (burst / rate seconds after their last claim),
+-- or of a tool without a per-key rate now. A missing bucket is a full one, so nothing
+-- changes for the claim; a bucket a claim refreshes meanwhile is re-checked under its row
+-- lock and kept.
+WITH gone AS (
+    DELETE FROM tool_flow_keys k
+    USING tool_flow f
+    WHERE k.tool = f.tool
+      AND (f.key_rate_per_second IS NULL
+           OR k.tokens_at < now() - (f.burst / f.key_rate_per_second) * interval '1 second')
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
 
 -- name: prune_flow_events
--- Flow changes (limits set, pauses, resumes) older than $1 seconds.
-DELETE FROM tool_flow_events WHERE at < now() - $1::float8 * interval '1 second';
+-- Retention: flow changes (limits set, pauses, resumes) older than $1 seconds (the
+-- longest retention of finished jobs).
+WITH gone AS (
+    DELETE FROM tool_flow_events WHERE at < now() - $1::float8 * interval '1 second'
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
+-- name: prune_idle_sweeps
+-- Retention: the sweep turn (tool_sweeps, migration 017) of a tool no sidecar has sampled
+-- for a day: a tool renamed or retired. The first sample of a tool makes its row again.
+WITH gone AS (
+    DELETE FROM tool_sweeps WHERE swept_at < now() - interval '1 day' RETURNING 1
+)
+SELECT count(*) FROM gone;
 
 -- The operator's web view (`sidecar web`, issue 30). Read-only statements; every one runs
 -- with custom plans (web_custom_plans), so an unset filter ($n IS NULL) drops out of the
@@ -802,7 +826,7 @@ SELECT t.tool,
            AS running,
        coalesce(failed.n, 0) AS failed_last_hour,
        (SELECT extract(epoch FROM now() - min(j.run_after))::float8 FROM tool_jobs j
-        WHERE j.tool = t.tool AND j.state = 'queued' AND j.run_after <= now())
+        WHERE j.tool = t.tool AND tool_job_queued_due(j))  -- claimable.sql
            AS oldest_queued_s,
        f.paused_at, f.pause_reason, f.paused_by, f.max_running, f.max_running_per_key,
        f.rate, f.rate_per_key, f.burst,

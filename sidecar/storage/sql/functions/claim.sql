@@ -1,5 +1,6 @@
 -- The claims of a tool with a flow row (issues 27 and 28; queries.sql claim_job claims
--- the tools without one). Migration 016 explains the limits, the keys and the slots.
+-- the tools without one). Migration 016 explains the limits, the keys and the slots;
+-- claimable.sql holds the row rules and the limits' answers the claim applies (issue 41).
 
 -- The claim of a tool with a flow row: same arguments and row as claim_job, plus
 -- blocked (NULL when a job was claimed: 'paused', 'max_running', 'max_running_per_key',
@@ -66,14 +67,12 @@ BEGIN
         RETURN QUERY SELECT * FROM tool_flow_held(p_tool, 'paused', NULL::float8);
         RETURN;
     END IF;
-    IF f.max_running IS NOT NULL AND tool_flow_occupied(p_tool, NULL) >= f.max_running THEN
+    IF tool_flow_slots(f, NULL) < 1 THEN
         RETURN QUERY SELECT * FROM tool_flow_held(p_tool, 'max_running', NULL::float8);
         RETURN;
     END IF;
     IF f.rate_per_second IS NOT NULL THEN
-        v_tokens := least(f.burst, coalesce(f.tokens, f.burst) + f.rate_per_second
-                          * greatest(0, extract(epoch FROM
-                                                v_clock - coalesce(f.tokens_at, v_clock))));
+        v_tokens := tool_flow_tokens(f, NULL, v_clock);
         -- the turns still awaited, oldest first
         SELECT coalesce(jsonb_agg(r ORDER BY (r->>'at')::timestamptz), '[]'::jsonb)
         INTO v_queue
@@ -128,10 +127,7 @@ BEGIN
     FOR v_candidate IN
         SELECT j.id, j.concurrency_key, tool_job_expiry_refunded(j) AS refunded
         FROM tool_jobs j
-        WHERE j.tool = p_tool AND j.state = 'running' AND j.lease_until < now()
-          AND (j.attempt < coalesce(j.max_attempts, p_max_attempts)
-               OR tool_job_expiry_refunded(j))
-          AND (j.expires_at IS NULL OR j.expires_at > now())
+        WHERE j.tool = p_tool AND tool_job_lease_retakeable(j, p_max_attempts)
         ORDER BY j.priority, j.run_after, j.created_at, j.id
         LIMIT 32
         FOR UPDATE OF j SKIP LOCKED
@@ -154,11 +150,10 @@ BEGIN
     v_walking := f.rr_walk;
     IF v_job IS NULL AND (
             EXISTS (SELECT FROM tool_jobs j
-                    WHERE j.tool = p_tool AND j.state = 'queued' AND j.concurrency_key <> ''
-                      AND j.run_after <= now())
+                    WHERE j.tool = p_tool AND j.concurrency_key <> '' AND tool_job_queued_due(j))
             OR EXISTS (SELECT FROM tool_jobs j
-                       WHERE j.tool = p_tool AND j.state = 'queued'
-                         AND j.concurrency_key = '' AND j.run_after <= now())) THEN
+                       WHERE j.tool = p_tool AND j.concurrency_key = ''
+                         AND tool_job_queued_due(j))) THEN
         v_start := CASE WHEN v_walking THEN f.rr_walk_from ELSE f.rr_key END;
         v_wrapped := v_walking AND f.rr_walk_wrapped;
         v_after := f.rr_key;
@@ -198,8 +193,7 @@ BEGIN
                 CONTINUE;
             END IF;
             SELECT j.id INTO v_job FROM tool_jobs j
-            WHERE j.tool = p_tool AND j.state = 'queued' AND j.concurrency_key = v_key
-              AND j.run_after <= now() AND (j.expires_at IS NULL OR j.expires_at > now())
+            WHERE j.tool = p_tool AND j.concurrency_key = v_key AND tool_job_queued_due(j)
             ORDER BY j.priority, j.run_after, j.created_at, j.id
             LIMIT 1
             FOR UPDATE OF j SKIP LOCKED;

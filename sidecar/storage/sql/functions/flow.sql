@@ -1,6 +1,6 @@
 -- Flow control (issue 27; migration 016 explains the limits, keys and slots): the triggers
 -- that keep a tool's flow row and wake a sidecar when a slot frees, and what the claim
--- (claim.sql) asks of the limits.
+-- (claim.sql) asks of the limits (with claimable.sql).
 
 -- A job with a key gives its tool a flow row, whatever inserted it (an enqueue, a next
 -- stage, a caller's own INSERT): the fast claim reads only jobs without a key.
@@ -78,36 +78,5 @@ LANGUAGE sql IMMUTABLE AS $$
         OR (changes ? 'burst' AND new.burst IS DISTINCT FROM old.burst)
 $$;
 
--- Whether key p_key may start a job now under the flow row f: NULL when it may, else
--- 'max_running_per_key' or 'rate_per_key'. Jobs without a key ('') are never held back.
-CREATE OR REPLACE FUNCTION tool_flow_key_blocked(f tool_flow, p_key text, p_clock timestamptz)
-RETURNS text
-SET search_path FROM CURRENT
-LANGUAGE plpgsql VOLATILE AS $$
-BEGIN
-    IF p_key = '' THEN
-        RETURN NULL;
-    END IF;
-    IF f.max_running_per_key IS NOT NULL
-            AND tool_flow_occupied(f.tool, p_key) >= f.max_running_per_key THEN
-        RETURN 'max_running_per_key';
-    END IF;
-    IF f.key_rate_per_second IS NOT NULL AND tool_flow_key_wait(f, p_key, p_clock) > 0 THEN
-        RETURN 'rate_per_key';
-    END IF;
-    RETURN NULL;
-END
-$$;
-
--- Seconds until key p_key's bucket holds a token (0: it holds one now).
-CREATE OR REPLACE FUNCTION tool_flow_key_wait(f tool_flow, p_key text, p_clock timestamptz)
-RETURNS float8
-SET search_path FROM CURRENT
-LANGUAGE sql STABLE AS $$
-    SELECT coalesce(
-        (SELECT greatest(0, 1 - least(f.burst, k.tokens + f.key_rate_per_second
-                    * greatest(0, extract(epoch FROM p_clock - k.tokens_at))))
-                / f.key_rate_per_second
-         FROM tool_flow_keys k
-         WHERE k.tool = f.tool AND k.concurrency_key = p_key), 0)
-$$;
+-- The limits' answers (free slots, tokens, room, and why a key is held back) are in
+-- claimable.sql, next to the row rules they complete.

@@ -1,0 +1,9 @@
+-- What "claimable now" means is said once (issue 41, point 3): the claim's row rules and
+-- the limits' answers live in sidecar/storage/sql/functions/claimable.sql, and the claims
+-- (claim.sql, queries.sql claim_job), the scaler's demand (demand.sql tool_job_demand:
+-- now per-key caps, rates and expiries included) and the poll's depth read them. And what
+-- retention removes (issue 41, point 6): the finished jobs' rule, tool_job_prunable
+-- (retention.sql), read by the pruner's deletes and by --dry-run's count. No schema
+-- change: this migration marks the release whose definitions those are. An older release
+-- keeps working on it (its claims take the same jobs).
+-- compatible-from: 20
