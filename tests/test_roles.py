@@ -19,13 +19,12 @@ from kit import base_env, cli, enqueue, job_row, query, run, scalar
 WORKER_PRIVILEGES = {
     ("schema", "public", "USAGE"),
     *(("table", t, p) for t in ("tool_jobs", "tool_job_outbox", "tool_idle_sidecars",
-                                "tool_flow_keys")
+                                "tool_flow_keys", "tool_sweeps")
       for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
     # the journals are appended and pruned, never rewritten (issue 41, point 2)
     *(("table", t, p) for t in ("tool_job_events", "tool_flow_events")
       for p in ("SELECT", "INSERT", "DELETE")),
-    *(("table", t, p) for t in ("tool_flow", "tool_sweeps")
-      for p in ("SELECT", "INSERT", "UPDATE")),
+    *(("table", "tool_flow", p) for p in ("SELECT", "INSERT", "UPDATE")),
     ("table", "sidecar_schema_migrations", "SELECT"),
     ("table", "sidecar_schema_repeatables", "SELECT"),
     ("sequence", "tool_job_events_id_seq", "USAGE"),

@@ -18,17 +18,17 @@
 -- name: worker_revokes
 -- What earlier releases granted the workers and they never use: UPDATE of the two
 -- journals (tool_job_events, tool_flow_events: rows are added and pruned, never
--- rewritten), DELETE of flow rows and of the sweeps' turns.
+-- rewritten) and DELETE of flow rows (a tool's limits and pause are the operator's).
 SELECT format('REVOKE UPDATE ON TABLE %I.tool_job_events, %I.tool_flow_events FROM %I',
               current_schema(), current_schema(), $1::text)
 UNION ALL
-SELECT format('REVOKE DELETE ON TABLE %I.tool_flow, %I.tool_sweeps FROM %I',
-              current_schema(), current_schema(), $1::text);
+SELECT format('REVOKE DELETE ON TABLE %I.tool_flow FROM %I', current_schema(), $1::text);
 
 -- name: worker_grants
 -- What a worker uses and nothing more: the queue's eight tables (rows only: no DDL, no
 -- TRUNCATE, no REFERENCES or TRIGGER; the journals append-only but for the retention's
--- deletes, no DELETE of a flow row or a sweep's turn), the migration ledgers read to check
+-- deletes, no DELETE of a flow row; a sweep's turn is deleted by the retention's `sweeps`
+-- kind once no sidecar samples its tool), the migration ledgers read to check
 -- the schema, the two sequences its inserts draw from, and the queue's own functions but
 -- tool_job_demand (the scaler's), sidecar_enqueue included (migration 014: a producer may
 -- run as this role). The workers are trusted with the rows: the lease protocol is their
@@ -46,8 +46,11 @@ UNION ALL
 SELECT format('GRANT SELECT, INSERT, DELETE ON TABLE %I.tool_job_events, '
               '%I.tool_flow_events TO %I', current_schema(), current_schema(), $1::text)
 UNION ALL
-SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %I.tool_flow, %I.tool_sweeps TO %I',
-              current_schema(), current_schema(), $1::text)
+SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %I.tool_flow TO %I', current_schema(),
+              $1::text)
+UNION ALL
+SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_sweeps TO %I',
+              current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
               '%I.sidecar_schema_repeatables TO %I', current_schema(), current_schema(),
