@@ -222,11 +222,21 @@ class JobAccess(StoreBase):
         """Cancel a job (``job_id``), or every queued or running job whose tags include
         all of ``tags``, and their later stages that are still queued or running; return
         ``{id: previous state}`` of every job cancelled (empty when none was). A running
-        one's owner kills its tree at its next heartbeat. ``by``: who asked, journaled as
-        ``job_cancelled``'s ``by`` (issue 30; None: not said)."""
+        one's owner is told at commit and kills its tree within about a second, at its
+        next heartbeat when the notification is lost (functions/cancel.sql). ``by``: who
+        asked, journaled as ``job_cancelled``'s ``by`` (issue 30; None: not said)."""
         rows = await self.db.fetch(Q["cancel_job"], job_id, tags or None, by,
                                    timeout=self.timeout)
         return {row["id"]: row["previous_state"] for row in rows}
+
+    async def cancel_kill_bound(self, job_ids: list[uuid.UUID]) -> tuple[int, float | None]:
+        """Of ``job_ids`` (just cancelled), how many ran under a live lease whose owner has
+        not confirmed its tree dead yet, and the seconds (database clock, P3) until the
+        latest of those leases ends: the bound by which every tree dies even when the
+        owner's notification is lost (None when there is none)."""
+        row = await self.db.fetchrow(Q["cancel_kill_bound"], [str(i) for i in job_ids],
+                                     timeout=self.timeout)
+        return row["pending"], row["latest_s"]
 
 
 class Pruning(StoreBase):

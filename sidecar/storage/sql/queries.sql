@@ -447,6 +447,17 @@ WITH target AS (
 SELECT r.id, r.tool, r.previous_state FROM retried r,
     LATERAL (SELECT tool_job_wake(r.tool, 1)) AS woken;
 
+-- name: cancel_kill_bound
+-- The jobs of $1 cancelled while they ran whose owners have not yet confirmed the tree
+-- dead: how many, and the seconds until the latest of their leases ends (the owner kills
+-- the tree by then at the latest: its local deadline lies before it). `sidecar cancel`
+-- says so (issue 41).
+SELECT count(*) AS pending,
+       extract(epoch FROM max(lease_until) - now())::float8 AS latest_s
+FROM tool_jobs
+WHERE id = ANY($1::uuid[]) AND state = 'cancelled' AND cancel_pending
+  AND lease_until > now();
+
 -- name: unacknowledged_cancels
 -- Cancelled jobs retry_jobs leaves alone for now (same selection, $1-$3, tags $4): the owner of the
 -- cancelled attempt has not acknowledged it and its lease has not ended (case F14).
