@@ -55,6 +55,8 @@ from sidecar.worker import linux
 
 # Plain strings: argparse shows choices with repr() in its errors.
 STATES = tuple(state.value for state in JobState)
+# How many known tools `pause` names when it refuses a tool never seen.
+KNOWN_TOOLS_SHOWN = 20
 # How often `retry` looks again for the acknowledgement of a cancel (case F14).
 RETRY_ACK_POLL_SECONDS = 0.2
 # `wait`: a job waited for ended failed or cancelled; the timeout passed first.
@@ -371,11 +373,15 @@ def cmd_jobs(args, settings: Settings) -> int:
                     await store.limits(args.tool))
 
     jobs, flows = run_async(settings, go())
-    # First, a line per listed tool that is paused or limited (issue 27).
+    # First, on stderr, a line per listed tool that is paused or limited (issue 27): the
+    # job lines on stdout stay one per job for scripts (issue 41).
     listed = {row["tool"] for row in jobs} | ({args.tool} if args.tool else set())
-    lines = [_flow_line(row) for row in flows if row["tool"] in listed and (
+    banners = [_flow_line(row) for row in flows if row["tool"] in listed and (
         row["paused_at"] is not None or row["max_running"] or row["max_running_per_key"]
         or row["rate"] or row["rate_per_key"])]
+    for banner in banners:
+        print(banner, file=sys.stderr)
+    lines = []
     for row in jobs:
         when = (row["finished_at"] or row["created_at"]).isoformat(timespec="seconds")
         lease = row["lease_until"].isoformat(timespec="seconds") if row["lease_until"] else "-"
@@ -605,6 +611,10 @@ def cmd_pause(args, settings: Settings) -> int:
 
     async def go():
         async with open_store(settings, OperatorStore) as store:
+            if not args.new:
+                known, tools = await store.known_tools(tool, KNOWN_TOOLS_SHOWN)
+                if not known:
+                    raise SidecarError(_unknown_tool(tool, tools))
             row = await store.pause(tool, reason, _operator("pause"))
             cancelled: dict[uuid.UUID, str] = {}
             bound: tuple[int, float | None] = (0, None)
@@ -624,6 +634,16 @@ def cmd_pause(args, settings: Settings) -> int:
         out.update(_kill_expected(*bound))
     _print_json(out)
     return 0
+
+
+def _unknown_tool(tool: str, known: list[str]) -> str:
+    """The one line of ``sidecar pause`` for a tool never seen (no job, limit, pause or
+    idle sidecar of it): the tools that were (up to KNOWN_TOOLS_SHOWN), and the flag that
+    pauses one ahead of its first job."""
+    shown = ", ".join(known[:KNOWN_TOOLS_SHOWN]) if known else "none yet"
+    more = ", ..." if len(known) >= KNOWN_TOOLS_SHOWN else ""
+    return (f"pause {tool!r}: no job, limit or sidecar of this tool was ever seen (a typo?); "
+            f"known tools: {shown}{more}; to pause it ahead of its first job, add --new")
 
 
 def cmd_resume(args, settings: Settings) -> int:
@@ -1058,6 +1078,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", metavar="TEXT",
                    help="shown by limits, jobs and /readyz (a second pause without one "
                         "keeps the first's)")
+    p.add_argument("--new", action="store_true",
+                   help="pause a tool never seen yet (no job, limit or sidecar of it); "
+                        "without it such a tool is refused as a probable typo (exit 1)")
     p.add_argument("--cancel-running", action="store_true",
                    help="also cancel the running jobs (their trees die as with cancel)")
     p = add("resume", cmd_resume, "let claims of a paused TOOL start again")

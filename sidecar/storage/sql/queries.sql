@@ -722,6 +722,26 @@ WITH before AS (
 )
 SELECT tool, tool_job_wake(tool, 1000) AS woken FROM applied;
 
+-- name: known_tools
+-- Whether tool $1 was ever seen here (a job of it, a flow row: a limit or a pause, or an
+-- idle sidecar of it), and up to $2 names of tools that were, sorted: `sidecar pause`
+-- refuses a tool never seen (a typo) unless told `--new` (issue 41). The names of
+-- tool_jobs come from a skip scan of tool_jobs_tool_id_idx, one probe per tool.
+WITH RECURSIVE job_tools(tool) AS (
+    (SELECT tool FROM tool_jobs ORDER BY tool LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.tool FROM tool_jobs j WHERE j.tool > t.tool ORDER BY j.tool LIMIT 1)
+    FROM job_tools t WHERE t.tool IS NOT NULL
+), names AS (
+    SELECT tool FROM (SELECT tool FROM job_tools WHERE tool IS NOT NULL LIMIT $2) j
+    UNION SELECT tool FROM tool_flow
+    UNION SELECT tool FROM tool_idle_sidecars
+)
+SELECT EXISTS (SELECT 1 FROM tool_jobs WHERE tool = $1)
+       OR EXISTS (SELECT 1 FROM tool_flow WHERE tool = $1)
+       OR EXISTS (SELECT 1 FROM tool_idle_sidecars WHERE tool = $1) AS known,
+       ARRAY(SELECT tool FROM names ORDER BY tool LIMIT $2) AS tools;
+
 -- name: pause_tool
 -- Issue 27: no claim of tool $1 starts from now on, on any sidecar (running jobs go on);
 -- $2 the reason (NULL keeps an earlier one), $3 who. Journaled tool_paused. Returns the
