@@ -47,7 +47,7 @@ CALLER_PRIVILEGES = {
     ("column", "tool_flow.updated_by", "INSERT"),
     *(("function", f, "EXECUTE") for f in ("tool_job_enqueue", "sidecar_enqueue",
                                            "tool_job_new_id", "tool_job_wake",
-                                           "tool_job_cancel")),
+                                           "tool_job_cancel", "tool_job_expire")),
 }
 
 # Every privilege granted to one role by name (not through PUBLIC), columns included.

@@ -198,6 +198,22 @@ class StoreBase:
             return 0
 
 
+async def settle_expired(conn: Any, job_ids: Iterable[uuid.UUID], timeout: float) -> None:
+    """End failed/expired those of ``job_ids`` past their expiry that no attempt runs
+    (tool_job_expire, functions/expiry.sql: what the sidecars' sweep does), before a
+    caller reads them (issue 41). ``conn``: a BoundedPool or an asyncpg connection.
+    Best effort: a role without EXECUTE on tool_job_expire (rights given by hand, not by
+    ``sidecar migrate --caller-role``) reads the rows as they are, left to the sweep."""
+    ids = [str(job_id) for job_id in job_ids]  # jsonb through the connection's codec
+    try:
+        if isinstance(conn, asyncpg.Connection):
+            await db.run(conn, "fetch", Q["settle_expired"], ids, timeout=timeout)
+        else:
+            await conn.fetch(Q["settle_expired"], ids, timeout=timeout)
+    except asyncpg.InsufficientPrivilegeError:
+        pass
+
+
 class JobAccess(StoreBase):
     """What a caller and an operator both do to jobs: read one, list them, cancel them
     (CallerStore and OperatorStore have it; the worker's store has not)."""
@@ -205,7 +221,10 @@ class JobAccess(StoreBase):
     # --- jobs ---------------------------------------------------------------------
 
     async def get_job(self, job_id: uuid.UUID) -> asyncpg.Record | None:
-        """The whole row of one job, or None."""
+        """The whole row of one job, or None; a job past its expiry that no attempt runs
+        is first settled as failed/expired (``settle_expired``, issue 41), so a read
+        never shows a job queued that can no longer start."""
+        await settle_expired(self.db, [job_id], self.timeout)
         return await self.db.fetchrow(Q["get_job"], job_id, timeout=self.timeout)
 
     async def list_jobs(
@@ -234,7 +253,8 @@ class JobAccess(StoreBase):
         not confirmed its tree dead yet, and the seconds (database clock, P3) until the
         latest of those leases ends: the bound by which every tree dies even when the
         owner's notification is lost (None when there is none)."""
-        row = await self.db.fetchrow(Q["cancel_kill_bound"], [str(i) for i in job_ids],
+        row = await self.db.fetchrow(Q["cancel_kill_bound"],
+                                     [str(i) for i in job_ids],
                                      timeout=self.timeout)
         return row["pending"], row["latest_s"]
 
