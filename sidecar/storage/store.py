@@ -203,14 +203,15 @@ async def settle_expired(conn: Any, job_ids: Iterable[uuid.UUID], timeout: float
     (tool_job_expire, functions/expiry.sql: what the sidecars' sweep does), before a
     caller reads them (issue 41). ``conn``: a BoundedPool or an asyncpg connection.
     Best effort: a role without EXECUTE on tool_job_expire (rights given by hand, not by
-    ``sidecar migrate --caller-role``) reads the rows as they are, left to the sweep."""
+    ``sidecar migrate --caller-role``), or a server answering read-only (a failover's old
+    primary, case F12), reads the rows as they are, left to the sweep."""
     ids = [str(job_id) for job_id in job_ids]  # jsonb through the connection's codec
     try:
         if isinstance(conn, asyncpg.Connection):
             await db.run(conn, "fetch", Q["settle_expired"], ids, timeout=timeout)
         else:
             await conn.fetch(Q["settle_expired"], ids, timeout=timeout)
-    except asyncpg.InsufficientPrivilegeError:
+    except (asyncpg.InsufficientPrivilegeError, asyncpg.ReadOnlySQLTransactionError):
         pass
 
 
