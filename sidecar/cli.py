@@ -56,6 +56,8 @@ from sidecar.worker import linux
 
 # Plain strings: argparse shows choices with repr() in its errors.
 STATES = tuple(state.value for state in JobState)
+# How many known tools `pause` names when it refuses a tool never seen.
+KNOWN_TOOLS_SHOWN = 20
 # How often `retry` looks again for the acknowledgement of a cancel (case F14).
 RETRY_ACK_POLL_SECONDS = 0.2
 # `wait`: a job waited for ended failed or cancelled; the timeout passed first.
@@ -376,11 +378,15 @@ def cmd_jobs(args, settings: Settings) -> int:
                     await store.limits(args.tool))
 
     jobs, flows = run_async(settings, go())
-    # First, a line per listed tool that is paused or limited (issue 27).
+    # First, on stderr, a line per listed tool that is paused or limited (issue 27): the
+    # job lines on stdout stay one per job for scripts (issue 41).
     listed = {row["tool"] for row in jobs} | ({args.tool} if args.tool else set())
-    lines = [_flow_line(row) for row in flows if row["tool"] in listed and (
+    banners = [_flow_line(row) for row in flows if row["tool"] in listed and (
         row["paused_at"] is not None or row["max_running"] or row["max_running_per_key"]
         or row["rate"] or row["rate_per_key"])]
+    for banner in banners:
+        print(banner, file=sys.stderr)
+    lines = []
     for row in jobs:
         when = (row["finished_at"] or row["created_at"]).isoformat(timespec="seconds")
         lease = row["lease_until"].isoformat(timespec="seconds") if row["lease_until"] else "-"
@@ -417,9 +423,10 @@ def cmd_cancel(args, settings: Settings) -> int:
     async def go():
         async with open_store(settings, CallerStore) as store:
             cancelled = await store.cancel(job_id, by=_operator("cancel"))
-            return cancelled, await store.get_job(job_id)
+            bound = await store.cancel_kill_bound(list(cancelled)) if cancelled else (0, None)
+            return cancelled, await store.get_job(job_id), bound
 
-    cancelled, row = run_async(settings, go())
+    cancelled, row, bound = run_async(settings, go())
     if row is None:
         raise SidecarError(f"no job {job_id}")
     if not cancelled:
@@ -429,25 +436,51 @@ def cmd_cancel(args, settings: Settings) -> int:
                            "previous_state": cancelled.get(job_id, row["state"])}
     if later:
         out["cancelled_stages"] = later
+    out.update(_kill_expected(*bound))
     _print_json(out)
     return 0
 
 
+def _kill_expected(pending: int, latest_s: float | None) -> dict[str, str]:
+    """The ``tree_kill`` line of ``cancel`` and ``pause --cancel-running``: when the trees
+    of ``pending`` jobs cancelled while they ran are expected to die. Their owners are
+    told at commit (a NOTIFY, functions/cancel.sql) and kill within about a second; a
+    lost notification leaves it to the owner's next heartbeat, at the latest when the
+    lease ends, ``latest_s`` seconds from now. Empty when no tree was running."""
+    if not pending or latest_s is None:
+        return {}
+    whose = "its owner was told; its tree dies" if pending == 1 \
+        else f"their owners were told; their {pending} trees die"
+    return {"tree_kill": f"{whose} within about 1 s, at the latest by the owner's next "
+                         f"heartbeat (within {max(latest_s, 0.0):.0f} s, when the lease ends)"}
+
+
+def _state_counts(states) -> dict[str, int]:
+    """``previous_states`` of the commands that act on many jobs (cancel --tag, retry
+    --tool/--tag), one shape for both: ``{state: how many}``, sorted by state."""
+    counts: dict[str, int] = {}
+    for state in states:
+        counts[state] = counts.get(state, 0) + 1
+    return dict(sorted(counts.items()))
+
+
 def _cancel_tagged(args, settings: Settings) -> int:
     """``sidecar cancel --tag K=V...``: every queued or running job whose tags include all
-    those given, and their later stages; a running one's tree is killed by its owner at
-    its next heartbeat. Prints ``{"cancelled", "count", "previous_states"}``; none is 0."""
+    those given, and their later stages; a running one's tree is killed by its owner
+    within about a second (``tree_kill`` says by when at the latest). Prints
+    ``{"cancelled", "count", "previous_states": {state: n}[, "tree_kill"]}``; none is 0."""
     tags = _tags(args)
 
     async def go():
         async with open_store(settings, CallerStore) as store:
-            return await store.cancel(None, tags, _operator("cancel"))
+            cancelled = await store.cancel(None, tags, _operator("cancel"))
+            bound = await store.cancel_kill_bound(list(cancelled)) if cancelled else (0, None)
+            return cancelled, bound
 
-    cancelled = run_async(settings, go())
+    cancelled, bound = run_async(settings, go())
     _print_json({"cancelled": [str(i) for i in cancelled], "count": len(cancelled),
-                 "previous_states": dict(sorted(
-                     (state, sum(1 for s in cancelled.values() if s == state))
-                     for state in set(cancelled.values())))})
+                 "previous_states": _state_counts(cancelled.values()),
+                 **_kill_expected(*bound)})
     return 0
 
 
@@ -483,7 +516,7 @@ def cmd_retry(args, settings: Settings) -> int:
         raise SidecarError(f"job {job_id} is {row['state']}; only a failed or cancelled job "
                            "can be retried")
     out: dict[str, Any] = {"retried": [str(r["id"]) for r in rows], "count": len(rows),
-                           "previous_states": sorted({r["previous_state"] for r in rows})}
+                           "previous_states": _state_counts(r["previous_state"] for r in rows)}
     if waited >= RETRY_ACK_POLL_SECONDS:
         out["waited_for_cancel_s"] = round(waited, 3)
     _print_json(out)
@@ -583,21 +616,39 @@ def cmd_pause(args, settings: Settings) -> int:
 
     async def go():
         async with open_store(settings, OperatorStore) as store:
+            if not args.new:
+                known, tools = await store.known_tools(tool, KNOWN_TOOLS_SHOWN)
+                if not known:
+                    raise SidecarError(_unknown_tool(tool, tools))
             row = await store.pause(tool, reason, _operator("pause"))
             cancelled: dict[uuid.UUID, str] = {}
+            bound: tuple[int, float | None] = (0, None)
             if args.cancel_running:
                 # after the pause, so nothing claimed in between escapes it
                 for job_id in await store.running_jobs(tool):
                     cancelled.update(await store.cancel(job_id, by=_operator("pause")))
-            return row, cancelled
+                if cancelled:
+                    bound = await store.cancel_kill_bound(list(cancelled))
+            return row, cancelled, bound
 
-    row, cancelled = run_async(settings, go())
+    row, cancelled, bound = run_async(settings, go())
     out: dict[str, Any] = {"tool": tool, "paused": True, "paused_at": row["paused_at"],
                            "was_paused": row["was_paused"], "reason": row["pause_reason"]}
     if args.cancel_running:
         out["cancelled"] = [str(i) for i in cancelled]
+        out.update(_kill_expected(*bound))
     _print_json(out)
     return 0
+
+
+def _unknown_tool(tool: str, known: list[str]) -> str:
+    """The one line of ``sidecar pause`` for a tool never seen (no job, limit, pause or
+    idle sidecar of it): the tools that were (up to KNOWN_TOOLS_SHOWN), and the flag that
+    pauses one ahead of its first job."""
+    shown = ", ".join(known[:KNOWN_TOOLS_SHOWN]) if known else "none yet"
+    more = ", ..." if len(known) >= KNOWN_TOOLS_SHOWN else ""
+    return (f"pause {tool!r}: no job, limit or sidecar of this tool was ever seen (a typo?); "
+            f"known tools: {shown}{more}; to pause it ahead of its first job, add --new")
 
 
 def cmd_resume(args, settings: Settings) -> int:
@@ -1038,6 +1089,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--reason", metavar="TEXT",
                    help="shown by limits, jobs and /readyz (a second pause without one "
                         "keeps the first's)")
+    p.add_argument("--new", action="store_true",
+                   help="pause a tool never seen yet (no job, limit or sidecar of it); "
+                        "without it such a tool is refused as a probable typo (exit 1)")
     p.add_argument("--cancel-running", action="store_true",
                    help="also cancel the running jobs (their trees die as with cancel)")
     p = add("resume", cmd_resume, "let claims of a paused TOOL start again")

@@ -94,6 +94,37 @@ def test_a_job_never_started_before_its_expiry_ends_failed_expired(dsn, sidecars
     other.wait_event("job_expired", job_id=job)
 
 
+@pytest.mark.parametrize("how", ["enqueue --wait", "wait", "show"])
+def test_with_every_sidecar_down_a_read_settles_a_job_past_its_expiry(dsn, how):
+    """Issue 41, point 13: the outage expiry is for. No sidecar runs at all, so no sweep:
+    the waiter (`enqueue --wait`, `wait`, whose timer wakes it at the expiry) and `show`
+    (any read of a job for a caller) end a queued job past its expiry failed/expired,
+    journaled as the sweep journals it; the wait ends 3 (`expired`), not 4 (timeout)."""
+    if how == "enqueue --wait":
+        done = cli(dsn, "enqueue", "nobody-runs-this", "--payload", "{}", "--expires-in",
+                   "1s", "--wait", "--timeout", "20")
+        job = None
+    else:
+        job = enqueue(dsn, "nobody-runs-this", {}, "--expires-in", "1s")
+        if how == "wait":
+            done = cli(dsn, "wait", job, "--timeout", "20")
+        else:
+            wait_until(lambda: scalar(dsn, "SELECT expires_at <= now() FROM tool_jobs "
+                                           "WHERE id = $1", job), 10, what="the expiry")
+            done = cli(dsn, "show", job)
+    if how != "show":
+        assert done.returncode == 3, (done.returncode, done.stderr.decode())
+        assert "expired" in done.stderr.decode() + done.stdout.decode()
+    else:
+        assert done.returncode == 0, done.stderr.decode()
+        shown = orjson.loads(done.stdout)
+        assert (shown["state"], shown["error"]["kind"]) == ("failed", "expired"), shown
+    [row] = query(dsn, "SELECT id::text, state, error, attempt FROM tool_jobs")
+    assert (row["state"], row["error"]["kind"], row["attempt"]) == ("failed", "expired", 0)
+    [details] = journal_details(dsn, job or row["id"], "job_expired")
+    assert details["previous_state"] == "queued" and details["attempts"] == 0
+
+
 def test_a_retry_that_would_start_after_the_expiry_ends_failed_expired(dsn, tmp_path):
     """A tool that always fails retryably, many attempts allowed: attempts run until the
     expiry, none starts after it, and the job ends expired instead of retrying on."""

@@ -35,7 +35,7 @@ CALLER_PRIVILEGES = {
     ("table", "sidecar_schema_repeatables", "SELECT"),
     ("table", "tool_jobs", "SELECT"),
     *(("function", f, "EXECUTE") for f in ("tool_job_enqueue", "sidecar_enqueue",
-                                           "tool_job_cancel")),
+                                           "tool_job_cancel", "tool_job_expire")),
 }
 
 # Every privilege granted to one role by name (not through PUBLIC), columns included.

@@ -655,7 +655,7 @@ def test_retry_requeues_a_failed_job_with_fresh_attempts_and_a_higher_token(dsn)
     retried = cli(dsn, "retry", job)
     assert retried.returncode == 0, retried.stderr.decode()
     assert orjson.loads(retried.stdout) == {"retried": [job], "count": 1,
-                                            "previous_states": ["failed"]}
+                                            "previous_states": {"failed": 1}}
     row = query(dsn, "SELECT state, attempt, error, fencing_token FROM tool_jobs "
                      "WHERE id = $1", job)[0]
     assert (row["state"], row["attempt"], row["error"], row["fencing_token"]) == \
@@ -689,7 +689,7 @@ def test_retry_of_a_tool_takes_only_its_failed_or_cancelled_jobs(dsn):
     assert (states[other], states[succeeded], states[cancelled]) == \
         ("failed", "succeeded", "cancelled")
     rest = orjson.loads(cli(dsn, "retry", "--tool", "batch").stdout)
-    assert rest["retried"] == [cancelled] and rest["previous_states"] == ["cancelled"]
+    assert rest["retried"] == [cancelled] and rest["previous_states"] == {"cancelled": 1}
 
 
 def test_retry_refuses_what_it_cannot_retry_in_one_line(dsn):

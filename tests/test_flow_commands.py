@@ -100,14 +100,36 @@ def test_pause_and_resume_are_shown_by_limits_and_jobs(dsn):
     [tool] = _json(cli(dsn, "limits"))["tools"]
     assert tool["paused"] and tool["pause_reason"] == "ERP down until 02:00"
     assert tool["queued"] == 1
-    lines = cli(dsn, "jobs").stdout.decode().splitlines()
-    assert lines[0].startswith("tool erp:  PAUSED since ") and "ERP down" in lines[0]
-    assert len(lines) == 2
+    listed = cli(dsn, "jobs")
+    # The banner goes to stderr; stdout keeps one line per job for scripts (issue 41).
+    [banner] = listed.stderr.decode().splitlines()
+    assert banner.startswith("tool erp:  PAUSED since ") and "ERP down" in banner
+    [line] = listed.stdout.decode().splitlines()
+    assert line.split()[1:3] == ["erp", "queued"]
     assert _json(cli(dsn, "resume", "erp"))["resumed"] is True
     again = cli(dsn, "resume", "erp")  # nothing to act on: exit 1, one line
     assert again.returncode == 1
     assert "erp is not paused" in one_line_error(again, no_stdout=True)
     assert len(cli(dsn, "jobs").stdout.decode().splitlines()) == 1
+
+
+def test_pause_of_a_tool_never_seen_is_refused_unless_asked_for_ahead(dsn):
+    """Issue 41: a typo during an incident (`pause epr` for erp) must not look like success:
+    a tool with no job, limit or sidecar is refused in one line naming it, the known
+    tools and --new, exit 1, and nothing is paused; --new pauses it ahead of its first
+    job, and a tool known by its limit alone is known."""
+    enqueue(dsn, "erp", {})
+    done = cli(dsn, "pause", "epr", "--reason", "ERP down")
+    assert done.returncode == 1
+    line = one_line_error(done, no_stdout=True)
+    assert "'epr'" in line and "known tools: erp" in line and "--new" in line
+    assert scalar(dsn, "SELECT count(*) FROM tool_flow") == 0
+    assert scalar(dsn, "SELECT count(*) FROM tool_flow_events") == 0
+    out = _json(cli(dsn, "pause", "epr", "--new"))
+    assert out["paused"] is True and out["was_paused"] is False
+    assert _json(cli(dsn, "pause", "epr"))["was_paused"] is True  # known now
+    _json(cli(dsn, "limit", "crm", "--max-running", "2"))
+    assert _json(cli(dsn, "pause", "crm"))["paused"] is True
 
 
 def test_a_concurrency_key_from_the_cli_the_client_and_sql(dsn):

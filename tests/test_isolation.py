@@ -525,3 +525,30 @@ def test_a_tree_scan_refuses_an_empty_cookie():
     for cookie in ({}, {"SIDECAR_JOB_ID": ""}):
         with pytest.raises(ValueError, match="cookie"):
             find_tree(os.getpid(), cookie)
+
+
+@pytest.mark.unit
+def test_the_paths_a_payload_names_under_what_the_sandbox_hides_are_found():
+    """Issue 41, point 8: a tool given an input under /tmp, the work root or a secret's
+    directory finds nothing inside the sandbox and fails with its own status; the sidecar
+    names such paths of the payload (not one EXTRA_PATHS binds back, not a look-alike
+    such as /tmpfoo or a relative a/tmp/b) in the failed job's hint."""
+    from sidecar.worker.isolation import (
+        SandboxPlan,
+        hidden_path_hint,
+        hidden_paths,
+        hidden_paths_named,
+    )
+
+    plan = SandboxPlan("/usr/bin/bwrap", "/var/lib/sidecar/work", ("/run/secrets",),
+                       ("/db-password",), "host", (("/tmp/inputs", "ro"),))
+    assert hidden_paths(plan) == ["/db-password", "/run/secrets", "/tmp",
+                                  "/var/lib/sidecar/work"]
+    payload = ('{"image": "/tmp/scan 1.png", "args": ["--in=/run/secrets/x", '
+               '"/tmp/inputs/ok.png", "/usr/share/tessdata", "/tmpfoo", "a/tmp/b", '
+               '"/var/lib/sidecar/work/j1/f", "/tmp/scan", "/tmp/c", "/tmp/d"]}')
+    assert hidden_paths_named(plan, payload) == ["/tmp/scan", "/run/secrets/x",
+                                                 "/var/lib/sidecar/work/j1/f"]
+    assert hidden_paths_named(plan, '{"image": "/srv/in/a.png", "n": "/tmpx"}') == []
+    hint = hidden_path_hint(["/tmp/scan"])
+    assert "/tmp/scan" in hint and "EXTRA_PATHS" in hint

@@ -48,6 +48,16 @@ HUGE = "99999999999999999999"
     ["run", "--concurrency", HUGE, "--", "true"],
     ["prune", "--older-than", HUGE],
     ["prune", "--older-than", "4000000000000000000"],  # finite, but no PostgreSQL interval
+    # Issue 41, point 13: every duration option, with and without a unit.
+    *(["enqueue", "x", option, HUGE + unit] for option in ("--run-after", "--expires-in")
+      for unit in ("", "s", "m", "h", "d")),
+    ["enqueue", "x", "--wait", "--timeout", HUGE],
+    ["enqueue", "x", "--wait", "--timeout", HUGE + "d"],
+    ["wait", "--tag", "a=b", "--timeout", HUGE + "m"],
+    ["limit", "x", "--rate", HUGE + "/s"],
+    ["limit", "x", "--burst", HUGE],
+    ["limits", "--events", HUGE],
+    ["prune", "--older-than", HUGE + "d"],
 ])
 def test_every_integer_argument_is_bounded_one_line_exit_2(dsn, args):
     """Case F24, kind: an unbounded number from the command line reaches PostgreSQL (a

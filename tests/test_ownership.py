@@ -255,6 +255,7 @@ def test_cancel_kills_the_tree_within_one_heartbeat_and_stays_cancelled(dsn, sid
         done = cli(dsn, "cancel", job_id)
         assert done.returncode == 0, done.stderr.decode()
         answer = orjson.loads(done.stdout)
+        assert answer.pop("tree_kill").startswith("its owner was told")
         assert answer == {"id": job_id, "cancelled": True, "previous_state": "running"}
         wait_all_dead(pids, 15, "the cancelled job's tree to die")
         killed = wait_journal(dsn, job_id, "child_killed", timeout=15)

@@ -18,7 +18,16 @@ from urllib.parse import urlsplit
 import orjson
 import pytest
 
-from kit import TOOLS, base_env, cli, enqueue, job_row, sandbox_extra_paths, wait_until
+from kit import (
+    TOOLS,
+    base_env,
+    cli,
+    enqueue,
+    job_row,
+    journal_details,
+    sandbox_extra_paths,
+    wait_until,
+)
 
 pytestmark = [
     pytest.mark.e2e,
@@ -150,3 +159,33 @@ def test_a_command_the_sandbox_would_hide_is_refused_at_start_even_through_a_lin
         assert "\n" not in err and "SANDBOX" in err and str(link) in err, err
     finally:
         shutil.rmtree(link.parent, ignore_errors=True)
+
+
+def test_the_start_says_what_tools_cannot_see_and_a_failed_job_says_why(dsn, sidecars,
+                                                                        tmp_path):
+    """Issue 41, point 8: five OCR jobs on images in the system temporary directory failed
+    with the tool's own status and nothing said why. `sidecar run` logs once at start the
+    host paths its tools cannot see and how to bind inputs (EXTRA_PATHS); a job whose
+    payload names such a path and fails carries a hint saying so (row and journal), and
+    the same input bound with EXTRA_PATHS is read."""
+    image = tmp_path / "inputs" / "scan.png"
+    image.parent.mkdir()
+    image.write_bytes(b"\x89PNG" + bytes(100))
+    sc = sidecars(dsn, TOOL, "--tool", "ocr", env=_env(dsn))
+    said = sc.wait_event("sandbox_hides")
+    assert said["tool"] == "ocr" and "/tmp" in said["hidden"], said
+    assert "EXTRA_PATHS" in said["hint"], said
+    job = enqueue(dsn, "ocr", {"mode": "read", "path": str(image)})
+    row = _ended(dsn, job)
+    assert row["state"] == "failed" and row["error"]["exit_code"] == 2, row["error"]
+    assert str(image) in row["error"]["hint"] and "EXTRA_PATHS" in row["error"]["hint"]
+    [failed] = journal_details(dsn, job, "job_failed")
+    assert failed["hidden_paths"] == [str(image)]
+    assert len(sc.events("sandbox_hides")) == 1  # once, at start
+
+    bound = sidecars(dsn, TOOL, "--tool", "ocr-bound",
+                     env=_env(dsn, SIDECAR_EXTRA_PATHS=f"{image.parent}:ro"))
+    assert bound.wait_event("sandbox_hides")["bound"] == [f"{image.parent}:ro"]
+    job = enqueue(dsn, "ocr-bound", {"mode": "read", "path": str(image)})
+    row = _ended(dsn, job)
+    assert row["state"] == "succeeded" and row["result"] == {"bytes": 104}, row

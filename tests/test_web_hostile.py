@@ -386,3 +386,15 @@ def test_listening_beyond_loopback_needs_the_token_file(world, tmp_path, listen)
     check_exposure(listen.rpartition(":")[0].strip("[]"), {"alice": ALICE})  # no raise
     for loopback in ("127.0.0.1", "127.3.4.5", "::1", "localhost"):
         check_exposure(loopback, None)
+
+
+def test_a_pause_of_a_tool_never_seen_is_refused_in_one_line(world):
+    """Issue 41, point 13, the web view's sibling of `sidecar pause`: a typed URL naming a
+    tool with no job, limit or sidecar (a typo) pauses nothing: a 400 that names the tool
+    and `sidecar pause --new`."""
+    status, body, _ = _post(world.url + "/tools/web-hostlie/pause", {},
+                            {"Authorization": f"Bearer {ALICE}"})
+    assert status == 400, (status, body)
+    assert "web-hostlie" in body and "--new" in body and body.count("\n") <= 1, body
+    assert kit.scalar(world.dsn, "SELECT count(*) FROM tool_flow "
+                                 "WHERE tool = 'web-hostlie'") == 0

@@ -136,6 +136,10 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
 
     listening: dict[uuid.UUID, str] = {}
     seen_at: dict[uuid.UUID, Any] = {}
+    # When a read would settle a pending job as expired (loop time; issue 41): the
+    # waiter reads again then, so a job that expires while every sidecar is down ends.
+    settle_at: dict[uuid.UUID, float] = {}
+    loop = asyncio.get_running_loop()
     if listen:
         conn.add_termination_listener(on_close)
     try:
@@ -152,6 +156,8 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
             by_id = {row["id"]: row for row in rows}
             for job_id in [j for j in pending if j in by_id]:
                 row = by_id[job_id]
+                if row.get("settle_in_s") is not None:
+                    settle_at[job_id] = loop.time() + row["settle_in_s"]
                 progress = row["progress"]
                 if row["state"] not in _FINISHED and isinstance(progress, dict) \
                         and progress.get("at") != seen_at.get(job_id):
@@ -159,6 +165,7 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
                     yield JobProgress.of(job_id, progress)
                 if row["state"] in _FINISHED:
                     pending.remove(job_id)
+                    settle_at.pop(job_id, None)
                     channel = listening.pop(job_id, None)
                     if channel is not None and not conn.is_closed():
                         async with asyncio.timeout(statement_timeout):
@@ -172,7 +179,9 @@ async def watch(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID], *,
                 rows = await _read(conn, pending, statement_timeout)
                 continue
             ended: list[uuid.UUID] = []
-            async for note in _notifications(heard, check_seconds):
+            check = check_seconds if not settle_at else min(check_seconds, max(
+                POLL_SECONDS, min(settle_at.values()) - loop.time() + 0.05))
+            async for note in _notifications(heard, check):
                 if note is None:  # no notification for check_seconds: read them all
                     ended = list(pending)
                     break

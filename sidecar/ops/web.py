@@ -743,6 +743,9 @@ async def tool_action(request: web.Request) -> web.Response:
                 reason = flow.check_reason(reason)
             except UsageError as exc:
                 raise BadInput("form field reason: " + exc.message) from None
+        if not (await state.store.known_tools(tool, 0))[0]:  # a typed URL's typo (issue 41)
+            raise BadInput(f"tool {tool}: no job, limit or sidecar of it was ever seen; "
+                           "pause a new tool ahead of its first job with sidecar pause --new")
         await state.store.pause(tool, reason, _by(who))
         changed, done = True, "paused"
     else:

@@ -17,7 +17,7 @@ from sidecar.protocol.errors import IdempotencyConflict, UsageError
 from sidecar.protocol.model import RawJson
 from sidecar.storage import db
 from sidecar.storage.queries import Q
-from sidecar.storage.store import JobAccess, check_producer_key, shown_rows
+from sidecar.storage.store import JobAccess, check_producer_key, settle_expired, shown_rows
 
 
 class CallerStore(JobAccess):
@@ -83,10 +83,14 @@ class CallerStore(JobAccess):
     @staticmethod
     async def jobs_to_wait_for(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID],
                                timeout: float) -> list[dict[str, Any]]:
-        """``id, state, attempt, result, error, progress`` of each job of ``job_ids`` that
-        exists, on the caller's own connection (the waiter's, which LISTENs first:
-        sidecar.client.waiting), ``shown`` (secrets scrubbed: what a waiter prints or
-        returns). Bounded by ``timeout`` seconds."""
+        """``id, state, attempt, result, error, progress, settle_in_s`` of each job of
+        ``job_ids`` that exists, on the caller's own connection (the waiter's, which
+        LISTENs first: sidecar.client.waiting), after settling those past their expiry
+        (``settle_expired``), ``shown`` (secrets scrubbed: what a waiter prints or
+        returns); ``settle_in_s``: seconds until an unfinished job's expiry would be
+        settled by a read (None: no expiry). Bounded by ``timeout`` seconds per
+        statement."""
         ids = [str(job_id) for job_id in job_ids]
+        await settle_expired(conn, ids, timeout)  # issue 41: expired while all are down
         return shown_rows(await db.run(conn, "fetch", Q["jobs_to_wait_for"], ids,
                                        timeout=timeout))

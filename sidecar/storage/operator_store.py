@@ -157,6 +157,13 @@ class OperatorStore(JobAccess, Pruning):
         return await self.db.fetchrow(Q["pause_tool"], tool, reason, by,
                                       timeout=self.timeout)
 
+    async def known_tools(self, tool: str, most: int) -> tuple[bool, list[str]]:
+        """Whether ``tool`` was ever seen (a job, a limit or pause, an idle sidecar of it)
+        and up to ``most`` names of tools that were, sorted: what ``sidecar pause`` checks
+        before pausing a tool (a typo must not look like success, issue 41)."""
+        row = await self.db.fetchrow(Q["known_tools"], tool, most, timeout=self.timeout)
+        return row["known"], list(row["tools"])
+
     async def resume(self, tool: str, by: str) -> bool:
         """Let claims of ``tool`` start again and wake its idle sidecars, journaled
         ``tool_resumed``. False when it was not paused."""

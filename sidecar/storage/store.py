@@ -251,6 +251,23 @@ def shown_rows(rows: Iterable[Any]) -> list[Any]:
     return [shown(row) for row in rows]
 
 
+async def settle_expired(conn: Any, job_ids: Iterable[uuid.UUID], timeout: float) -> None:
+    """End failed/expired those of ``job_ids`` past their expiry that no attempt runs
+    (tool_job_expire, functions/expiry.sql: what the sidecars' sweep does), before a
+    caller reads them (issue 41). ``conn``: a BoundedPool or an asyncpg connection.
+    Best effort: a role without EXECUTE on tool_job_expire (rights given by hand, not by
+    ``sidecar migrate --caller-role``), or a server answering read-only (a failover's old
+    primary, case F12), reads the rows as they are, left to the sweep."""
+    ids = [str(job_id) for job_id in job_ids]  # jsonb through the connection's codec
+    try:
+        if isinstance(conn, asyncpg.Connection):
+            await db.run(conn, "fetch", Q["settle_expired"], ids, timeout=timeout)
+        else:
+            await conn.fetch(Q["settle_expired"], ids, timeout=timeout)
+    except (asyncpg.InsufficientPrivilegeError, asyncpg.ReadOnlySQLTransactionError):
+        pass
+
+
 class JobAccess(StoreBase):
     """What a caller and an operator both do to jobs: read one, list them, cancel them
     (CallerStore and OperatorStore have it; the worker's store has not)."""
@@ -258,7 +275,11 @@ class JobAccess(StoreBase):
     # --- jobs ---------------------------------------------------------------------
 
     async def get_job(self, job_id: uuid.UUID) -> dict[str, Any] | None:
-        """The whole row of one job ``shown`` (secrets scrubbed), or None."""
+        """The whole row of one job ``shown`` (secrets scrubbed), or None; a job past its
+        expiry that no attempt runs is first settled as failed/expired
+        (``settle_expired``, issue 41), so a read never shows a job queued that can no
+        longer start."""
+        await settle_expired(self.db, [job_id], self.timeout)
         return shown(await self.db.fetchrow(Q["get_job"], job_id, timeout=self.timeout))
 
     async def list_jobs(
@@ -275,11 +296,22 @@ class JobAccess(StoreBase):
         """Cancel a job (``job_id``), or every queued or running job whose tags include
         all of ``tags``, and their later stages that are still queued or running; return
         ``{id: previous state}`` of every job cancelled (empty when none was). A running
-        one's owner kills its tree at its next heartbeat. ``by``: who asked, journaled as
-        ``job_cancelled``'s ``by`` (issue 30; None: not said)."""
+        one's owner is told at commit and kills its tree within about a second, at its
+        next heartbeat when the notification is lost (functions/cancel.sql). ``by``: who
+        asked, journaled as ``job_cancelled``'s ``by`` (issue 30; None: not said)."""
         rows = await self.db.fetch(Q["cancel_job"], job_id, tags or None, by,
                                    timeout=self.timeout)
         return {row["id"]: row["previous_state"] for row in rows}
+
+    async def cancel_kill_bound(self, job_ids: list[uuid.UUID]) -> tuple[int, float | None]:
+        """Of ``job_ids`` (just cancelled), how many ran under a live lease whose owner has
+        not confirmed its tree dead yet, and the seconds (database clock, P3) until the
+        latest of those leases ends: the bound by which every tree dies even when the
+        owner's notification is lost (None when there is none)."""
+        row = await self.db.fetchrow(Q["cancel_kill_bound"],
+                                     [str(i) for i in job_ids],
+                                     timeout=self.timeout)
+        return row["pending"], row["latest_s"]
 
 
 class Pruning(StoreBase):

@@ -121,7 +121,9 @@ def host_step(config: RunConfig, settings: Settings) -> Host:
     vfork), and its soft RLIMIT_NOFILE raised to the hard limit (issue 25: the guard's
     descriptor reserve is counted below it; tools inherit it unless the profile's
     OPEN_FILES sets theirs); probe the bubblewrap sandbox once (``SANDBOX``: ``auto`` goes
-    on without it and warns ``sandbox_unavailable`` with the reason). Raises ConfigError
+    on without it and warns ``sandbox_unavailable`` with the reason; with it, logs
+    ``sandbox_hides``: the host paths its tools cannot see and how to bind inputs).
+    Raises ConfigError
     (exit 2) for what it refuses, ``SANDBOX=required`` where the sandbox cannot work
     included."""
     host = cgroups.detect(settings.cgroups)
@@ -134,6 +136,13 @@ def host_step(config: RunConfig, settings: Settings) -> Host:
         log.emit("sandbox_unavailable", "warning", tool=config.tool, reason=off,
                  effect="attempts run without the namespace sandbox: they see what the "
                         "sidecar's user sees (docs/isolation.md)")
+    if plan is not None:
+        # Once at start: what a tool given an input path there will not find (issue 41).
+        log.emit("sandbox_hides", tool=config.tool, hidden=isolation.hidden_paths(plan),
+                 bound=[f"{path}:{mode}" for path, mode in plan.extra_paths],
+                 effect="a tool given a path under these (e.g. an input in the system "
+                        "temporary directory) finds nothing there",
+                 hint=isolation.BIND_HINT)
     return Host(host, work_root, plan, off)
 
 

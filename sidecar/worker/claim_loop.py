@@ -63,6 +63,13 @@ def wake_channel(owner_id: str) -> str:
     return "sidecar_wake_" + hashlib.sha1(owner_id.encode()).hexdigest()
 
 
+def cancel_channel(owner_id: str) -> str:
+    """The NOTIFY channel on which this sidecar hears that a job it runs was cancelled:
+    ``sidecar_cancel_`` and the md5 of the owner id in 32 hex digits (47 characters), as
+    tool_job_tell_owner (functions/cancel.sql) computes it; the payload is the job id."""
+    return "sidecar_cancel_" + hashlib.md5(owner_id.encode(), usedforsecurity=False).hexdigest()
+
+
 def worker_identity(worker_name: str) -> str:
     """A fresh ``owner_id``: a stable name (default the hostname), the pid and a random part,
     so a restarted pod that keeps its hostname and pid never inherits its predecessor's
@@ -132,6 +139,7 @@ class Worker:
         self.shutdown_kill = asyncio.Event()
         self.wake = asyncio.Event()
         self.channel = wake_channel(self.owner_id)
+        self.cancel_channel = cancel_channel(self.owner_id)
         self._listening = False  # LISTEN on self.channel is up
         self._idle_since: float | None = None  # monotonic time of our idle registration
         self._retry_at: float | None = None  # monotonic time a rate allows the next claim
@@ -551,7 +559,9 @@ class Worker:
 
     async def _listen(self) -> None:
         """Wake the claim loop on a NOTIFY on this sidecar's own channel (sent to one idle
-        sidecar per job queued, see ``_stay_idle``), on a connection of its own
+        sidecar per job queued, see ``_stay_idle``), and renew the leases at once on a
+        NOTIFY on its cancel channel (``cancel_channel``: a job it runs was cancelled;
+        logged as ``cancel_heard``), on a connection of its own
         (application_name ``sidecar-listen``), where ``db.listen_target`` says:
         SIDECAR_LISTEN_DATABASE_URL when set (a session: the server itself or a
         session-mode pool, even behind a transaction pooler), else the database's URL.
@@ -591,6 +601,13 @@ class Worker:
             self._rate_turn_at = None  # a resume or a limit change: claim at once
             self.wake.set()
 
+        def on_cancel(_conn, _pid, _channel, payload: str) -> None:
+            # A job we run was cancelled: renew now (a fenced statement), so its zero rows
+            # stop the tree within about a second instead of at the next heartbeat.
+            with contextlib.suppress(ValueError):
+                if self._ctx.keeper.renew_soon(uuid.UUID(payload)):
+                    log.emit("cancel_heard", tool=tool, job_id=payload)
+
         lost_at: float | None = None  # monotonic start of the current outage
         off_list = True  # not on the idle list, or taken off since the last LISTEN
         started = False
@@ -605,6 +622,8 @@ class Worker:
                 # LISTEN is a round trip too: a path that went silent after the connect
                 # must not hold the listener for good (it is retried like a failure).
                 await asyncio.wait_for(conn.add_listener(self.channel, on_notify),
+                                       settings.db_timeout_seconds)
+                await asyncio.wait_for(conn.add_listener(self.cancel_channel, on_cancel),
                                        settings.db_timeout_seconds)
                 self._set_listening(True)
                 up, off_list = True, False

@@ -34,6 +34,7 @@ from sidecar.protocol.verdict import Ending, Failure, Reject, Release, Succeeded
 from sidecar.protocol.vocabulary import FailureKind, Outcome, StopReason
 from sidecar.runtime.log import log, log_fields
 from sidecar.storage import db
+from sidecar.worker import isolation
 from sidecar.worker.context import WorkerContext
 from sidecar.worker.lease import Lease
 
@@ -234,6 +235,13 @@ class FencedCommit:
         summary = {"attempt": job.attempt, "kind": error["kind"], "duration_s": duration,
                    **{k: error[k] for k in ("exit_code", "signal") if k in error},
                    **self.resources}
+        if self.ctx.sandbox is not None:
+            # The payload names an input the sandbox hides: say why the tool failed
+            # (issue 41, point 8), in the row's error and the attempt's journal row.
+            named = isolation.hidden_paths_named(self.ctx.sandbox, job.payload_text)
+            if named:
+                error["hint"] = isolation.hidden_path_hint(named)
+                summary["hidden_paths"] = named
         if fault.retryable and job.attempt < job.max_attempts:
             delay = backoff_seconds(self.ctx.profile, job.attempt)
             earlier = await self._take_noted()

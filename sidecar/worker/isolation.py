@@ -10,6 +10,7 @@ import dataclasses
 import math
 import os
 import pwd
+import re
 import resource
 import shutil
 import signal
@@ -213,6 +214,57 @@ class SandboxPlan:
 
 def _under(path: str, parent: str) -> bool:
     return path == parent or path.startswith(parent.rstrip("/") + "/")
+
+
+# How to give a sandboxed tool its inputs, said where the sandbox hides a path (issue 41).
+BIND_HINT = ("put inputs elsewhere, or bind their directory with EXTRA_PATHS "
+             "(e.g. SIDECAR_EXTRA_PATHS=/srv/inputs:ro; per tool "
+             "SIDECAR_PROFILE_<TOOL>_EXTRA_PATHS)")
+
+
+def hidden_paths(plan: SandboxPlan) -> list[str]:
+    """The host paths a tool under ``plan`` cannot see, sorted: the sandbox's own /tmp
+    (SANDBOX_TMPFS: the tool sees an empty one), the work root (but for the attempt's own
+    directory) and every secret's directory or file. ``EXTRA_PATHS`` may bind a
+    directory below one of them back in (``plan.extra_paths``)."""
+    return sorted({*SANDBOX_TMPFS, plan.work_root, *plan.hidden_dirs, *plan.hidden_files})
+
+
+# An absolute path inside a text (a JSON payload): a "/" at the start or after a quote,
+# a space, "=", ":", ",", "(" or "[", up to the next such character or a backslash.
+_PATH_IN_TEXT = re.compile(r"(?<![^\s\"'=:,(\[])/[^\s\"'\\,;]*")
+# A payload is scanned for hidden paths up to this many characters, naming at most
+# HIDDEN_PATHS_NAMED of them.
+HIDDEN_PATH_SCAN_CHARS = 1 << 20
+HIDDEN_PATHS_NAMED = 3
+
+
+def hidden_paths_named(plan: SandboxPlan, text: str) -> list[str]:
+    """The absolute paths ``text`` (a job's payload as JSON text; its first
+    HIDDEN_PATH_SCAN_CHARS characters) names under a path the sandbox hides
+    (``hidden_paths``) and that no ``EXTRA_PATHS`` entry binds back: up to
+    HIDDEN_PATHS_NAMED of them, as written, in order. A tool given such a path as its
+    input finds nothing there and fails with its own status (issue 41, point 8): the
+    sidecar says why in the failed job's error (``hidden_path_hint``)."""
+    hidden = hidden_paths(plan)
+    found: list[str] = []
+    for match in _PATH_IN_TEXT.finditer(text, 0, HIDDEN_PATH_SCAN_CHARS):
+        path = os.path.normpath(match.group())
+        if any(_under(path, h) for h in hidden) \
+                and not any(_under(path, bound) for bound, _ in plan.extra_paths) \
+                and match.group() not in found:
+            found.append(match.group())
+            if len(found) == HIDDEN_PATHS_NAMED:
+                break
+    return found
+
+
+def hidden_path_hint(paths: list[str]) -> str:
+    """The ``hint`` of a failed job whose payload names ``paths`` (``hidden_paths_named``):
+    which paths, why the tool could not read them, how to bind inputs."""
+    return (f"the payload names {', '.join(paths)}, which the sandbox hides from the tool "
+            "(it has an empty /tmp of its own and sees neither the work root nor the "
+            f"secrets' directories); {BIND_HINT}")
 
 
 def plan_sandbox(settings: Settings, profile: LeaseProfile, work_root: str, bwrap: str,

@@ -26,7 +26,9 @@ It never extends an abandoned lease.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+import uuid
 
 import asyncpg
 
@@ -38,6 +40,10 @@ from sidecar.protocol.vocabulary import AttemptId, HeartbeatResult, StopReason
 from sidecar.runtime.log import log, log_fields
 from sidecar.storage import db
 from sidecar.storage.worker_store import WorkerStore
+
+# A renewal asked early (renew_soon) follows the previous one by at least this many
+# seconds, so a flood of notifications costs at most this many renewals per second.
+EARLY_RENEWAL_MIN_SECONDS = 0.1
 
 
 class RowLocked(Exception):
@@ -72,6 +78,7 @@ class LeaseKeeper:
         self.leases: dict[AttemptId, Lease] = {}
         self.abandoned: dict[AttemptId, Lease] = {}
         self._conn: asyncpg.Connection | None = None
+        self._soon = asyncio.Event()  # renew_soon: renew before the period ends
         self.labels = (profile.tool, profile.provider)
         # Counted at each scrape, never stale: an episode shows as long as it lasts.
         metrics.LEASES_UNKNOWN.labels(*self.labels).set_function(self.unknown_count)
@@ -101,6 +108,17 @@ class LeaseKeeper:
             lease.lose(StopReason.LEASE_LOST)
         return older
 
+    def renew_soon(self, job_id: uuid.UUID) -> bool:
+        """A job was cancelled (its owner's NOTIFY, functions/cancel.sql): when a lease of
+        ``job_id`` is held here, renew every lease now instead of at the end of the
+        heartbeat period; the cancelled one gets zero rows and its supervisor kills the
+        tree (P5, P13). Returns whether one is held (a notification for a job not ours, or
+        already ended here, is ignored). The heartbeat stays the fallback for a lost one."""
+        if not any(key.job_id == job_id for key in self.leases):
+            return False
+        self._soon.set()
+        return True
+
     def drop(self, attempt: AttemptId) -> None:
         """The supervisor is done with a lease: stop renewing it. An abandoned lease moves to
         the probe list, to be ended (never extended) once the database answers."""
@@ -109,18 +127,23 @@ class LeaseKeeper:
             self.abandoned[attempt] = lease
 
     async def run(self) -> None:
-        """Renew every ``heartbeat_seconds`` until cancelled; meanwhile watch the local
+        """Renew every ``heartbeat_seconds`` (sooner when ``renew_soon`` asks, at most
+        every EARLY_RENEWAL_MIN_SECONDS) until cancelled; meanwhile watch the local
         deadlines on a timer of their own, so a renewal stuck on a dead path (up to its
         statement timeout) or the wait for the next period never delays giving up."""
         watcher = asyncio.create_task(self._watch_deadlines(), name="lease-deadlines")
         try:
             while True:
                 started = time.monotonic()
+                self._soon.clear()  # a notice arriving during this round asks for another
                 if self.leases or self.abandoned:
                     await self.beat()
                 self._expire_local_deadlines()
                 delay = self.profile.heartbeat_seconds - (time.monotonic() - started)
-                await asyncio.sleep(max(0.0, delay))
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._soon.wait(), max(0.0, delay))
+                early = EARLY_RENEWAL_MIN_SECONDS - (time.monotonic() - started)
+                await asyncio.sleep(max(0.0, early))
         finally:
             watcher.cancel()
             self._abort_connection()

@@ -3,6 +3,8 @@
 (tests/test_sandbox.py). Payload ``{"mode": M, ...}``:
 
 - ``exit``: exit with ``code``; ``signal``: kill itself with signal ``signal``;
+- ``read``: read the file ``path`` (an input, as an OCR tool reads its image); exit 2
+  when it cannot (as such a tool does), else print its size;
 - ``term_trap``: wait; on SIGTERM write "got SIGTERM" to stderr and exit 3;
 - ``inside``: print what it sees: its pid, the pids in /proc, whether HOME, TMPDIR and
   the work directory are writable and /usr is not, the payload it read, and the guard's
@@ -25,6 +27,15 @@ if mode == "signal":
     signal.signal(payload["signal"], signal.SIG_DFL)
     os.kill(os.getpid(), payload["signal"])
     time.sleep(5)
+if mode == "read":
+    try:
+        with open(payload["path"], "rb") as f:
+            size = len(f.read())
+    except OSError as exc:
+        sys.stderr.write(f"cannot read {payload['path']}: {exc.strerror}\n")
+        sys.exit(2)
+    print(json.dumps({"bytes": size}))
+    sys.exit(0)
 if mode == "term_trap":
     def on_term(signum, frame):
         sys.stderr.write("got SIGTERM\n")

@@ -109,38 +109,16 @@ WITH exhausted AS (
 SELECT id, fencing_token FROM exhausted;
 
 -- name: fail_expired_jobs
--- Issue 26: no attempt starts after a job's expires_at (the claim skips it). Up to $1 jobs
--- of any tool whose expiry has passed while they were queued (a first attempt or a
--- retry), or running under an expired lease (no attempt runs), end failed with kind
--- "expired", journaled job_expired. A running attempt under a live lease is not touched:
--- it ends as it would have. Read through tool_jobs_expiry_idx; SKIP LOCKED, so sidecars
--- sweeping at once share the work.
-WITH doomed AS (
-    SELECT id, state AS previous_state FROM tool_jobs
-    WHERE state IN ('queued', 'running') AND expires_at <= now()
-      AND (state = 'queued' OR lease_until < now())
-    ORDER BY expires_at
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-), expired AS (
-    UPDATE tool_jobs j
-    SET state = 'failed', finished_at = now(), lease_until = NULL,
-        error = jsonb_build_object(
-            'kind', 'expired',
-            'message', format('no attempt started before the job''s expiry (%s, %s after '
-                              'enqueue); %s attempt(s) ran', j.expires_at,
-                              j.expires_at - j.created_at, j.attempt))
-    FROM doomed
-    WHERE j.id = doomed.id
-    RETURNING j.id, j.tool, j.fencing_token, j.attempt, j.expires_at, doomed.previous_state
-), journal AS (
-    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, fencing_token, 'job_expired',
-           jsonb_build_object('expires_at', expires_at, 'attempts', attempt,
-                              'previous_state', previous_state)
-    FROM expired
-)
-SELECT id, tool, fencing_token, attempt FROM expired;
+-- Issue 26: the sweep of expired jobs of any tool, up to $1 of them (tool_job_expire,
+-- functions/expiry.sql, which the reads of a job for a caller share: settle_expired).
+SELECT id, tool, fencing_token, attempt FROM tool_job_expire(NULL, $1::integer);
+
+-- name: settle_expired
+-- Issue 41: before a caller reads jobs $1 (a jsonb array of ids as text: the waiter, get,
+-- show), those past their expiry that no attempt runs end failed/expired, as the sweep
+-- would end them (tool_job_expire), so a read never shows `queued` a job that can no
+-- longer start, even while every sidecar is down. Returns the ids it ended.
+SELECT id FROM tool_job_expire($1::jsonb, NULL);
 
 -- name: claim_job
 -- P4: one statement picks a running job whose lease expired or, when there is none, the
@@ -418,6 +396,18 @@ SELECT cancelled_id AS id, previous_state FROM tool_job_cancel($1::uuid, $2::jso
 SELECT retried_id AS id, retried_tool AS tool, previous_state
 FROM tool_job_retry($1::uuid, $2::text, $3::text, $4::text, $5::jsonb);
 
+-- name: cancel_kill_bound
+-- The jobs of $1 (a jsonb array of ids as text, see extend_leases_if_owner) cancelled
+-- while they ran whose owners have not yet confirmed the tree
+-- dead: how many, and the seconds until the latest of their leases ends (the owner kills
+-- the tree by then at the latest: its local deadline lies before it). `sidecar cancel`
+-- says so (issue 41).
+SELECT count(*) AS pending,
+       extract(epoch FROM max(lease_until) - now())::float8 AS latest_s
+FROM tool_jobs
+WHERE id IN (SELECT wanted::uuid FROM jsonb_array_elements_text($1::jsonb) wanted)
+  AND state = 'cancelled' AND cancel_pending AND lease_until > now();
+
 -- name: unacknowledged_cancels
 -- Cancelled jobs retry_jobs leaves alone for now (same selection, $1-$3, tags $4): the owner of the
 -- cancelled attempt has not acknowledged it and its lease has not ended (case F14).
@@ -481,9 +471,17 @@ FROM reported;
 
 -- name: jobs_to_wait_for
 -- the waiter's read (sidecar.waiting): the jobs $1 names (a jsonb array of ids as text:
--- no uuid[] parameter, see extend_leases_if_owner), as they are now. A job missing from
--- the answer does not exist (or was pruned).
-SELECT j.id, j.state, j.attempt, j.result, j.error, j.progress
+-- no uuid[] parameter, see extend_leases_if_owner), as they are now (settle_expired ran
+-- first). A job missing from the answer does not exist (or was pruned). settle_in_s: for
+-- an unfinished job with an expiry, the seconds until a read would settle it as expired
+-- (a queued job's expiry; a running one's expiry or lease end, the later), so the waiter
+-- reads it again then (issue 41); NULL for the others.
+SELECT j.id, j.state, j.attempt, j.result, j.error, j.progress,
+       CASE WHEN j.state = 'queued'
+            THEN extract(epoch FROM j.expires_at - now())::float8
+            WHEN j.state = 'running'
+            THEN extract(epoch FROM greatest(j.expires_at, j.lease_until) - now())::float8
+       END AS settle_in_s
 FROM jsonb_array_elements_text($1::jsonb) AS wanted(id)
 JOIN tool_jobs j ON j.id = wanted.id::uuid;
 
@@ -684,6 +682,26 @@ WITH before AS (
     SELECT tool, 'limits_set', $2::text::jsonb || jsonb_build_object('by', $3::text) FROM applied
 )
 SELECT tool, tool_job_wake(tool, 1000) AS woken FROM applied;
+
+-- name: known_tools
+-- Whether tool $1 was ever seen here (a job of it, a flow row: a limit or a pause, or an
+-- idle sidecar of it), and up to $2 names of tools that were, sorted: `sidecar pause`
+-- refuses a tool never seen (a typo) unless told `--new` (issue 41). The names of
+-- tool_jobs come from a skip scan of tool_jobs_tool_id_idx, one probe per tool.
+WITH RECURSIVE job_tools(tool) AS (
+    (SELECT tool FROM tool_jobs ORDER BY tool LIMIT 1)
+    UNION ALL
+    SELECT (SELECT j.tool FROM tool_jobs j WHERE j.tool > t.tool ORDER BY j.tool LIMIT 1)
+    FROM job_tools t WHERE t.tool IS NOT NULL
+), names AS (
+    SELECT tool FROM (SELECT tool FROM job_tools WHERE tool IS NOT NULL LIMIT $2) j
+    UNION SELECT tool FROM tool_flow
+    UNION SELECT tool FROM tool_idle_sidecars
+)
+SELECT EXISTS (SELECT 1 FROM tool_jobs WHERE tool = $1)
+       OR EXISTS (SELECT 1 FROM tool_flow WHERE tool = $1)
+       OR EXISTS (SELECT 1 FROM tool_idle_sidecars WHERE tool = $1) AS known,
+       ARRAY(SELECT tool FROM names ORDER BY tool LIMIT $2) AS tools;
 
 -- name: pause_tool
 -- Issue 27: no claim of tool $1 starts from now on, on any sidecar (running jobs go on);

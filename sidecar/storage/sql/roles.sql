@@ -107,7 +107,8 @@ SELECT format('REVOKE EXECUTE ON FUNCTION %I.tool_job_wake(text, bigint), '
 -- jobs); and EXECUTE on the three functions that write for it, each SECURITY DEFINER and
 -- checking its inputs: tool_job_enqueue (and sidecar_enqueue, which calls it in the
 -- caller's own transaction) inserts a queued job, journals it and wakes a sidecar;
--- tool_job_cancel cancels. No write on any table (issue 41, point 2): not a job inserted
+-- tool_job_cancel cancels; tool_job_expire settles a job a read finds past its expiry
+-- (issue 41, point 13). No write on any table (issue 41, point 2): not a job inserted
 -- around the enqueue's checks, not a journal row, not the idle list or a flow row. Not
 -- the journal's reads, the outbox, the sweeps, the fence_* tables, the demand function or
 -- the claim functions.
@@ -123,7 +124,8 @@ UNION ALL
 (SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, $1::text)
  FROM pg_proc p
  WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
-   AND p.proname IN ('tool_job_enqueue', 'sidecar_enqueue', 'tool_job_cancel')
+   AND p.proname IN ('tool_job_enqueue', 'sidecar_enqueue', 'tool_job_cancel',
+                     'tool_job_expire')
  ORDER BY p.oid::regprocedure::text);
 
 -- name: web_grants
@@ -131,7 +133,8 @@ UNION ALL
 -- pages show (the jobs, their journal and forwarding rows, the tools' flow rows, the idle
 -- list it counts sidecars from) and the migration ledgers (its schema check); its admin
 -- actions only through SECURITY DEFINER functions that check their inputs:
--- tool_job_cancel, tool_job_retry, tool_flow_pause and tool_flow_resume. No write on any
+-- tool_job_cancel, tool_job_retry, tool_flow_pause and tool_flow_resume (and
+-- tool_job_expire: a job page settles a job past its expiry). No write on any
 -- table of the queue, no claim, no limits (`sidecar limit` is the owner's or the worker
 -- role's), not the fence_* tables or the demand.
 -- Its logins (issue 41, point 5; migration 025): the sessions and failed-login windows are
@@ -152,5 +155,5 @@ UNION ALL
  FROM pg_proc p
  WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
    AND p.proname IN ('tool_job_cancel', 'tool_job_retry', 'tool_flow_pause',
-                     'tool_flow_resume')
+                     'tool_flow_resume', 'tool_job_expire')
  ORDER BY p.oid::regprocedure::text);

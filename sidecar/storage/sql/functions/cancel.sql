@@ -1,3 +1,17 @@
+-- Tell the sidecar p_owner that its job p_job was cancelled while it ran: a NOTIFY (sent
+-- at commit) on the channel only that sidecar listens on, 'sidecar_cancel_' and the md5
+-- of its owner id in hex (sidecar.worker.claim_loop.cancel_channel); the payload is the
+-- job id. Nothing when p_owner is NULL. Always true, so a query can call it in WHERE.
+CREATE OR REPLACE FUNCTION tool_job_tell_owner(p_owner text, p_job uuid) RETURNS boolean
+LANGUAGE plpgsql VOLATILE AS $$
+BEGIN
+    IF p_owner IS NOT NULL THEN
+        PERFORM pg_notify('sidecar_cancel_' || md5(p_owner), p_job::text);
+    END IF;
+    RETURN true;
+END
+$$;
+
 -- A cancel that needs no UPDATE right on tool_jobs (issue 29, point 6): the callers' role
 -- (`sidecar migrate --caller-role`, docs/operations.md "Roles and Secrets"; the MCP
 -- gateway's) enqueues, waits, reads and cancels, but may not write a lease, a claim or a
@@ -32,9 +46,11 @@ $$;
 
 -- The job p_job, or every queued or running job whose tags contain p_tags, and every
 -- later stage of them still queued or running. A running job keeps its owner, token and
--- lease end (case F14: its owner kills the tree at its next heartbeat). p_by says who
--- asked, journaled as job_cancelled's "by" (left out when NULL). p_by and p_tags are
--- checked (tool_job_check_actor: 22023 naming the field).
+-- lease end (case F14); its owner is told at commit (tool_job_tell_owner: a NOTIFY on the
+-- owner's cancel channel), renews at once, gets zero rows and kills the tree within about
+-- a second; a lost notification leaves it to the owner's next heartbeat (issue 41). p_by
+-- says who asked, journaled as job_cancelled's "by" (left out when NULL). p_by and p_tags
+-- are checked (tool_job_check_actor: 22023 naming the field).
 CREATE OR REPLACE FUNCTION tool_job_cancel(p_job uuid, p_tags jsonb, p_by text)
 RETURNS TABLE (cancelled_id uuid, previous_state text)
 SECURITY DEFINER SET search_path FROM CURRENT
@@ -65,7 +81,7 @@ WITH RECURSIVE chain AS (
         error = jsonb_build_object('kind', 'cancelled', 'message', 'cancelled by an operator')
     FROM target
     WHERE j.id = target.id
-    RETURNING j.id, j.fencing_token, target.previous_state
+    RETURNING j.id, j.fencing_token, target.previous_state, j.owner_id, j.cancel_pending
 ), journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)
     SELECT id, fencing_token, 'job_cancelled',
@@ -73,7 +89,9 @@ WITH RECURSIVE chain AS (
                                                 'by', p_by))
     FROM cancelled
 )
-SELECT cancelled.id, cancelled.previous_state FROM cancelled;
+SELECT cancelled.id, cancelled.previous_state FROM cancelled
+WHERE tool_job_tell_owner(CASE WHEN cancelled.cancel_pending THEN cancelled.owner_id END,
+                          cancelled.id);
 END
 $$;
 
@@ -87,3 +105,4 @@ $$;
 
 REVOKE EXECUTE ON FUNCTION tool_job_cancel(uuid, jsonb, text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION tool_job_cancel(uuid, jsonb) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION tool_job_tell_owner(text, uuid) FROM PUBLIC;

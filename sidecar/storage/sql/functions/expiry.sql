@@ -15,3 +15,54 @@ LANGUAGE sql STABLE AS $$
                        WHERE e.job_id = j.id AND e.fencing_token = j.fencing_token
                          AND e.event = 'tool_request_started')
 $$;
+
+-- Issue 26: no attempt starts after a job's expires_at (the claim skips it). Up to p_limit
+-- jobs (NULL: no bound) whose expiry has passed while they were queued (a first attempt
+-- or a retry), or running under an expired lease (no attempt runs), end failed with kind
+-- "expired", journaled job_expired; of the jobs p_ids names (a jsonb array of ids as
+-- text, as jobs_to_wait_for takes them), or of any job when p_ids is NULL. A running
+-- attempt under a live lease is not touched: it ends as it would have. SKIP LOCKED, so
+-- sweepers at once share the work. Returns id, tool, fencing_token, attempt of each.
+--
+-- Two kinds of caller (issue 41): the sweep one running sidecar takes in turn
+-- (queries.sql fail_expired_jobs, p_ids NULL, read through tool_jobs_expiry_idx), and
+-- every read of a job for a caller (the waiter, get and show: queries.sql
+-- settle_expired), so a job past its expiry is `failed`/`expired` when read even while
+-- every sidecar is down, the very outage expiry is for. The callers' role writes no job
+-- row itself, so this writes with its owner's rights (SECURITY DEFINER under a pinned
+-- search_path, as tool_job_cancel); it does nothing a sweep would not do.
+CREATE OR REPLACE FUNCTION tool_job_expire(p_ids jsonb, p_limit integer)
+RETURNS TABLE (id uuid, tool text, fencing_token bigint, attempt integer)
+SECURITY DEFINER SET search_path FROM CURRENT
+LANGUAGE sql VOLATILE AS $$
+WITH doomed AS (
+    SELECT j.id, j.state AS previous_state FROM tool_jobs j
+    WHERE j.state IN ('queued', 'running') AND j.expires_at <= now()
+      AND (j.state = 'queued' OR j.lease_until < now())
+      AND (p_ids IS NULL
+           OR j.id IN (SELECT wanted::uuid FROM jsonb_array_elements_text(p_ids) wanted))
+    ORDER BY j.expires_at
+    LIMIT p_limit
+    FOR UPDATE SKIP LOCKED
+), expired AS (
+    UPDATE tool_jobs j
+    SET state = 'failed', finished_at = now(), lease_until = NULL,
+        error = jsonb_build_object(
+            'kind', 'expired',
+            'message', format('no attempt started before the job''s expiry (%s, %s after '
+                              'enqueue); %s attempt(s) ran', j.expires_at,
+                              j.expires_at - j.created_at, j.attempt))
+    FROM doomed
+    WHERE j.id = doomed.id
+    RETURNING j.id, j.tool, j.fencing_token, j.attempt, j.expires_at, doomed.previous_state
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT expired.id, expired.fencing_token, 'job_expired',
+           jsonb_build_object('expires_at', expired.expires_at, 'attempts', expired.attempt,
+                              'previous_state', expired.previous_state)
+    FROM expired
+)
+SELECT expired.id, expired.tool, expired.fencing_token, expired.attempt FROM expired
+$$;
+
+REVOKE EXECUTE ON FUNCTION tool_job_expire(jsonb, integer) FROM PUBLIC;
