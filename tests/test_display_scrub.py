@@ -78,7 +78,8 @@ def test_show_events_jobs_and_the_web_view_scrub_old_rows(dsn, tmp_path):
     for args in (("show", job), ("events", job), ("jobs", "--tool", TOOL)):
         done = kit.cli(url, *args, env=env)
         assert done.returncode == 0, done.stderr.decode()
-        assert_scrubbed(done.stdout.decode(), f"sidecar {args[0]}")
+        # `jobs` prints its PAUSED banner (the pause reason) on stderr, the jobs on stdout
+        assert_scrubbed((done.stdout + done.stderr).decode(), f"sidecar {args[0]}")
     text = kit.cli(url, "show", job, env=env).stdout
     assert b'"n":12345678901234567890123' in text  # F11: every digit kept
     shown = orjson.loads(text)

@@ -274,11 +274,12 @@ def test_the_web_role_reads_and_acts_only_through_the_functions(dsn, roles):
             done = {"get_job", "outbox_of_job", "children", "cancel",
                     "retry_when_acknowledged", "pause", "resume", "web_session",
                     "web_session_create", "web_session_delete", "web_login_lock",
-                    "web_login_failed"}
+                    "web_login_failed", "known_tools"}
             assert calls == done, "a call of web.py this test does not make"
             await store.get_job(job)
             await store.outbox_of_job(job)
             await store.children(job)
+            assert (await store.known_tools("pt", 20))[0] is True  # a pause checks it
             # its logins (migration 025): sessions and failed-login windows are its rows
             digest = bytes(32)
             await store.web_session_create(digest, "alice", "c" * 32, 60, 20, 1000)
