@@ -323,10 +323,10 @@ class JobSupervisor:
             "pid": child.pid, "argv0": self.ctx.argv[0], "payload": self.payload_digest})
         log.emit("tool_request_started", **log_fields(self.job), pid=child.pid)
 
-        # SIDECAR_PROGRESS_FILE, read once per heartbeat period while the tool runs.
+        # SIDECAR_PROGRESS_FILE, looked at on a timer of its own (progress.FILE_SECONDS),
+        # never the heartbeat's: a waiting caller sees a report within a second (issue 41).
         progress_file = asyncio.ensure_future(self.progress.watch_file(
-            sandbox.dir_lock, sandbox.ids[0] if sandbox.ids else None,
-            profile.heartbeat_seconds))
+            sandbox.dir_lock, sandbox.ids[0] if sandbox.ids else None))
         try:
             reason = await self._race(child, sandbox)
         finally:
