@@ -36,7 +36,12 @@ from sidecar.runtime.config import load_settings
 from sidecar.storage.caller_store import CallerStore
 from sidecar.storage.db import init_connection
 from sidecar.storage.worker_store import WorkerStore
-from sidecar.worker.guard import CHECKPOINT_LIMIT, CONNECTIONS_PER_ATTEMPT, GuardServer
+from sidecar.worker.guard import (
+    CHECKPOINT_LIMIT,
+    CONFIRM_REUSE_SECONDS,
+    CONNECTIONS_PER_ATTEMPT,
+    GuardServer,
+)
 from sidecar.worker.lease import Lease
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -58,7 +63,9 @@ class Harness:
         its local deadline; register it with the guard. Returns (lease, secret)."""
         caller = CallerStore(self.store.pool, self.store.timeout)
         await caller.enqueue(TOOL, {"n": time.monotonic_ns()}, None, 3, {})
-        job = await self.store.claim(TOOL, self.owner, 30)
+        # The database's lease outlasts the local deadline, as a real one does (the local
+        # deadline is the renewal's send time plus the lease, less a margin).
+        job = await self.store.claim(TOOL, self.owner, remaining + 60)
         assert job is not None
         lease = Lease(job, local_deadline=ownership_now() + remaining,
                       lease_until=job.lease_until)
@@ -166,6 +173,61 @@ def test_guard_refuses_with_the_reason_of_each_state(dsn):
                 assert (status, answer) == (409, {"reason": reason}), what
                 # A refused request is not the one in flight: it is not recorded.
                 assert lease.request_id is None, what
+
+    run(go())
+
+
+@pytest.mark.database
+def test_a_go_rests_on_a_fenced_read_of_the_row_not_on_local_clocks(dsn):
+    """Issue 41 point 9: with the local clocks frozen (a paused VM whose clocks were
+    stepped back), the lease looked held for seconds after another sidecar had taken the
+    job, and the guard kept answering go with the old token. Now a go needs a fenced read
+    of the row on the database's clock: the job taken over (token 2) while the local lease
+    still says held with a minute left gets no at once, every time; a lease nearly over by
+    the database's clock gets ``lease_ending``; a database that does not answer in time
+    gets ``ownership_unknown``."""
+    async def go():
+        async with guarded(dsn, store_timeout=1.0) as h:
+            lease, token = await h.claim(remaining=60)
+            assert (await guard_call(h, token))[0] == 200
+            # Our lease ends by the database's clock and w2 claims the job; locally
+            # nothing changed: the lease is HELD with a minute before its local deadline.
+            await h.store.pool.execute(
+                "UPDATE tool_jobs SET lease_until = now() - interval '1 ms' WHERE id = $1",
+                lease.job.id)
+            taken = await h.store.claim(TOOL, "w2", 30)
+            assert (taken.id, taken.fencing_token) == (lease.job.id, 2)
+            await asyncio.sleep(CONFIRM_REUSE_SECONDS + 0.05)  # past the read's reuse
+            assert lease.state.value == "held"
+            assert lease.local_deadline - ownership_now() > 50
+            for _ in range(7):
+                assert await guard_call(h, token) == (409, {"reason": "lease_lost"})
+
+            # Ours by the database, but less than H + J left by its clock.
+            ending, ending_token = await h.claim(remaining=60)
+            await h.store.pool.execute(
+                "UPDATE tool_jobs SET lease_until = now() + interval '1 second' "
+                "WHERE id = $1", ending.job.id)
+            assert await guard_call(h, ending_token) == (409, {"reason": "lease_ending"})
+
+            # A database that does not answer within the bound: no.
+            quiet, quiet_token = await h.claim(remaining=60)
+            await asyncio.sleep(CONFIRM_REUSE_SECONDS + 0.05)
+            blocker = await asyncpg.connect(dsn)
+            try:
+                tx = blocker.transaction()
+                await tx.start()
+                await blocker.execute("LOCK TABLE tool_jobs IN ACCESS EXCLUSIVE MODE")
+                t0 = time.monotonic()
+                assert await guard_call(h, quiet_token) == (
+                    409, {"reason": "ownership_unknown"})
+                assert time.monotonic() - t0 < 5  # bounded, never a hang
+                await tx.rollback()
+            finally:
+                await blocker.close()
+            # Answering again, the database says go.
+            status, answer = await guard_call(h, quiet_token)
+            assert status == 200 and answer["fencing_token"] == quiet.job.fencing_token
 
     run(go())
 
@@ -434,6 +496,9 @@ def test_start_stop_and_reregistration(dsn):
             assert (await guard_call(h, token))[0] == 200  # not settled: still its own
             h.guard.unregister(lease.job.attempt_id)
             assert (await guard_call(h, token))[0] == 401
+            # The row now says the new attempt holds the job (its go rests on the row).
+            await h.store.pool.execute("UPDATE tool_jobs SET fencing_token = $2 WHERE id = $1",
+                                       again.job.id, again.job.fencing_token)
             assert (await guard_call(h, token2))[0] == 200
             h.guard.unregister(again.job.attempt_id)
             assert (await guard_call(h, token2))[0] == 401
