@@ -7,6 +7,13 @@ finds the server in ``SIDECAR_GUARD_URL`` (``http://127.0.0.1:PORT``) and the se
 ``SIDECAR_GUARD_TOKEN``, and sends ``Authorization: Bearer <secret>``. The secret names the
 job: there is no job id in the URL.
 
+The same server also answers on a Unix socket of each attempt's own (issue 41), made in
+the attempt's work directory by sidecar.worker.isolation.Sandbox (``guard.sock``, mode
+0600, the tool's user's) and named by ``SIDECAR_GUARD_SOCKET``: a tool in an empty network
+namespace (``NETWORK=none``) reaches the guard there, as every tool may. A socket serves
+its own attempt only: another attempt's secret sent through it gets 401, as does any
+secret once the attempt is unregistered (its socket is closed then).
+
 ``POST /v1/guard``, optional JSON body ``{"request_id": "..."}`` (1-200 printable
 characters: the id of the external request the tool is about to send):
 
@@ -104,6 +111,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -263,10 +271,14 @@ class GuardServer:
 
     # --- jobs ---------------------------------------------------------------
 
-    def register(self, lease: Lease, progress: ProgressReporter | None = None) -> str:
+    def register(self, lease: Lease, progress: ProgressReporter | None = None,
+                 listener: socket.socket | None = None) -> str:
         """Accept requests for ``lease``'s attempt from now on; return its new secret
         (``secrets.token_urlsafe(32)``: 43 URL-safe characters) for ``SIDECAR_GUARD_TOKEN``.
         ``progress``: where the attempt's ``POST /v1/progress`` reports go (None: 404).
+        ``listener``: the attempt's own listening Unix socket (Sandbox.guard_listener),
+        served from now on for this attempt alone; the guard owns it (closed by
+        unregister, or at once when the guard is not started).
         Only its sha256 is kept. Registrations are keyed by attempt (job id, token), never
         by job id alone (case F14): a later attempt of the same job has its own. May be
         called before start(). The token is a secret of the sidecar's until unregister:
@@ -278,7 +290,16 @@ class GuardServer:
         self._by_digest[registration.digest] = registration
         self._by_attempt[lease.job.attempt_id] = registration
         SECRETS.add(self._secret_key(lease.job.attempt_id), "guard_token", [token])
+        if listener is not None:
+            if self._http is None:
+                listener.close()
+            else:
+                self._http.add_listener(listener, lease.job.attempt_id)
         return token
+
+    def has_socket(self, attempt: AttemptId) -> bool:
+        """Whether ``attempt``'s own Unix socket (register's ``listener``) is served."""
+        return self._http is not None and self._http.listening(attempt)
 
     def _secret_key(self, attempt: AttemptId) -> tuple[str, int, AttemptId]:
         """The attempt's key in masking.SECRETS (this guard's own: two in one process
@@ -293,6 +314,7 @@ class GuardServer:
             self._by_digest.pop(registration.digest, None)
             SECRETS.discard(self._secret_key(attempt))
         if self._http is not None:
+            self._http.remove_listener(attempt)
             self._http.close_bound(attempt)
 
     # --- refused connections ------------------------------------------------
@@ -355,6 +377,9 @@ class GuardServer:
                     and token.isascii()):
                 digest = _digest(token)
                 found = self._by_digest.get(digest)
+                if found is not None and request.via is not None \
+                        and request.via != found.lease.job.attempt_id:
+                    found = None  # an attempt's socket serves that attempt alone
                 if found is not None and hmac.compare_digest(found.digest, digest):
                     registration = found
                     if not request.bind(found.lease.job.attempt_id):
