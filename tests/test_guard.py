@@ -36,6 +36,7 @@ from sidecar.runtime.config import load_settings
 from sidecar.storage.caller_store import CallerStore
 from sidecar.storage.db import init_connection
 from sidecar.storage.worker_store import WorkerStore
+from sidecar.worker import safefs
 from sidecar.worker.guard import (
     CHECKPOINT_LIMIT,
     CONFIRM_REUSE_SECONDS,
@@ -281,6 +282,66 @@ def test_unauthorized_requests_all_get_the_same_answer(dsn):
     run(go())
     rows = query(dsn, "SELECT count(*) AS n FROM tool_jobs WHERE checkpoint IS NOT NULL")
     assert rows[0]["n"] == 0
+
+
+async def unix_post(path: str, route: str, token: str, body=None) -> tuple[int, object]:
+    """POST over the Unix socket ``path``: (status, JSON body)."""
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as session, \
+            session.post("http://localhost" + route, data=orjson.dumps(body or {}),
+                         headers={"Authorization": f"Bearer {token}"}) as response:
+        raw = await response.read()
+        return response.status, orjson.loads(raw) if raw else None
+
+
+@pytest.mark.database
+def test_each_attempt_has_its_own_socket_that_serves_it_alone(dsn, tmp_path):
+    """Issue 41 point 1: an attempt's Unix socket (made by safefs.listen_unix, as the
+    sandbox makes it in the work directory) answers that attempt: a go and a fenced
+    checkpoint through it. Another attempt's secret sent through it gets the same 401 as
+    a wrong one (without the sandbox, a tool of the same user can reach a sibling's
+    socket; it still gets nothing). Unregistered, the socket is closed."""
+    async def go():
+        async with guarded(dsn) as h:
+            dirs = []
+            for name in ("a", "b"):
+                (tmp_path / name).mkdir()
+                dirs.append(os.open(tmp_path / name, os.O_RDONLY | os.O_DIRECTORY))
+            try:
+                lease_a, _ = await h.claim()
+                lease_b, _ = await h.claim()
+                token_a = h.guard.register(lease_a, listener=safefs.listen_unix(
+                    dirs[0], "guard.sock"))
+                token_b = h.guard.register(lease_b, listener=safefs.listen_unix(
+                    dirs[1], "guard.sock"))
+                sock_a, sock_b = (str(tmp_path / n / "guard.sock") for n in ("a", "b"))
+                assert oct(os.stat(sock_a).st_mode & 0o777) == "0o600"
+                assert h.guard.has_socket(lease_a.job.attempt_id)
+                status, answer = await unix_post(sock_a, "/v1/guard", token_a)
+                assert (status, answer["fencing_token"]) == (200, lease_a.job.fencing_token)
+                assert await unix_post(sock_a, "/v1/checkpoint", token_a, {"via": "unix"}) \
+                    == (200, {"saved": True, "bytes": len(b'{"via":"unix"}')})
+                # B's secret through A's socket, and A's through B's: refused alike.
+                assert await unix_post(sock_a, "/v1/guard", token_b) == (401, UNAUTHORIZED)
+                assert await unix_post(sock_b, "/v1/checkpoint", token_a, {"x": 1}) \
+                    == (401, UNAUTHORIZED)
+                assert (await unix_post(sock_b, "/v1/guard", token_b))[0] == 200
+                # Over TCP each secret still works (NETWORK=host gets both ways).
+                assert (await guard_call(h, token_a))[0] == 200
+                h.guard.unregister(lease_a.job.attempt_id)
+                assert not h.guard.has_socket(lease_a.job.attempt_id)
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    await unix_post(sock_a, "/v1/guard", token_a)
+                assert (await unix_post(sock_b, "/v1/guard", token_b))[0] == 200
+                return lease_a, lease_b
+            finally:
+                for fd in dirs:
+                    os.close(fd)
+
+    lease_a, lease_b = run(go())
+    assert query(dsn, "SELECT checkpoint FROM tool_jobs WHERE id = $1", lease_a.job.id)[0][0] \
+        == {"via": "unix"}
+    assert query(dsn, "SELECT checkpoint FROM tool_jobs WHERE id = $1", lease_b.job.id)[0][0] \
+        is None
 
 
 @pytest.mark.database
