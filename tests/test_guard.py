@@ -582,11 +582,18 @@ def _example_argv(example: str) -> list[str]:
     return [sys.executable, path] if example.endswith(".py") else [path]
 
 
-async def _run_example(h: Harness, token: str, example: str, *args: str) -> tuple[int, str, str]:
+async def _run_example(h: Harness, token: str, example: str, *args: str,
+                       socket_path: str | None = None) -> tuple[int, str, str]:
+    """Run an example as a tool would: with the guard's URL, or, given ``socket_path``,
+    with its Unix socket only (NETWORK=none, issue 41)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
     # A proxy setting must not divert the loopback call (this one would refuse it).
-    env.update(SIDECAR_GUARD_URL=h.url, SIDECAR_GUARD_TOKEN=token,
+    env.update(SIDECAR_GUARD_TOKEN=token,
                http_proxy="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    if socket_path is None:
+        env["SIDECAR_GUARD_URL"] = h.url
+    else:
+        env["SIDECAR_GUARD_SOCKET"] = socket_path
     env.pop("no_proxy", None)
     env.pop("NO_PROXY", None)
     proc = await asyncio.create_subprocess_exec(
@@ -640,6 +647,35 @@ def test_examples_ask_the_guard(dsn, example):
     if example.endswith(".py"):
         assert query(dsn, "SELECT checkpoint FROM tool_jobs WHERE id = $1",
                      other.job.id)[0][0] == {"page": 7}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("example", ["guard.sh", "guard_client.py"])
+def test_examples_ask_the_guard_over_the_socket_without_a_url(dsn, example, tmp_path):
+    """Issue 41 point 1: a tool with NETWORK=none has no SIDECAR_GUARD_URL, only its own
+    socket; the examples ask there (the shell one with curl --unix-socket)."""
+    async def go():
+        async with guarded(dsn) as h:
+            dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                lease, _ = await h.claim()
+                token = h.guard.register(lease, listener=safefs.listen_unix(dir_fd, "g.sock"))
+                path = str(tmp_path / "g.sock")
+                code, out, err = await _run_example(h, token, example, "req:1",
+                                                    socket_path=path)
+                assert code == 0, err
+                assert orjson.loads(out)["fencing_token"] == lease.job.fencing_token
+                assert lease.request_id == "req:1"
+                lease.lose(StopReason.LEASE_LOST)
+                code, out, err = await _run_example(h, token, example, socket_path=path)
+                assert (code, err.strip()) == (1, "guard: lease_lost")
+                h.guard.unregister(lease.job.attempt_id)
+                code, out, err = await _run_example(h, token, example, socket_path=path)
+                assert code == 2 and out == "", err
+            finally:
+                os.close(dir_fd)
+
+    run(go())
 
 
 @pytest.mark.database

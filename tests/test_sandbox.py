@@ -2,7 +2,8 @@
 point 1): exit status and signal as the tool's own, the SIGTERM grace before the
 namespace is killed, stdin and stdout, a writable HOME, TMPDIR and work directory on a
 read-only system, its own PID namespace, the guard reachable (NETWORK=host), no network
-and no guard with NETWORK=none, a sandbox that cannot start failing sandbox_failed, and
+with NETWORK=none but the guard over the attempt's own Unix socket (issue 41), a sandbox
+that cannot start failing sandbox_failed, and
 `sidecar config` saying whether the sandbox is on."""
 
 from __future__ import annotations
