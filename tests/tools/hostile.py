@@ -6,8 +6,8 @@ until refused; the first one exits 3 after 2 s), cpu_spin (burn CPU in "procs" p
 fd_leak (open /dev/null until refused, print how many), inspect (print what the tool can
 see: environment, fds, cwd, ids, rlimits, umask, its guard socket's owner and mode),
 result_file (write "size" bytes of JSON to SIDECAR_RESULT_FILE, junk to stdout),
-result_symlink / result_hardlink (make SIDECAR_RESULT_FILE a link to the payload's "target"), litter (leave files, a read-only
-directory and a TMPDIR file behind),
+result_symlink / result_hardlink (make SIDECAR_RESULT_FILE a link to the payload's
+"target"), litter (leave files, a read-only directory and a TMPDIR file behind),
 emit (write the payload's "stdout" bytes, given in hex, to stdout and "stderr" to stderr,
 exit "code").
 """
