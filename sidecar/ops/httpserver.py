@@ -266,7 +266,8 @@ class _Connection:
 
 class HttpServer:
     """Serve ``routes`` ({(method, path): handler}; a GET route also answers HEAD) on one
-    TCP address. ``start`` binds; ``stop`` closes the listener and every connection.
+    TCP address (and the keyed listeners ``add_listener`` gives it). ``start`` binds;
+    ``stop`` closes every listener and connection.
 
     ``limits``: the ConnectionLimits of this server, or None (no caps, no binding; the
     descriptor reserve holds anyway). ``max_connections``: a cap on connections open at
