@@ -17,14 +17,20 @@ JSON value, at most 64 KiB) for the next attempt, which finds it in the file nam
         send(page, fence=fence["fencing_token"])
         checkpoint({"done": page})
 
+The guard is asked over ``SIDECAR_GUARD_URL`` (the loopback), or, where there is none
+(a sandbox with ``NETWORK=none``), over the attempt's own Unix socket
+``SIDECAR_GUARD_SOCKET``.
+
 As a script: ``guard_client.py [REQUEST_ID]`` asks the guard and prints its answer, and
 ``guard_client.py --checkpoint JSON`` (``-`` reads stdin) saves a checkpoint. Exit 0 on
 success, 1 with the reason on stderr when refused (409), 2 when the guard cannot be asked.
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import socket
 import sys
 import time
 import urllib.error
@@ -49,25 +55,53 @@ class GuardRefused(Exception):
         self.reason = reason
 
 
+class _UnixConnection(http.client.HTTPConnection):
+    """HTTP over the Unix socket at ``path`` (SIDECAR_GUARD_SOCKET)."""
+
+    def __init__(self, path: str):
+        super().__init__("localhost", timeout=TIMEOUT)
+        self.path = path
+
+    def connect(self) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(TIMEOUT)
+        self.sock.connect(self.path)
+
+
+def _answer(path: str, status: int, answer: bytes) -> dict:
+    if status == 200:
+        return json.loads(answer)
+    if status == 409:
+        try:
+            raise GuardRefused(json.loads(answer)["reason"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    raise GuardError(f"{path} answered {status}: {answer[:1000]!r}")
+
+
 def _post(path: str, body: bytes) -> dict:
     url, token = os.environ.get("SIDECAR_GUARD_URL"), os.environ.get("SIDECAR_GUARD_TOKEN")
-    if not url or not token:
-        raise GuardError("SIDECAR_GUARD_URL and SIDECAR_GUARD_TOKEN are not set "
-                         "(not run by a sidecar?)")
-    request = urllib.request.Request(
-        url + path, data=body, method="POST",
-        headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    unix = os.environ.get("SIDECAR_GUARD_SOCKET")
+    if not (url or unix) or not token:
+        raise GuardError("SIDECAR_GUARD_URL (or SIDECAR_GUARD_SOCKET) and SIDECAR_GUARD_TOKEN "
+                         "are not set (not run by a sidecar?)")
+    headers = {"Authorization": f"Bearer {token}", "Content-Type": "application/json"}
+    if not url:  # NETWORK=none: the attempt's own socket
+        conn = _UnixConnection(unix)
+        try:
+            conn.request("POST", path, body=body, headers=headers)
+            response = conn.getresponse()
+            return _answer(path, response.status, response.read())
+        except OSError as exc:
+            raise GuardError(f"{unix} unreachable: {exc}") from None
+        finally:
+            conn.close()
+    request = urllib.request.Request(url + path, data=body, method="POST", headers=headers)
     try:
         with _opener.open(request, timeout=TIMEOUT) as response:
             return json.load(response)
     except urllib.error.HTTPError as exc:
-        answer = exc.read()[:1000]
-        if exc.code == 409:
-            try:
-                raise GuardRefused(json.loads(answer)["reason"]) from None
-            except (ValueError, KeyError, TypeError):
-                pass
-        raise GuardError(f"{path} answered {exc.code}: {answer!r}") from None
+        return _answer(path, exc.code, exc.read())
     except OSError as exc:
         raise GuardError(f"{url} unreachable: {exc}") from None
 

@@ -36,7 +36,13 @@ from sidecar.runtime.config import load_settings
 from sidecar.storage.caller_store import CallerStore
 from sidecar.storage.db import init_connection
 from sidecar.storage.worker_store import WorkerStore
-from sidecar.worker.guard import CHECKPOINT_LIMIT, CONNECTIONS_PER_ATTEMPT, GuardServer
+from sidecar.worker import safefs
+from sidecar.worker.guard import (
+    CHECKPOINT_LIMIT,
+    CONFIRM_REUSE_SECONDS,
+    CONNECTIONS_PER_ATTEMPT,
+    GuardServer,
+)
 from sidecar.worker.lease import Lease
 
 EXAMPLES = Path(__file__).parent.parent / "examples"
@@ -58,7 +64,9 @@ class Harness:
         its local deadline; register it with the guard. Returns (lease, secret)."""
         caller = CallerStore(self.store.pool, self.store.timeout)
         await caller.enqueue(TOOL, {"n": time.monotonic_ns()}, None, 3, {})
-        job = await self.store.claim(TOOL, self.owner, 30)
+        # The database's lease outlasts the local deadline, as a real one does (the local
+        # deadline is the renewal's send time plus the lease, less a margin).
+        job = await self.store.claim(TOOL, self.owner, remaining + 60)
         assert job is not None
         lease = Lease(job, local_deadline=ownership_now() + remaining,
                       lease_until=job.lease_until)
@@ -171,6 +179,61 @@ def test_guard_refuses_with_the_reason_of_each_state(dsn):
 
 
 @pytest.mark.database
+def test_a_go_rests_on_a_fenced_read_of_the_row_not_on_local_clocks(dsn):
+    """Issue 41 point 9: with the local clocks frozen (a paused VM whose clocks were
+    stepped back), the lease looked held for seconds after another sidecar had taken the
+    job, and the guard kept answering go with the old token. Now a go needs a fenced read
+    of the row on the database's clock: the job taken over (token 2) while the local lease
+    still says held with a minute left gets no at once, every time; a lease nearly over by
+    the database's clock gets ``lease_ending``; a database that does not answer in time
+    gets ``ownership_unknown``."""
+    async def go():
+        async with guarded(dsn, store_timeout=1.0) as h:
+            lease, token = await h.claim(remaining=60)
+            assert (await guard_call(h, token))[0] == 200
+            # Our lease ends by the database's clock and w2 claims the job; locally
+            # nothing changed: the lease is HELD with a minute before its local deadline.
+            await h.store.pool.execute(
+                "UPDATE tool_jobs SET lease_until = now() - interval '1 ms' WHERE id = $1",
+                lease.job.id)
+            taken = await h.store.claim(TOOL, "w2", 30)
+            assert (taken.id, taken.fencing_token) == (lease.job.id, 2)
+            await asyncio.sleep(CONFIRM_REUSE_SECONDS + 0.05)  # past the read's reuse
+            assert lease.state.value == "held"
+            assert lease.local_deadline - ownership_now() > 50
+            for _ in range(7):
+                assert await guard_call(h, token) == (409, {"reason": "lease_lost"})
+
+            # Ours by the database, but less than H + J left by its clock.
+            ending, ending_token = await h.claim(remaining=60)
+            await h.store.pool.execute(
+                "UPDATE tool_jobs SET lease_until = now() + interval '1 second' "
+                "WHERE id = $1", ending.job.id)
+            assert await guard_call(h, ending_token) == (409, {"reason": "lease_ending"})
+
+            # A database that does not answer within the bound: no.
+            quiet, quiet_token = await h.claim(remaining=60)
+            await asyncio.sleep(CONFIRM_REUSE_SECONDS + 0.05)
+            blocker = await asyncpg.connect(dsn)
+            try:
+                tx = blocker.transaction()
+                await tx.start()
+                await blocker.execute("LOCK TABLE tool_jobs IN ACCESS EXCLUSIVE MODE")
+                t0 = time.monotonic()
+                assert await guard_call(h, quiet_token) == (
+                    409, {"reason": "ownership_unknown"})
+                assert time.monotonic() - t0 < 5  # bounded, never a hang
+                await tx.rollback()
+            finally:
+                await blocker.close()
+            # Answering again, the database says go.
+            status, answer = await guard_call(h, quiet_token)
+            assert status == 200 and answer["fencing_token"] == quiet.job.fencing_token
+
+    run(go())
+
+
+@pytest.mark.database
 def test_unauthorized_requests_all_get_the_same_answer(dsn):
     async def go():
         async with guarded(dsn) as h, guarded(dsn, owner="w2") as other:
@@ -219,6 +282,66 @@ def test_unauthorized_requests_all_get_the_same_answer(dsn):
     run(go())
     rows = query(dsn, "SELECT count(*) AS n FROM tool_jobs WHERE checkpoint IS NOT NULL")
     assert rows[0]["n"] == 0
+
+
+async def unix_post(path: str, route: str, token: str, body=None) -> tuple[int, object]:
+    """POST over the Unix socket ``path``: (status, JSON body)."""
+    async with aiohttp.ClientSession(connector=aiohttp.UnixConnector(path=path)) as session, \
+            session.post("http://localhost" + route, data=orjson.dumps(body or {}),
+                         headers={"Authorization": f"Bearer {token}"}) as response:
+        raw = await response.read()
+        return response.status, orjson.loads(raw) if raw else None
+
+
+@pytest.mark.database
+def test_each_attempt_has_its_own_socket_that_serves_it_alone(dsn, tmp_path):
+    """Issue 41 point 1: an attempt's Unix socket (made by safefs.listen_unix, as the
+    sandbox makes it in the work directory) answers that attempt: a go and a fenced
+    checkpoint through it. Another attempt's secret sent through it gets the same 401 as
+    a wrong one (without the sandbox, a tool of the same user can reach a sibling's
+    socket; it still gets nothing). Unregistered, the socket is closed."""
+    async def go():
+        async with guarded(dsn) as h:
+            dirs = []
+            for name in ("a", "b"):
+                (tmp_path / name).mkdir()
+                dirs.append(os.open(tmp_path / name, os.O_RDONLY | os.O_DIRECTORY))
+            try:
+                lease_a, _ = await h.claim()
+                lease_b, _ = await h.claim()
+                token_a = h.guard.register(lease_a, listener=safefs.listen_unix(
+                    dirs[0], "guard.sock"))
+                token_b = h.guard.register(lease_b, listener=safefs.listen_unix(
+                    dirs[1], "guard.sock"))
+                sock_a, sock_b = (str(tmp_path / n / "guard.sock") for n in ("a", "b"))
+                assert oct(os.stat(sock_a).st_mode & 0o777) == "0o600"
+                assert h.guard.has_socket(lease_a.job.attempt_id)
+                status, answer = await unix_post(sock_a, "/v1/guard", token_a)
+                assert (status, answer["fencing_token"]) == (200, lease_a.job.fencing_token)
+                assert await unix_post(sock_a, "/v1/checkpoint", token_a, {"via": "unix"}) \
+                    == (200, {"saved": True, "bytes": len(b'{"via":"unix"}')})
+                # B's secret through A's socket, and A's through B's: refused alike.
+                assert await unix_post(sock_a, "/v1/guard", token_b) == (401, UNAUTHORIZED)
+                assert await unix_post(sock_b, "/v1/checkpoint", token_a, {"x": 1}) \
+                    == (401, UNAUTHORIZED)
+                assert (await unix_post(sock_b, "/v1/guard", token_b))[0] == 200
+                # Over TCP each secret still works (NETWORK=host gets both ways).
+                assert (await guard_call(h, token_a))[0] == 200
+                h.guard.unregister(lease_a.job.attempt_id)
+                assert not h.guard.has_socket(lease_a.job.attempt_id)
+                with pytest.raises(aiohttp.ClientConnectionError):
+                    await unix_post(sock_a, "/v1/guard", token_a)
+                assert (await unix_post(sock_b, "/v1/guard", token_b))[0] == 200
+                return lease_a, lease_b
+            finally:
+                for fd in dirs:
+                    os.close(fd)
+
+    lease_a, lease_b = run(go())
+    assert query(dsn, "SELECT checkpoint FROM tool_jobs WHERE id = $1", lease_a.job.id)[0][0] \
+        == {"via": "unix"}
+    assert query(dsn, "SELECT checkpoint FROM tool_jobs WHERE id = $1", lease_b.job.id)[0][0] \
+        is None
 
 
 @pytest.mark.database
@@ -434,6 +557,9 @@ def test_start_stop_and_reregistration(dsn):
             assert (await guard_call(h, token))[0] == 200  # not settled: still its own
             h.guard.unregister(lease.job.attempt_id)
             assert (await guard_call(h, token))[0] == 401
+            # The row now says the new attempt holds the job (its go rests on the row).
+            await h.store.pool.execute("UPDATE tool_jobs SET fencing_token = $2 WHERE id = $1",
+                                       again.job.id, again.job.fencing_token)
             assert (await guard_call(h, token2))[0] == 200
             h.guard.unregister(again.job.attempt_id)
             assert (await guard_call(h, token2))[0] == 401
@@ -456,11 +582,18 @@ def _example_argv(example: str) -> list[str]:
     return [sys.executable, path] if example.endswith(".py") else [path]
 
 
-async def _run_example(h: Harness, token: str, example: str, *args: str) -> tuple[int, str, str]:
+async def _run_example(h: Harness, token: str, example: str, *args: str,
+                       socket_path: str | None = None) -> tuple[int, str, str]:
+    """Run an example as a tool would: with the guard's URL, or, given ``socket_path``,
+    with its Unix socket only (NETWORK=none, issue 41)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("SIDECAR_")}
     # A proxy setting must not divert the loopback call (this one would refuse it).
-    env.update(SIDECAR_GUARD_URL=h.url, SIDECAR_GUARD_TOKEN=token,
+    env.update(SIDECAR_GUARD_TOKEN=token,
                http_proxy="http://127.0.0.1:9", HTTP_PROXY="http://127.0.0.1:9")
+    if socket_path is None:
+        env["SIDECAR_GUARD_URL"] = h.url
+    else:
+        env["SIDECAR_GUARD_SOCKET"] = socket_path
     env.pop("no_proxy", None)
     env.pop("NO_PROXY", None)
     proc = await asyncio.create_subprocess_exec(
@@ -514,6 +647,35 @@ def test_examples_ask_the_guard(dsn, example):
     if example.endswith(".py"):
         assert query(dsn, "SELECT checkpoint FROM tool_jobs WHERE id = $1",
                      other.job.id)[0][0] == {"page": 7}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("example", ["guard.sh", "guard_client.py"])
+def test_examples_ask_the_guard_over_the_socket_without_a_url(dsn, example, tmp_path):
+    """Issue 41 point 1: a tool with NETWORK=none has no SIDECAR_GUARD_URL, only its own
+    socket; the examples ask there (the shell one with curl --unix-socket)."""
+    async def go():
+        async with guarded(dsn) as h:
+            dir_fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                lease, _ = await h.claim()
+                token = h.guard.register(lease, listener=safefs.listen_unix(dir_fd, "g.sock"))
+                path = str(tmp_path / "g.sock")
+                code, out, err = await _run_example(h, token, example, "req:1",
+                                                    socket_path=path)
+                assert code == 0, err
+                assert orjson.loads(out)["fencing_token"] == lease.job.fencing_token
+                assert lease.request_id == "req:1"
+                lease.lose(StopReason.LEASE_LOST)
+                code, out, err = await _run_example(h, token, example, socket_path=path)
+                assert (code, err.strip()) == (1, "guard: lease_lost")
+                h.guard.unregister(lease.job.attempt_id)
+                code, out, err = await _run_example(h, token, example, socket_path=path)
+                assert code == 2 and out == "", err
+            finally:
+                os.close(dir_fd)
+
+    run(go())
 
 
 @pytest.mark.database

@@ -252,6 +252,8 @@ def test_child_sees_stdio_only_an_allow_listed_environment_and_its_own_dir(dsn, 
     assert all(seen["env"][f"XDG_{name}_HOME"].startswith(job_dir + "/h/")
                for name in ("CONFIG", "CACHE", "DATA"))
     assert seen["env"]["SIDECAR_RESULT_FILE"] == os.path.join(job_dir, "result.json")
+    assert seen["env"]["SIDECAR_GUARD_SOCKET"] == os.path.join(job_dir, "guard.sock")
+    assert seen["guard_socket"] == {"uid": os.geteuid(), "mode": "0o600", "connect": "ok"}
     assert seen["core"] == [0, 0]  # no core dumps unless the profile asks for them
     assert not os.path.exists(job_dir)
     [summary] = _journal(dsn, job, "job_succeeded")
@@ -320,6 +322,8 @@ def test_run_as_starts_the_tool_as_that_user_in_a_dir_it_owns(dsn, public_work):
         seen = row["result"]
         assert (seen["uid"], seen["gid"], seen["groups"]) == (65534, 65534, [])
         assert seen["fds"] == [0, 1, 2]
+        # Its guard socket (issue 41) is its own user's, mode 0600, and answers it.
+        assert seen["guard_socket"] == {"uid": 65534, "mode": "0o600", "connect": "ok"}
         _assert_work_dir_empty(work)
     finally:
         shutil.rmtree(os.path.dirname(tool))

@@ -43,8 +43,12 @@ Every place audited (what it does now):
   never opened; the sweep unlinks only the file it locked.
 - the work-root probe (``check_work_dir``): mkdtemp + rmdir, neither follows a last
   component; the work root path itself is the operator's.
-- the guard has no files (HTTP on loopback); job cgroups live on cgroupfs, which the
-  RUN_AS user cannot write (tests/test_isolation_breakers.py).
+- the attempt's guard socket (``Sandbox._listen_guard`` -> ``safefs.listen_unix``, issue
+  41): bound through ``/proc/self/fd/<work dir's descriptor>/guard.sock`` in ``open``
+  before the hand-over (bind never follows a link in its last component nor reuses a
+  name), chowned by fchownat without following a link; its name is unlinked through the
+  descriptor by ``close``/``close_kept``. Job cgroups live on cgroupfs, which the RUN_AS
+  user cannot write (tests/test_isolation_breakers.py).
 """
 
 from __future__ import annotations
@@ -128,6 +132,36 @@ def test_create_file_never_opens_an_existing_name(tmp_path, secret):
     assert (d / "file").read_text() == "old"
     assert (d / "new").read_bytes() == b"x" * 70000
     assert stat.S_IMODE((d / "new").stat().st_mode) == 0o600
+
+
+@pytest.mark.unit
+def test_listen_unix_never_binds_through_a_planted_name(tmp_path, secret):
+    """The guard socket (issue 41) is bound through the directory's descriptor: a link, a
+    file or a socket already under its name is refused (EADDRINUSE) and left as it was,
+    its target untouched; a new one is 0600."""
+    d = tmp_path / "d"
+    d.mkdir()
+    fd = safefs.open_dir(str(d))
+    try:
+        (d / "link").symlink_to(secret)
+        (d / "file").write_text("old")
+        for name in ("link", "file"):
+            with pytest.raises(OSError):
+                safefs.listen_unix(fd, name)
+        sock = safefs.listen_unix(fd, "guard.sock")
+        try:
+            info = os.lstat(d / "guard.sock")
+            assert stat.S_ISSOCK(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o600
+            with pytest.raises(OSError):
+                safefs.listen_unix(fd, "guard.sock")
+        finally:
+            sock.close()
+        with pytest.raises(ValueError):
+            safefs.listen_unix(fd, "../escape")
+    finally:
+        os.close(fd)
+    _assert_untouched(secret)
+    assert (d / "file").read_text() == "old" and (d / "link").is_symlink()
 
 
 @pytest.mark.unit
@@ -216,15 +250,17 @@ def test_the_sandbox_writes_its_files_before_the_tool_user_owns_the_directory(
     (fchown of HOME, the runtime directory and the work directory, last); any write after
     that is refused instead of racing the tool's user."""
     root = public_dir()
-    box = _sandbox(root, files={"checkpoint.json": '{"page": 7}'})
+    box = _sandbox(root, files={"checkpoint.json": '{"page": 7}'}, guard_socket=True)
     box.open()
     try:
         job_dir = Path(box.job_dir)
-        for path in (job_dir, job_dir / "h", job_dir / "r", job_dir / "checkpoint.json"):
+        for path in (job_dir, job_dir / "h", job_dir / "r", job_dir / "checkpoint.json",
+                     job_dir / "guard.sock"):
             info = os.lstat(path)
             assert (info.st_uid, info.st_gid) == (TOOL_UID, TOOL_UID), path
         assert (job_dir / "checkpoint.json").read_text() == '{"page": 7}'
         assert stat.S_IMODE(os.lstat(job_dir / "checkpoint.json").st_mode) == 0o600
+        assert stat.S_IMODE(os.lstat(job_dir / "guard.sock").st_mode) == 0o600
         with pytest.raises(RuntimeError, match="already belongs to the tool's user"):
             box.write_file("late.json", "{}")
     finally:

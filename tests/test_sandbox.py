@@ -2,7 +2,8 @@
 point 1): exit status and signal as the tool's own, the SIGTERM grace before the
 namespace is killed, stdin and stdout, a writable HOME, TMPDIR and work directory on a
 read-only system, its own PID namespace, the guard reachable (NETWORK=host), no network
-and no guard with NETWORK=none, a sandbox that cannot start failing sandbox_failed, and
+with NETWORK=none but the guard over the attempt's own Unix socket (issue 41), a sandbox
+that cannot start failing sandbox_failed, and
 `sidecar config` saying whether the sandbox is on."""
 
 from __future__ import annotations
@@ -99,9 +100,10 @@ def test_inside_the_sandbox_the_contract_holds(dsn, sidecars):
     assert seen["guard_status"] in (200, "409"), seen
 
 
-def test_network_none_has_no_network_and_no_guard(dsn, sidecars):
+def test_network_none_has_no_network_and_no_guard_url(dsn, sidecars):
     """NETWORK=none: an empty network namespace, so not even the database's port on the
-    loopback answers; the tool gets no guard URL or secret (it could not reach them)."""
+    loopback answers; the tool gets no guard URL (it could not reach it: the guard is its
+    Unix socket then, below)."""
     parts = urlsplit(dsn)
     port = parts.port or 5432
     sidecars(dsn, TOOL, "--tool", "sbx", env=_env(dsn, SIDECAR_NETWORK="none"))
@@ -110,6 +112,42 @@ def test_network_none_has_no_network_and_no_guard(dsn, sidecars):
     assert row["state"] == "succeeded", row["error"]
     assert row["result"]["connect"] != "connected"
     assert row["result"]["guard_url"] is None
+
+
+def test_network_none_keeps_the_guard_over_the_attempts_own_socket(dsn, sidecars):
+    """Issue 41 point 1: NETWORK=none took the guard away (no URL, no secret), so the
+    strictest sandbox had no fenced checkpoints, no progress over HTTP and nothing to ask
+    before an irreversible step. Now each attempt gets its own Unix socket in its work
+    directory (bound into the sandbox with it, SIDECAR_GUARD_SOCKET) and its secret: a go,
+    a fenced checkpoint and a progress report all work through it with no network. Another
+    running attempt's socket is not even visible from inside a sandbox."""
+    env = _env(dsn, SIDECAR_NETWORK="none", SIDECAR_LEASE_SECONDS="6",
+               SIDECAR_STAGE_TIMEOUT_SECONDS="60")
+    sidecars(dsn, TOOL, "--tool", "sbx", "--concurrency", "2", env=env)
+    first = enqueue(dsn, "sbx", {"mode": "guard_socket", "hold": 60})
+    # The first attempt reports its socket's path as its progress, through that socket.
+    wait_until(lambda: (job_row(dsn, first)["progress"] or {}).get("message"), 30,
+               what="the first attempt's progress through its socket")
+    socket_path = job_row(dsn, first)["progress"]["message"]
+    assert socket_path.endswith("/guard.sock") and os.path.exists(socket_path)
+    second = enqueue(dsn, "sbx", {"mode": "guard_socket", "other_socket": socket_path})
+    row = _ended(dsn, second)
+    Path(socket_path).with_name("release").touch()
+    assert row["state"] == "succeeded", row["error"]
+    seen = row["result"]
+    assert seen["guard_url"] is None and seen["token"] is True, seen
+    assert seen["socket"].endswith("/guard.sock") and seen["socket"] != socket_path
+    status, answer = seen["guard"]
+    assert (status, answer["fencing_token"]) == (200, 1), seen
+    assert seen["checkpoint"][0] == 200 and seen["checkpoint"][1]["saved"] is True, seen
+    assert seen["progress"][0] in (200, 202), seen
+    assert seen["other"] == "FileNotFoundError", seen  # hidden: the work root is a tmpfs
+    assert job_row(dsn, second)["checkpoint"] == {"through": "socket"}
+    assert job_row(dsn, second)["progress"]["message"] == seen["socket"]
+    first_row = _ended(dsn, first)
+    assert first_row["state"] == "succeeded", first_row["error"]
+    assert first_row["result"]["guard"][0] == 200
+    assert not os.path.exists(socket_path)  # its name goes with the attempt
 
 
 def test_a_sandbox_that_cannot_start_fails_sandbox_failed(dsn, sidecars, tmp_path):

@@ -347,6 +347,40 @@ def test_progress_over_http_and_file_reaches_row_show_journal_and_waiter(dsn, si
         (job_id, 0.25, "http step"), (job_id, 0.75, "file step")]
 
 
+def test_progress_file_reaches_row_and_waiter_long_before_the_next_heartbeat(dsn, sidecars,
+                                                                              tmp_path):
+    """Issue 41 point 10: SIDECAR_PROGRESS_FILE was read once per heartbeat period (30 s
+    by default), so an 8-second tool that rewrote it four times reported nothing. With the
+    heartbeat at 30 s, each rewrite reaches the row and a waiting caller within about a
+    second (the file's own timer, progress.FILE_SECONDS), well before any heartbeat."""
+    release = tmp_path / "release"
+    job_id = enqueue(dsn, TOOL, {"steps": [
+        {"file": {"progress": 0.25, "message": "first"}}, {"sleep": 1.5},
+        {"file": {"progress": 0.5, "message": "second"}},
+        {"wait_for": str(release)}]})
+    env = base_env(dsn, SIDECAR_HEARTBEAT_SECONDS="30", SIDECAR_LEASE_SECONDS="120")
+    waiter = _waiter(dsn, job_id, "--progress", "--timeout", "60s")
+    try:
+        _waiter_listening(dsn)
+        sc = sidecars(dsn, COMMAND, "--tool", TOOL, env=env)
+        started = sc.wait_event("tool_request_started", 20, job_id=job_id)
+        assert started
+        # Both reports arrive well inside the first heartbeat period (30 s): bounded at
+        # 10 s here, a third of it, so only a timer of the file's own can pass.
+        wait_until(lambda: (job_row(dsn, job_id)["progress"] or {}).get("value") == 0.5, 10,
+                   what="the file's second report on the row, before any heartbeat")
+        assert job_row(dsn, job_id)["progress"]["message"] == "second"
+        release.touch()
+        code, out, err = _finish(waiter)
+    finally:
+        stop_process(waiter, 5)
+    assert code == 0, err.decode()
+    reports = [line for line in _lines(err) if "progress" in line]
+    assert [(r["progress"], r["message"]) for r in reports] == [(0.25, "first"),
+                                                                 (0.5, "second")]
+    assert {d["source"] for d in journal_details(dsn, job_id, "job_progress")} == {"file"}
+
+
 def test_progress_of_a_stale_attempt_is_refused_and_not_stored(dsn, sidecars, tmp_path):
     # The fenced statement itself: the attempt whose token was superseded writes nothing.
     job_id = enqueue(dsn, "stale", {})

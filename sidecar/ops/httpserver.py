@@ -24,6 +24,11 @@ reset, before anything is read. A handler binds the connection to a key
 (``Request.bind``), at most ``per_key`` connections per key; the first request of a
 connection must bind it within ``bind_seconds`` of the accept or the connection closes
 after its answer. Every refusal is reported to ``on_refuse(reason, key)``.
+
+Besides its TCP address, a server may serve listening sockets made elsewhere, each under a
+key (``add_listener``: the guard's per-attempt Unix socket, issue 41): a request that came
+through one says so in ``Request.via``, so a handler can serve that key alone. The same
+caps, timeouts and reserve apply to their connections.
 """
 
 from __future__ import annotations
@@ -182,6 +187,7 @@ class Request:
         self.path, _, self.query = target.partition("?")
         self.headers = [(name.decode("latin-1").lower(), value.decode("latin-1"))
                         for name, value in event.headers]
+        self.via: Hashable | None = conn.via  # the key of the listener it came through
         length = self.header_values("content-length")
         self.content_length = int(length[0]) if len(length) == 1 and length[0].isdigit() \
             else None
@@ -214,8 +220,10 @@ Handler = Callable[[Request], Awaitable[Response]]
 
 class _Connection:
     def __init__(self, server: HttpServer, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter, accepted_at: float):
+                 writer: asyncio.StreamWriter, accepted_at: float,
+                 via: Hashable | None = None):
         self.server = server
+        self.via = via  # the key of the listener (add_listener) it was accepted on
         self.reader = reader
         self.writer = writer
         self.accepted_at = accepted_at
@@ -258,7 +266,8 @@ class _Connection:
 
 class HttpServer:
     """Serve ``routes`` ({(method, path): handler}; a GET route also answers HEAD) on one
-    TCP address. ``start`` binds; ``stop`` closes the listener and every connection.
+    TCP address (and the keyed listeners ``add_listener`` gives it). ``start`` binds;
+    ``stop`` closes every listener and connection.
 
     ``limits``: the ConnectionLimits of this server, or None (no caps, no binding; the
     descriptor reserve holds anyway). ``max_connections``: a cap on connections open at
@@ -283,6 +292,7 @@ class HttpServer:
         self.on_refuse = on_refuse or (lambda reason, key: None)
         self.budget = budget
         self._listeners: list[socket.socket] = []
+        self._keyed: dict[Hashable, socket.socket] = {}  # add_listener's, by key
         self._tasks: dict[asyncio.Task, _Connection | None] = {}
         self._unbound = 0                           # connections bound to no key
         self._per_key: dict[Hashable, int] = {}     # connections bound to each key
@@ -335,6 +345,35 @@ class HttpServer:
         bound = self._listeners[0].getsockname()
         return bound[0], bound[1]
 
+    def add_listener(self, sock: socket.socket, key: Hashable) -> bool:
+        """Serve ``sock`` (bound and listening, e.g. a Unix socket) too, under ``key``:
+        its requests carry ``Request.via == key``. The server owns it from now on and closes
+        it in ``remove_listener`` or ``stop``. False, ``sock`` closed, when the server is not
+        started or is stopping; a listener already under ``key`` is removed first."""
+        self.remove_listener(key)
+        if self._stopping or not self._listeners:
+            sock.close()
+            return False
+        sock.setblocking(False)
+        self._keyed[key] = sock
+        if self._paused is None:
+            asyncio.get_running_loop().add_reader(sock.fileno(), self._accept, sock, key)
+        return True
+
+    def listening(self, key: Hashable) -> bool:
+        """Whether a listener added under ``key`` is served now."""
+        return key in self._keyed
+
+    def remove_listener(self, key: Hashable) -> None:
+        """Stop serving the listener added under ``key`` and close it (connections it
+        accepted stay, until ``close_bound`` or their end). Unknown keys are ignored."""
+        sock = self._keyed.pop(key, None)
+        if sock is None:
+            return
+        with contextlib.suppress(RuntimeError, ValueError, OSError):
+            asyncio.get_running_loop().remove_reader(sock.fileno())
+        sock.close()
+
     async def stop(self, grace: float = 2.0) -> None:
         """Stop listening, close idle keep-alive connections at once (a Prometheus scrape
         connection holds one open between scrapes, case F24), give in-flight requests up
@@ -367,9 +406,9 @@ class HttpServer:
 
     def _listen(self, on: bool) -> None:
         loop = asyncio.get_running_loop()
-        for sock in self._listeners:
+        for key, sock in [*((None, sock) for sock in self._listeners), *self._keyed.items()]:
             if on:
-                loop.add_reader(sock.fileno(), self._accept, sock)
+                loop.add_reader(sock.fileno(), self._accept, sock, key)
             else:
                 loop.remove_reader(sock.fileno())
 
@@ -379,9 +418,10 @@ class HttpServer:
             self._paused = None
         with contextlib.suppress(RuntimeError):  # no running loop: nothing was added
             self._listen(False)
-        for sock in self._listeners:
+        for sock in [*self._listeners, *self._keyed.values()]:
             sock.close()
         self._listeners = []
+        self._keyed = {}
 
     def _pause(self) -> None:
         """Stop accepting for the descriptor reserve; look again after PAUSE_SECONDS or
@@ -412,7 +452,7 @@ class HttpServer:
             return REFUSED_UNBOUND
         return None
 
-    def _accept(self, listener: socket.socket) -> None:
+    def _accept(self, listener: socket.socket, via: Hashable | None = None) -> None:
         """The listener is readable: accept what waits, up to ACCEPT_BATCH; a connection
         over a cap is reset at once, unread; none is accepted into the reserve."""
         loop = asyncio.get_running_loop()
@@ -443,7 +483,7 @@ class HttpServer:
                 continue
             self.budget.opened()
             self._unbound += 1
-            task = loop.create_task(self._serve_socket(sock, time.monotonic()))
+            task = loop.create_task(self._serve_socket(sock, time.monotonic(), via))
             self._tasks[task] = None
 
     def bind(self, conn: _Connection, key: Hashable) -> bool:
@@ -470,7 +510,8 @@ class HttpServer:
         conn.key = None
         self._unbound += 1
 
-    async def _serve_socket(self, sock: socket.socket, accepted_at: float) -> None:
+    async def _serve_socket(self, sock: socket.socket, accepted_at: float,
+                            via: Hashable | None = None) -> None:
         """One connection's whole life, from the accepted socket to its close."""
         task = asyncio.current_task()
         loop = asyncio.get_running_loop()
@@ -480,7 +521,7 @@ class HttpServer:
             protocol = asyncio.StreamReaderProtocol(reader, loop=loop)
             transport, _ = await loop.connect_accepted_socket(lambda: protocol, sock)
             writer = asyncio.StreamWriter(transport, protocol, reader, loop)
-            conn = _Connection(self, reader, writer, accepted_at)
+            conn = _Connection(self, reader, writer, accepted_at, via)
             self._tasks[task] = conn
             await self._requests(conn)
         except (ConnectionError, TimeoutError, asyncio.IncompleteReadError):

@@ -319,7 +319,8 @@ PROFILE_FIELDS: dict[str, _Field] = {
                       "refuse to start without it; off"),
     "NETWORK": _Field(_network_mode, "host", "mode",
                       "the sandboxed tool's network: host (the pod's) or none (an empty "
-                      "network namespace; the guard is then a Unix socket)"),
+                      "network namespace; the guard is then the attempt's own Unix socket, "
+                      "SIDECAR_GUARD_SOCKET, only)"),
     "EXTRA_PATHS": _Field(_extra_paths, "", "paths",
                           "more paths bound into the sandbox at the same place: "
                           "PATH[:ro|:rw], comma-separated, ro by default"),

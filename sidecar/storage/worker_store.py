@@ -253,6 +253,16 @@ class WorkerStore(Pruning):
             details, timeout=self.timeout)
         return row is not None
 
+    async def confirm_lease_if_owner(self, job: ClaimedJob, owner_id: str,
+                                     timeout: float) -> float | None:
+        """The seconds ``job``'s lease has left by the database's clock while ``owner_id``
+        holds this attempt (id, token, ``running``, ``lease_until > now()``: P5), read for
+        the guard's answer (issue 41); None when it does not hold it. Bounded by
+        ``timeout`` seconds (pool acquire included); raises what the store raises
+        (db.DATABASE_ERRORS, TimeoutError)."""
+        return await self.db.fetchval(Q["confirm_lease_if_owner"], job.id, owner_id,
+                                      job.fencing_token, timeout=timeout)
+
     async def report_progress_if_owner(
         self, job: ClaimedJob, owner_id: str, progress: dict[str, Any],
         details: dict[str, Any], journal: bool,

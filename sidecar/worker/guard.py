@@ -7,13 +7,26 @@ finds the server in ``SIDECAR_GUARD_URL`` (``http://127.0.0.1:PORT``) and the se
 ``SIDECAR_GUARD_TOKEN``, and sends ``Authorization: Bearer <secret>``. The secret names the
 job: there is no job id in the URL.
 
+The same server also answers on a Unix socket of each attempt's own (issue 41), made in
+the attempt's work directory by sidecar.worker.isolation.Sandbox (``guard.sock``, mode
+0600, the tool's user's) and named by ``SIDECAR_GUARD_SOCKET``: a tool in an empty network
+namespace (``NETWORK=none``) reaches the guard there, as every tool may. A socket serves
+its own attempt only: another attempt's secret sent through it gets 401, as does any
+secret once the attempt is unregistered (its socket is closed then).
+
 ``POST /v1/guard``, optional JSON body ``{"request_id": "..."}`` (1-200 printable
 characters: the id of the external request the tool is about to send):
 
 - ``200 {"fencing_token": N, "lease_remaining_seconds": S}`` only while ownership is
   confirmed and at least H + J (the profile's heartbeat period plus jitter allowance)
-  remain before the conservative local deadline; S is the seconds left before that
-  deadline (CLOCK_BOOTTIME, case F20; rounded to ms). The request id is then kept on the
+  remain before the conservative local deadline, and a fenced read of the job's row on
+  the database's clock (owner, token, ``running``, ``lease_until > now()``:
+  WorkerStore.confirm_lease_if_owner) sent for this request, or at most
+  CONFIRM_REUSE_SECONDS (250 ms) before it arrived, says the attempt still holds the lease
+  with at least H + J left (issue 41: local clocks alone never vouch for a go; frozen and
+  stepped back, they kept answering go for a lease another sidecar had taken). S is the
+  seconds left before the earlier of the local deadline (CLOCK_BOOTTIME, case F20) and
+  the lease's end by that read (rounded to ms). The request id is then kept on the
   lease (``Lease.request_id``) for the ownership-unknown event (P15).
 - ``409 {"reason": R}`` otherwise, R one of (checked in this order):
   ``cancelled`` (an operator cancelled the job), ``ownership_unknown`` (given up locally at
@@ -21,7 +34,11 @@ characters: the id of the external request the tool is about to send):
   job no longer ours), ``deadline`` (the supervisor is stopping the tool: stage deadline,
   lifetime cap, idle tree or shutdown), ``lease_lost`` (the outcome is being written),
   ``ownership_unknown`` (the database does not answer the heartbeat), ``lease_ending``
-  (less than H + J left; transient: the next heartbeat renews the lease).
+  (less than H + J left; transient: the next heartbeat renews the lease); then, from the
+  fenced read: ``lease_lost`` (the row says the attempt no longer holds the lease: every
+  later call answers it too), ``ownership_unknown`` (the read failed or did not answer
+  within CONFIRM_SECONDS, at most the store's timeout: no answer is a no),
+  ``lease_ending`` (less than H + J left by the database's clock).
 - ``400 {"error": "bad_json" | "bad_request", "message"}`` for a body that is not JSON, not
   an object, or has a bad ``request_id``; ``413 {"error": "body_too_large", "limit": 4096}``.
 
@@ -81,7 +98,8 @@ logged once per episode: ``guard_connections_refused`` at the first refusal for 
 (and attempt), ``guard_refusals_ended`` with the count once none came for
 ``EPISODE_GAP_SECONDS``.
 
-Every handler is a few dictionary lookups and at most one fenced statement: nothing blocks
+Every handler is a few dictionary lookups and at most one fenced statement (the guard's
+read is shared by an attempt's requests within CONFIRM_REUSE_SECONDS): nothing blocks
 the event loop, and each connection is its own task, so a slow or hostile client holds
 only its own connection. Checkpoint writes take at most one connection of the store's
 pool at a time, and give up (503) rather than wait longer than the store's timeout.
@@ -93,8 +111,9 @@ import asyncio
 import hashlib
 import hmac
 import secrets
+import socket
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import asyncpg
 import orjson
@@ -139,6 +158,8 @@ UNAUTHENTICATED_CONNECTIONS = 32  # connections waiting for their first request,
 AUTH_SECONDS = 3.0                # from the accept to a first request with a valid secret
 IDLE_SECONDS = 15.0               # an idle keep-alive connection is closed after this
 EPISODE_GAP_SECONDS = 10.0        # a refusal episode ends after this long without one
+CONFIRM_SECONDS = 2.0             # the guard's fenced read answers within this, or it is a no
+CONFIRM_REUSE_SECONDS = 0.25      # a go may rest on a fenced read sent this long before
 
 
 _UNAUTHORIZED_BODY = orjson.dumps({"error": "unauthorized"})
@@ -169,6 +190,11 @@ class _Registration:
     refused: str | None = None       # the last refusal logged, so a polling tool logs once
     fenced_out: bool = False         # a fenced checkpoint write found the job not ours
     progress: ProgressReporter | None = None  # the attempt's progress (POST /v1/progress)
+    # The last fenced read for a go (issue 41): (sent at, CLOCK_BOOTTIME s; seconds the
+    # lease had left by the database's clock), and the lock that makes an attempt's
+    # requests share one read.
+    confirmed: tuple[float, float] | None = None
+    confirming: asyncio.Lock = field(default_factory=asyncio.Lock)
 
 
 class GuardServer:
@@ -194,6 +220,9 @@ class GuardServer:
             unbound=UNAUTHENTICATED_CONNECTIONS, per_key=CONNECTIONS_PER_ATTEMPT,
             bind_seconds=AUTH_SECONDS)
         self.min_remaining = profile.heartbeat_seconds + profile.jitter_seconds
+        # The guard's fenced read is bounded by this (pool acquire included): no answer
+        # in time is a no (issue 41).
+        self.confirm_timeout = min(store.timeout, CONFIRM_SECONDS)
         self.url: str | None = None
         self._by_digest: dict[bytes, _Registration] = {}
         self._by_attempt: dict[AttemptId, _Registration] = {}
@@ -242,10 +271,14 @@ class GuardServer:
 
     # --- jobs ---------------------------------------------------------------
 
-    def register(self, lease: Lease, progress: ProgressReporter | None = None) -> str:
+    def register(self, lease: Lease, progress: ProgressReporter | None = None,
+                 listener: socket.socket | None = None) -> str:
         """Accept requests for ``lease``'s attempt from now on; return its new secret
         (``secrets.token_urlsafe(32)``: 43 URL-safe characters) for ``SIDECAR_GUARD_TOKEN``.
         ``progress``: where the attempt's ``POST /v1/progress`` reports go (None: 404).
+        ``listener``: the attempt's own listening Unix socket (Sandbox.guard_listener),
+        served from now on for this attempt alone; the guard owns it (closed by
+        unregister, or at once when the guard is not started).
         Only its sha256 is kept. Registrations are keyed by attempt (job id, token), never
         by job id alone (case F14): a later attempt of the same job has its own. May be
         called before start(). The token is a secret of the sidecar's until unregister:
@@ -257,7 +290,16 @@ class GuardServer:
         self._by_digest[registration.digest] = registration
         self._by_attempt[lease.job.attempt_id] = registration
         SECRETS.add(self._secret_key(lease.job.attempt_id), "guard_token", [token])
+        if listener is not None:
+            if self._http is None:
+                listener.close()
+            else:
+                self._http.add_listener(listener, lease.job.attempt_id)
         return token
+
+    def has_socket(self, attempt: AttemptId) -> bool:
+        """Whether ``attempt``'s own Unix socket (register's ``listener``) is served."""
+        return self._http is not None and self._http.listening(attempt)
 
     def _secret_key(self, attempt: AttemptId) -> tuple[str, int, AttemptId]:
         """The attempt's key in masking.SECRETS (this guard's own: two in one process
@@ -272,6 +314,7 @@ class GuardServer:
             self._by_digest.pop(registration.digest, None)
             SECRETS.discard(self._secret_key(attempt))
         if self._http is not None:
+            self._http.remove_listener(attempt)
             self._http.close_bound(attempt)
 
     # --- refused connections ------------------------------------------------
@@ -334,6 +377,9 @@ class GuardServer:
                     and token.isascii()):
                 digest = _digest(token)
                 found = self._by_digest.get(digest)
+                if found is not None and request.via is not None \
+                        and request.via != found.lease.job.attempt_id:
+                    found = None  # an attempt's socket serves that attempt alone
                 if found is not None and hmac.compare_digest(found.digest, digest):
                     registration = found
                     if not request.bind(found.lease.job.attempt_id):
@@ -399,16 +445,58 @@ class GuardServer:
                 return _json({"error": "bad_request", "message": f"request_id must be a "
                               f"string of 1-{MAX_REQUEST_ID} printable characters"}, 400)
         lease = registration.lease
+        arrived = clock.ownership_now()
         reason = self._refusal(registration)
+        db_left = None
+        if reason is None:
+            reason, db_left = await self._confirm(registration, arrived)
+        if reason is None:  # the read took time: the local state may have moved meanwhile
+            reason = self._refusal(registration)
         if reason is not None:
             self._log_refusal(registration, reason, request_id)
             return _json({"reason": reason}, 409)
-        remaining = lease.local_deadline - clock.ownership_now()
+        remaining = min(lease.local_deadline - clock.ownership_now(), db_left)
         if request_id is not None:
             lease.note_request(request_id)
         registration.refused = None
         return _json({"fencing_token": lease.job.fencing_token,
                       "lease_remaining_seconds": round(remaining, 3)})
+
+    async def _confirm(self, registration: _Registration, arrived: float
+                       ) -> tuple[GuardRefusal | None, float | None]:
+        """The database's word on a go for a request that arrived at ``arrived``
+        (CLOCK_BOOTTIME s), issue 41: ``(None, S)`` when a fenced read sent for it (or at
+        most CONFIRM_REUSE_SECONDS before it arrived; an attempt's requests share one)
+        found the attempt holding its lease with S >= H + J seconds left now by the
+        database's clock (the read's answer less the time since it was sent), else
+        ``(reason, None)``: ``lease_lost`` (not ours: remembered, as a fenced-out
+        checkpoint is), ``ownership_unknown`` (no answer within ``confirm_timeout``, or
+        the database failed), ``lease_ending``."""
+        job = registration.lease.job
+        try:
+            async with asyncio.timeout(self.confirm_timeout):
+                async with registration.confirming:
+                    confirmed = registration.confirmed
+                    if confirmed is None or confirmed[0] < arrived - CONFIRM_REUSE_SECONDS:
+                        sent = clock.ownership_now()
+                        left = await self.store.confirm_lease_if_owner(
+                            job, self.owner_id, self.confirm_timeout)
+                        if left is None:
+                            registration.fenced_out = True
+                            registration.confirmed = None
+                            return GuardRefusal.LEASE_LOST, None
+                        confirmed = registration.confirmed = (sent, left)
+        except (TimeoutError, *db.DATABASE_ERRORS) as exc:
+            if registration.refused != GuardRefusal.OWNERSHIP_UNKNOWN:  # once an episode
+                log.emit("guard_unconfirmed", "warning", **log_fields(job),
+                         reason=db.describe_error(exc), timeout_s=self.confirm_timeout)
+            return GuardRefusal.OWNERSHIP_UNKNOWN, None
+        if registration.fenced_out:  # another request's read found it not ours
+            return GuardRefusal.LEASE_LOST, None
+        left = confirmed[1] - (clock.ownership_now() - confirmed[0])
+        if left < self.min_remaining:
+            return GuardRefusal.LEASE_ENDING, None
+        return None, left
 
     def _log_refusal(self, registration: _Registration, reason: str,
                      request_id: str | None) -> None:

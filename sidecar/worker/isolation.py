@@ -14,6 +14,7 @@ import re
 import resource
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -32,6 +33,8 @@ from sidecar.worker.leftovers import lock_directory, remove_tree  # noqa: F401 -
 from sidecar.worker.linux import PR_SET_PDEATHSIG, _prctl, reset_signal_handlers
 
 RESULT_FILE_NAME = "result.json"
+# The attempt's own Unix socket to the guard (SIDECAR_GUARD_SOCKET, issue 41).
+GUARD_SOCKET_NAME = "guard.sock"
 _RLIMIT_NAMES = {getattr(resource, name): name for name in (
     "RLIMIT_CORE", "RLIMIT_NOFILE", "RLIMIT_CPU", "RLIMIT_AS", "RLIMIT_NPROC")}
 # The tool's own temporary files go to its work directory too, and are removed with it.
@@ -98,8 +101,6 @@ def check_profile(profile: LeaseProfile, host: CgroupHost, euid: int | None = No
 BWRAP_PATHS = ("/usr/bin/bwrap", "/usr/local/bin/bwrap")
 # The sandbox's own tmpfs mounts: what the tool sees there is its own, empty at the start.
 SANDBOX_TMPFS = ("/tmp",)
-# Inside a NETWORK=none sandbox the guard is this Unix socket (bound from the sidecar's).
-GUARD_SOCKET_IN_SANDBOX = "/tmp/sidecar-guard.sock"
 # Why bwrap cannot mount the attempt's own /proc in a container, and the fix: the runtime
 # masks parts of the container's /proc, and the kernel then refuses a new proc mount in a
 # user namespace (it would reveal what the mask hides). docs/isolation.md, "In a container".
@@ -163,8 +164,9 @@ class SandboxPlan:
     ``hidden_dirs``: directories replaced by an empty tmpfs (those of every
     ``*_FILE`` secret); ``hidden_files``: secret files directly under ``/``, covered by
     ``/dev/null``. ``network``: ``host`` or ``none`` (a new, empty network namespace).
-    ``extra_paths``: ``(path, "ro"|"rw")`` bound at the same place. ``guard_socket``:
-    the sidecar's guard Unix socket (NETWORK=none), bound at GUARD_SOCKET_IN_SANDBOX."""
+    ``extra_paths``: ``(path, "ro"|"rw")`` bound at the same place. The attempt's guard
+    socket is in its work directory (Sandbox.guard_listener), bound with it: reachable
+    with either ``network``, and only by that attempt (the work root is hidden)."""
 
     bwrap: str
     work_root: str
@@ -172,7 +174,6 @@ class SandboxPlan:
     hidden_files: tuple[str, ...] = ()
     network: str = "host"
     extra_paths: tuple[tuple[str, str], ...] = ()
-    guard_socket: str = ""
 
     def argv(self, command: list[str], job_dir: str | None = None,
              status_fd: int | None = None) -> list[str]:
@@ -203,8 +204,6 @@ class SandboxPlan:
             args += ["--bind", job_dir, job_dir]
         for path, mode in self.extra_paths:
             args += ["--bind" if mode == "rw" else "--ro-bind", path, path]
-        if self.guard_socket:
-            args += ["--bind", self.guard_socket, GUARD_SOCKET_IN_SANDBOX]
         if job_dir:
             args += ["--chdir", job_dir]
         if status_fd is not None:
@@ -677,7 +676,11 @@ class Sandbox:
     """One attempt's private work directory and cgroup. ``open`` makes them; ``close``
     removes both (call it only once the tree is dead). ``notes`` collects what degraded
     (a cgroup that could not be made), for the log. ``files`` (name -> text) are written
-    into the work directory by ``open``, before the tool's user gets it (case F15).
+    into the work directory by ``open``, before the tool's user gets it (case F15). With
+    ``guard_socket``, ``open`` (or ``open_kept``) also makes the attempt's listening Unix
+    socket to the guard there, ``guard.sock`` (``guard_listener``, for
+    GuardServer.register; SIDECAR_GUARD_SOCKET is ``guard_socket_path``), the tool's user's
+    and mode 0600, before the hand-over too; ``close`` and ``close_kept`` remove its name.
 
     Every file operation inside the work directory goes through ``dir_lock``, the
     descriptor of the directory made for this attempt, one name at a time and never
@@ -697,6 +700,10 @@ class Sandbox:
     ids: tuple[int, int] | None = None
     notes: list[str] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
+    guard_socket: bool = False
+    # The attempt's listening guard socket (guard_socket): handed to the guard, which
+    # closes it; ``close`` closes it too (twice is harmless) and removes its name.
+    guard_listener: socket.socket | None = None
     # flock'ed descriptor of the work dir: marks it as in use, and every file operation
     # inside it goes through it (never through job_dir, a path a tool may redirect)
     dir_lock: int | None = None
@@ -727,6 +734,7 @@ class Sandbox:
             self._make_dir(root)
         for name, text in self.files.items():
             self.write_file(name, text)
+        self._listen_guard()
         self._hand_over()
         self._make_cgroup()
 
@@ -747,6 +755,7 @@ class Sandbox:
         if spare is None:
             return False
         self.job_dir, self.dir_lock = spare
+        self._listen_guard()
         self._make_cgroup()
         return True
 
@@ -765,6 +774,31 @@ class Sandbox:
         if self.profile.home == "job":
             for sub in (HOME_DIR_NAME, RUNTIME_DIR_NAME):
                 os.mkdir(sub, 0o700, dir_fd=self.dir_lock)
+
+    def _listen_guard(self) -> None:
+        """The attempt's guard socket, while the work directory is still the sidecar's
+        (or, kept for reuse, never another user's): safefs.listen_unix."""
+        if self.guard_socket and self.guard_listener is None:
+            self.guard_listener = safefs.listen_unix(self.dir_lock, GUARD_SOCKET_NAME,
+                                                     self.ids)
+
+    def _forget_guard(self) -> None:
+        """Close the guard socket and remove its name (through the directory's descriptor;
+        whatever the tool left under that name goes too), so a kept directory is as
+        made."""
+        if self.guard_listener is None:
+            return
+        self.guard_listener.close()
+        self.guard_listener = None
+        if self.dir_lock is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(GUARD_SOCKET_NAME, dir_fd=self.dir_lock)
+
+    @property
+    def guard_socket_path(self) -> str:
+        """``SIDECAR_GUARD_SOCKET``: the guard socket's path (the tool's, in its work
+        directory; the same path inside the sandbox)."""
+        return os.path.join(self.job_dir, GUARD_SOCKET_NAME)
 
     def _hand_over(self) -> None:
         """Give the work directory, and HOME and the runtime directory in it, to the RUN_AS
@@ -908,6 +942,7 @@ class Sandbox:
         if not (self.job_dir and self.dir_lock is not None and self.tree_clean
                 and self._reusable and self.cgroup is not None):
             return False
+        self._forget_guard()
         if self.cgroup.remove(timeout=0) \
                 or not _pristine(self.job_dir, self.profile.home == "job", self.dir_lock) \
                 or not self.spares.keep(self._spare_key, self.job_dir, self.dir_lock):
@@ -919,6 +954,7 @@ class Sandbox:
         """Remove the cgroup and the work directory, whatever the tool left in it.
         Returns what could not be removed."""
         left: list[str] = []
+        self._forget_guard()
         if self.cgroup is not None:
             left += self.cgroup.remove()
         # Kept only when the cgroup was removed, which the kernel allows only once it is

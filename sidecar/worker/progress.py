@@ -8,9 +8,12 @@ characters):
 
 - ``POST $SIDECAR_GUARD_URL/v1/progress`` with the guard's token (sidecar.worker.guard);
 - rewriting the file ``$SIDECAR_PROGRESS_FILE`` (``progress.json`` in the attempt's work
-  directory), for tools that cannot do HTTP: read once per heartbeat period through the
-  work directory's descriptor (no link followed, bounded size: sidecar.worker.safefs); only a
-  rewrite (a new modification time or content) counts as a report.
+  directory), for tools that cannot do HTTP: looked at every FILE_SECONDS on a timer of its
+  own (never the heartbeat's: a caller waiting on progress must not wait a heartbeat period,
+  issue 41) through the work directory's descriptor (one ``fstatat``, no link followed; the
+  file is read, bounded: sidecar.worker.safefs, only when its modification time, change
+  time, size or inode moved); only a rewrite (a new modification time or content) counts as
+  a report.
 
 Each report is written by a fenced statement (WorkerStore.report_progress_if_owner: owner,
 token and a live lease), at most once per WRITE_SECONDS per attempt: a report that comes
@@ -40,6 +43,7 @@ PROGRESS_BODY_LIMIT = 4096   # bytes of one report (HTTP body or file)
 MESSAGE_CHARS = 1000         # characters of a message (the NOTIFY payload stays < 8000 B)
 WRITE_SECONDS = 1.0          # at most one write of an attempt's progress per this
 JOURNAL_SECONDS = 5.0        # at most one job_progress journal row per attempt per this
+FILE_SECONDS = 0.5           # SIDECAR_PROGRESS_FILE is looked at this often (issue 41)
 _KEYS = frozenset({"progress", "message"})
 
 
@@ -164,17 +168,31 @@ class ProgressReporter:
             self._deferred.cancel()
             self._deferred = None
 
-    async def watch_file(self, dir_fd: int, owner_uid: int | None, period: float) -> None:
-        """Read ``$SIDECAR_PROGRESS_FILE`` through the work directory's descriptor
-        ``dir_fd`` every ``period`` seconds (the heartbeat period) and report each rewrite;
-        returns once the attempt may not report any more. A file that cannot be used (a
+    async def watch_file(self, dir_fd: int, owner_uid: int | None,
+                         period: float = FILE_SECONDS) -> None:
+        """Look at ``$SIDECAR_PROGRESS_FILE`` through the work directory's descriptor
+        ``dir_fd`` every ``period`` seconds (FILE_SECONDS, independent of the heartbeat:
+        issue 41) and report each rewrite; returns once the attempt may not report any
+        more. Each look is one ``fstatat`` (no link followed); the file is opened and read
+        (at most PROGRESS_BODY_LIMIT bytes, sidecar.worker.safefs.read_small_file) only when
+        its inode, size, modification or change time moved. A file that cannot be used (a
         link, too large, not a report) is logged once per reason as
-        ``progress_file_refused`` and otherwise ignored."""
+        ``progress_file_refused`` and otherwise ignored. The report goes through ``report``:
+        the same fencing and write throttle as ``POST /v1/progress``."""
         last: tuple[bytes, int] | None = None
+        seen: tuple[int, int, int, int] | None = None
         while not self.lost:
             await asyncio.sleep(period)
             try:
-                # One open, fstat and read of at most 4 KiB: on the loop (as has_result).
+                # One fstatat per look; on a change one open, fstat and read of at most
+                # 4 KiB: on the loop (as has_result).
+                info = safefs.lstat_at(dir_fd, PROGRESS_FILE_NAME)
+                if info is None:
+                    continue
+                stamp = (info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+                if stamp == seen:
+                    continue
+                seen = stamp
                 found = safefs.read_small_file(dir_fd, PROGRESS_FILE_NAME,
                                                PROGRESS_BODY_LIMIT, owner_uid)
                 if found is None or found == last:

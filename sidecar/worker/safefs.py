@@ -18,6 +18,7 @@ import contextlib
 import errno
 import os
 import secrets
+import socket
 import stat
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
@@ -188,6 +189,36 @@ def _writable(fd: int) -> None:
     if info.st_uid == os.geteuid() and info.st_mode & 0o300 != 0o300:
         with contextlib.suppress(OSError):
             os.fchmod(fd, stat.S_IMODE(info.st_mode) | 0o700)
+
+
+def listen_unix(dir_fd: int, name: str, ids: tuple[int, int] | None = None,
+                backlog: int = 128) -> socket.socket:
+    """A new Unix stream socket bound at the new name ``name`` in ``dir_fd`` and listening
+    (``backlog``), non-blocking and not inherited; the socket file has mode 0600 (set on
+    the socket before ``bind``, which Linux gives the file, less the umask) and, given
+    ``ids``, is owned by them (``fchownat`` without following a link). Bound through
+    ``/proc/self/fd/<dir_fd>/<name>``: the directory is the one the descriptor holds, never
+    a path a tool may have swapped, and ``bind`` itself never follows a link in its last
+    component nor reuses a name (EADDRINUSE when anything is there). Call it before the
+    directory is handed to another user (the ``fchownat`` then races nobody). Raises
+    OSError; nothing is left behind."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    bound = False
+    try:
+        os.fchmod(sock.fileno(), 0o600)
+        sock.bind(f"/proc/self/fd/{dir_fd}/{_name(name)}")
+        bound = True
+        if ids is not None:
+            os.chown(name, *ids, dir_fd=dir_fd, follow_symlinks=False)
+        sock.listen(backlog)
+        sock.setblocking(False)
+    except BaseException:
+        sock.close()
+        if bound:
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+        raise
+    return sock
 
 
 def remove_at(parent_fd: int, name: str) -> bool:

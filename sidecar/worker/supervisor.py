@@ -243,7 +243,7 @@ class JobSupervisor:
         sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
                           job_name(self.ctx.owner_id, job.id, job.fencing_token),
                           work_dir_prefix(self.ctx.owner_id), spares=self.ctx.spares,
-                          files=files)
+                          files=files, guard_socket=self.ctx.guard is not None)
         loop = asyncio.get_running_loop()
         try:
             if not sandbox.open_kept():
@@ -270,13 +270,19 @@ class JobSupervisor:
         if files:
             env["SIDECAR_CHECKPOINT_FILE"] = os.path.join(sandbox.job_dir,
                                                           CHECKPOINT_FILE_NAME)
-        # A tool in an empty network namespace (NETWORK=none) cannot reach the
-        # loopback guard: it gets neither its URL nor a secret (docs/isolation.md).
-        if self.ctx.guard is not None and (self.ctx.sandbox is None
-                                           or self.ctx.sandbox.network != "none"):
-            env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
-            env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease,
-                                                                 self.progress)
+        # The guard, whatever the sandbox and network (issue 41): the attempt's own Unix
+        # socket in its work directory always (bound into the sandbox with it), and the
+        # loopback URL unless the tool is in an empty network namespace (NETWORK=none),
+        # where it could not reach it.
+        if self.ctx.guard is not None:
+            # The guard serves (and closes) the socket; the sandbox removes its name.
+            listener = sandbox.guard_listener
+            env["SIDECAR_GUARD_TOKEN"] = self.ctx.guard.register(self.lease, self.progress,
+                                                                 listener)
+            if listener is not None and self.ctx.guard.has_socket(self.job.attempt_id):
+                env["SIDECAR_GUARD_SOCKET"] = sandbox.guard_socket_path
+            if self.ctx.sandbox is None or self.ctx.sandbox.network != "none":
+                env["SIDECAR_GUARD_URL"] = self.ctx.guard_url
         return await self._supervise(env, payload, sandbox)
 
     async def _let_go(self, sandbox: Sandbox) -> None:
@@ -323,10 +329,10 @@ class JobSupervisor:
             "pid": child.pid, "argv0": self.ctx.argv[0], "payload": self.payload_digest})
         log.emit("tool_request_started", **log_fields(self.job), pid=child.pid)
 
-        # SIDECAR_PROGRESS_FILE, read once per heartbeat period while the tool runs.
+        # SIDECAR_PROGRESS_FILE, looked at on a timer of its own (progress.FILE_SECONDS),
+        # never the heartbeat's: a waiting caller sees a report within a second (issue 41).
         progress_file = asyncio.ensure_future(self.progress.watch_file(
-            sandbox.dir_lock, sandbox.ids[0] if sandbox.ids else None,
-            profile.heartbeat_seconds))
+            sandbox.dir_lock, sandbox.ids[0] if sandbox.ids else None))
         try:
             reason = await self._race(child, sandbox)
         finally:

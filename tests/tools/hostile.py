@@ -4,10 +4,10 @@
 Modes: memory_hog (allocate and touch 8 MiB chunks forever), fork_bomb (every process forks
 until refused; the first one exits 3 after 2 s), cpu_spin (burn CPU in "procs" processes),
 fd_leak (open /dev/null until refused, print how many), inspect (print what the tool can
-see: environment, fds, cwd, ids, rlimits, umask), result_file (write "size" bytes of JSON
-to SIDECAR_RESULT_FILE, junk to stdout), result_symlink / result_hardlink (make
-SIDECAR_RESULT_FILE a link to the payload's "target"), litter (leave files, a read-only
-directory and a TMPDIR file behind),
+see: environment, fds, cwd, ids, rlimits, umask, its guard socket's owner and mode),
+result_file (write "size" bytes of JSON to SIDECAR_RESULT_FILE, junk to stdout),
+result_symlink / result_hardlink (make SIDECAR_RESULT_FILE a link to the payload's
+"target"), litter (leave files, a read-only directory and a TMPDIR file behind),
 emit (write the payload's "stdout" bytes, given in hex, to stdout and "stderr" to stderr,
 exit "code").
 """
@@ -61,7 +61,19 @@ elif mode == "inspect":
     fds = [fd for fd in fds if os.path.exists(f"/proc/self/fd/{fd}")]
     with open("/proc/self/cgroup") as f:
         cgroup = f.read()
+    guard_socket = None
+    if os.environ.get("SIDECAR_GUARD_SOCKET"):  # its owner and mode, and whether it answers
+        import socket
+        info = os.lstat(os.environ["SIDECAR_GUARD_SOCKET"])
+        guard_socket = {"uid": info.st_uid, "mode": oct(info.st_mode & 0o7777)}
+        try:
+            with socket.socket(socket.AF_UNIX) as probe:
+                probe.connect(os.environ["SIDECAR_GUARD_SOCKET"])
+            guard_socket["connect"] = "ok"
+        except OSError as exc:
+            guard_socket["connect"] = type(exc).__name__
     print(json.dumps({
+        "guard_socket": guard_socket,
         # The guard token is a secret of the sidecar's: echoed in a result it fails the
         # attempt (secret_in_output, issue 25); its presence is what is reported.
         "env": {k: "(set)" if k == "SIDECAR_GUARD_TOKEN" else v for k, v in os.environ.items()},

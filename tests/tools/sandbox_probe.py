@@ -10,6 +10,11 @@
   the work directory are writable and /usr is not, the payload it read, and the guard's
   answer (or the error reaching it), plus whether it can connect to ``connect`` (a
   host:port).
+- ``guard_socket``: talk to the guard over ``$SIDECAR_GUARD_SOCKET`` only (issue 41):
+  ask for a go, save a checkpoint, report progress whose message is the socket's path;
+  with ``other_socket``, try to reach that socket (another attempt's) and ask it with its
+  own secret; with ``hold``, then wait until a file ``release`` appears in its work
+  directory (at most that many seconds). Prints the statuses and answers.
 """
 import json
 import os
@@ -56,6 +61,48 @@ def writable(path):
     except OSError:
         return False
 
+
+def over_unix(path, route, body):
+    """POST ``body`` to the guard's ``route`` over the Unix socket ``path``: (status, answer)."""
+    import http.client
+
+    class UnixConnection(http.client.HTTPConnection):
+        def connect(self):
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.settimeout(10)
+            self.sock.connect(path)
+
+    conn = UnixConnection("localhost", timeout=10)
+    try:
+        conn.request("POST", route, body=json.dumps(body).encode(), headers={
+            "Authorization": "Bearer " + os.environ["SIDECAR_GUARD_TOKEN"],
+            "Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, json.loads(response.read() or b"null")
+    finally:
+        conn.close()
+
+
+if mode == "guard_socket":
+    path = os.environ.get("SIDECAR_GUARD_SOCKET")
+    out = {"guard_url": os.environ.get("SIDECAR_GUARD_URL"), "socket": path,
+           "token": bool(os.environ.get("SIDECAR_GUARD_TOKEN"))}
+    if path:
+        out["guard"] = over_unix(path, "/v1/guard", {"request_id": "probe:go"})
+        out["checkpoint"] = over_unix(path, "/v1/checkpoint", {"through": "socket"})
+        out["progress"] = over_unix(path, "/v1/progress", {"progress": 0.5, "message": path})
+    if payload.get("other_socket"):
+        try:
+            out["other"] = over_unix(payload["other_socket"], "/v1/guard", {})
+        except OSError as exc:
+            out["other"] = type(exc).__name__
+    if payload.get("hold"):
+        release = os.path.join(os.environ["SIDECAR_JOB_DIR"], "release")
+        deadline = time.monotonic() + payload["hold"]
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    print(json.dumps(out))
+    sys.exit(0)
 
 out = {"pid": os.getpid(), "pids": sorted(int(p) for p in os.listdir("/proc") if p.isdigit()),
        "home": writable(os.environ["HOME"]), "tmpdir": writable(os.environ["TMPDIR"]),

@@ -448,6 +448,16 @@ WITH saved AS (
 )
 SELECT id FROM saved;
 
+-- name: confirm_lease_if_owner
+-- The guard's fenced read (issue 41): a tool's "go" before an irreversible step rests on
+-- this row, read for the request on the database's clock (P3), never on local clocks
+-- alone. One row, with the seconds the lease has left, while this owner ($2) holds the
+-- attempt (id $1, token $3) by the four conditions of P5; no row when it does not.
+SELECT extract(epoch FROM lease_until - now())::float8 AS lease_remaining
+FROM tool_jobs
+WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
+  AND state = 'running' AND lease_until > now();
+
 -- name: report_progress_if_owner
 -- A tool's progress report (issue 26): $4 is {value, message}; stored with the database's
 -- time and the attempt only while this owner holds the lease (the four conditions of P5/P6),
