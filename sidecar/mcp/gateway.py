@@ -37,7 +37,6 @@ from typing import Any
 import anyio
 import jsonschema
 import mcp_types as types
-import orjson
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.lowlevel import Server
@@ -46,8 +45,9 @@ from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
 
 from sidecar.client import Client, JobEnd, JobNotFound, JobProgress
 from sidecar.mcp import catalog as mcp_catalog
+from sidecar.mcp import wire
 from sidecar.mcp.catalog import McpTool
-from sidecar.protocol import parsing
+from sidecar.protocol import jsontext, parsing
 from sidecar.protocol.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -115,6 +115,9 @@ class Gateway:
         self.validators = {tool.name: _validator(tool) for tool in catalog}
         self.principal_of = principal_of
         self.in_flight: dict[str, int] = {}
+        # How results carry exact numbers: marked for ExactWire over HTTP (build_http_app
+        # sets it), plain ints and floats over stdio (sidecar.mcp.wire).
+        self.marks: wire.Marks | None = None
         self.stopping = False  # a shutdown cancels handlers: their jobs go on
         self.server: Server[Any] = Server(
             "sidecar", version=_version(), instructions=(
@@ -145,6 +148,13 @@ class Gateway:
                 f"{', '.join(sorted(self.tools))}"))
         arguments = params.arguments if params.arguments is not None else {}
         _check_arguments(tool.name, self.validators[tool.name], arguments)
+        try:  # the arguments as written, every digit (the SDK's parse rounds decimals)
+            exact = wire.exact_arguments(_scope(ctx), ctx.request_id, tool.name)
+        except jsontext.NumberOutOfRange as exc:
+            raise MCPError(code=INVALID_PARAMS, message=(
+                f"{tool.name}: arguments: {one_line(str(exc))[:300]}")) from None
+        if exact is not None:
+            arguments = exact
         principal = self.principal_of(ctx)
         meta = _wire_meta(ctx)
         key = self._idempotency_key(ctx, principal, meta)
@@ -180,7 +190,7 @@ class Gateway:
             if isinstance(progress_token, bool) or not isinstance(progress_token, str | int):
                 progress_token = None
             end = await self._wait(ctx, ref.id, progress_token, cancel_on_cancel=True)
-        return _tool_result(end)
+        return _tool_result(end, self.marks)
 
     def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:
         given = meta.get(IDEMPOTENCY_META)
@@ -216,7 +226,7 @@ class Gateway:
             return await self._follow(ctx, job_id, progress_token)
         except asyncio.CancelledError:
             if cancel_on_cancel and not self.stopping:
-                await self._cancel(job_id)
+                await self._cancel(job_id, self.principal_of(ctx))
             raise
         except (SidecarError, *db.DATABASE_ERRORS) as exc:
             if isinstance(exc, JobNotFound):
@@ -230,16 +240,14 @@ class Gateway:
 
     async def _follow(self, ctx: Any, job_id: uuid.UUID,
                       progress_token: str | int | None) -> JobEnd:
-        reports = 0
+        clock = wire.ProgressClock()
         async for event in self.client.follow(job_id):
             if isinstance(event, JobEnd):
                 return event
             if progress_token is not None and isinstance(event, JobProgress):
-                reports += 1
-                value = event.value
+                progress, total = clock.next(event.value, event.attempt)
                 await ctx.session.send_progress_notification(
-                    progress_token, float(value) if value is not None else float(reports),
-                    total=1.0 if value is not None else None, message=event.message,
+                    progress_token, progress, total=total, message=event.message,
                     related_request_id=_text_id(ctx.request_id))
         raise MCPError(code=INTERNAL_ERROR, message=f"job {job_id}: its events ended early")
 
@@ -295,7 +303,7 @@ class Gateway:
             task["statusMessage"] = f"{job.error.get('kind')}: {job.error.get('message')}"
         if with_result and status == "completed":
             end = JobEnd(job.id, job.state, job.attempt, job.result, job.error)
-            task["result"] = _tool_result(end).model_dump(by_alias=True, mode="json",
+            task["result"] = _tool_result(end, self.marks).model_dump(by_alias=True, mode="json",
                                                           exclude_none=True)
         return task
 
@@ -317,13 +325,13 @@ class Gateway:
         job = await self._own_task(ctx, params.task_id)
         with self._slot(self.principal_of(ctx)):
             end = await self._wait(ctx, job.id, None, cancel_on_cancel=False)
-        return _tool_result(end)
+        return _tool_result(end, self.marks)
 
     async def _task_cancel(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
         """Cancel the task's job (its tree dies at its sidecar's next heartbeat); a
         finished task stays as it is."""
         job = await self._own_task(ctx, params.task_id)
-        await self.client.cancel(job.id)
+        await self.client.cancel(job.id, by=cancelled_by(self.principal_of(ctx)))
         return {"resultType": "complete"}
 
     async def _task_list(self, ctx: Any, params: Any) -> dict[str, Any]:
@@ -345,12 +353,12 @@ class Gateway:
                           "pollIntervalMs": TASK_POLL_MS})
         return {"resultType": "complete", "tasks": tasks}
 
-    async def _cancel(self, job_id: uuid.UUID) -> None:
+    async def _cancel(self, job_id: uuid.UUID, principal: str) -> None:
         """Cancel the job of a request that was cancelled (shielded: the request's own
-        scope is being cancelled)."""
+        scope is being cancelled), journaled as by its MCP client."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_BOUND_SECONDS):
             try:
-                await self.client.cancel(job_id)
+                await self.client.cancel(job_id, by=cancelled_by(principal))
                 log.info("mcp call cancelled: job %s cancelled", job_id)
             except Exception as exc:  # noqa: BLE001 - logged; the request is gone anyway
                 log.warning("mcp call cancelled, but cancelling job %s failed: %s", job_id,
@@ -475,6 +483,13 @@ def _tag_id(request_id: Any) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+def _scope(ctx: Any) -> Mapping[str, Any] | None:
+    """The ASGI scope of the request over HTTP (where ExactWire leaves its exact parse)."""
+    request = getattr(ctx, "request", None)
+    scope = getattr(request, "scope", None)
+    return scope if isinstance(scope, Mapping) else None
+
+
 def _session_id(ctx: Any) -> str | None:
     """The Streamable HTTP session of the request (``Mcp-Session-Id``), if any."""
     request = getattr(ctx, "request", None)
@@ -482,17 +497,28 @@ def _session_id(ctx: Any) -> str | None:
     return headers.get("mcp-session-id") if headers is not None else None
 
 
-def _tool_result(end: JobEnd) -> types.CallToolResult:
-    """The job's end as a tool result: its JSON result as text (and as structured content
-    when it is an object); a failed or cancelled job ``isError`` with its kind and
-    message."""
+def cancelled_by(principal: str) -> str:
+    """The ``by`` of a cancel an MCP client asked for (a cancelled request, tasks/cancel):
+    journaled as job_cancelled's ``by``; the job's error then says "cancelled by its MCP
+    client" (sql/functions/cancel.sql), not "by an operator"."""
+    return f"sidecar mcp ({principal})"
+
+
+def _tool_result(end: JobEnd, marks: wire.Marks | None = None) -> types.CallToolResult:
+    """The job's end as a tool result: its JSON result as text, every digit kept (and as
+    structured content when it is an object, its exact numbers marked for ExactWire with
+    ``marks``, else plain: sidecar.mcp.wire); a failed or cancelled job ``isError`` with
+    its kind and message."""
     meta = {JOB_META: {"id": str(end.id), "state": end.state, "attempt": end.attempt}}
     if end.state == "succeeded":
-        text = orjson.dumps(end.result).decode()
+        text = jsontext.dumps(end.result).decode()
+        structured = None
+        if isinstance(end.result, dict):
+            structured = marks.encode(end.result) if marks is not None \
+                else wire.plain(end.result)
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=text)],
-            structured_content=end.result if isinstance(end.result, dict) else None,
-            _meta=meta)
+            structured_content=structured, _meta=meta)
     error = end.error if isinstance(end.error, dict) else {"message": str(end.error)}
     kind = error.get("kind") or end.state
     message = error.get("message") or ""
@@ -581,7 +607,9 @@ def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> An
         streamable_http_path="/mcp", host=host, transport_security=security,
         max_request_body_size=options.max_request_bytes,
         custom_starlette_routes=[Route("/livez", livez)])
-    return BearerAuth(app, tokens, exempt=("/livez",))
+    gateway.marks = wire.Marks()
+    exact = wire.ExactWire(app, gateway.marks, options.max_request_bytes)
+    return BearerAuth(exact, tokens, exempt=("/livez",))
 
 
 async def serve_http(client: Client, catalog: Sequence[McpTool], options: GatewayOptions,

@@ -1,0 +1,4 @@
+-- The MCP edge (issue 41). tool_job_cancel (sidecar/sql/functions/cancel.sql) says
+-- "cancelled by its MCP client" in the job's error when the gateway cancels for its
+-- caller (p_by 'sidecar mcp (PRINCIPAL)'), "cancelled by an operator" otherwise.
+-- compatible-from: 20

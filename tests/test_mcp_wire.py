@@ -1,0 +1,179 @@
+"""The MCP edge keeps what the sidecar keeps inside (issue 41): exact numbers both ways
+through `sidecar mcp` (case F11), progress that only grows across a retried attempt, a
+cancel described as the MCP client's; sessions any replica serves; SSE streams that can be
+resumed from the job."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+
+import httpx2
+import orjson
+import pytest
+from test_mcp_gateway import ALICE, _gateway_env, gateway  # noqa: F401 - the fixture
+
+from kit import TOOLS, job_row, query, read_pids, scalar, wait_until
+from sidecar.mcp import wire
+from sidecar.mcp.tasks import TasksExtension, get_task
+from sidecar.protocol import jsontext
+
+BIG = 2 ** 70
+LONG = "0.1000000000000000000000001"
+HEADERS = {"Accept": "application/json, text/event-stream",
+           "Content-Type": "application/json", "Authorization": f"Bearer {ALICE}"}
+
+
+def _echo_env(dsn, tmp_path, **extra):
+    return _gateway_env(dsn, tmp_path,
+                        SIDECAR_PROFILE_ECHO_MCP_DESCRIPTION="Returns its arguments.", **extra)
+
+
+def _sse_messages(text: str) -> list[bytes]:
+    return [line[5:].strip().encode() for line in text.splitlines()
+            if line.startswith("data:") and line[5:].strip()]
+
+
+def _initialize(url: str, version: str = "2025-11-25") -> dict[str, str]:
+    """A 2025-revision session opened with raw HTTP: the headers of its next requests."""
+    init = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": {
+        "protocolVersion": version, "capabilities": {},
+        "clientInfo": {"name": "wire-test", "version": "1"}}}
+    answer = httpx2.post(url, json=init, headers=HEADERS, timeout=30)
+    assert answer.status_code == 200, answer.text
+    headers = {**HEADERS, "Mcp-Session-Id": answer.headers["mcp-session-id"],
+               "MCP-Protocol-Version": version}
+    done = httpx2.post(url, json={"jsonrpc": "2.0", "method": "notifications/initialized"},
+                       headers=headers, timeout=30)
+    assert done.status_code == 202, done.text
+    return headers
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_exact_numbers_cross_the_mcp_edge_both_ways(dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """An integer of 2**70 and a decimal no double holds, sent as raw JSON, reach the job's
+    payload digit for digit, and come back in the result's JSON (text and structured
+    content) as the same bare numbers; the SDK's client reads them, and a task of it is
+    readable with them."""
+    env = _echo_env(dsn, tmp_path)
+    sidecars(dsn, [str(TOOLS / "echo_payload.py")], "--tool", "echo", env=env)
+    g = gateway("--tool", "echo", env=env)
+    headers = _initialize(g.url)
+    call = (b'{"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "echo", '
+            b'"arguments": {"big": ' + str(BIG).encode() + b', "long": ' + LONG.encode()
+            + b', "list": [' + LONG.encode() + b']}}}')
+    answer = httpx2.post(g.url, content=call, headers=headers, timeout=60)
+    assert answer.status_code == 200, answer.text
+    [message] = [m for m in _sse_messages(answer.text) if b'"result"' in m]
+    result = jsontext.loads(message)["result"]
+    assert not result.get("isError"), result
+    exact = {"big": BIG, "long": jsontext.ExactNumber(LONG),
+             "list": [jsontext.ExactNumber(LONG)]}
+    assert result["structuredContent"] == exact
+    assert jsontext.loads(result["content"][0]["text"]) == exact
+    assert b'"long":' + LONG.encode() in message  # a bare number, not a string
+    job = result["_meta"]["io.github.sidecar/job"]["id"]
+    assert LONG in scalar(dsn, "SELECT payload::text FROM tool_jobs WHERE id = $1::uuid", job)
+
+    async def with_the_sdk():
+        async with g.client() as client:
+            plain = await client.call_tool("echo", {"big": BIG})
+            assert plain.structured_content == {"big": BIG}
+        async with g.client(extensions=[TasksExtension()]) as client:
+            handle = await client.session.call_tool("echo", {"big": BIG}, allow_claimed=True)
+            for _ in range(200):
+                task = await get_task(client.session, handle.task_id)
+                if task["status"] == "completed":
+                    return task
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"the task did not complete: {task}")
+
+    task = asyncio.run(with_the_sdk())
+    assert task["result"]["structuredContent"] == {"big": BIG}
+    assert jsontext.loads(task["result"]["content"][0]["text"]) == {"big": BIG}
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_progress_only_grows_across_a_retried_attempt(dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """A tool that reports 0.5, fails its first attempt and reports 0.5 again in the
+    second: every progress the client sees is larger than the one before."""
+    env = _gateway_env(dsn, tmp_path, SIDECAR_PROFILE_PT_MAX_ATTEMPTS="2")
+    sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
+    g = gateway(env=env)
+    seen: list[tuple[float, float | None, str | None]] = []
+
+    async def on_progress(progress, total, message):
+        seen.append((progress, total, message))
+
+    async def main():
+        async with g.client() as client:
+            return await client.call_tool(
+                "pt", {"steps": [{"http": {"progress": 0.5, "message": "half"}},
+                                 {"sleep": 1}, {"fail_in_attempt": 1},
+                                 {"http": {"progress": 0.75, "message": "more"}},
+                                 {"sleep": 1}]},
+                progress_callback=on_progress)
+
+    result = asyncio.run(main())
+    assert not result.is_error and result.meta["io.github.sidecar/job"]["attempt"] == 2
+    progress = [p for p, _, _ in seen]
+    assert progress == sorted(set(progress)), seen
+    assert (1.5, 2.0, "half") in seen and (1.75, 2.0, "more") in seen, seen
+
+
+@pytest.mark.unit
+def test_progress_clock_is_strictly_increasing():
+    """Attempt n maps v to (n - 1) + v of n; a count without values; never back."""
+    clock = wire.ProgressClock()
+    assert clock.next(0.5, 1) == (0.5, 1.0)
+    assert clock.next(0.5, 1) == (math.nextafter(0.5, math.inf), 1.0)
+    assert clock.next(0.25, 2) == (1.25, 2.0)
+    assert clock.next(0.1, 2)[0] > 1.25
+    counted = wire.ProgressClock()
+    assert [counted.next(None, 1)[0] for _ in range(3)] == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.unit
+def test_marks_restore_exact_numbers_and_nothing_else():
+    """Marked numbers become bare numbers in the JSON text; a tool's string that looks
+    like a mark (without the process's nonce) stays a string."""
+    marks = wire.Marks()
+    value = {"n": jsontext.ExactNumber(LONG), "s": "sidecar-exact-number-feed:1;",
+             "l": [jsontext.ExactNumber("-1e400")]}
+    body = orjson.dumps(marks.encode(value))
+    restored = marks.restore(body)
+    assert restored == (b'{"n":' + LONG.encode() + b',"s":"sidecar-exact-number-feed:1;",'
+                        b'"l":[-1e400]}')
+    assert wire.plain({"n": jsontext.ExactNumber(str(BIG))}) == {"n": BIG}
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_a_job_cancelled_by_its_mcp_client_says_so(dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """A request the client cancels ends its job with "cancelled by its MCP client", and
+    the journal says which principal's gateway asked."""
+    env = _gateway_env(dsn, tmp_path, SIDECAR_PROFILE_HANG_STAGE_TIMEOUT_SECONDS="600")
+    sidecars(dsn, [str(TOOLS / "hang_tree.py")], "--tool", "hang", env=env)
+    g = gateway(env=env)
+    pidfile = tmp_path / "hang.pids"
+
+    async def main():
+        async with g.client() as client:
+            call = asyncio.create_task(
+                client.call_tool("hang", {"pidfile": str(pidfile), "tree": True}))
+            await asyncio.to_thread(read_pids, pidfile, 4)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            await asyncio.sleep(0.5)  # the client's session stays open meanwhile
+
+    asyncio.run(main())
+    job = scalar(dsn, "SELECT id FROM tool_jobs")
+    wait_until(lambda: job_row(dsn, job)["state"] == "cancelled", 10,
+               what="the job to be cancelled")
+    assert job_row(dsn, job)["error"]["message"] == "cancelled by its MCP client"
+    [by] = [r[0] for r in query(dsn, "SELECT details->>'by' FROM tool_job_events "
+                                     "WHERE event = 'job_cancelled'")]
+    assert by == "sidecar mcp (alice)"
