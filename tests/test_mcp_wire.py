@@ -11,7 +11,7 @@ import math
 import httpx2
 import orjson
 import pytest
-from test_mcp_gateway import ALICE, _gateway_env, gateway  # noqa: F401 - the fixture
+from test_mcp_gateway import ALICE, BOB, _gateway_env, gateway  # noqa: F401 - the fixture
 
 from kit import TOOLS, job_row, query, read_pids, scalar, wait_until
 from sidecar.mcp import wire
@@ -177,3 +177,45 @@ def test_a_job_cancelled_by_its_mcp_client_says_so(dsn, sidecars, gateway, tmp_p
     [by] = [r[0] for r in query(dsn, "SELECT details->>'by' FROM tool_job_events "
                                      "WHERE event = 'job_cancelled'")]
     assert by == "sidecar mcp (alice)"
+
+
+def _call(url: str, headers: dict[str, str], request_id: int, arguments: dict) -> dict:
+    """One tools/call of pt on a session (raw HTTP); the JSON-RPC answer."""
+    body = {"jsonrpc": "2.0", "id": request_id, "method": "tools/call",
+            "params": {"name": "pt", "arguments": arguments}}
+    answer = httpx2.post(url, json=body, headers=headers, timeout=60)
+    assert answer.status_code == 200, (answer.status_code, answer.text)
+    [message] = [m for m in _sse_messages(answer.text) if b'"id"' in m]
+    return orjson.loads(message)
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_a_session_is_served_by_every_replica_and_after_a_restart(
+        dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """A 2025-revision session opened on one gateway is served by a second one on the same
+    database, and by a gateway started after the first stopped; another principal's token
+    with its id is answered as an unknown session; a DELETE ends it on every replica."""
+    env = _gateway_env(dsn, tmp_path)
+    sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
+    first, second = gateway(), gateway()
+    headers = _initialize(first.url)
+    session = headers["Mcp-Session-Id"]
+    on_second = _call(second.url, headers, 2, {"steps": []})
+    assert on_second["result"]["structuredContent"]["done"] is True, on_second
+    job = on_second["result"]["_meta"]["io.github.sidecar/job"]["id"]
+    assert job_row(dsn, job)["tags"]["mcp.session"] == session
+    first.stop()
+    restarted = gateway()
+    again = _call(restarted.url, headers, 2, {"steps": []})  # the retry joins the job
+    assert again["result"]["_meta"]["io.github.sidecar/job"]["id"] == job
+    bob = {**headers, "Authorization": f"Bearer {BOB}"}
+    assert httpx2.post(restarted.url, headers=bob, timeout=30, json={
+        "jsonrpc": "2.0", "id": 3, "method": "tools/list"}).status_code == 404
+    assert scalar(dsn, "SELECT principal FROM sidecar_mcp_sessions WHERE id = $1",
+                  session) == "alice"
+    assert httpx2.delete(second.url, headers=headers, timeout=30).status_code == 200
+    assert scalar(dsn, "SELECT count(*) FROM sidecar_mcp_sessions") == 0
+    third = gateway()
+    assert httpx2.post(third.url, headers=headers, timeout=30, json={
+        "jsonrpc": "2.0", "id": 4, "method": "tools/list"}).status_code == 404

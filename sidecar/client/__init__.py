@@ -300,6 +300,12 @@ class Client:
     def _timeout(self) -> float:
         return self.settings.db_timeout_seconds if self.settings else 10.0
 
+    @property
+    def store(self) -> CallerStore:
+        """The open CallerStore, for statements of the caller's role that are not jobs
+        (the MCP gateway's sessions, sidecar.mcp.sessions). RuntimeError when not open."""
+        return self._opened()
+
     def _opened(self) -> CallerStore:
         if self._store is None:
             raise RuntimeError("the Client is not open: use 'async with Client() as c' or "

@@ -588,9 +588,13 @@ def _stdio_principal(ctx: Any) -> str:
 def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> Any:
     """The ASGI application: MCP at ``/mcp`` (Streamable HTTP), ``/livez``; bearer
     tokens, Host/Origin checks and the body bound as GatewayOptions says."""
+    from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
     from mcp.server.transport_security import TransportSecuritySettings
+    from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
+
+    from sidecar.mcp.sessions import SharedSessions
 
     options = gateway.options
     hosts = [*parsing.loopback_patterns(), *options.allowed_hosts]
@@ -603,10 +607,15 @@ def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> An
     async def livez(request: Any) -> Any:
         return PlainTextResponse("ok\n")
 
-    app = gateway.server.streamable_http_app(
-        streamable_http_path="/mcp", host=host, transport_security=security,
-        max_request_body_size=options.max_request_bytes,
-        custom_starlette_routes=[Route("/livez", livez)])
+    # The SDK's app, with its session manager replaced by one whose sessions every
+    # replica serves (sidecar.mcp.sessions).
+    manager = SharedSessions(gateway.server, gateway.client.store,
+                             security_settings=security,
+                             max_request_body_size=options.max_request_bytes)
+    gateway.server._session_manager = manager
+    app = Starlette(routes=[Route("/mcp", endpoint=StreamableHTTPASGIApp(manager)),
+                            Route("/livez", livez)],
+                    lifespan=lambda _app: manager.run())
     gateway.marks = wire.Marks()
     exact = wire.ExactWire(app, gateway.marks, options.max_request_bytes)
     return BearerAuth(exact, tokens, exempt=("/livez",))

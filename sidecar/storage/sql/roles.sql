@@ -82,6 +82,11 @@ UNION ALL
 SELECT format('GRANT SELECT (tool), INSERT (tool, updated_by) ON TABLE %I.tool_flow TO %I',
               current_schema(), $1::text)
 UNION ALL
+-- The MCP gateway's sessions, shared by its replicas (issue 41, point 15; migration 024):
+-- open, look up (and mark used), close, and delete the expired ones.
+SELECT format('GRANT SELECT, INSERT, UPDATE (last_seen_at), DELETE ON TABLE '
+              '%I.sidecar_mcp_sessions TO %I', current_schema(), $1::text)
+UNION ALL
 (SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, $1::text)
  FROM pg_proc p
  WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
