@@ -62,14 +62,14 @@ def test_exact_numbers_cross_the_mcp_edge_both_ways(dsn, sidecars, gateway, tmp_
     headers = _initialize(g.url)
     call = (b'{"jsonrpc": "2.0", "id": 2, "method": "tools/call", "params": {"name": "echo", '
             b'"arguments": {"big": ' + str(BIG).encode() + b', "long": ' + LONG.encode()
-            + b', "list": [' + LONG.encode() + b']}}}')
+            + b', "list": [' + LONG.encode() + b'], "huge": 1e400}}}')
     answer = httpx2.post(g.url, content=call, headers=headers, timeout=60)
     assert answer.status_code == 200, answer.text
     [message] = [m for m in _sse_messages(answer.text) if b'"result"' in m]
     result = jsontext.loads(message)["result"]
     assert not result.get("isError"), result
     exact = {"big": BIG, "long": jsontext.ExactNumber(LONG),
-             "list": [jsontext.ExactNumber(LONG)]}
+             "list": [jsontext.ExactNumber(LONG)], "huge": jsontext.ExactNumber("1e400")}
     assert result["structuredContent"] == exact
     assert jsontext.loads(result["content"][0]["text"]) == exact
     assert b'"long":' + LONG.encode() in message  # a bare number, not a string
