@@ -6,6 +6,7 @@ resumed from the job."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import math
 
 import httpx2
@@ -13,10 +14,10 @@ import orjson
 import pytest
 from test_mcp_gateway import ALICE, BOB, _gateway_env, gateway  # noqa: F401 - the fixture
 
-from kit import TOOLS, job_row, query, read_pids, scalar, wait_until
+from kit import TOOLS, admin, job_row, query, read_pids, scalar, wait_until
 from sidecar.mcp import wire
 from sidecar.mcp.tasks import TasksExtension, get_task
-from sidecar.protocol import jsontext
+from sidecar.protocol import jsontext, masking
 
 BIG = 2 ** 70
 LONG = "0.1000000000000000000000001"
@@ -219,3 +220,77 @@ def test_a_session_is_served_by_every_replica_and_after_a_restart(
     third = gateway()
     assert httpx2.post(third.url, headers=headers, timeout=30, json={
         "jsonrpc": "2.0", "id": 4, "method": "tools/list"}).status_code == 404
+
+
+@pytest.mark.unit
+def test_database_whereabouts_are_masked_in_caller_errors():
+    """Host, port, user and database name of the DSN, what a driver quotes and any IP
+    address become ***; times and ids stay."""
+    dsn = "postgresql://app:pw@db.internal:6432/jobs?sslmode=require"
+    text = ('connection to server at "db.internal" (10.1.2.3), port 6432 failed: FATAL: '
+            'password authentication failed for user "app"; database "jobs" does not '
+            "exist; Connect call failed ('::1', 6432, 0, 0) at 10:30:45, job "
+            "12345678-aaaa-bbbb-cccc-123456789012")
+    masked = masking.mask_database(text, [dsn])
+    for secret in ("db.internal", "10.1.2.3", "6432", '"app"', '"jobs"', "::1", "pw"):
+        assert secret not in masked, masked
+    assert "10:30:45" in masked and "12345678-aaaa-bbbb-cccc-123456789012" in masked
+    assert masking.database_names("host=/run/pg port=5433 user=ops dbname=q") == \
+        ["/run/pg", "5433", "ops", "q"]
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_errors_sent_to_mcp_callers_do_not_say_where_the_database_is(
+        dsn, server_dsn, gateway, tmp_path):  # noqa: F811 - the fixture
+    """With its database gone, a call's error names neither the database's host, port,
+    user nor its name."""
+    g = gateway()
+    headers = _initialize(g.url)
+    name = dsn.rsplit("/", 1)[1]
+    admin(server_dsn, f'DROP DATABASE "{name}" WITH (FORCE)')
+    answer = _answer_of(httpx2.post(g.url, headers=headers, timeout=60, json={
+        "jsonrpc": "2.0", "id": 2, "method": "tools/call",
+        "params": {"name": "pt", "arguments": {"steps": []}}}))
+    message = answer["error"]["message"]
+    assert "database" in message, answer
+    for word in (name, "127.0.0.1", "5432", '"postgres"'):
+        assert word not in message, message
+
+
+def _answer_of(response) -> dict:
+    assert response.status_code == 200, response.text
+    [message] = [m for m in _sse_messages(response.text) if b'"id"' in m]
+    return orjson.loads(message)
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_a_tasks_last_update_follows_its_progress(
+        dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """A running task's lastUpdatedAt is its last progress report's time, not its claim's."""
+    env = _gateway_env(dsn, tmp_path)
+    sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
+    g = gateway()
+    release = tmp_path / "release"
+
+    async def main():
+        async with g.client(extensions=[TasksExtension()]) as client:
+            handle = await client.session.call_tool(
+                "pt", {"steps": [{"sleep": 0.5}, {"http": {"progress": 0.5, "message": "half"}},
+                                 {"wait_for": str(release)}]}, allow_claimed=True)
+            for _ in range(200):
+                task = await get_task(client.session, handle.task_id)
+                if task.get("statusMessage", "").endswith("half"):
+                    return task
+                await asyncio.sleep(0.05)
+            raise AssertionError(f"no progress: {task}")
+
+    try:
+        task = asyncio.run(main())
+    finally:
+        release.touch()
+    claimed, reported = query(dsn, "SELECT first_claimed_at, (progress->>'at')::timestamptz "
+                                   "FROM tool_jobs")[0]
+    updated = dt.datetime.fromisoformat(task["lastUpdatedAt"].replace("Z", "+00:00"))
+    assert updated == reported > claimed, (task, claimed, reported)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import logging
 import re
@@ -47,7 +48,7 @@ from sidecar.client import Client, JobEnd, JobNotFound, JobProgress
 from sidecar.mcp import catalog as mcp_catalog
 from sidecar.mcp import wire
 from sidecar.mcp.catalog import McpTool
-from sidecar.protocol import jsontext, parsing
+from sidecar.protocol import jsontext, masking, parsing
 from sidecar.protocol.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -124,7 +125,7 @@ class Gateway:
                 "Each tool call runs as a leased job of the sidecar queue; a cancelled "
                 "request cancels its job."),
             on_list_tools=self._list_tools, on_call_tool=self._call_tool)
-        self.server.middleware.append(_clear_validation)
+        self.server.middleware.append(self._clear_validation)
         # Tasks: every method reads the job row, so any replica serves any task.
         self.server.extensions[TASKS_EXTENSION] = {}
         self.server.add_request_handler("tasks/get", TaskParams, self._task_get)
@@ -174,11 +175,11 @@ class Gateway:
                 raise MCPError(code=INVALID_PARAMS,
                                message=_conflict(str(exc), meta, key)) from None
             except (UsageError, ConfigError) as exc:
-                raise MCPError(code=INVALID_PARAMS, message=one_line(str(exc))) from None
+                raise MCPError(code=INVALID_PARAMS, message=self._said(exc)) from None
             except (SidecarError, *db.DATABASE_ERRORS) as exc:
                 log.warning("mcp call of %s: enqueue failed: %s", tool.name, one_line(str(exc)))
                 raise MCPError(code=INTERNAL_ERROR, message=(
-                    f"the job could not be queued: {one_line(str(exc))}")) from None
+                    f"the job could not be queued: {self._said(exc)}")) from None
             if as_task:  # the handle at once; the job goes on without this request
                 job = await self.client.get(ref.id)
                 if "mcp.task" not in (job.tags or {}):  # the key named a plain call
@@ -191,6 +192,18 @@ class Gateway:
                 progress_token = None
             end = await self._wait(ctx, ref.id, progress_token, cancel_on_cancel=True)
         return _tool_result(end, self.marks)
+
+    def _said(self, exc: BaseException) -> str:
+        """An error's text as an MCP caller may read it: one line, credentials masked, and
+        no word of where the database is (host, port, user, database name, addresses;
+        sidecar.protocol.masking.mask_database; issue 41, point 15)."""
+        dsns = [getattr(self.client, "dsn", None) or "",
+                getattr(self.client, "listen_dsn", None) or ""]
+        return masking.mask_database(one_line(str(exc)), dsns)
+
+    async def _clear_validation(self, ctx: Any, call_next: Any) -> Any:
+        """Server middleware (_clear_validation), its database errors masked (_said)."""
+        return await _clear_validation(ctx, call_next, self._said)
 
     def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:
         given = meta.get(IDEMPOTENCY_META)
@@ -235,7 +248,7 @@ class Gateway:
             log.warning("mcp: lost sight of job %s: %s", job_id, one_line(str(exc)))
             raise MCPError(code=INTERNAL_ERROR, message=(
                 f"the gateway lost sight of job {job_id}, which goes on; ask again (the "
-                f"same request or task) to wait for it: {one_line(str(exc))[:200]}")) \
+                f"same request or task) to wait for it: {self._said(exc)[:200]}")) \
                 from None
 
     async def _follow(self, ctx: Any, job_id: uuid.UUID,
@@ -287,8 +300,11 @@ class Gateway:
         SIDECAR_RETENTION_SECONDS / _FAILED_SECONDS; null when kept for ever), the poll
         interval and, once completed, the tool result (``isError`` for a failed job)."""
         status = _TASK_STATUS.get(job.state, "working")
-        moments = [job.created_at, job.first_claimed_at, job.finished_at]
         progress = job.progress if isinstance(job.progress, dict) else {}
+        # lastUpdatedAt: the latest of creation, first claim, the tool's last progress
+        # report (its statusMessage) and the end (issue 41, point 15)
+        moments = [job.created_at, job.first_claimed_at, _moment(progress.get("at")),
+                   job.finished_at]
         task: dict[str, Any] = {
             "taskId": job.tags["mcp.task"], "status": status, "createdAt": _iso(job.created_at),
             "lastUpdatedAt": _iso(max(m for m in moments if m is not None)),
@@ -384,6 +400,18 @@ def _wants_task(ctx: Any) -> bool:
     return isinstance(extensions, Mapping) and TASKS_EXTENSION in extensions
 
 
+def _moment(value: Any) -> dt.datetime | None:
+    """A progress report's ``at`` (a datetime, or its ISO 8601 text in the jsonb) as an
+    aware datetime; None when absent or not a time."""
+    if isinstance(value, dt.datetime):
+        return value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            moment = dt.datetime.fromisoformat(value)
+            return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
+    return None
+
+
 def _iso(moment: Any) -> str:
     return moment.isoformat().replace("+00:00", "Z")
 
@@ -447,7 +475,9 @@ def _conflict(message: str, meta: Mapping[str, Any], key: str | None) -> str:
             f"arguments or another tool{job}; use a new request id")
 
 
-async def _clear_validation(ctx: Any, call_next: Any) -> Any:
+async def _clear_validation(ctx: Any, call_next: Any,
+                            said: Callable[[BaseException], str] = lambda e: one_line(str(e)),
+                            ) -> Any:
     """Server middleware: params the SDK refuses (pydantic, before any handler) become
     INVALID_PARAMS naming the field and why, instead of a bare "Invalid request
     parameters"; a database failure in any handler is one INTERNAL_ERROR line (the
@@ -462,7 +492,7 @@ async def _clear_validation(ctx: Any, call_next: Any) -> Any:
         log.warning("mcp %s: %s", ctx.method, one_line(str(exc)))
         raise MCPError(code=INTERNAL_ERROR, message=(
             f"{ctx.method}: the database did not answer; send it again: "
-            f"{one_line(str(exc))[:200]}")) from None
+            f"{said(exc)[:200]}")) from None
     except ValidationError as exc:
         if ctx.request_id is None:  # a notification: nobody to answer
             raise
