@@ -44,7 +44,6 @@ from mcp_types.version import HANDSHAKE_PROTOCOL_VERSIONS
 
 from sidecar.protocol.errors import DatabaseUnavailable, one_line
 from sidecar.storage import db
-from sidecar.storage.caller_store import CallerStore
 
 log = logging.getLogger("sidecar.mcp")
 
@@ -56,10 +55,11 @@ TOUCH_EVERY_SECONDS = 60.0
 
 class SharedSessions(StreamableHTTPSessionManager):
     """The SDK's session manager with its sessions also in the database (see the module).
-    ``store``: the gateway's CallerStore; ``event_store_of(session_id)``: the EventStore of
-    a session's transport (sidecar.mcp.resume), or None. Other arguments as the SDK's."""
+    ``store``: the gateway's caller store (sidecar.client.Client.store);
+    ``event_store_of(session_id)``: the EventStore of a session's transport
+    (sidecar.mcp.resume), or None. Other arguments as the SDK's."""
 
-    def __init__(self, app: Any, store: CallerStore, *,
+    def __init__(self, app: Any, store: Any, *,
                  event_store_of: Callable[[str], EventStore | None] = lambda _sid: None,
                  idle_seconds: float = DEFAULT_SESSION_IDLE_TIMEOUT,
                  max_per_principal: int = DEFAULT_MAX_SESSIONS_PER_PRINCIPAL,

@@ -109,7 +109,8 @@ _MIN_NAME_CHARS = 3
 def database_names(dsn: str) -> list[str]:
     """The host(s), port(s), user and database name a PostgreSQL URL or libpq
     ``key=value`` DSN names, longest first (what ``mask_database`` hides). Never raises."""
-    from urllib.parse import parse_qsl, unquote
+    def unquote(text: str) -> str:  # %XX escapes (no urllib: this module stays pure)
+        return re.sub(r"%([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), text)
 
     found: list[str] = []
     scheme, sep, rest = dsn.partition("://")
@@ -125,7 +126,8 @@ def database_names(dsn: str) -> list[str]:
                           else hostport.rsplit(":", 1) if hostport.count(":") == 1
                           else (hostport, ""))
             found += [unquote(host), port.lstrip(":")]
-        pairs = parse_qsl(query)
+        pairs = [(unquote(k), unquote(v)) for k, _, v in
+                 (item.partition("=") for item in query.split("&") if item)]
     else:
         pairs = [(m.group(1), m.group(2).strip("'")) for m in
                  re.finditer(r"(\w+)\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", dsn)]
