@@ -294,3 +294,47 @@ def test_a_tasks_last_update_follows_its_progress(
                                    "FROM tool_jobs")[0]
     updated = dt.datetime.fromisoformat(task["lastUpdatedAt"].replace("Z", "+00:00"))
     assert updated == reported > claimed, (task, claimed, reported)
+
+
+def _events(lines):
+    """SSE events from an iterator of lines, as dicts of their fields, until it ends."""
+    event: dict[str, str] = {}
+    for line in lines:
+        if line == "":
+            if event:
+                yield event
+            event = {}
+            continue
+        field, _, value = line.partition(":")
+        event[field] = value[1:] if value.startswith(" ") else value
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_a_dropped_stream_is_resumed_from_the_job_on_another_replica(
+        dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """A tools/call's SSE stream opens with a priming event (an id, empty data) and a
+    retry field; the client drops it; a GET with Last-Event-ID to another replica gets
+    the call's result, every event with an id, and the tool ran once."""
+    env = _gateway_env(dsn, tmp_path)
+    sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
+    first, second = gateway(), gateway()
+    headers = _initialize(first.url)
+    release = tmp_path / "release"
+    call = {"jsonrpc": "2.0", "id": 5, "method": "tools/call",
+            "params": {"name": "pt", "arguments": {"steps": [{"wait_for": str(release)}]}}}
+    with httpx2.stream("POST", first.url, json=call, headers=headers, timeout=30) as stream:
+        assert stream.status_code == 200
+        priming = next(_events(stream.iter_lines()))
+    assert priming.get("id") and priming.get("data", "") == "" and priming.get("retry"), priming
+    wait_until(lambda: scalar(dsn, "SELECT state FROM tool_jobs") == "running", 20,
+               what="the call's job to run")
+    release.touch()
+    resume = {**headers, "Accept": "text/event-stream", "Last-Event-ID": priming["id"]}
+    with httpx2.stream("GET", second.url, headers=resume, timeout=60) as stream:
+        assert stream.status_code == 200, stream.read()
+        events = list(_events(stream.iter_lines()))
+    assert events and all(e.get("id") for e in events), events
+    [answer] = [orjson.loads(e["data"]) for e in events if e.get("data")]
+    assert answer["id"] == 5 and answer["result"]["structuredContent"]["done"] is True, answer
+    assert scalar(dsn, "SELECT count(*) FROM tool_job_events WHERE event = 'job_claimed'") == 1

@@ -81,6 +81,9 @@ _TASK_STATUS = {"queued": "working", "running": "working", "succeeded": "complet
 DEFAULT_MAX_CALLS_PER_PRINCIPAL = 64
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 DEFAULT_MAX_TASKS_PER_PRINCIPAL = 1000
+# The SSE `retry:` a stream's priming event suggests (ms): how soon a client whose
+# connection dropped reconnects with Last-Event-ID (sidecar.mcp.resume).
+SSE_RETRY_MS = 1000
 # How long cancelling a job may take when its request is cancelled (seconds).
 CANCEL_BOUND_SECONDS = 10.0
 
@@ -263,6 +266,24 @@ class Gateway:
                     progress_token, progress, total=total, message=event.message,
                     related_request_id=_text_id(ctx.request_id))
         raise MCPError(code=INTERNAL_ERROR, message=f"job {job_id}: its events ended early")
+
+    async def replay(self, session_id: str, request: str) -> dict[str, Any] | None:
+        """The JSON-RPC result of the tools/call ``request`` (its id as text) of the
+        session, from its job: waits (no polling) for the job to end. None when that
+        request was not a job, or its job is gone (sidecar.mcp.resume: a resumed SSE
+        stream, on any replica)."""
+        rows = await self.client.jobs(tags={"mcp.session": session_id[:256],
+                                            "mcp.tool_call": _tag_id(request)}, limit=1)
+        if not rows:
+            return None
+        try:
+            async for event in self.client.follow(rows[0]["id"]):
+                if isinstance(event, JobEnd):
+                    return _tool_result(event, self.marks).model_dump(
+                        by_alias=True, mode="json", exclude_none=True)
+        except JobNotFound:
+            return None
+        return None
 
     # --- tasks (the job row is the task's whole state) ---------------------------------
 
@@ -624,6 +645,7 @@ def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> An
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
 
+    from sidecar.mcp.resume import JobReplay
     from sidecar.mcp.sessions import SharedSessions
 
     options = gateway.options
@@ -639,9 +661,10 @@ def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> An
 
     # The SDK's app, with its session manager replaced by one whose sessions every
     # replica serves (sidecar.mcp.sessions).
-    manager = SharedSessions(gateway.server, gateway.client.store,
-                             security_settings=security,
-                             max_request_body_size=options.max_request_bytes)
+    manager = SharedSessions(
+        gateway.server, gateway.client.store, security_settings=security,
+        max_request_body_size=options.max_request_bytes, retry_interval=SSE_RETRY_MS,
+        event_store_of=lambda session_id: JobReplay(session_id, gateway.replay))
     gateway.server._session_manager = manager
     app = Starlette(routes=[Route("/mcp", endpoint=StreamableHTTPASGIApp(manager)),
                             Route("/livez", livez)],
