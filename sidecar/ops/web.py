@@ -38,7 +38,7 @@ from urllib.parse import quote, urlencode
 import jinja2
 from aiohttp import web
 
-from sidecar.protocol import enqueue_args, jsontext, parsing
+from sidecar.protocol import enqueue_args, jsontext, masking, parsing
 from sidecar.protocol.errors import ConfigError, SidecarError, UsageError
 from sidecar.protocol.model import JobState
 from sidecar.runtime import log as log_mod
@@ -687,8 +687,9 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
         response = _as_response(exc)
     except db.DATABASE_ERRORS as exc:
         log_mod.log.emit("web_error", "warning", reason=db.describe_error(exc))
-        response = _as_response(_plain(503, "database unavailable: "
-                                          f"{db.describe_error(exc)}"))
+        # the page names no host, port, user or database (issue 41, as sidecar mcp)
+        said = masking.mask_database(db.describe_error(exc), [state.settings.database_url])
+        response = _as_response(_plain(503, f"database unavailable: {said}"))
     except TimeoutError:
         response = _as_response(_plain(503, "database unavailable: no answer in time"))
     except Exception as exc:  # a bug or a row of a shape no page expects: one line, logged
