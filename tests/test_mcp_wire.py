@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import math
+import re
 
 import httpx2
 import orjson
@@ -235,6 +236,10 @@ def test_database_whereabouts_are_masked_in_caller_errors():
     for secret in ("db.internal", "10.1.2.3", "6432", '"app"', '"jobs"', "::1", "pw"):
         assert secret not in masked, masked
     assert "10:30:45" in masked and "12345678-aaaa-bbbb-cccc-123456789012" in masked
+    unreachable = masking.mask_database(  # sidecar.storage.db's DatabaseUnavailable
+        "cannot reach PostgreSQL at db.internal:6432/jobs (postgresql://app:***@db.internal:"
+        "6432/jobs?sslmode=require): timeout", [dsn])
+    assert not {"db.internal", "6432", "jobs", "app"} & set(re.split(r"[^\w.]", unreachable))
     assert masking.database_names("host=/run/pg port=5433 user=ops dbname=q") == \
         ["/run/pg", "5433", "ops", "q"]
 
