@@ -121,6 +121,8 @@ class SharedSessions(StreamableHTTPSessionManager):
     def _admit_session(self, requestor: Any) -> StreamableHTTPServerTransport | None:
         transport = super()._admit_session(requestor)
         if transport is not None and transport.mcp_session_id is not None:
+            # The SDK gives every session the manager's one EventStore; ours is per
+            # session (its replay needs the session's id), set before the session serves.
             transport._event_store = self.event_store_of(transport.mcp_session_id)
         return transport
 
