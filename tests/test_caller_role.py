@@ -13,8 +13,10 @@ import asyncio
 import uuid
 
 import asyncpg
+import httpx2
 import pytest
 from test_mcp_gateway import ALICE, Gateway, _gateway_env
+from test_mcp_wire import _call, _initialize
 from test_roles import _as
 
 from kit import TOOLS, base_env, cli, job_row, pid_alive, query, read_pids, wait_until
@@ -34,6 +36,9 @@ CALLER_PRIVILEGES = {
     ("table", "sidecar_schema_migrations", "SELECT"),
     ("table", "sidecar_schema_repeatables", "SELECT"),
     ("table", "tool_jobs", "SELECT"),
+    # the MCP gateway's sessions, shared by its replicas (issue 41, point 15)
+    *(("table", "sidecar_mcp_sessions", p) for p in ("SELECT", "INSERT", "DELETE")),
+    ("column", "sidecar_mcp_sessions.last_seen_at", "UPDATE"),
     *(("function", f, "EXECUTE") for f in ("tool_job_enqueue", "sidecar_enqueue",
                                            "tool_job_cancel", "tool_job_expire")),
 }
@@ -161,9 +166,19 @@ def test_the_gateway_runs_as_the_caller(dsn, caller, sidecars, tmp_path):
                 await asyncio.sleep(0.5)
 
         asyncio.run(main())
+        # A 2025-revision session, recorded and read back as the caller (issue 41).
+        headers = _initialize(g.url)
+        assert _call(g.url, headers, 2, {"steps": []})["result"]["structuredContent"]["done"]
+        other = Gateway(as_caller, tmp_path, env=_gateway_env(as_caller, tmp_path))
+        try:
+            assert _call(other.url, headers, 3, {"steps": []})["result"]["structuredContent"]
+        finally:
+            other.stop()
+        assert httpx2.delete(g.url, headers=headers, timeout=30).status_code == 200
     finally:
         g.stop()
     assert "permission denied" not in g.log.read_text()
+    assert "permission denied" not in other.log.read_text()
     rows = query(dsn, "SELECT tool, state FROM tool_jobs ORDER BY created_at")
     assert [tuple(r) for r in rows][0] == ("pt", "succeeded")
     hang = query(dsn, "SELECT id FROM tool_jobs WHERE tool = 'hang'")[0][0]

@@ -77,6 +77,9 @@ WRITES: dict[str, set[str]] = {
     **{f"TRUNCATE {table}": set() for table in TABLES},
     "INSERT INTO sidecar_schema_migrations (version, name) VALUES (999, 'x')": set(),
     "DELETE FROM sidecar_schema_repeatables": set(),
+    # the MCP gateway's sessions (migration 024): the caller's own rows
+    "SELECT * FROM sidecar_mcp_sessions": {"caller"},
+    "DELETE FROM sidecar_mcp_sessions": {"caller"},
     # the web view's logins (migration 025): its own rows, nobody else's
     "SELECT * FROM sidecar_web_sessions": {"web"},
     "DELETE FROM sidecar_web_sessions": {"web"},

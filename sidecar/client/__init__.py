@@ -311,6 +311,12 @@ class Client:
     def _timeout(self) -> float:
         return self.settings.db_timeout_seconds if self.settings else 10.0
 
+    @property
+    def store(self) -> CallerStore:
+        """The open CallerStore, for statements of the caller's role that are not jobs
+        (the MCP gateway's sessions, sidecar.mcp.sessions). RuntimeError when not open."""
+        return self._opened()
+
     def _opened(self) -> CallerStore:
         if self._store is None:
             raise RuntimeError("the Client is not open: use 'async with Client() as c' or "
@@ -472,12 +478,15 @@ class Client:
     # --- acting on jobs ---------------------------------------------------------
 
     async def cancel(self, job_id: JobId | None = None, *,
-                     tag: Mapping[str, str] | None = None) -> dict[uuid.UUID, str]:
+                     tag: Mapping[str, str] | None = None,
+                     by: str | None = None) -> dict[uuid.UUID, str]:
         """Cancel one job, or with ``tag`` (``{key: value, ...}``) every queued or running
         job whose tags include all of them; their later stages too. A running job's tree
         is killed by its sidecar at its next heartbeat. Returns ``{id: previous state}``
         of every job cancelled, empty when none was (already finished, or no such job).
-        UsageError unless exactly one of ``job_id`` and ``tag`` is given."""
+        ``by``: who asked, journaled as job_cancelled's ``by`` (at most 200 characters;
+        ``sidecar mcp (PRINCIPAL)`` makes the job's error say "cancelled by its MCP
+        client"). UsageError unless exactly one of ``job_id`` and ``tag`` is given."""
         store = self._opened()
         if (job_id is None) == (not tag):
             raise UsageError("cancel: give one job_id, or tag={key: value} for every "
@@ -485,8 +494,9 @@ class Client:
         if tag:
             if not isinstance(tag, Mapping):
                 raise UsageError("tag: give a dict of strings, e.g. {'run': '42'}")
-            return await store.cancel(None, enqueue_args.check_tags(dict(tag)))
-        return await store.cancel(_job_id(job_id))
+            return await store.cancel(None, enqueue_args.check_tags(dict(tag)),
+                                      by[:200] if by else None)
+        return await store.cancel(_job_id(job_id), by=by[:200] if by else None)
 
     async def jobs(self, *, tags: Mapping[str, str] | None = None, state: str | None = None,
                    tool: str | None = None, limit: int = 50) -> list[dict[str, Any]]:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import logging
 import re
@@ -37,7 +38,6 @@ from typing import Any
 import anyio
 import jsonschema
 import mcp_types as types
-import orjson
 from mcp.server.auth.middleware.bearer_auth import AuthenticatedUser
 from mcp.server.auth.provider import AccessToken
 from mcp.server.lowlevel import Server
@@ -46,8 +46,9 @@ from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
 
 from sidecar.client import Client, JobEnd, JobNotFound, JobProgress
 from sidecar.mcp import catalog as mcp_catalog
+from sidecar.mcp import wire
 from sidecar.mcp.catalog import McpTool
-from sidecar.protocol import parsing
+from sidecar.protocol import jsontext, masking, parsing
 from sidecar.protocol.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -80,6 +81,9 @@ _TASK_STATUS = {"queued": "working", "running": "working", "succeeded": "complet
 DEFAULT_MAX_CALLS_PER_PRINCIPAL = 64
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
 DEFAULT_MAX_TASKS_PER_PRINCIPAL = 1000
+# The SSE `retry:` a stream's priming event suggests (ms): how soon a client whose
+# connection dropped reconnects with Last-Event-ID (sidecar.mcp.resume).
+SSE_RETRY_MS = 1000
 # How long cancelling a job may take when its request is cancelled (seconds).
 CANCEL_BOUND_SECONDS = 10.0
 
@@ -115,13 +119,16 @@ class Gateway:
         self.validators = {tool.name: _validator(tool) for tool in catalog}
         self.principal_of = principal_of
         self.in_flight: dict[str, int] = {}
+        # How results carry exact numbers: marked for ExactWire over HTTP (build_http_app
+        # sets it), plain ints and floats over stdio (sidecar.mcp.wire).
+        self.marks: wire.Marks | None = None
         self.stopping = False  # a shutdown cancels handlers: their jobs go on
         self.server: Server[Any] = Server(
             "sidecar", version=_version(), instructions=(
                 "Each tool call runs as a leased job of the sidecar queue; a cancelled "
                 "request cancels its job."),
             on_list_tools=self._list_tools, on_call_tool=self._call_tool)
-        self.server.middleware.append(_clear_validation)
+        self.server.middleware.append(self._clear_validation)
         # Tasks: every method reads the job row, so any replica serves any task.
         self.server.extensions[TASKS_EXTENSION] = {}
         self.server.add_request_handler("tasks/get", TaskParams, self._task_get)
@@ -145,6 +152,13 @@ class Gateway:
                 f"{', '.join(sorted(self.tools))}"))
         arguments = params.arguments if params.arguments is not None else {}
         _check_arguments(tool.name, self.validators[tool.name], arguments)
+        try:  # the arguments as written, every digit (the SDK's parse rounds decimals)
+            exact = wire.exact_arguments(_scope(ctx), ctx.request_id, tool.name)
+        except jsontext.NumberOutOfRange as exc:
+            raise MCPError(code=INVALID_PARAMS, message=(
+                f"{tool.name}: arguments: {one_line(str(exc))[:300]}")) from None
+        if exact is not None:
+            arguments = exact
         principal = self.principal_of(ctx)
         meta = _wire_meta(ctx)
         key = self._idempotency_key(ctx, principal, meta)
@@ -164,11 +178,11 @@ class Gateway:
                 raise MCPError(code=INVALID_PARAMS,
                                message=_conflict(str(exc), meta, key)) from None
             except (UsageError, ConfigError) as exc:
-                raise MCPError(code=INVALID_PARAMS, message=one_line(str(exc))) from None
+                raise MCPError(code=INVALID_PARAMS, message=self._said(exc)) from None
             except (SidecarError, *db.DATABASE_ERRORS) as exc:
                 log.warning("mcp call of %s: enqueue failed: %s", tool.name, one_line(str(exc)))
                 raise MCPError(code=INTERNAL_ERROR, message=(
-                    f"the job could not be queued: {one_line(str(exc))}")) from None
+                    f"the job could not be queued: {self._said(exc)}")) from None
             if as_task:  # the handle at once; the job goes on without this request
                 job = await self.client.get(ref.id)
                 if "mcp.task" not in (job.tags or {}):  # the key named a plain call
@@ -180,7 +194,19 @@ class Gateway:
             if isinstance(progress_token, bool) or not isinstance(progress_token, str | int):
                 progress_token = None
             end = await self._wait(ctx, ref.id, progress_token, cancel_on_cancel=True)
-        return _tool_result(end)
+        return _tool_result(end, self.marks)
+
+    def _said(self, exc: BaseException) -> str:
+        """An error's text as an MCP caller may read it: one line, credentials masked, and
+        no word of where the database is (host, port, user, database name, addresses;
+        sidecar.protocol.masking.mask_database; issue 41, point 15)."""
+        dsns = [getattr(self.client, "dsn", None) or "",
+                getattr(self.client, "listen_dsn", None) or ""]
+        return masking.mask_database(one_line(str(exc)), dsns)
+
+    async def _clear_validation(self, ctx: Any, call_next: Any) -> Any:
+        """Server middleware (_clear_validation), its database errors masked (_said)."""
+        return await _clear_validation(ctx, call_next, self._said)
 
     def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:
         given = meta.get(IDEMPOTENCY_META)
@@ -216,7 +242,7 @@ class Gateway:
             return await self._follow(ctx, job_id, progress_token)
         except asyncio.CancelledError:
             if cancel_on_cancel and not self.stopping:
-                await self._cancel(job_id)
+                await self._cancel(job_id, self.principal_of(ctx))
             raise
         except (SidecarError, *db.DATABASE_ERRORS) as exc:
             if isinstance(exc, JobNotFound):
@@ -225,23 +251,39 @@ class Gateway:
             log.warning("mcp: lost sight of job %s: %s", job_id, one_line(str(exc)))
             raise MCPError(code=INTERNAL_ERROR, message=(
                 f"the gateway lost sight of job {job_id}, which goes on; ask again (the "
-                f"same request or task) to wait for it: {one_line(str(exc))[:200]}")) \
+                f"same request or task) to wait for it: {self._said(exc)[:200]}")) \
                 from None
 
     async def _follow(self, ctx: Any, job_id: uuid.UUID,
                       progress_token: str | int | None) -> JobEnd:
-        reports = 0
+        clock = wire.ProgressClock()
         async for event in self.client.follow(job_id):
             if isinstance(event, JobEnd):
                 return event
             if progress_token is not None and isinstance(event, JobProgress):
-                reports += 1
-                value = event.value
+                progress, total = clock.next(event.value, event.attempt)
                 await ctx.session.send_progress_notification(
-                    progress_token, float(value) if value is not None else float(reports),
-                    total=1.0 if value is not None else None, message=event.message,
+                    progress_token, progress, total=total, message=event.message,
                     related_request_id=_text_id(ctx.request_id))
         raise MCPError(code=INTERNAL_ERROR, message=f"job {job_id}: its events ended early")
+
+    async def replay(self, session_id: str, request: str) -> dict[str, Any] | None:
+        """The JSON-RPC result of the tools/call ``request`` (its id as text) of the
+        session, from its job: waits (no polling) for the job to end. None when that
+        request was not a job, or its job is gone (sidecar.mcp.resume: a resumed SSE
+        stream, on any replica)."""
+        rows = await self.client.jobs(tags={"mcp.session": session_id[:256],
+                                            "mcp.tool_call": _tag_id(request)}, limit=1)
+        if not rows:
+            return None
+        try:
+            async for event in self.client.follow(rows[0]["id"]):
+                if isinstance(event, JobEnd):
+                    return _tool_result(event, self.marks).model_dump(
+                        by_alias=True, mode="json", exclude_none=True)
+        except JobNotFound:
+            return None
+        return None
 
     # --- tasks (the job row is the task's whole state) ---------------------------------
 
@@ -279,8 +321,11 @@ class Gateway:
         SIDECAR_RETENTION_SECONDS / _FAILED_SECONDS; null when kept for ever), the poll
         interval and, once completed, the tool result (``isError`` for a failed job)."""
         status = _TASK_STATUS.get(job.state, "working")
-        moments = [job.created_at, job.first_claimed_at, job.finished_at]
         progress = job.progress if isinstance(job.progress, dict) else {}
+        # lastUpdatedAt: the latest of creation, first claim, the tool's last progress
+        # report (its statusMessage) and the end (issue 41, point 15)
+        moments = [job.created_at, job.first_claimed_at, _moment(progress.get("at")),
+                   job.finished_at]
         task: dict[str, Any] = {
             "taskId": job.tags["mcp.task"], "status": status, "createdAt": _iso(job.created_at),
             "lastUpdatedAt": _iso(max(m for m in moments if m is not None)),
@@ -295,7 +340,7 @@ class Gateway:
             task["statusMessage"] = f"{job.error.get('kind')}: {job.error.get('message')}"
         if with_result and status == "completed":
             end = JobEnd(job.id, job.state, job.attempt, job.result, job.error)
-            task["result"] = _tool_result(end).model_dump(by_alias=True, mode="json",
+            task["result"] = _tool_result(end, self.marks).model_dump(by_alias=True, mode="json",
                                                           exclude_none=True)
         return task
 
@@ -317,13 +362,13 @@ class Gateway:
         job = await self._own_task(ctx, params.task_id)
         with self._slot(self.principal_of(ctx)):
             end = await self._wait(ctx, job.id, None, cancel_on_cancel=False)
-        return _tool_result(end)
+        return _tool_result(end, self.marks)
 
     async def _task_cancel(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
         """Cancel the task's job (its tree dies at its sidecar's next heartbeat); a
         finished task stays as it is."""
         job = await self._own_task(ctx, params.task_id)
-        await self.client.cancel(job.id)
+        await self.client.cancel(job.id, by=cancelled_by(self.principal_of(ctx)))
         return {"resultType": "complete"}
 
     async def _task_list(self, ctx: Any, params: Any) -> dict[str, Any]:
@@ -345,12 +390,12 @@ class Gateway:
                           "pollIntervalMs": TASK_POLL_MS})
         return {"resultType": "complete", "tasks": tasks}
 
-    async def _cancel(self, job_id: uuid.UUID) -> None:
+    async def _cancel(self, job_id: uuid.UUID, principal: str) -> None:
         """Cancel the job of a request that was cancelled (shielded: the request's own
-        scope is being cancelled)."""
+        scope is being cancelled), journaled as by its MCP client."""
         with anyio.CancelScope(shield=True), anyio.move_on_after(CANCEL_BOUND_SECONDS):
             try:
-                await self.client.cancel(job_id)
+                await self.client.cancel(job_id, by=cancelled_by(principal))
                 log.info("mcp call cancelled: job %s cancelled", job_id)
             except Exception as exc:  # noqa: BLE001 - logged; the request is gone anyway
                 log.warning("mcp call cancelled, but cancelling job %s failed: %s", job_id,
@@ -374,6 +419,18 @@ def _wants_task(ctx: Any) -> bool:
     capabilities = _wire_meta(ctx).get(CLIENT_CAPABILITIES_META_KEY)
     extensions = capabilities.get("extensions") if isinstance(capabilities, Mapping) else None
     return isinstance(extensions, Mapping) and TASKS_EXTENSION in extensions
+
+
+def _moment(value: Any) -> dt.datetime | None:
+    """A progress report's ``at`` (a datetime, or its ISO 8601 text in the jsonb) as an
+    aware datetime; None when absent or not a time."""
+    if isinstance(value, dt.datetime):
+        return value
+    if isinstance(value, str):
+        with contextlib.suppress(ValueError):
+            moment = dt.datetime.fromisoformat(value)
+            return moment if moment.tzinfo else moment.replace(tzinfo=dt.UTC)
+    return None
 
 
 def _iso(moment: Any) -> str:
@@ -439,7 +496,9 @@ def _conflict(message: str, meta: Mapping[str, Any], key: str | None) -> str:
             f"arguments or another tool{job}; use a new request id")
 
 
-async def _clear_validation(ctx: Any, call_next: Any) -> Any:
+async def _clear_validation(ctx: Any, call_next: Any,
+                            said: Callable[[BaseException], str] = lambda e: one_line(str(e)),
+                            ) -> Any:
     """Server middleware: params the SDK refuses (pydantic, before any handler) become
     INVALID_PARAMS naming the field and why, instead of a bare "Invalid request
     parameters"; a database failure in any handler is one INTERNAL_ERROR line (the
@@ -454,7 +513,7 @@ async def _clear_validation(ctx: Any, call_next: Any) -> Any:
         log.warning("mcp %s: %s", ctx.method, one_line(str(exc)))
         raise MCPError(code=INTERNAL_ERROR, message=(
             f"{ctx.method}: the database did not answer; send it again: "
-            f"{one_line(str(exc))[:200]}")) from None
+            f"{said(exc)[:200]}")) from None
     except ValidationError as exc:
         if ctx.request_id is None:  # a notification: nobody to answer
             raise
@@ -475,6 +534,13 @@ def _tag_id(request_id: Any) -> str:
     return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:32]
 
 
+def _scope(ctx: Any) -> Mapping[str, Any] | None:
+    """The ASGI scope of the request over HTTP (where ExactWire leaves its exact parse)."""
+    request = getattr(ctx, "request", None)
+    scope = getattr(request, "scope", None)
+    return scope if isinstance(scope, Mapping) else None
+
+
 def _session_id(ctx: Any) -> str | None:
     """The Streamable HTTP session of the request (``Mcp-Session-Id``), if any."""
     request = getattr(ctx, "request", None)
@@ -482,17 +548,28 @@ def _session_id(ctx: Any) -> str | None:
     return headers.get("mcp-session-id") if headers is not None else None
 
 
-def _tool_result(end: JobEnd) -> types.CallToolResult:
-    """The job's end as a tool result: its JSON result as text (and as structured content
-    when it is an object); a failed or cancelled job ``isError`` with its kind and
-    message."""
+def cancelled_by(principal: str) -> str:
+    """The ``by`` of a cancel an MCP client asked for (a cancelled request, tasks/cancel):
+    journaled as job_cancelled's ``by``; the job's error then says "cancelled by its MCP
+    client" (sql/functions/cancel.sql), not "by an operator"."""
+    return f"sidecar mcp ({principal})"
+
+
+def _tool_result(end: JobEnd, marks: wire.Marks | None = None) -> types.CallToolResult:
+    """The job's end as a tool result: its JSON result as text, every digit kept (and as
+    structured content when it is an object, its exact numbers marked for ExactWire with
+    ``marks``, else plain: sidecar.mcp.wire); a failed or cancelled job ``isError`` with
+    its kind and message."""
     meta = {JOB_META: {"id": str(end.id), "state": end.state, "attempt": end.attempt}}
     if end.state == "succeeded":
-        text = orjson.dumps(end.result).decode()
+        text = jsontext.dumps(end.result).decode()
+        structured = None
+        if isinstance(end.result, dict):
+            structured = marks.encode(end.result) if marks is not None \
+                else wire.plain(end.result)
         return types.CallToolResult(
             content=[types.TextContent(type="text", text=text)],
-            structured_content=end.result if isinstance(end.result, dict) else None,
-            _meta=meta)
+            structured_content=structured, _meta=meta)
     error = end.error if isinstance(end.error, dict) else {"message": str(end.error)}
     kind = error.get("kind") or end.state
     message = error.get("message") or ""
@@ -562,9 +639,14 @@ def _stdio_principal(ctx: Any) -> str:
 def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> Any:
     """The ASGI application: MCP at ``/mcp`` (Streamable HTTP), ``/livez``; bearer
     tokens, Host/Origin checks and the body bound as GatewayOptions says."""
+    from mcp.server.streamable_http_manager import StreamableHTTPASGIApp
     from mcp.server.transport_security import TransportSecuritySettings
+    from starlette.applications import Starlette
     from starlette.responses import PlainTextResponse
     from starlette.routing import Route
+
+    from sidecar.mcp.resume import JobReplay
+    from sidecar.mcp.sessions import SharedSessions
 
     options = gateway.options
     hosts = [*parsing.loopback_patterns(), *options.allowed_hosts]
@@ -577,11 +659,19 @@ def build_http_app(gateway: Gateway, host: str, tokens: Mapping[str, str]) -> An
     async def livez(request: Any) -> Any:
         return PlainTextResponse("ok\n")
 
-    app = gateway.server.streamable_http_app(
-        streamable_http_path="/mcp", host=host, transport_security=security,
-        max_request_body_size=options.max_request_bytes,
-        custom_starlette_routes=[Route("/livez", livez)])
-    return BearerAuth(app, tokens, exempt=("/livez",))
+    # The SDK's app, with its session manager replaced by one whose sessions every
+    # replica serves (sidecar.mcp.sessions).
+    manager = SharedSessions(
+        gateway.server, gateway.client.store, security_settings=security,
+        max_request_body_size=options.max_request_bytes, retry_interval=SSE_RETRY_MS,
+        event_store_of=lambda session_id: JobReplay(session_id, gateway.replay))
+    gateway.server._session_manager = manager
+    app = Starlette(routes=[Route("/mcp", endpoint=StreamableHTTPASGIApp(manager)),
+                            Route("/livez", livez)],
+                    lifespan=lambda _app: manager.run())
+    gateway.marks = wire.Marks()
+    exact = wire.ExactWire(app, gateway.marks, options.max_request_bytes)
+    return BearerAuth(exact, tokens, exempt=("/livez",))
 
 
 async def serve_http(client: Client, catalog: Sequence[McpTool], options: GatewayOptions,

@@ -51,7 +51,7 @@ import jinja2
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
-from sidecar.protocol import enqueue_args, jsontext, parsing
+from sidecar.protocol import enqueue_args, jsontext, masking, parsing
 from sidecar.protocol.errors import ConfigError, SidecarError, UsageError
 from sidecar.protocol.masking import SECRETS
 from sidecar.protocol.model import JobState
@@ -866,8 +866,9 @@ async def guard_middleware(request: web.Request, handler) -> web.StreamResponse:
         response = _as_response(exc)
     except db.DATABASE_ERRORS as exc:
         log_mod.log.emit("web_error", "warning", reason=db.describe_error(exc))
-        response = _as_response(_plain(503, "database unavailable: "
-                                          f"{db.describe_error(exc)}"))
+        # the page names no host, port, user or database (issue 41, as sidecar mcp)
+        said = masking.mask_database(db.describe_error(exc), [state.settings.database_url])
+        response = _as_response(_plain(503, f"database unavailable: {said}"))
     except TimeoutError:
         response = _as_response(_plain(503, "database unavailable: no answer in time"))
     except Exception as exc:  # a bug or a row of a shape no page expects: one line, logged

@@ -94,6 +94,73 @@ def mask_text(text: str, urls: Iterable[str] = ()) -> str:
     return _CREDENTIAL.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
 
 
+# Where a database is, in a driver's words: `host "db"`, `server at "db" (10.0.0.5)`,
+# `port 5432`, `user "app"`, `role "app"`, `database "jobs"`, `socket "/run/.s.PGSQL.5432"`.
+_DB_NAMED = re.compile(r'(?i)\b(host|server at|user|role|database|dbname|socket)'
+                       r'(\s*=?\s*)("[^"]*"|\'[^\']*\')')
+_DB_PORT = re.compile(r"(?i)\b(port)(\s*=?\s*)(\d+)")
+_IPV4 = re.compile(r"(?<![\w.])\d{1,3}(?:\.\d{1,3}){3}(?![\w.])")
+_IPV6 = re.compile(r"(?<![\w:])(?:[0-9a-f]{0,4}:){2,7}[0-9a-f]{0,4}(?![\w:])", re.IGNORECASE)
+# Shorter names of a DSN are masked only where a driver quotes them (`user "pg"`): a
+# one- or two-letter word would mask every such word of the text.
+_MIN_NAME_CHARS = 3
+
+
+def database_names(dsn: str) -> list[str]:
+    """The host(s), port(s), user and database name a PostgreSQL URL or libpq
+    ``key=value`` DSN names, longest first (what ``mask_database`` hides). Never raises."""
+    def unquote(text: str) -> str:  # %XX escapes (no urllib: this module stays pure)
+        return re.sub(r"%([0-9A-Fa-f]{2})", lambda m: chr(int(m.group(1), 16)), text)
+
+    found: list[str] = []
+    scheme, sep, rest = dsn.partition("://")
+    if sep:
+        rest, _, query = rest.partition("?")
+        userinfo, at, location = rest.rpartition("@")
+        if at:
+            found.append(unquote(userinfo.partition(":")[0]))
+        hosts, _, database = location.partition("/")
+        found.append(unquote(database))
+        for hostport in hosts.split(","):
+            host, port = (hostport[1:].split("]", 1) if hostport.startswith("[")
+                          else hostport.rsplit(":", 1) if hostport.count(":") == 1
+                          else (hostport, ""))
+            found += [unquote(host), port.lstrip(":")]
+        pairs = [(unquote(k), unquote(v)) for k, _, v in
+                 (item.partition("=") for item in query.split("&") if item)]
+    else:
+        pairs = [(m.group(1), m.group(2).strip("'")) for m in
+                 re.finditer(r"(\w+)\s*=\s*('(?:[^'\\]|\\.)*'|\S+)", dsn)]
+    for key, value in pairs:
+        if key.lower() in ("host", "hostaddr", "port", "user", "dbname"):
+            found += value.split(",")
+    return sorted({name for name in found if name}, key=len, reverse=True)
+
+
+def mask_database(text: str, dsns: Iterable[str] = ()) -> str:
+    """``text`` (an error a caller will read: the MCP gateway's, issue 41) with where the
+    database is replaced by ``***``: every host, port, user and database name of ``dsns``
+    (``database_names``), the quoted host, user, role, database and socket and the port a
+    driver's message names, and every IP address; credentials as ``mask_text``. Never
+    raises."""
+    dsns = [dsn for dsn in dsns if dsn]
+    text = mask_text(text, dsns)
+    for dsn in dsns:
+        for name in database_names(dsn):
+            if len(name) < _MIN_NAME_CHARS:
+                continue
+            if name.isdigit():
+                text = re.sub(rf"(?<!\d){re.escape(name)}(?!\d)", MASK, text)
+            else:
+                text = re.sub(rf"(?<![\w.-]){re.escape(name)}(?![\w-])", MASK, text)
+    text = _DB_NAMED.sub(lambda m: f"{m.group(1)}{m.group(2)}\"{MASK}\"", text)
+    text = _DB_PORT.sub(lambda m: f"{m.group(1)}{m.group(2)}{MASK}", text)
+    text = _IPV4.sub(MASK, text)
+    # an IPv6 address has "::" or seven colons (a time of day has two)
+    return _IPV6.sub(lambda m: MASK if "::" in m.group(0) or m.group(0).count(":") == 7
+                     else m.group(0), text)
+
+
 # --- the secrets the sidecar knows, scrubbed from whatever leaves the process ----------------
 
 SECRET_MARK = "[secret]"

@@ -80,6 +80,33 @@ class CallerStore(JobAccess):
         return await self.db.fetchval(Q["unfinished_jobs_tagged"], tags, up_to,
                                       timeout=self.timeout)
 
+    # --- the MCP gateway's sessions (issue 41, point 15; migration 024) -------------
+
+    async def mcp_sessions_live(self, principal: str, idle_seconds: float, up_to: int) -> int:
+        """How many MCP sessions of ``principal`` were used within ``idle_seconds``,
+        counted up to ``up_to`` + 1."""
+        return await self.db.fetchval(Q["mcp_sessions_live"], principal, idle_seconds, up_to,
+                                      timeout=self.timeout)
+
+    async def mcp_session_open(self, session_id: str, principal: str,
+                               idle_seconds: float) -> None:
+        """Record the session ``principal`` opened; delete a batch of those unused for
+        longer than ``idle_seconds``. asyncpg.UniqueViolationError for an id already
+        recorded (never skipped silently, case F22)."""
+        await self.db.execute(Q["mcp_session_open"], session_id, principal, idle_seconds,
+                              timeout=self.timeout)
+
+    async def mcp_session_principal(self, session_id: str, idle_seconds: float) -> str | None:
+        """The principal of the session used within ``idle_seconds`` (marked used now), or
+        None when there is none."""
+        return await self.db.fetchval(Q["mcp_session_principal"], session_id, idle_seconds,
+                                      timeout=self.timeout)
+
+    async def mcp_session_close(self, session_id: str, principal: str) -> None:
+        """Forget the session its client ended (with the token of ``principal``)."""
+        await self.db.execute(Q["mcp_session_close"], session_id, principal,
+                              timeout=self.timeout)
+
     @staticmethod
     async def jobs_to_wait_for(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID],
                                timeout: float) -> list[dict[str, Any]]:

@@ -5,8 +5,9 @@ exits with "exit" (default 0).
 
 Steps: {"http": {"progress": P, "message": M}} posts a report to the guard;
 {"file": {...}} rewrites $SIDECAR_PROGRESS_FILE; {"sleep": S}; {"wait_for": PATH} sleeps
-until PATH exists. "info": PATH first writes the guard's URL and token and the progress
-file's path there as JSON (for a test that reports on the tool's behalf)."""
+until PATH exists; {"fail_in_attempt": N} exits 3 (retryable) in attempt N. "info": PATH
+first writes the guard's URL and token and the progress file's path there as JSON (for a
+test that reports on the tool's behalf)."""
 
 import json
 import os
@@ -42,6 +43,9 @@ for step in payload.get("steps", []):
         os.rename(path + ".tmp", path)
     elif "sleep" in step:
         time.sleep(step["sleep"])
+    elif "fail_in_attempt" in step:
+        if os.environ.get("SIDECAR_ATTEMPT") == str(step["fail_in_attempt"]):
+            sys.exit(3)
     elif "wait_for" in step:
         while not os.path.exists(step["wait_for"]):
             time.sleep(0.05)

@@ -1012,3 +1012,34 @@ ON CONFLICT (scope, subject) DO UPDATE SET
              OR f.locked_until <= now() THEN NULL
         ELSE f.locked_until END
 RETURNING scope, failures, failures = $4::int AS locked_now;
+
+-- name: mcp_sessions_live
+-- How many unexpired MCP sessions ($2: the idle timeout in seconds) the principal $1 has,
+-- counted up to $3 + 1 (sidecar mcp's bound on a principal's sessions; issue 41).
+SELECT count(*) FROM (
+  SELECT 1 FROM sidecar_mcp_sessions
+  WHERE principal = $1 AND last_seen_at >= now() - make_interval(secs => $2::float8)
+  LIMIT $3::int + 1) AS found;
+
+-- name: mcp_session_open
+-- Record the MCP session $1 the principal $2 opened, and delete at most 100 sessions
+-- unused for longer than $3 seconds. The id is a fresh random one: a conflict is not
+-- skipped silently (case F22), it fails the statement.
+WITH expired AS (
+  DELETE FROM sidecar_mcp_sessions WHERE id IN (
+    SELECT id FROM sidecar_mcp_sessions
+    WHERE last_seen_at < now() - make_interval(secs => $3::float8)
+    ORDER BY last_seen_at LIMIT 100)
+)
+INSERT INTO sidecar_mcp_sessions (id, principal) VALUES ($1, $2);
+
+-- name: mcp_session_principal
+-- The principal of the unexpired MCP session $1 ($2: the idle timeout in seconds), and
+-- marks it used now; no row when there is no such session.
+UPDATE sidecar_mcp_sessions SET last_seen_at = now()
+WHERE id = $1 AND last_seen_at >= now() - make_interval(secs => $2::float8)
+RETURNING principal;
+
+-- name: mcp_session_close
+-- The client ended its MCP session $1 (HTTP DELETE) with the token of principal $2.
+DELETE FROM sidecar_mcp_sessions WHERE id = $1 AND principal = $2;

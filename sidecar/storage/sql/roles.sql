@@ -108,18 +108,20 @@ SELECT format('REVOKE EXECUTE ON FUNCTION %I.tool_job_wake(text, bigint), '
 -- checking its inputs: tool_job_enqueue (and sidecar_enqueue, which calls it in the
 -- caller's own transaction) inserts a queued job, journals it and wakes a sidecar;
 -- tool_job_cancel cancels; tool_job_expire settles a job a read finds past its expiry
--- (issue 41, point 13). No write on any table (issue 41, point 2): not a job inserted
--- around the enqueue's checks, not a journal row, not the idle list or a flow row. Not
--- the journal's reads, the outbox, the sweeps, the fence_* tables, the demand function or
+-- (issue 41, point 13). No write on any queue table (issue 41, point 2; its MCP
+-- sessions are its own rows): not a job inserted around the enqueue's checks, not a
+-- journal row, not the idle list or a flow row. Not the journal's reads, the outbox, the sweeps, the fence_* tables, the demand function or
 -- the claim functions.
--- GRANTS FOR THE MCP GATEWAY'S SESSIONS GO HERE (issue 41: table sidecar_mcp_sessions,
--- added by another point's migration; the lead adds them at merge: the gateway's rows
--- only, e.g. SELECT, INSERT, UPDATE, DELETE ON TABLE sidecar_mcp_sessions).
 SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
               '%I.sidecar_schema_repeatables, %I.tool_jobs TO %I', current_schema(),
               current_schema(), current_schema(), $1::text)
+UNION ALL
+-- The MCP gateway's sessions, shared by its replicas (issue 41, point 15; migration 024):
+-- open, look up (and mark used), close, and delete the expired ones.
+SELECT format('GRANT SELECT, INSERT, UPDATE (last_seen_at), DELETE ON TABLE '
+              '%I.sidecar_mcp_sessions TO %I', current_schema(), $1::text)
 UNION ALL
 (SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, $1::text)
  FROM pg_proc p

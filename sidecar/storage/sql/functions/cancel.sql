@@ -51,6 +51,10 @@ $$;
 -- a second; a lost notification leaves it to the owner's next heartbeat (issue 41). p_by
 -- says who asked, journaled as job_cancelled's "by" (left out when NULL). p_by and p_tags
 -- are checked (tool_job_check_actor: 22023 naming the field).
+-- The job's error says "cancelled by its MCP client" when the MCP gateway asked for its
+-- caller (p_by 'sidecar mcp (PRINCIPAL)', sidecar.mcp.gateway.cancelled_by; issue 41,
+-- point 16), and "cancelled by an operator" otherwise: the caller reads it, who it was
+-- is journaled.
 CREATE OR REPLACE FUNCTION tool_job_cancel(p_job uuid, p_tags jsonb, p_by text)
 RETURNS TABLE (cancelled_id uuid, previous_state text)
 SECURITY DEFINER SET search_path FROM CURRENT
@@ -78,7 +82,10 @@ WITH RECURSIVE chain AS (
                            THEN j.lease_until END,
         -- its slot stays taken until the owner confirms the tree dead (migration 016)
         cancel_pending = target.previous_state = 'running' AND j.lease_until > now(),
-        error = jsonb_build_object('kind', 'cancelled', 'message', 'cancelled by an operator')
+        error = jsonb_build_object('kind', 'cancelled', 'message',
+                                   CASE WHEN p_by LIKE 'sidecar mcp (%'
+                                        THEN 'cancelled by its MCP client'
+                                        ELSE 'cancelled by an operator' END)
     FROM target
     WHERE j.id = target.id
     RETURNING j.id, j.fencing_token, target.previous_state, j.owner_id, j.cancel_pending
