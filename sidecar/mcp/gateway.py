@@ -44,7 +44,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
 
-from sidecar.client import Client, JobEnd, JobNotFound, JobProgress
+from sidecar.client import Client, JobEnd, JobNotFound, JobProgress, JobRef
 from sidecar.mcp import catalog as mcp_catalog
 from sidecar.mcp.catalog import McpTool
 from sidecar.protocol import parsing
@@ -91,11 +91,14 @@ class GatewayOptions:
     (unfinished tasks per principal, counted in the database) and, over HTTP,
     ``max_request_bytes`` (a larger body gets 413), ``allowed_hosts`` and
     ``allowed_origins`` (``Host``/``Origin`` values accepted besides the loopback ones;
-    ``host:*`` admits any port)."""
+    ``host:*`` admits any port). ``start_deadline_seconds``: a call's job not started
+    that long after the call ends failed, kind ``expired`` (its ``expires_at``; issue 41:
+    no call waits for ever for a tool no sidecar serves)."""
 
     max_calls_per_principal: int = DEFAULT_MAX_CALLS_PER_PRINCIPAL
     max_tasks_per_principal: int = DEFAULT_MAX_TASKS_PER_PRINCIPAL
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    start_deadline_seconds: float = mcp_catalog.DEFAULT_START_DEADLINE_SECONDS
     allowed_hosts: Sequence[str] = ()
     allowed_origins: Sequence[str] = ()
 
@@ -158,8 +161,13 @@ class Gateway:
                 tags["mcp.task"] = secrets.token_urlsafe(24)
                 tags["mcp.kind"] = "task"
             try:
-                ref = await self.client.enqueue(tool.name, arguments, idempotency_key=key,
-                                                tags=tags)
+                ref = None
+                if key is None and not as_task:  # no session: a retry finds its job
+                    ref = await self._unfinished_call(tool.name, tags, arguments)
+                if ref is None:
+                    ref = await self.client.enqueue(
+                        tool.name, arguments, idempotency_key=key, tags=tags,
+                        expires_in=self.options.start_deadline_seconds)
             except IdempotencyConflict as exc:
                 raise MCPError(code=INVALID_PARAMS,
                                message=_conflict(str(exc), meta, key)) from None
@@ -181,6 +189,24 @@ class Gateway:
                 progress_token = None
             end = await self._wait(ctx, ref.id, progress_token, cancel_on_cancel=True)
         return _tool_result(end)
+
+    async def _unfinished_call(self, tool: str, tags: Mapping[str, str],
+                               arguments: Any) -> JobRef | None:
+        """A call with no idempotency key (no session on the 2026-07-28 revision, no key
+        in ``_meta``): the unfinished job of the same principal, request id, tool and
+        arguments, if there is one, so a client's retry of that request joins its job
+        instead of starting a second (issue 41). Only unfinished jobs: request ids repeat
+        across a client's connections, and a later call must not get an old result."""
+        wanted = {"mcp.principal": tags["mcp.principal"],
+                  "mcp.tool_call": tags["mcp.tool_call"]}
+        for state in ("queued", "running"):
+            for row in await self.client.jobs(tags=wanted, state=state, tool=tool, limit=10):
+                if "mcp.task" in (row["tags"] or {}):
+                    continue
+                job = await self.client.get(row["id"])
+                if job.payload == arguments and not job.finished:
+                    return JobRef(job.id, False)
+        return None
 
     def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:
         given = meta.get(IDEMPOTENCY_META)
@@ -230,16 +256,23 @@ class Gateway:
 
     async def _follow(self, ctx: Any, job_id: uuid.UUID,
                       progress_token: str | int | None) -> JobEnd:
+        """The job's end; meanwhile, when the client sent a progress token, each progress
+        report and, while the job is queued, why it waits (each time that changes: its
+        message, progress 0) as ``notifications/progress``."""
         reports = 0
-        async for event in self.client.follow(job_id):
+        async for event in self.client.follow(job_id, reasons=progress_token is not None):
             if isinstance(event, JobEnd):
                 return event
             if progress_token is not None and isinstance(event, JobProgress):
-                reports += 1
                 value = event.value
+                if event.waiting is not None:
+                    progress, total = 0.0, None
+                else:
+                    reports += 1
+                    progress = float(value) if value is not None else float(reports)
+                    total = 1.0 if value is not None else None
                 await ctx.session.send_progress_notification(
-                    progress_token, float(value) if value is not None else float(reports),
-                    total=1.0 if value is not None else None, message=event.message,
+                    progress_token, progress, total=total, message=event.message,
                     related_request_id=_text_id(ctx.request_id))
         raise MCPError(code=INTERNAL_ERROR, message=f"job {job_id}: its events ended early")
 
@@ -310,7 +343,12 @@ class Gateway:
 
     async def _task_get(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
         job = await self._own_task(ctx, params.task_id)
-        return {"resultType": "complete", **self._task(job)}
+        task = self._task(job)
+        if job.state == "queued":  # why it waits (one statement; ends it if expired)
+            reason = await self.client.waiting_reason(job.id)
+            if reason is not None:
+                task["statusMessage"] = f"queued: {reason.message}"
+        return {"resultType": "complete", **task}
 
     async def _task_result(self, ctx: Any, params: TaskParams) -> types.CallToolResult:
         """Wait for the task's job to end (no polling) and return its tool result."""

@@ -88,3 +88,16 @@ class CallerStore(JobAccess):
         sidecar.client.waiting). Bounded by ``timeout`` seconds."""
         ids = [str(job_id) for job_id in job_ids]
         return await db.run(conn, "fetch", Q["jobs_to_wait_for"], ids, timeout=timeout)
+
+    async def wait_rows(self, job_ids: Iterable[uuid.UUID]) -> list[asyncpg.Record]:
+        """The waiter's read through the pool (sidecar.client.waiting.WaitHub): ``id,
+        state, attempt, result, error, progress, expired`` of each job of ``job_ids`` that
+        exists (``expired``: queued past its expires_at). Bounded as every pool call."""
+        return await self.db.fetch(Q["jobs_to_wait_for"], [str(j) for j in job_ids])
+
+    async def wait_reasons(self, job_ids: Iterable[uuid.UUID]) -> list[asyncpg.Record]:
+        """``id, reason, ahead, detail`` of each queued job of ``job_ids`` (at most 1,000):
+        why it waits (SQL tool_job_wait_reasons, functions/waiting.sql; reason None when a
+        claim could take it now). Jobs among them whose start deadline passed end
+        ``expired`` first (their waiters hear the end). Bounded as every pool call."""
+        return await self.db.fetch(Q["wait_reasons"], [str(j) for j in job_ids])

@@ -110,38 +110,9 @@ WITH exhausted AS (
 SELECT id, fencing_token FROM exhausted;
 
 -- name: fail_expired_jobs
--- Issue 26: no attempt starts after a job's expires_at (the claim skips it). Up to $1 jobs
--- of any tool whose expiry has passed while they were queued (a first attempt or a
--- retry), or running under an expired lease (no attempt runs), end failed with kind
--- "expired", journaled job_expired. A running attempt under a live lease is not touched:
--- it ends as it would have. Read through tool_jobs_expiry_idx; SKIP LOCKED, so sidecars
--- sweeping at once share the work.
-WITH doomed AS (
-    SELECT id, state AS previous_state FROM tool_jobs
-    WHERE state IN ('queued', 'running') AND expires_at <= now()
-      AND (state = 'queued' OR lease_until < now())
-    ORDER BY expires_at
-    LIMIT $1
-    FOR UPDATE SKIP LOCKED
-), expired AS (
-    UPDATE tool_jobs j
-    SET state = 'failed', finished_at = now(), lease_until = NULL,
-        error = jsonb_build_object(
-            'kind', 'expired',
-            'message', format('no attempt started before the job''s expiry (%s, %s after '
-                              'enqueue); %s attempt(s) ran', j.expires_at,
-                              j.expires_at - j.created_at, j.attempt))
-    FROM doomed
-    WHERE j.id = doomed.id
-    RETURNING j.id, j.tool, j.fencing_token, j.attempt, j.expires_at, doomed.previous_state
-), journal AS (
-    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
-    SELECT id, fencing_token, 'job_expired',
-           jsonb_build_object('expires_at', expires_at, 'attempts', attempt,
-                              'previous_state', previous_state)
-    FROM expired
-)
-SELECT id, tool, fencing_token, attempt FROM expired;
+-- Issue 26: up to $1 jobs of any tool whose expiry passed end failed with kind "expired"
+-- (tool_job_fail_expired, sql/functions/expiry.sql, says which and how).
+SELECT id, tool, fencing_token, attempt FROM tool_job_fail_expired($1::int, NULL);
 
 -- name: claim_job
 -- P4: one statement picks a running job whose lease expired or, when there is none, the
@@ -511,10 +482,17 @@ FROM reported;
 -- name: jobs_to_wait_for
 -- the waiter's read (sidecar.waiting): the jobs $1 names (a jsonb array of ids as text:
 -- no uuid[] parameter, see extend_leases_if_owner), as they are now. A job missing from
--- the answer does not exist (or was pruned).
-SELECT j.id, j.state, j.attempt, j.result, j.error, j.progress
+-- the answer does not exist (or was pruned). expired: a queued job whose start deadline
+-- passed (tool_job_wait_reasons ends it: sidecar.client.waiting.WaitHub).
+SELECT j.id, j.state, j.attempt, j.result, j.error, j.progress,
+       j.state = 'queued' AND coalesce(j.expires_at <= now(), false) AS expired
 FROM jsonb_array_elements_text($1::jsonb) AS wanted(id)
 JOIN tool_jobs j ON j.id = wanted.id::uuid;
+
+-- name: wait_reasons
+-- Why the queued jobs of $1 (a jsonb array of ids as text) wait, after ending those whose
+-- start deadline passed: tool_job_wait_reasons (sql/functions/waiting.sql).
+SELECT id, reason, ahead, detail FROM tool_job_wait_reasons($1::jsonb);
 
 -- name: record_event
 INSERT INTO tool_job_events (job_id, fencing_token, event, details) VALUES ($1, $2, $3, $4);

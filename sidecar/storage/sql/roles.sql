@@ -57,7 +57,8 @@ SELECT format('GRANT EXECUTE ON FUNCTION %I.tool_job_demand(text) TO %I', curren
 -- that tool_job_wake takes a sidecar off (read and DELETE); the flow row a job with a
 -- concurrency key gives its tool (migration 016's trigger; INSERT of tool and updated_by);
 -- and EXECUTE on the functions it calls. No UPDATE or DELETE on tool_jobs: a cancel is
--- tool_job_cancel (migration 018, the owner's rights). Not the journal's reads, the
+-- tool_job_cancel (migration 018, the owner's rights); why a waited job waits is
+-- tool_job_wait_reasons (migration 023, the owner's rights). Not the journal's reads, the
 -- outbox, the sweeps, the fence_* tables, the demand function or the claim functions.
 SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
@@ -86,5 +87,5 @@ UNION ALL
  FROM pg_proc p
  WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
    AND p.proname IN ('tool_job_enqueue', 'sidecar_enqueue', 'tool_job_new_id',
-                     'tool_job_wake', 'tool_job_cancel')
+                     'tool_job_wake', 'tool_job_cancel', 'tool_job_wait_reasons')
  ORDER BY p.proname);
