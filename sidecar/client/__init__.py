@@ -479,15 +479,16 @@ class Client:
                 if isinstance(event, JobEnd):
                     return
 
-    async def progress(self, job_id: JobId) -> AsyncIterator[JobProgress]:
+    async def progress(self, job_id: JobId, *, reasons: bool = False,
+                       ) -> AsyncIterator[JobProgress]:
         """The progress reports of a job as they come (the latest one first when it has
         one), until it ends; then the iteration stops (``wait`` gives its end at once).
         A JobProgress has ``value`` (0..1 or None), ``message``, ``at`` (ISO 8601, the
-        database's time) and ``attempt``; while the job is queued, why it waits comes as
-        one with ``waiting`` set (see ``wait``), when that changes. Behind a transaction
+        database's time) and ``attempt``; with ``reasons``, while the job is queued, why
+        it waits comes as one with ``waiting`` set (see ``wait``), when that changes. Behind a transaction
         pooler a report replaced within one poll is not seen. Bound it with
         ``asyncio.timeout`` if needed; raises JobNotFound for a job that does not exist."""
-        async with contextlib.aclosing(self._follow([_job_id(job_id)], True)) as events:
+        async with contextlib.aclosing(self._follow([_job_id(job_id)], reasons)) as events:
             async for event in events:
                 if isinstance(event, JobWaiting):
                     yield event.as_progress()

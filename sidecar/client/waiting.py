@@ -246,8 +246,11 @@ async def _notifications(heard: asyncio.Queue, check_seconds: float
 
 # How many jobs one read of the hub asks for at most (one statement through the pool).
 READ_BATCH = 500
-# While a waited job is queued: how often the hub asks why (one statement for all of them).
-REASON_SECONDS = 3.0
+# While a waited job is queued: how often the hub asks why (one statement for all of them),
+# once it has been queued for REASON_GRACE_SECONDS (most jobs are claimed well before: no
+# reason to tell then).
+REASON_SECONDS = 2.0
+REASON_GRACE_SECONDS = 1.0
 
 
 @dataclass(frozen=True)
@@ -383,6 +386,7 @@ class WaitHub:
         self.on_reconnect = on_reconnect
         self._waiters: dict[uuid.UUID, set[_Waiter]] = {}
         self._state: dict[uuid.UUID, str] = {}  # the last state read of each waited job
+        self._queued_since: dict[uuid.UUID, float] = {}  # loop time it was first read queued
         self._to_read: set[uuid.UUID] = set()
         self._to_explain: set[uuid.UUID] = set()
         self._work = asyncio.Event()
@@ -430,6 +434,7 @@ class WaitHub:
                     if not holders:
                         del self._waiters[job_id]
                         self._state.pop(job_id, None)
+                        self._queued_since.pop(job_id, None)
                         gone.append(job_id)
             if gone and self._conn is not None and not self._closed:
                 task = asyncio.get_running_loop().create_task(self._unlisten(gone))
@@ -566,8 +571,11 @@ class WaitHub:
                 self._request(list(self._waiters))
             if since_reasons >= self.reason_seconds:
                 since_reasons = 0.0
-                self._to_explain.update(j for j, s in self._state.items() if s == "queued"
-                                        and any(w.reasons for w in self._waiters.get(j, ())))
+                now = asyncio.get_running_loop().time()
+                self._to_explain.update(
+                    j for j, since in self._queued_since.items()
+                    if self._state.get(j) == "queued" and now - since >= REASON_GRACE_SECONDS
+                    and any(w.reasons for w in self._waiters.get(j, ())))
                 self._work.set()
 
     async def _read_loop(self) -> None:
@@ -599,9 +607,10 @@ class WaitHub:
         rows = {row["id"]: row for row in await self.store.wait_rows(wanted)}
         missing = {j for j in wanted if j not in rows}
         by_waiter: dict[_Waiter, dict[uuid.UUID, Any]] = {}
+        now = asyncio.get_running_loop().time()
         for job_id, row in rows.items():
-            if row["state"] == "queued" and self._state.get(job_id) != "queued":
-                self._to_explain.add(job_id)  # newly queued: say why at once
+            if row["state"] == "queued":
+                self._queued_since.setdefault(job_id, now)
             self._state[job_id] = row["state"]
             if row["expired"]:  # its start deadline passed: tool_job_wait_reasons ends it
                 self._to_explain.add(job_id)
