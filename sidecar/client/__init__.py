@@ -485,9 +485,10 @@ class Client:
         one), until it ends; then the iteration stops (``wait`` gives its end at once).
         A JobProgress has ``value`` (0..1 or None), ``message``, ``at`` (ISO 8601, the
         database's time) and ``attempt``; with ``reasons``, while the job is queued, why
-        it waits comes as one with ``waiting`` set (see ``wait``), when that changes. Behind a transaction
-        pooler a report replaced within one poll is not seen. Bound it with
-        ``asyncio.timeout`` if needed; raises JobNotFound for a job that does not exist."""
+        it waits comes as one with ``waiting`` set (see ``wait``), when that changes.
+        Behind a transaction pooler a report replaced within one poll is not seen. Bound
+        it with ``asyncio.timeout`` if needed; raises JobNotFound for a job that does not
+        exist."""
         async with contextlib.aclosing(self._follow([_job_id(job_id)], reasons)) as events:
             async for event in events:
                 if isinstance(event, JobWaiting):
