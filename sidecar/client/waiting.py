@@ -13,6 +13,13 @@ lost), then waits for notifications and reads again only the jobs that ended. Be
 transaction pooler (``listen=False``) there is no session to LISTEN in: it reads the
 unfinished jobs again every ``poll_seconds`` (POLL_SECONDS, 1 s) instead, unless a session
 elsewhere is given for it (SIDECAR_LISTEN_DATABASE_URL: ``db.listen_target``).
+
+``WaitHub`` is what every waiter of a process uses (sidecar.client.Client, the MCP
+gateway, ``sidecar wait``; issue 41): ONE LISTEN connection for all its waiters, reads
+batched through the pool, so waiting costs the pool's connections + 1 whatever the number
+of waiters; and, while a waited job is queued, why it waits (JobWaiting, from the SQL
+function tool_job_wait_reasons), asked for all of them in one statement every
+REASON_SECONDS.
 """
 
 from __future__ import annotations

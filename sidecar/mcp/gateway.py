@@ -4,9 +4,11 @@ A ``tools/call`` is one job of that tool: the arguments, checked against the too
 schema, are its payload; the job carries the MCP principal, session and request as tags
 and, where the request can be told apart from every other, an idempotency key derived
 from it (sidecar.mcp.catalog.call_idempotency_key), so a client's retry joins the job
-instead of running the tool twice. The gateway waits for the job without polling (a
-LISTEN on the job's channel, sidecar.client.Client.follow), turns the tool's progress
-into ``notifications/progress`` when the client sent a progress token, and returns the
+instead of running the tool twice (without a key: a request sent again joins its
+unfinished job). The gateway waits for the job without polling (sidecar.client.Client.follow:
+every call on the client's one LISTEN connection, issue 41), turns the tool's progress,
+and while the job is queued why it waits, into ``notifications/progress`` when the
+client sent a progress token, gives every job a start deadline, and returns the
 job's result (``isError`` with the error's kind and message when it failed). A request
 the client cancels (``notifications/cancelled``, or closing its response stream on the
 2026-07-28 protocol) cancels the job: its sidecar kills the tree at its next heartbeat.
