@@ -47,7 +47,7 @@ CALLER_PRIVILEGES = {
     ("column", "tool_flow.updated_by", "INSERT"),
     *(("function", f, "EXECUTE") for f in ("tool_job_enqueue", "sidecar_enqueue",
                                            "tool_job_new_id", "tool_job_wake",
-                                           "tool_job_cancel")),
+                                           "tool_job_cancel", "tool_job_wait_reasons")),
 }
 
 # Every privilege granted to one role by name (not through PUBLIC), columns included.
@@ -123,6 +123,8 @@ def test_a_client_as_the_caller_enqueues_waits_gets_and_cancels(dsn, caller, sid
             again = await client.enqueue(TOOL, {"n": 1}, idempotency_key="k-1",
                                          run_after=3600)
             assert (again.id, again.created) == (first.id, False)
+            # why a job waits (tool_job_wait_reasons: the owner's rights, issue 41)
+            assert (await client.waiting_reason(first)).reason == "scheduled"
             keyed = await client.enqueue(TOOL, {"n": 2}, concurrency_key="tenant-1",
                                          run_after=3600)
             assert (await client.get(keyed)).state == "queued"

@@ -39,6 +39,8 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_claim_flow_many", "EXECUTE"),
     ("function", "tool_job_new_id", "EXECUTE"),
     ("function", "tool_job_cancel", "EXECUTE"),
+    ("function", "tool_job_fail_expired", "EXECUTE"),
+    ("function", "tool_job_wait_reasons", "EXECUTE"),
     ("function", "tool_flow_key_blocked", "EXECUTE"),
     ("function", "tool_flow_key_wait", "EXECUTE"),
     ("function", "tool_flow_occupied", "EXECUTE"),
