@@ -371,7 +371,8 @@ class WaitHub:
     every ``poll_seconds`` instead. The connection is made when the first waiter comes
     and again after it fails (after RECONNECT_SECONDS; ``on_reconnect(error, jobs
     waited)`` is called), LISTENs on every waited channel, then reads every waited job,
-    so an end in the gap is not lost. A read that fails is tried again the same way:
+    so an end in the gap is not lost. A read that fails (any error: the hub's tasks never
+    die while it is open) is tried again the same way:
     waiters never see the database's failures, only their jobs' ends (bound them with a
     timeout). While a waited job is queued, why it waits (JobWaiting) is asked every
     ``reason_seconds`` for all such jobs in one statement (CallerStore.wait_reasons).
@@ -403,12 +404,18 @@ class WaitHub:
         self._tasks: list[asyncio.Task] = []
         self._closed = False
         self._started = False
+        self._listened: set[uuid.UUID] = set()
         self.reads = 0  # statements the hub ran through the pool (bench, tests)
 
     @property
     def waited(self) -> int:
         """How many jobs are waited for now."""
         return len(self._waiters)
+
+    @property
+    def listening(self) -> int:
+        """How many job channels the LISTEN connection listens on now."""
+        return len(self._listened)
 
     async def follow(self, job_ids: Iterable[uuid.UUID], *, reasons: bool = False,
                      ) -> AsyncIterator[JobEnd | JobProgress | JobWaiting]:
@@ -515,6 +522,7 @@ class WaitHub:
                     for job_id in job_ids:
                         if job_id in self._waiters:
                             await conn.add_listener(job_channel(job_id), self._on_notify)
+                            self._listened.add(job_id)
             except (*db.DATABASE_ERRORS, *db.TIMEOUT_ERRORS):
                 conn.terminate()
                 self._lost.set()
@@ -529,6 +537,7 @@ class WaitHub:
                     for job_id in job_ids:
                         if job_id not in self._waiters:  # not waited for again meanwhile
                             await conn.remove_listener(job_channel(job_id), self._on_notify)
+                            self._listened.discard(job_id)
             except (*db.DATABASE_ERRORS, *db.TIMEOUT_ERRORS):
                 conn.terminate()
                 self._lost.set()
@@ -553,12 +562,13 @@ class WaitHub:
                             await conn.execute("SELECT 1")
                         self._request(list(self._waiters))
                 raise asyncpg.InterfaceError("the wait hub's LISTEN connection was closed")
-            except (SidecarError, *db.DATABASE_ERRORS, *db.TIMEOUT_ERRORS) as exc:
+            except Exception as exc:  # noqa: BLE001 - whatever failed, the waiters go on
                 if self.on_reconnect is not None:
                     self.on_reconnect(exc, len(self._waiters))
             finally:
                 async with self._lock:
                     self._conn = None
+                    self._listened.clear()
                 if conn is not None:
                     conn.terminate()
             await asyncio.sleep(RECONNECT_SECONDS)
@@ -581,8 +591,7 @@ class WaitHub:
                 now = asyncio.get_running_loop().time()
                 self._to_explain.update(
                     j for j, since in self._queued_since.items()
-                    if self._state.get(j) == "queued" and now - since >= REASON_GRACE_SECONDS
-                    and any(w.reasons for w in self._waiters.get(j, ())))
+                    if self._state.get(j) == "queued" and now - since >= REASON_GRACE_SECONDS)
                 self._work.set()
 
     async def _read_loop(self) -> None:
@@ -601,7 +610,7 @@ class WaitHub:
                     else:
                         batch = _take(self._to_explain, READ_BATCH)
                         await self._explain(batch)
-                except (SidecarError, *db.DATABASE_ERRORS, *db.TIMEOUT_ERRORS) as exc:
+                except Exception as exc:  # noqa: BLE001 - a dead reader would hang them all
                     if self.on_reconnect is not None:
                         self.on_reconnect(exc, len(self._waiters))
                     await asyncio.sleep(RECONNECT_SECONDS)
@@ -630,7 +639,16 @@ class WaitHub:
                 waiter.inbox.put_nowait(("missing", missing))
 
     async def _explain(self, batch: list[uuid.UUID]) -> None:
-        wanted = [j for j in batch if self._state.get(j) == "queued"]
+        """Ask why the queued jobs of ``batch`` wait, for those a waiter wants reasons
+        of; the others only have their start deadline checked (the same statement ends
+        them ``expired`` when it passed: no job waits past it for want of a sidecar)."""
+        queued = [j for j in batch if self._state.get(j) == "queued"]
+        wanted = [j for j in queued if any(w.reasons for w in self._waiters.get(j, ()))]
+        if len(wanted) < len(queued):
+            self.reads += 1
+            chosen = set(wanted)
+            await self.store.wait_reasons([j for j in queued if j not in chosen],
+                                          explain=False)
         if not wanted:
             return
         self.reads += 1

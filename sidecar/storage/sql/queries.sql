@@ -490,9 +490,10 @@ FROM jsonb_array_elements_text($1::jsonb) AS wanted(id)
 JOIN tool_jobs j ON j.id = wanted.id::uuid;
 
 -- name: wait_reasons
--- Why the queued jobs of $1 (a jsonb array of ids as text) wait, after ending those whose
--- start deadline passed: tool_job_wait_reasons (sql/functions/waiting.sql).
-SELECT id, reason, ahead, detail FROM tool_job_wait_reasons($1::jsonb);
+-- Why the queued jobs of $1 (a jsonb array of ids as text) wait (with $2; without: no
+-- row), after ending those whose start deadline passed: tool_job_wait_reasons
+-- (sql/functions/waiting.sql).
+SELECT id, reason, ahead, detail FROM tool_job_wait_reasons($1::jsonb, $2::boolean);
 
 -- name: record_event
 INSERT INTO tool_job_events (job_id, fencing_token, event, details) VALUES ($1, $2, $3, $4);

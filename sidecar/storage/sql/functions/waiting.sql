@@ -35,7 +35,8 @@ CREATE TRIGGER tool_jobs_notify_end
     EXECUTE FUNCTION tool_job_notify_end();
 
 -- Why the queued jobs among p_ids (a JSON array of job ids as text, at most 1,000) wait
--- (issue 41, point 4): one row per such job, with reason
+-- (issue 41, point 4), when p_explain (else no row: only the expiry below): one row per
+-- such job, with reason
 --   'scheduled'            its run_after is in the future (detail: that time);
 --   'paused'               its tool's flow is paused (detail: the pause's reason);
 --   'no_live_sidecar'      no sidecar of its tool was seen for two minutes: no sweep of
@@ -56,7 +57,7 @@ CREATE TRIGGER tool_jobs_notify_end
 -- end jobs), under the schema's own search_path; EXECUTE for the caller's role
 -- (roles.sql caller_grants) and the worker's. plpgsql: it calls flow.sql's functions,
 -- created after this file.
-CREATE OR REPLACE FUNCTION tool_job_wait_reasons(p_ids jsonb)
+CREATE OR REPLACE FUNCTION tool_job_wait_reasons(p_ids jsonb, p_explain boolean)
 RETURNS TABLE (id uuid, reason text, ahead bigint, detail text)
 SECURITY DEFINER SET search_path FROM CURRENT
 LANGUAGE plpgsql VOLATILE AS $$
@@ -76,6 +77,9 @@ BEGIN
                         c_max_ids USING ERRCODE = '22023';
     END IF;
     PERFORM tool_job_fail_expired(c_max_ids, p_ids);
+    IF NOT p_explain THEN
+        RETURN;
+    END IF;
     FOR v_job IN
         WITH wanted AS (
             SELECT t.id, t.tool, t.run_after, t.concurrency_key
@@ -148,4 +152,4 @@ BEGIN
 END
 $$;
 
-REVOKE EXECUTE ON FUNCTION tool_job_wait_reasons(jsonb) FROM PUBLIC;
+REVOKE EXECUTE ON FUNCTION tool_job_wait_reasons(jsonb, boolean) FROM PUBLIC;
