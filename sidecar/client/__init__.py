@@ -407,8 +407,9 @@ class Client:
         ``scheduled``, ``queued_behind``; ``message`` says it in one line).
 
         Raises JobTimeout (a TimeoutError) when the timeout passes first, JobNotFound when
-        a job does not exist. A connection that fails while waiting is made again, nothing
-        missed: the wait goes on until its timeout."""
+        a job does not exist, DatabaseUnavailable when the client's LISTEN connection has
+        never been made and cannot be (a wrong ``listen_dsn``). A connection that fails
+        while waiting is made again, nothing missed: the wait goes on until its timeout."""
         single = isinstance(jobs, uuid.UUID | str | JobRef)
         ids = list(dict.fromkeys(_job_id(job) for job in ([jobs] if single else jobs)))
         if not ids:

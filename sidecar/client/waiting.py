@@ -371,9 +371,11 @@ class WaitHub:
     every ``poll_seconds`` instead. The connection is made when the first waiter comes
     and again after it fails (after RECONNECT_SECONDS; ``on_reconnect(error, jobs
     waited)`` is called), LISTENs on every waited channel, then reads every waited job,
-    so an end in the gap is not lost. A read that fails (any error: the hub's tasks never
-    die while it is open) is tried again the same way:
-    waiters never see the database's failures, only their jobs' ends (bound them with a
+    so an end in the gap is not lost. Until that connection was made once, a waiter
+    raises what its last connect raised (DatabaseUnavailable naming the setting: a wrong
+    listen URL is said at once). A read that fails (any error: the hub's tasks never die
+    while it is open) is tried again the same way: after the first connection, waiters
+    never see the database's failures, only their jobs' ends (bound them with a
     timeout). While a waited job is queued, why it waits (JobWaiting) is asked every
     ``reason_seconds`` for all such jobs in one statement (CallerStore.wait_reasons).
 
@@ -405,6 +407,12 @@ class WaitHub:
         self._closed = False
         self._started = False
         self._listened: set[uuid.UUID] = set()
+        # Until the LISTEN connection was made once: whether a connect was tried, and
+        # why the last one failed (a waiter then raises it: a wrong listen URL is a
+        # configuration error, not a wait without end).
+        self._connected_once = False
+        self._tried = asyncio.Event()
+        self._connect_error: BaseException | None = None
         self.reads = 0  # statements the hub ran through the pool (bench, tests)
 
     @property
@@ -434,6 +442,10 @@ class WaitHub:
             self._waiters.setdefault(job_id, set()).add(waiter)
         try:
             self._start()
+            if self._connect is not None and not self._connected_once:
+                await self._tried.wait()
+                if not self._connected_once and self._connect_error is not None:
+                    raise self._connect_error
             if fresh and self._conn is not None:
                 await self._listen(fresh)
             self._request(ids)
@@ -547,7 +559,14 @@ class WaitHub:
         while True:
             conn = None
             try:
-                conn = await self._connect()
+                try:
+                    conn = await self._connect()
+                except BaseException as exc:
+                    self._connect_error = exc
+                    raise
+                finally:
+                    self._tried.set()
+                self._connected_once = True
                 self._lost.clear()
                 conn.add_termination_listener(self._on_close)
                 async with self._lock:
@@ -563,7 +582,8 @@ class WaitHub:
                         self._request(list(self._waiters))
                 raise asyncpg.InterfaceError("the wait hub's LISTEN connection was closed")
             except Exception as exc:  # noqa: BLE001 - whatever failed, the waiters go on
-                if self.on_reconnect is not None:
+                # (before the first connection, the waiters raise the error themselves)
+                if self._connected_once and self.on_reconnect is not None:
                     self.on_reconnect(exc, len(self._waiters))
             finally:
                 async with self._lock:
