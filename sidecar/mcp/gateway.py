@@ -176,9 +176,10 @@ class Gateway:
             except (UsageError, ConfigError) as exc:
                 raise MCPError(code=INVALID_PARAMS, message=one_line(str(exc))) from None
             except (SidecarError, *db.DATABASE_ERRORS) as exc:
-                log.warning("mcp call of %s: enqueue failed: %s", tool.name, one_line(str(exc)))
+                why = one_line(str(exc)) or db.describe_error(exc)  # a timeout has no text
+                log.warning("mcp call of %s: enqueue failed: %s", tool.name, why)
                 raise MCPError(code=INTERNAL_ERROR, message=(
-                    f"the job could not be queued: {one_line(str(exc))}")) from None
+                    f"the job could not be queued: {why}")) from None
             if as_task:  # the handle at once; the job goes on without this request
                 job = await self.client.get(ref.id)
                 if "mcp.task" not in (job.tags or {}):  # the key named a plain call
