@@ -528,6 +528,21 @@ class Client:
         rows = await self._opened().list_jobs(state, tool, limit, checked)
         return [dict(row) for row in rows]
 
+    async def unfinished_like(self, tool: str, payload: Any, tags: Mapping[str, str],
+                              limit: int = 10) -> list[dict[str, Any]]:
+        """The oldest queued or running jobs (at most ``limit``, 1-1000) of ``tool`` with
+        the same ``payload`` (as JSON) whose tags include all of ``tags`` (a non-empty
+        dict), as dicts of ``id`` and ``tags``: the job a call sent again would join (the
+        MCP gateway's calls without an idempotency key). One statement."""
+        if not tags:
+            raise UsageError("unfinished_like: give at least one tag")
+        if not 1 <= limit <= 1000:
+            raise UsageError(f"limit {limit}: must be from 1 to 1000")
+        text = _payload_text({} if payload is None else payload, 0)  # as enqueue stores it
+        rows = await self._opened().unfinished_same_jobs(
+            validate_tool_name(tool), text, enqueue_args.check_tags(dict(tags)), limit)
+        return [dict(row) for row in rows]
+
     async def count_unfinished(self, tags: Mapping[str, str], up_to: int = 10_000) -> int:
         """How many queued or running jobs carry all of ``tags`` (a non-empty dict),
         counted up to ``up_to`` + 1."""

@@ -202,13 +202,9 @@ class Gateway:
         across a client's connections, and a later call must not get an old result."""
         wanted = {"mcp.principal": tags["mcp.principal"],
                   "mcp.tool_call": tags["mcp.tool_call"]}
-        for state in ("queued", "running"):
-            for row in await self.client.jobs(tags=wanted, state=state, tool=tool, limit=10):
-                if "mcp.task" in (row["tags"] or {}):
-                    continue
-                job = await self.client.get(row["id"])
-                if job.payload == arguments and not job.finished:
-                    return JobRef(job.id, False)
+        for row in await self.client.unfinished_like(tool, arguments, wanted):
+            if "mcp.task" not in (row["tags"] or {}):
+                return JobRef(row["id"], False)
         return None
 
     def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:

@@ -80,6 +80,14 @@ class CallerStore(JobAccess):
         return await self.db.fetchval(Q["unfinished_jobs_tagged"], tags, up_to,
                                       timeout=self.timeout)
 
+    async def unfinished_same_jobs(self, tool: str, payload: Any, tags: dict[str, str],
+                                   limit: int) -> list[asyncpg.Record]:
+        """``id, tags`` of the oldest queued or running jobs (at most ``limit``) of
+        ``tool`` with ``payload`` (any JSON value, compared as jsonb) whose tags include
+        all of ``tags``. One statement."""
+        return await self.db.fetch(Q["unfinished_same_jobs"], tags, tool,
+                                   db.encode_json(payload), limit, timeout=self.timeout)
+
     @staticmethod
     async def jobs_to_wait_for(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID],
                                timeout: float) -> list[asyncpg.Record]:

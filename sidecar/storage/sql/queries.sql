@@ -539,6 +539,16 @@ SELECT count(*) FROM (
   WHERE tags @> $1::jsonb AND state IN ('queued', 'running')
   LIMIT $2::int + 1) AS found;
 
+-- name: unfinished_same_jobs
+-- The oldest queued or running jobs (at most $4) of tool $2 with payload $3 whose tags
+-- contain $1's (sidecar mcp, issue 41: a call sent again without an idempotency key joins
+-- its job); through tool_jobs_tags_idx.
+SELECT id, tags FROM tool_jobs
+WHERE tags @> $1::jsonb AND tool = $2 AND state IN ('queued', 'running')
+  AND payload = $3::jsonb
+ORDER BY created_at, id
+LIMIT $4::int;
+
 -- name: unfinished_jobs_of_tool
 -- --drain waits while any job of the tool is queued or running.
 SELECT count(*) FROM tool_jobs WHERE tool = $1 AND state IN ('queued', 'running');
