@@ -116,3 +116,23 @@ def test_a_waiting_call_learns_why_and_ends_expired_after_the_start_deadline(
     job = result.meta["io.github.sidecar/job"]["id"]
     assert scalar(dsn, "SELECT error->>'kind' FROM tool_jobs WHERE id = $1", job) == "expired"
     assert took >= 3.5
+
+
+def test_a_queued_tasks_status_message_says_why(dsn, gateway, tmp_path):  # noqa: F811
+    """A task-augmented call of `hang`, which no sidecar serves: tasks/get's
+    statusMessage says "queued: no live sidecar ..." (was: "queued")."""
+    from sidecar.mcp.tasks import TaskHandle, TasksExtension, cancel_task, get_task
+
+    g = gateway()
+
+    async def main():
+        async with g.client(extensions=[TasksExtension()]) as client:
+            handle = await client.session.call_tool("hang", {}, allow_claimed=True)
+            assert isinstance(handle, TaskHandle)
+            task = await get_task(client.session, handle.task_id)
+            await cancel_task(client.session, handle.task_id)
+            return task
+
+    task = asyncio.run(main())
+    assert task["status"] == "working"
+    assert task["statusMessage"].startswith("queued: no live sidecar"), task

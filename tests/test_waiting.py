@@ -213,6 +213,20 @@ def test_wait_exit_3_wins_over_a_timeout_and_enqueue_wait_takes_progress(dsn, si
     assert cli(dsn, "enqueue", TOOL, "--payload", "{}", "--progress").returncode == 2
 
 
+def test_wait_progress_says_why_a_job_waits(dsn):
+    """Issue 41, point 4: `wait --progress` on a job of a tool no sidecar serves prints a
+    line on stderr saying so ("waiting": "no_live_sidecar"), once, then times out (exit
+    4). Was: silence until the timeout."""
+    job = enqueue(dsn, "nobody-runs-this", {})
+    done = cli(dsn, "wait", job, "--progress", "--timeout", "5s")
+    assert done.returncode == 4, done.stderr.decode()
+    reasons = [line for line in _lines(done.stderr.split(b"sidecar: error")[0])
+               if "waiting" in line]
+    assert [(r["id"], r["waiting"], r["progress"]) for r in reasons] == [
+        (job, "no_live_sidecar", None)]
+    assert reasons[0]["message"].startswith("no live sidecar")
+
+
 def test_a_rolled_back_end_wakes_nobody(dsn):
     """The fenced end run in a transaction that rolls back sends nothing (the NOTIFY leaves
     at commit): the waiter keeps waiting and a listener on the job's channel hears nothing;
