@@ -372,12 +372,13 @@ class WaitHub:
     and again after it fails (after RECONNECT_SECONDS; ``on_reconnect(error, jobs
     waited)`` is called), LISTENs on every waited channel, then reads every waited job,
     so an end in the gap is not lost. Until that connection was made once, a waiter
-    raises what its last connect raised (DatabaseUnavailable naming the setting: a wrong
-    listen URL is said at once). A read that fails (any error: the hub's tasks never die
-    while it is open) is tried again the same way: after the first connection, waiters
-    never see the database's failures, only their jobs' ends (bound them with a
-    timeout). While a waited job is queued, why it waits (JobWaiting) is asked every
-    ``reason_seconds`` for all such jobs in one statement (CallerStore.wait_reasons).
+    waits for the connect under way (or the next one) and raises what it raised
+    (DatabaseUnavailable naming the setting: a wrong listen URL is said at once). A
+    read that fails (any error: the hub's tasks never die while it is open) is tried
+    again the same way: after the first connection, waiters never see the database's
+    failures, only their jobs' ends (bound them with a timeout). While a waited job is
+    queued, why it waits (JobWaiting) is asked every ``reason_seconds`` for all such
+    jobs in one statement (CallerStore.wait_reasons).
 
     Use ``follow(job_ids)``; ``close()`` ends the hub's tasks and connection."""
 
@@ -411,7 +412,7 @@ class WaitHub:
         # why the last one failed (a waiter then raises it: a wrong listen URL is a
         # configuration error, not a wait without end).
         self._connected_once = False
-        self._tried = asyncio.Event()
+        self._attempt_ended = asyncio.Event()  # set, then replaced, as each connect ends
         self._connect_error: BaseException | None = None
         self.reads = 0  # statements the hub ran through the pool (bench, tests)
 
@@ -443,7 +444,7 @@ class WaitHub:
         try:
             self._start()
             if self._connect is not None and not self._connected_once:
-                await self._tried.wait()
+                await self._attempt_ended.wait()  # the one under way, or the next one
                 if not self._connected_once and self._connect_error is not None:
                     raise self._connect_error
             if fresh and self._conn is not None:
@@ -561,12 +562,13 @@ class WaitHub:
             try:
                 try:
                     conn = await self._connect()
+                    self._connected_once = True
                 except BaseException as exc:
                     self._connect_error = exc
                     raise
                 finally:
-                    self._tried.set()
-                self._connected_once = True
+                    ended, self._attempt_ended = self._attempt_ended, asyncio.Event()
+                    ended.set()
                 self._lost.clear()
                 conn.add_termination_listener(self._on_close)
                 async with self._lock:
