@@ -74,12 +74,12 @@ MODES = {
                    poll_seconds=2.0, hb_window=8.0, reaction_trials=6, kill_trials=2,
                    lag_jobs=48, idle_window=10.0, health_jobs=100_000,
                    caller_calls=200, caller_waiters=100, bouncer_calls=12,
-                   mcp_calls=200, mcp_in_flight=100, mcp_tasks=1000),
+                   mcp_calls=200, mcp_in_flight=1000, mcp_tasks=1000),
     "full": Mode("full", jobs=10_000, shapes=SHAPES, pickup_samples=200, poll_samples=40,
                  poll_seconds=2.0, hb_window=10.0, reaction_trials=10, kill_trials=3,
                  lag_jobs=80, idle_window=10.0, health_jobs=100_000,
                  caller_calls=400, caller_waiters=100, bouncer_calls=20,
-                 mcp_calls=400, mcp_in_flight=100, mcp_tasks=1000),
+                 mcp_calls=400, mcp_in_flight=1000, mcp_tasks=1000),
 }
 
 # The short lease profile of the pickup, heartbeat and reaction sidecars (keeps P10:

@@ -284,11 +284,13 @@ def cmd_wait(args, settings: Settings) -> int:
 
 async def _wait(settings: Settings, store: CallerStore, job_ids: list[uuid.UUID], *,
                 timeout: float | None, first: bool = False, progress: bool = False) -> int:
-    """Wait for ``job_ids`` (sidecar.client.waiting.watch) on a connection of its own, printing
-    each end on stdout as it comes and, with ``progress``, each progress report on stderr;
-    connect again after a failure, bounded by ``timeout`` seconds. Returns the exit code:
-    0 all succeeded, EXIT_JOB_FAILED when one ended failed or cancelled (also when others
-    then timed out), else EXIT_TIMEOUT."""
+    """Wait for ``job_ids`` (sidecar.client.waiting.WaitHub: one LISTEN connection for
+    them all, reads through ``store``'s pool), printing each end on stdout as it comes
+    and, with ``progress``, each progress report on stderr, and while a job is queued a
+    line saying why it waits each time that changes (``"waiting"``: no_live_sidecar,
+    paused, ...); connect again after a failure, bounded by ``timeout`` seconds. Returns
+    the exit code: 0 all succeeded, EXIT_JOB_FAILED when one ended failed or cancelled
+    (also when others then timed out), else EXIT_TIMEOUT."""
     from sidecar.client import waiting
 
     dsn = db.resolve_dsn(settings)
@@ -299,20 +301,30 @@ async def _wait(settings: Settings, store: CallerStore, job_ids: list[uuid.UUID]
         log_mod.log.emit("listen_disabled", reason="SIDECAR_DATABASE_POOLER=transaction "
                          "without SIDECAR_LISTEN_DATABASE_URL: wait reads the jobs every "
                          f"{waiting.POLL_SECONDS:g} s instead of LISTEN")
-    wait_dsn, pooler = target or (dsn, None)
     pending, failed = list(job_ids), False
 
     def reconnecting(exc: BaseException, jobs: int) -> None:
         log_mod.log.emit("wait_reconnecting", "warning", reason=db.describe_error(exc),
                          jobs=jobs)
 
+    connect = None
+    if target is not None:
+        setting = ("SIDECAR_LISTEN_DATABASE_URL" if settings.listen_database_url
+                   else "SIDECAR_DATABASE_URL")
+
+        async def connect() -> Any:
+            return await db.connect(target[0], settings.db_timeout_seconds,
+                                    pooler=target[1], setting=setting,
+                                    application_name=db.LISTEN_APPLICATION_NAME)
+
+    hub = waiting.WaitHub(store, connect, timeout=settings.db_timeout_seconds,
+                          on_reconnect=reconnecting)
     try:
-        async with asyncio.timeout(timeout), contextlib.aclosing(waiting.follow(
-                wait_dsn, job_ids, db_timeout=settings.db_timeout_seconds,
-                listen=target is not None, pooler=pooler, on_reconnect=reconnecting,
-                setting="SIDECAR_LISTEN_DATABASE_URL" if settings.listen_database_url
-                else "SIDECAR_DATABASE_URL")) as events:
+        async with asyncio.timeout(timeout), contextlib.aclosing(
+                hub.follow(job_ids, reasons=progress)) as events:
             async for event in events:
+                if isinstance(event, waiting.JobWaiting):
+                    event = event.as_progress()
                 if isinstance(event, waiting.JobProgress):
                     if progress:
                         sys.stderr.buffer.write(jsontext.dumps(
@@ -331,6 +343,8 @@ async def _wait(settings: Settings, store: CallerStore, job_ids: list[uuid.UUID]
               f"{shown}{more}", file=sys.stderr)
         # A job that ended failed is known for good; it wins over the ones not yet ended.
         return EXIT_JOB_FAILED if failed else EXIT_TIMEOUT
+    finally:
+        await hub.close()
     return EXIT_JOB_FAILED if failed else 0
 
 
@@ -724,6 +738,9 @@ def cmd_mcp(args, settings: Settings) -> int:
         max_calls_per_principal=args.max_calls_per_principal,
         max_tasks_per_principal=args.max_tasks_per_principal,
         max_request_bytes=args.max_request_bytes,
+        start_deadline_seconds=parsing.parse_duration(
+            args.start_deadline, "--start-deadline", mcp_catalog.MAX_START_DEADLINE_SECONDS,
+            positive=True),
         allowed_hosts=tuple(args.allowed_host or ()),
         allowed_origins=tuple(args.allowed_origin or ()))
     mcp_gateway.check_catalog(catalog)  # each schema valid in its draft, before any I/O
@@ -1130,6 +1147,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=_int_from(1024, 64 * 1024 * 1024),
                    default=1024 * 1024, metavar="N",
                    help="largest HTTP request body (default 1048576)")
+    p.add_argument("--start-deadline", default="10m", metavar="DURATION",
+                   help="a call's job that has not started this long after the call ends "
+                        "failed, kind expired, and the call returns that error (default "
+                        "10m, at most 30d)")
     p.add_argument("--allowed-host", action="append", metavar="HOST[:PORT|:*]",
                    help="a Host header to accept besides loopback (repeatable), e.g. the "
                         "Service's name: sidecar-mcp:*")

@@ -179,8 +179,8 @@ def test_quick_gateway_section_measures_mcp_calls_against_client_call_and_memory
     rows = _run_bench(server_dsn, output, "--only", "14", timeout=110)
     assert rows and all(row[0] == "14" for row in rows)
     assert not [row for row in rows if "not measured" in row[1]], rows
-    assert len(rows) == 4, rows
-    p50, p99, memory, tasks = rows
+    assert len(rows) == 5, rows
+    p50, p99, memory, tasks, sessions = rows
     assert p50[1].startswith("MCP gateway round trip p50") and re.fullmatch(r"[\d.]+ ms", p50[2])
     assert re.fullmatch(r"Client\.call [\d.]+ ms", p50[3]), p50
     assert re.fullmatch(r"[\d.]+ × Client\.call", p50[4]), p50
@@ -193,6 +193,11 @@ def test_quick_gateway_section_measures_mcp_calls_against_client_call_and_memory
     assert re.search(r"with \d+ tasks pending at once", tasks[1]), tasks
     assert re.fullmatch(r"[\d,]+ KiB per task \([\d.]+ MiB in all\)", tasks[2]), tasks
     assert tasks[5] == "≤ 4 KiB per pending task" and tasks[6] in ("yes", "**NO**"), tasks
+    # issue 41: the calls in flight share the gateway's pool and one LISTEN connection
+    assert re.search(r"\d+ MCP calls waiting at once on one gateway", sessions[1]), sessions
+    assert re.fullmatch(r"\d+ \([+-]\d+\)", sessions[2]), sessions
+    assert sessions[5] == "≤ before + 5 (the gateway's pool + 1)", sessions
+    assert sessions[6] == "yes", sessions
     written = output.read_text()
     assert "- 14: `sidecar mcp --listen" in written
 

@@ -40,7 +40,8 @@ CALLER_PRIVILEGES = {
     *(("table", "sidecar_mcp_sessions", p) for p in ("SELECT", "INSERT", "DELETE")),
     ("column", "sidecar_mcp_sessions.last_seen_at", "UPDATE"),
     *(("function", f, "EXECUTE") for f in ("tool_job_enqueue", "sidecar_enqueue",
-                                           "tool_job_cancel", "tool_job_expire")),
+                                           "tool_job_cancel", "tool_job_expire",
+                                           "tool_job_wait_reasons")),
 }
 
 # Every privilege granted to one role by name (not through PUBLIC), columns included.
@@ -116,6 +117,8 @@ def test_a_client_as_the_caller_enqueues_waits_gets_and_cancels(dsn, caller, sid
             again = await client.enqueue(TOOL, {"n": 1}, idempotency_key="k-1",
                                          run_after=3600)
             assert (again.id, again.created) == (first.id, False)
+            # why a job waits (tool_job_wait_reasons: the owner's rights, issue 41)
+            assert (await client.waiting_reason(first)).reason == "scheduled"
             keyed = await client.enqueue(TOOL, {"n": 2}, concurrency_key="tenant-1",
                                          run_after=3600)
             assert (await client.get(keyed)).state == "queued"

@@ -360,6 +360,10 @@ def test_stdio_serves_the_same_calls(dsn, sidecars, tmp_path):
     ("no tokens", {"SIDECAR_MCP_TOKEN_FILE": ""}, ["--tool", "pt"],
      "needs bearer tokens: set SIDECAR_MCP_TOKEN_FILE"),
     ("bad listen", {}, ["--tool", "pt", "--listen", "localhost"], "use HOST:PORT"),
+    ("start deadline too long", {}, ["--tool", "pt", "--start-deadline", "40d"],
+     "--start-deadline '40d': at most 30 days"),
+    ("start deadline zero", {}, ["--tool", "pt", "--start-deadline", "0"],
+     "--start-deadline '0'"),
     ("control characters", {"SIDECAR_PROFILE_PT_MCP_DESCRIPTION": "a\x07b"}, ["--tool", "pt"],
      "SIDECAR_PROFILE_PT_MCP_DESCRIPTION='a\\x07b' is not valid"),
 ])

@@ -56,6 +56,7 @@ WORKER_PRIVILEGES = {
     ("function", "tool_flow_room", "EXECUTE"),
     ("function", "tool_job_tell_owner", "EXECUTE"),
     ("function", "tool_job_expire", "EXECUTE"),
+    ("function", "tool_job_wait_reasons", "EXECUTE"),
     ("function", "tool_flow_key_blocked", "EXECUTE"),
     ("function", "tool_flow_key_wait", "EXECUTE"),
     ("function", "tool_flow_occupied", "EXECUTE"),

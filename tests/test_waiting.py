@@ -213,6 +213,20 @@ def test_wait_exit_3_wins_over_a_timeout_and_enqueue_wait_takes_progress(dsn, si
     assert cli(dsn, "enqueue", TOOL, "--payload", "{}", "--progress").returncode == 2
 
 
+def test_wait_progress_says_why_a_job_waits(dsn):
+    """Issue 41, point 4: `wait --progress` on a job of a tool no sidecar serves prints a
+    line on stderr saying so ("waiting": "no_live_sidecar"), once, then times out (exit
+    4). Was: silence until the timeout."""
+    job = enqueue(dsn, "nobody-runs-this", {})
+    done = cli(dsn, "wait", job, "--progress", "--timeout", "5s")
+    assert done.returncode == 4, done.stderr.decode()
+    reasons = [line for line in _lines(done.stderr.split(b"sidecar: error")[0])
+               if "waiting" in line]
+    assert [(r["id"], r["waiting"], r["progress"]) for r in reasons] == [
+        (job, "no_live_sidecar", None)]
+    assert reasons[0]["message"].startswith("no live sidecar")
+
+
 def test_a_rolled_back_end_wakes_nobody(dsn):
     """The fenced end run in a transaction that rolls back sends nothing (the NOTIFY leaves
     at commit): the waiter keeps waiting and a listener on the job's channel hears nothing;
@@ -342,7 +356,8 @@ def test_progress_over_http_and_file_reaches_row_show_journal_and_waiter(dsn, si
         stop_process(waiter, 5)
     assert code == 0, err.decode()
     assert _lines(out)[0]["result"] == {"done": True, "statuses": [200]}
-    reports = [line for line in _lines(err) if "progress" in line]
+    # (a line saying why the job waits, "waiting", may come before the sidecar is up)
+    reports = [line for line in _lines(err) if "progress" in line and "waiting" not in line]
     assert [(r["id"], r["progress"], r["message"]) for r in reports] == [
         (job_id, 0.25, "http step"), (job_id, 0.75, "file step")]
 

@@ -38,14 +38,14 @@ import datetime as dt
 import json
 import math
 import uuid
-from collections.abc import AsyncIterator, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import asyncpg
 
 from sidecar.client import waiting
-from sidecar.client.waiting import JobEnd, JobNotFound, JobProgress
+from sidecar.client.waiting import JobEnd, JobNotFound, JobProgress, JobWaiting
 from sidecar.protocol import enqueue_args, jsontext, parsing
 from sidecar.protocol.errors import SchemaMismatch, UsageError, one_line
 from sidecar.protocol.masking import SECRETS
@@ -63,7 +63,7 @@ from sidecar.storage.caller_store import CallerStore
 from sidecar.storage.store import check_producer_key
 
 __all__ = ["Client", "Job", "JobEnd", "JobFailed", "JobNotFound", "JobProgress", "JobRef",
-           "JobTimeout", "SchemaMismatch"]
+           "JobTimeout", "JobWaiting", "SchemaMismatch"]
 
 # What the client's journal row (job_enqueued) says enqueued the job.
 ENQUEUED_BY = "sidecar.client"
@@ -217,8 +217,10 @@ class Client:
     goes to LISTEN, a session (the server itself, or a session-mode pool), even behind a
     transaction pooler (default ``SIDECAR_LISTEN_DATABASE_URL``; unset: ``dsn``, or
     polling behind a transaction pooler; ConfigError when it is not a PostgreSQL URL).
-    ``max_connections``: the pool's size (each wait opens one connection more, of its
-    own, for as long as it waits).
+    ``max_connections``: the pool's size. Every wait of the client shares one more
+    connection, its LISTEN connection (sidecar.client.waiting.WaitHub, made at the first
+    wait): a client holds at most ``max_connections`` + 1 server connections however
+    many calls it waits for at once (issue 41).
 
     Use it as ``async with Client() as client:`` or ``client = await Client.connect()``
     (then ``await client.close()``). Opening checks the schema and never changes it:
@@ -238,6 +240,7 @@ class Client:
         self._pool: asyncpg.Pool | None = None
         self._store: CallerStore | None = None
         self._secret_keys: list = []  # this client's keys in masking.SECRETS
+        self._hub: waiting.WaitHub | None = None
         self.dsn: str | None = None
         self.settings: Settings | None = None
         self.pooler = "none"
@@ -285,11 +288,33 @@ class Client:
         self._secret_keys = register_secrets(
             dataclasses.replace(settings, listen_database_url=listen_dsn or None), dsn,
             ("client", id(self)))
+        self._hub = waiting.WaitHub(store, self._listen_connector(),
+                                    timeout=settings.db_timeout_seconds)
+
+    def _listen_connector(self):
+        """What makes the hub's LISTEN connection: db.connect to the listen target
+        (``listen_dsn``, else ``dsn``), or None behind a transaction pooler without
+        ``listen_dsn`` (the hub polls)."""
+        assert self.dsn is not None and self.settings is not None
+        target = db.listen_target(self.dsn, self.pooler, self.listen_dsn)
+        if target is None:
+            return None
+        timeout = self.settings.db_timeout_seconds
+        setting = ("SIDECAR_LISTEN_DATABASE_URL (listen_dsn)" if self.listen_dsn
+                   else "SIDECAR_DATABASE_URL")
+
+        async def connect() -> asyncpg.Connection:
+            return await db.connect(target[0], timeout, pooler=target[1], setting=setting,
+                                    application_name=db.LISTEN_APPLICATION_NAME)
+        return connect
 
     async def close(self) -> None:
         """Close the pool (bounded by the statement bound; then its connections are
         terminated)."""
         pool, self._pool, self._store = self._pool, None, None
+        hub, self._hub = self._hub, None
+        if hub is not None:
+            await hub.close()
         if pool is None:
             return
         for key in self._secret_keys:
@@ -372,33 +397,36 @@ class Client:
 
     # --- waiting ----------------------------------------------------------------
 
-    def _follow(self, job_ids: list[uuid.UUID]) -> AsyncIterator[JobEnd | JobProgress]:
+    def _follow(self, job_ids: list[uuid.UUID], reasons: bool = False,
+                ) -> AsyncIterator[JobEnd | JobProgress | JobWaiting]:
         self._opened()
-        assert self.dsn is not None
-        target = db.listen_target(self.dsn, self.pooler, self.listen_dsn)
-        if target is None:  # behind a transaction pooler: poll through it
-            return waiting.follow(self.dsn, job_ids, db_timeout=self._timeout, listen=False,
-                                  pooler=self.pooler)
-        return waiting.follow(target[0], job_ids, db_timeout=self._timeout, pooler=target[1],
-                              setting="SIDECAR_LISTEN_DATABASE_URL (listen_dsn)"
-                              if self.listen_dsn else "SIDECAR_DATABASE_URL")
+        assert self._hub is not None
+        return self._hub.follow(job_ids, reasons=reasons)
 
     async def wait(self, jobs: JobId | Iterable[JobId], *,
                    timeout: float | dt.timedelta | None = None,
-                   any: bool = False) -> JobEnd | list[JobEnd]:  # noqa: A002 - as the CLI's
-        """Wait until the jobs end, without polling (a NOTIFY on each job's channel; behind
-        a transaction pooler without ``listen_dsn`` a read every waiting.POLL_SECONDS).
+                   any: bool = False,  # noqa: A002 - as the CLI's
+                   on_progress: Callable[[JobProgress], Any] | None = None,
+                   ) -> JobEnd | list[JobEnd]:
+        """Wait until the jobs end, without polling (a NOTIFY on each job's channel, heard
+        on the client's one LISTEN connection; behind a transaction pooler without
+        ``listen_dsn`` a read every waiting.POLL_SECONDS).
 
         ``jobs``: one id (a UUID, its text or a JobRef): returns its JobEnd; or several:
         returns their JobEnd in the order given (a repeated id counts once), or with
         ``any`` a list of the first one to end. A JobEnd has ``id``, ``state``
         (``succeeded``, ``failed`` or ``cancelled``), ``result`` or ``error`` and
         ``attempt``; a failed job does not raise here (``call`` does). ``timeout``:
-        seconds or a timedelta, None waits for as long as it takes.
+        seconds or a timedelta, None waits for as long as it takes. ``on_progress``: called
+        with each JobProgress as it comes: the tool's reports, and while a job is queued
+        why it waits when that changes (``waiting`` set: ``no_live_sidecar``, ``paused``,
+        ``max_running``, ``rate``, ``max_running_per_key``, ``rate_per_key``,
+        ``scheduled``, ``queued_behind``; ``message`` says it in one line).
 
         Raises JobTimeout (a TimeoutError) when the timeout passes first, JobNotFound when
-        a job does not exist, DatabaseUnavailable when no connection can be made (a
-        connection that fails while waiting is made again, nothing missed)."""
+        a job does not exist, DatabaseUnavailable when the client's LISTEN connection has
+        never been made and cannot be (a wrong ``listen_dsn``). A connection that fails
+        while waiting is made again, nothing missed: the wait goes on until its timeout."""
         single = isinstance(jobs, uuid.UUID | str | JobRef)
         ids = list(dict.fromkeys(_job_id(job) for job in ([jobs] if single else jobs)))
         if not ids:
@@ -407,8 +435,11 @@ class Client:
         ended: dict[uuid.UUID, JobEnd] = {}
         try:
             async with asyncio.timeout(seconds), \
-                    contextlib.aclosing(self._follow(ids)) as events:
+                    contextlib.aclosing(self._follow(ids, on_progress is not None)) as events:
                 async for event in events:
+                    if on_progress is not None and not isinstance(event, JobEnd):
+                        on_progress(event.as_progress() if isinstance(event, JobWaiting)
+                                    else event)
                     if isinstance(event, JobEnd):
                         ended[event.id] = event
                         if any:
@@ -452,27 +483,35 @@ class Client:
             raise JobFailed(end)
         return end.result
 
-    async def follow(self, job_id: JobId) -> AsyncIterator[JobProgress | JobEnd]:
+    async def follow(self, job_id: JobId, *, reasons: bool = False,
+                     ) -> AsyncIterator[JobProgress | JobEnd]:
         """What happens to one job, as it happens: its progress reports (the latest one
-        first when it has one), then its JobEnd, after which the iteration stops. No
-        polling (as ``wait``); raises JobNotFound for a job that does not exist. Bound it
-        with ``asyncio.timeout`` if needed."""
-        async with contextlib.aclosing(self._follow([_job_id(job_id)])) as events:
+        first when it has one), then its JobEnd, after which the iteration stops. With
+        ``reasons``, while the job is queued, why it waits too, each time that changes
+        (a JobProgress whose ``waiting`` is set, as ``wait``'s ``on_progress`` gets).
+        No polling (as ``wait``); raises JobNotFound for a job that does not exist. Bound
+        it with ``asyncio.timeout`` if needed."""
+        async with contextlib.aclosing(self._follow([_job_id(job_id)], reasons)) as events:
             async for event in events:
-                yield event
+                yield event.as_progress() if isinstance(event, JobWaiting) else event
                 if isinstance(event, JobEnd):
                     return
 
-    async def progress(self, job_id: JobId) -> AsyncIterator[JobProgress]:
+    async def progress(self, job_id: JobId, *, reasons: bool = False,
+                       ) -> AsyncIterator[JobProgress]:
         """The progress reports of a job as they come (the latest one first when it has
         one), until it ends; then the iteration stops (``wait`` gives its end at once).
         A JobProgress has ``value`` (0..1 or None), ``message``, ``at`` (ISO 8601, the
-        database's time) and ``attempt``. Behind a transaction pooler a report replaced
-        within one poll is not seen. Bound it with ``asyncio.timeout`` if needed; raises
-        JobNotFound for a job that does not exist."""
-        async with contextlib.aclosing(self._follow([_job_id(job_id)])) as events:
+        database's time) and ``attempt``; with ``reasons``, while the job is queued, why
+        it waits comes as one with ``waiting`` set (see ``wait``), when that changes.
+        Behind a transaction pooler a report replaced within one poll is not seen. Bound
+        it with ``asyncio.timeout`` if needed; raises JobNotFound for a job that does not
+        exist."""
+        async with contextlib.aclosing(self._follow([_job_id(job_id)], reasons)) as events:
             async for event in events:
-                if isinstance(event, JobProgress):
+                if isinstance(event, JobWaiting):
+                    yield event.as_progress()
+                elif isinstance(event, JobProgress):
                     yield event
 
     # --- acting on jobs ---------------------------------------------------------
@@ -510,6 +549,21 @@ class Client:
         rows = await self._opened().list_jobs(state, tool, limit, checked)
         return [dict(row) for row in rows]
 
+    async def unfinished_like(self, tool: str, payload: Any, tags: Mapping[str, str],
+                              limit: int = 10) -> list[dict[str, Any]]:
+        """The oldest queued or running jobs (at most ``limit``, 1-1000) of ``tool`` with
+        the same ``payload`` (as JSON) whose tags include all of ``tags`` (a non-empty
+        dict), as dicts of ``id`` and ``tags``: the job a call sent again would join (the
+        MCP gateway's calls without an idempotency key). One statement."""
+        if not tags:
+            raise UsageError("unfinished_like: give at least one tag")
+        if not 1 <= limit <= 1000:
+            raise UsageError(f"limit {limit}: must be from 1 to 1000")
+        text = _payload_text({} if payload is None else payload, 0)  # as enqueue stores it
+        rows = await self._opened().unfinished_same_jobs(
+            validate_tool_name(tool), text, enqueue_args.check_tags(dict(tags)), limit)
+        return [dict(row) for row in rows]
+
     async def count_unfinished(self, tags: Mapping[str, str], up_to: int = 10_000) -> int:
         """How many queued or running jobs carry all of ``tags`` (a non-empty dict),
         counted up to ``up_to`` + 1."""
@@ -517,6 +571,19 @@ class Client:
             raise UsageError("count_unfinished: give at least one tag")
         return await self._opened().unfinished_jobs_tagged(
             enqueue_args.check_tags(dict(tags)), up_to)
+
+    async def waiting_reason(self, job_id: JobId) -> JobWaiting | None:
+        """Why a queued job waits now (a JobWaiting), None when it is not queued, does not
+        exist, or a claim could take it now. One statement (CallerStore.wait_reasons),
+        which also ends the job ``expired`` when its start deadline passed."""
+        wanted = _job_id(job_id)
+        for row in await self._opened().wait_reasons([wanted]):
+            if row["reason"] is not None:
+                ahead = int(row["ahead"] or 0)
+                return JobWaiting(row["id"], row["reason"], ahead, row["detail"],
+                                  waiting.waiting_message(row["reason"], ahead,
+                                                          row["detail"]))
+        return None
 
     async def get(self, job_id: JobId) -> Job:
         """The job's row as a Job; JobNotFound when there is none (never enqueued, or

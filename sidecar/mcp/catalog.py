@@ -36,6 +36,9 @@ principal_of = tokens.principal_of
 ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
 # The principal of a `sidecar mcp --stdio` session: whoever started the process.
 STDIO_PRINCIPAL = "stdio"
+# `sidecar mcp --start-deadline`: the default, and the most it may be (30 days), seconds.
+DEFAULT_START_DEADLINE_SECONDS = 600.0
+MAX_START_DEADLINE_SECONDS = 30 * 86400.0
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,11 @@ A ``tools/call`` is one job of that tool: the arguments, checked against the too
 schema, are its payload; the job carries the MCP principal, session and request as tags
 and, where the request can be told apart from every other, an idempotency key derived
 from it (sidecar.mcp.catalog.call_idempotency_key), so a client's retry joins the job
-instead of running the tool twice. The gateway waits for the job without polling (a
-LISTEN on the job's channel, sidecar.client.Client.follow), turns the tool's progress
-into ``notifications/progress`` when the client sent a progress token, and returns the
+instead of running the tool twice (without a key: a request sent again joins its
+unfinished job). The gateway waits for the job without polling (sidecar.client.Client.follow:
+every call on the client's one LISTEN connection, issue 41), turns the tool's progress,
+and while the job is queued why it waits, into ``notifications/progress`` when the
+client sent a progress token, gives every job a start deadline, and returns the
 job's result (``isError`` with the error's kind and message when it failed). A request
 the client cancels (``notifications/cancelled``, or closing its response stream on the
 2026-07-28 protocol) cancels the job: its sidecar kills the tree at its next heartbeat.
@@ -44,7 +46,7 @@ from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 from mcp_types.jsonrpc import INTERNAL_ERROR, INVALID_PARAMS, INVALID_REQUEST
 
-from sidecar.client import Client, JobEnd, JobNotFound, JobProgress
+from sidecar.client import Client, JobEnd, JobNotFound, JobProgress, JobRef
 from sidecar.mcp import catalog as mcp_catalog
 from sidecar.mcp import wire
 from sidecar.mcp.catalog import McpTool
@@ -95,11 +97,14 @@ class GatewayOptions:
     (unfinished tasks per principal, counted in the database) and, over HTTP,
     ``max_request_bytes`` (a larger body gets 413), ``allowed_hosts`` and
     ``allowed_origins`` (``Host``/``Origin`` values accepted besides the loopback ones;
-    ``host:*`` admits any port)."""
+    ``host:*`` admits any port). ``start_deadline_seconds``: a call's job not started
+    that long after the call ends failed, kind ``expired`` (its ``expires_at``; issue 41:
+    no call waits for ever for a tool no sidecar serves)."""
 
     max_calls_per_principal: int = DEFAULT_MAX_CALLS_PER_PRINCIPAL
     max_tasks_per_principal: int = DEFAULT_MAX_TASKS_PER_PRINCIPAL
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
+    start_deadline_seconds: float = mcp_catalog.DEFAULT_START_DEADLINE_SECONDS
     allowed_hosts: Sequence[str] = ()
     allowed_origins: Sequence[str] = ()
 
@@ -172,15 +177,21 @@ class Gateway:
                 tags["mcp.task"] = secrets.token_urlsafe(24)
                 tags["mcp.kind"] = "task"
             try:
-                ref = await self.client.enqueue(tool.name, arguments, idempotency_key=key,
-                                                tags=tags)
+                ref = None
+                if key is None and not as_task:  # no session: a retry finds its job
+                    ref = await self._unfinished_call(tool.name, tags, arguments)
+                if ref is None:
+                    ref = await self.client.enqueue(
+                        tool.name, arguments, idempotency_key=key, tags=tags,
+                        expires_in=self.options.start_deadline_seconds)
             except IdempotencyConflict as exc:
                 raise MCPError(code=INVALID_PARAMS,
                                message=_conflict(str(exc), meta, key)) from None
             except (UsageError, ConfigError) as exc:
                 raise MCPError(code=INVALID_PARAMS, message=self._said(exc)) from None
             except (SidecarError, *db.DATABASE_ERRORS) as exc:
-                log.warning("mcp call of %s: enqueue failed: %s", tool.name, one_line(str(exc)))
+                why = one_line(str(exc)) or db.describe_error(exc)  # a timeout has no text
+                log.warning("mcp call of %s: enqueue failed: %s", tool.name, why)
                 raise MCPError(code=INTERNAL_ERROR, message=(
                     f"the job could not be queued: {self._said(exc)}")) from None
             if as_task:  # the handle at once; the job goes on without this request
@@ -207,6 +218,20 @@ class Gateway:
     async def _clear_validation(self, ctx: Any, call_next: Any) -> Any:
         """Server middleware (_clear_validation), its database errors masked (_said)."""
         return await _clear_validation(ctx, call_next, self._said)
+
+    async def _unfinished_call(self, tool: str, tags: Mapping[str, str],
+                               arguments: Any) -> JobRef | None:
+        """A call with no idempotency key (no session on the 2026-07-28 revision, no key
+        in ``_meta``): the unfinished job of the same principal, request id, tool and
+        arguments, if there is one, so a client's retry of that request joins its job
+        instead of starting a second (issue 41). Only unfinished jobs: request ids repeat
+        across a client's connections, and a later call must not get an old result."""
+        wanted = {"mcp.principal": tags["mcp.principal"],
+                  "mcp.tool_call": tags["mcp.tool_call"]}
+        for row in await self.client.unfinished_like(tool, arguments, wanted):
+            if "mcp.task" not in (row["tags"] or {}):
+                return JobRef(row["id"], False)
+        return None
 
     def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:
         given = meta.get(IDEMPOTENCY_META)
@@ -256,12 +281,17 @@ class Gateway:
 
     async def _follow(self, ctx: Any, job_id: uuid.UUID,
                       progress_token: str | int | None) -> JobEnd:
+        """The job's end; meanwhile, when the client sent a progress token, each progress
+        report and, while the job is queued, why it waits (each time that changes, as its
+        message) as ``notifications/progress``, whose ``progress`` only grows
+        (wire.ProgressClock)."""
         clock = wire.ProgressClock()
-        async for event in self.client.follow(job_id):
+        async for event in self.client.follow(job_id, reasons=progress_token is not None):
             if isinstance(event, JobEnd):
                 return event
             if progress_token is not None and isinstance(event, JobProgress):
-                progress, total = clock.next(event.value, event.attempt)
+                value = 0.0 if event.waiting is not None else event.value
+                progress, total = clock.next(value, event.attempt)
                 await ctx.session.send_progress_notification(
                     progress_token, progress, total=total, message=event.message,
                     related_request_id=_text_id(ctx.request_id))
@@ -355,7 +385,12 @@ class Gateway:
 
     async def _task_get(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
         job = await self._own_task(ctx, params.task_id)
-        return {"resultType": "complete", **self._task(job)}
+        task = self._task(job)
+        if job.state == "queued":  # why it waits (one statement; ends it if expired)
+            reason = await self.client.waiting_reason(job.id)
+            if reason is not None:
+                task["statusMessage"] = f"queued: {reason.message}"
+        return {"resultType": "complete", **task}
 
     async def _task_result(self, ctx: Any, params: TaskParams) -> types.CallToolResult:
         """Wait for the task's job to end (no polling) and return its tool result."""

@@ -107,6 +107,14 @@ class CallerStore(JobAccess):
         await self.db.execute(Q["mcp_session_close"], session_id, principal,
                               timeout=self.timeout)
 
+    async def unfinished_same_jobs(self, tool: str, payload: Any, tags: dict[str, str],
+                                   limit: int) -> list[asyncpg.Record]:
+        """``id, tags`` of the oldest queued or running jobs (at most ``limit``) of
+        ``tool`` with ``payload`` (any JSON value, compared as jsonb) whose tags include
+        all of ``tags``. One statement."""
+        return await self.db.fetch(Q["unfinished_same_jobs"], tags, tool,
+                                   db.encode_json(payload), limit, timeout=self.timeout)
+
     @staticmethod
     async def jobs_to_wait_for(conn: asyncpg.Connection, job_ids: Iterable[uuid.UUID],
                                timeout: float) -> list[dict[str, Any]]:
@@ -121,3 +129,22 @@ class CallerStore(JobAccess):
         await settle_expired(conn, ids, timeout)  # issue 41: expired while all are down
         return shown_rows(await db.run(conn, "fetch", Q["jobs_to_wait_for"], ids,
                                        timeout=timeout))
+
+    async def wait_rows(self, job_ids: Iterable[uuid.UUID]) -> list[dict[str, Any]]:
+        """The waiter's read through the pool (sidecar.client.waiting.WaitHub): ``id,
+        state, attempt, result, error, progress, settle_in_s, expired`` of each job of
+        ``job_ids`` that exists, after settling those past their expiry
+        (``settle_expired``), ``shown`` (secrets scrubbed); ``expired``: queued past its
+        expires_at. Bounded as every pool call."""
+        ids = [str(j) for j in job_ids]
+        await settle_expired(self.db, ids, self.timeout)
+        return shown_rows(await self.db.fetch(Q["jobs_to_wait_for"], ids))
+
+    async def wait_reasons(self, job_ids: Iterable[uuid.UUID], explain: bool = True,
+                           ) -> list[asyncpg.Record]:
+        """``id, reason, ahead, detail`` of each queued job of ``job_ids`` (at most 1,000):
+        why it waits (SQL tool_job_wait_reasons, functions/waiting.sql; reason None when a
+        claim could take it now); no row without ``explain``. Jobs among them whose start
+        deadline passed end ``expired`` first (their waiters hear the end). Bounded as
+        every pool call."""
+        return await self.db.fetch(Q["wait_reasons"], [str(j) for j in job_ids], explain)

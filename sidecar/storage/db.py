@@ -300,7 +300,7 @@ CONNECT_ERRORS = DATABASE_ERRORS
 
 # The application_name of the sidecar's sessions (pg_stat_activity), and of the one
 # connection a sidecar holds for LISTEN: an operator counts listeners (one per sidecar
-# and one per waiting caller) apart from pooled connections.
+# and one per waiting process: sidecar.client.waiting.WaitHub) apart from pooled ones.
 APPLICATION_NAME = "sidecar"
 LISTEN_APPLICATION_NAME = "sidecar-listen"
 

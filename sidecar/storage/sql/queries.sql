@@ -485,15 +485,23 @@ FROM reported;
 -- first). A job missing from the answer does not exist (or was pruned). settle_in_s: for
 -- an unfinished job with an expiry, the seconds until a read would settle it as expired
 -- (a queued job's expiry; a running one's expiry or lease end, the later), so the waiter
--- reads it again then (issue 41); NULL for the others.
+-- reads it again then (issue 41); NULL for the others. expired: a queued job whose start
+-- deadline passed (tool_job_wait_reasons ends it: sidecar.client.waiting.WaitHub).
 SELECT j.id, j.state, j.attempt, j.result, j.error, j.progress,
        CASE WHEN j.state = 'queued'
             THEN extract(epoch FROM j.expires_at - now())::float8
             WHEN j.state = 'running'
             THEN extract(epoch FROM greatest(j.expires_at, j.lease_until) - now())::float8
-       END AS settle_in_s
+       END AS settle_in_s,
+       j.state = 'queued' AND coalesce(j.expires_at <= now(), false) AS expired
 FROM jsonb_array_elements_text($1::jsonb) AS wanted(id)
 JOIN tool_jobs j ON j.id = wanted.id::uuid;
+
+-- name: wait_reasons
+-- Why the queued jobs of $1 (a jsonb array of ids as text) wait (with $2; without: no
+-- row), after ending those whose start deadline passed: tool_job_wait_reasons
+-- (sql/functions/waiting.sql).
+SELECT id, reason, ahead, detail FROM tool_job_wait_reasons($1::jsonb, $2::boolean);
 
 -- name: record_event
 INSERT INTO tool_job_events (job_id, fencing_token, event, details) VALUES ($1, $2, $3, $4);
@@ -538,6 +546,16 @@ SELECT count(*) FROM (
   SELECT 1 FROM tool_jobs
   WHERE tags @> $1::jsonb AND state IN ('queued', 'running')
   LIMIT $2::int + 1) AS found;
+
+-- name: unfinished_same_jobs
+-- The oldest queued or running jobs (at most $4) of tool $2 with payload $3 whose tags
+-- contain $1's (sidecar mcp, issue 41: a call sent again without an idempotency key joins
+-- its job); through tool_jobs_tags_idx.
+SELECT id, tags FROM tool_jobs
+WHERE tags @> $1::jsonb AND tool = $2 AND state IN ('queued', 'running')
+  AND payload = $3::jsonb
+ORDER BY created_at, id
+LIMIT $4::int;
 
 -- name: unfinished_jobs_of_tool
 -- --drain waits while any job of the tool is queued or running.

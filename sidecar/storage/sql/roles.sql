@@ -108,10 +108,11 @@ SELECT format('REVOKE EXECUTE ON FUNCTION %I.tool_job_wake(text, bigint), '
 -- checking its inputs: tool_job_enqueue (and sidecar_enqueue, which calls it in the
 -- caller's own transaction) inserts a queued job, journals it and wakes a sidecar;
 -- tool_job_cancel cancels; tool_job_expire settles a job a read finds past its expiry
--- (issue 41, point 13). No write on any queue table (issue 41, point 2; its MCP
+-- (issue 41, point 13); tool_job_wait_reasons tells a waiter why its job waits (issue
+-- 41, point 4; the owner's rights: the caller reads neither the flow nor the sweeps). No write on any queue table (issue 41, point 2; its MCP
 -- sessions are its own rows): not a job inserted around the enqueue's checks, not a
--- journal row, not the idle list or a flow row. Not the journal's reads, the outbox, the sweeps, the fence_* tables, the demand function or
--- the claim functions.
+-- journal row, not the idle list or a flow row. Not the journal's reads, the outbox, the
+-- sweeps, the fence_* tables, the demand function or the claim functions.
 SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
@@ -127,7 +128,7 @@ UNION ALL
  FROM pg_proc p
  WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
    AND p.proname IN ('tool_job_enqueue', 'sidecar_enqueue', 'tool_job_cancel',
-                     'tool_job_expire')
+                     'tool_job_expire', 'tool_job_wait_reasons')
  ORDER BY p.oid::regprocedure::text);
 
 -- name: web_grants

@@ -1,0 +1,8 @@
+-- Waiting callers learn why (issue 41, points 4 and 14): tool_job_wait_reasons tells why
+-- a queued job waits (paused, no live sidecar, a limit, its key's slot, a schedule, the
+-- jobs before it), and ends the waited jobs whose start deadline passed through
+-- tool_job_expire, which the sidecars' sweep (queries.sql fail_expired_jobs) and every
+-- caller's read of a job (settle_expired) call too. Both are defined in sidecar/storage/sql/functions (waiting.sql, expiry.sql);
+-- this migration only marks the change of definitions. Releases built for schema 20 keep
+-- working: nothing of theirs changed.
+-- compatible-from: 20
