@@ -103,6 +103,8 @@ WRITES: dict[str, set[str]] = {
     "SELECT tool_job_demand('pt')": {"scaler"},
     # a read settles a job past its expiry (issue 41, point 13)
     "SELECT * FROM tool_job_expire(NULL, 1)": {"worker", "caller", "web"},
+    # why a waited job waits (issue 41, point 4)
+    "SELECT * FROM tool_job_wait_reasons('[]', true)": {"worker", "caller"},
     "SELECT * FROM tool_job_claim_flow('pt', 'me', 60, 60, 3)": {"worker"},
 }
 
@@ -117,7 +119,8 @@ READS = {
 
 # The SECURITY DEFINER functions, the only writes the callers and the web view make.
 DEFINERS = {"tool_job_enqueue", "tool_job_wake", "tool_job_cancel", "tool_job_retry",
-            "tool_flow_pause", "tool_flow_resume", "tool_job_demand", "tool_job_expire"}
+            "tool_flow_pause", "tool_flow_resume", "tool_job_demand", "tool_job_expire",
+            "tool_job_wait_reasons"}
 
 
 @pytest.fixture
