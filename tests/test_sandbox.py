@@ -223,7 +223,8 @@ def test_the_start_says_what_tools_cannot_see_and_a_failed_job_says_why(dsn, sid
 
     bound = sidecars(dsn, TOOL, "--tool", "ocr-bound",
                      env=_env(dsn, SIDECAR_EXTRA_PATHS=f"{image.parent}:ro"))
-    assert bound.wait_event("sandbox_hides")["bound"] == [f"{image.parent}:ro"]
+    # (a checkout under /tmp has its own directory bound back too: the tools live there)
+    assert f"{image.parent}:ro" in bound.wait_event("sandbox_hides")["bound"]
     job = enqueue(dsn, "ocr-bound", {"mode": "read", "path": str(image)})
     row = _ended(dsn, job)
     assert row["state"] == "succeeded" and row["result"] == {"bytes": 104}, row
