@@ -15,6 +15,7 @@ import pytest
 
 from kit import query, scalar, wait_until_async
 from sidecar.client import Client, JobProgress
+from sidecar.protocol.flow import limit_changes
 from sidecar.storage import db
 from sidecar.storage.operator_store import OperatorStore
 
@@ -107,8 +108,24 @@ def test_a_waiter_learns_why_its_job_waits(dsn):
                 assert reason.waiting == "paused" and "maintenance window" in reason.message
                 await operator.resume("held", "test")
                 await operator.set_limits("held", {"max_running_per_key": 1}, "test")
+                # the tool's own cap and rate, read as the claim reads them (claimable.sql)
+                for tool in ("capped", "slow"):
+                    await asyncio.to_thread(_sidecar_seen, dsn, tool)
+                await operator.set_limits("capped", limit_changes(max_running=1), "test")
+                await operator.set_limits("slow", limit_changes(rate="1/m", burst=1), "test")
             finally:
                 await pool.close()
+            taken = await client.enqueue("capped", {"n": 1})
+            await asyncio.to_thread(query, dsn, (
+                "UPDATE tool_jobs SET state = 'running', owner_id = 'a-sidecar', "
+                "lease_until = now() + interval '5 minutes', heartbeat_at = now(), "
+                "attempt = 1 WHERE id = $1"), taken.id)
+            capped = await client.enqueue("capped", {"n": 2})
+            assert (await client.waiting_reason(capped.id)).reason == "max_running"
+            await asyncio.to_thread(query, dsn, (
+                "UPDATE tool_flow SET tokens = 0, tokens_at = now() WHERE tool = 'slow'"))
+            slow = await client.enqueue("slow", {})
+            assert (await client.waiting_reason(slow.id)).reason == "rate"
             running = await client.enqueue("held", {"n": 1}, concurrency_key="acme")
             await asyncio.to_thread(query, dsn, (
                 "UPDATE tool_jobs SET state = 'running', owner_id = 'a-sidecar', "

@@ -43,12 +43,13 @@ CREATE TRIGGER tool_jobs_notify_end
 --                          the tool (tool_sweeps, moved by its sidecars' polls), no idle
 --                          registration (tool_idle_sidecars, as tool_job_wake counts
 --                          them) and no job of the tool running under a live lease;
---   'max_running'          the tool's cap is reached (tool_flow_occupied);
---   'rate'                 the tool's bucket holds no token now;
+--   'max_running'          the tool's cap is reached (tool_flow_slots);
+--   'rate'                 the tool's bucket holds no whole token now (tool_flow_tokens);
 --   'max_running_per_key', 'rate_per_key'  its key's slot or turn (tool_flow_key_blocked);
 --   'queued_behind'        nothing holds it but the jobs before it;
 --   NULL                   a claim could take it now;
--- and ahead, the due queued jobs of its tool before it in claim order (priority,
+-- the limits read through claimable.sql's functions, the ones the claim and the demand
+-- use (issue 41, point 3: one definition of what may start now); and ahead, the due queued jobs of its tool before it in claim order (priority,
 -- run_after, created_at, id), counted up to 10,000 (more count as 10,000; one read of at
 -- most that many rows per tool, not per job). Before that, a job among p_ids whose start
 -- deadline (expires_at) passed ends "expired" (tool_job_expire), as the sidecars'
@@ -129,13 +130,9 @@ BEGIN
                               WHERE r.tool = v_job.tool AND r.state = 'running'
                                 AND r.lease_until >= now())) THEN
             v_reason := 'no_live_sidecar';
-        ELSIF f.max_running IS NOT NULL
-                AND tool_flow_occupied(v_job.tool, NULL) >= f.max_running THEN
+        ELSIF f.tool IS NOT NULL AND tool_flow_slots(f, NULL) <= 0 THEN
             v_reason := 'max_running';
-        ELSIF f.rate_per_second IS NOT NULL
-                AND least(f.burst, coalesce(f.tokens, f.burst) + f.rate_per_second
-                          * greatest(0, extract(epoch FROM
-                                                v_clock - coalesce(f.tokens_at, v_clock)))) < 1 THEN
+        ELSIF f.tool IS NOT NULL AND tool_flow_tokens(f, NULL, v_clock) < 1 THEN
             v_reason := 'rate';
         ELSIF f.tool IS NOT NULL THEN
             v_reason := tool_flow_key_blocked(f, v_job.concurrency_key, v_clock);
