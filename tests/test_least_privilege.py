@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import asyncpg
+import orjson
 import pytest
 from test_roles import _as
 
@@ -483,3 +484,45 @@ def test_granting_again_takes_back_what_earlier_releases_granted(dsn):
     assert got[worker] == dict.fromkeys(got[worker], True) | {
         "update_event": False, "update_flow_event": False, "delete_flow": False}
     assert got[both] == got[worker]
+
+
+def test_a_caller_cannot_lift_the_databases_payload_ceiling(dsn, roles):
+    """tool_job_enqueue's payload limit was its caller's argument (0: none) and
+    sidecar_enqueue's a session setting any session may SET: a caller could store a
+    payload of any size (a 1.8 KB request of exponents read back as 26 MB). The database's
+    own sidecar.max_payload_bytes (ALTER DATABASE, the owner's) now caps both; a caller
+    may only lower it."""
+    name = query(dsn, "SELECT current_database()")[0][0]
+    query(dsn, f'ALTER DATABASE "{name}" SET sidecar.max_payload_bytes = 1000')
+    big = orjson.dumps({"blob": "x" * 2000}).decode()
+    bomb = "[" + ",".join(["1e2000"] * 5) + "]"  # 7 chars each sent, 2001 digits stored
+
+    async def main():
+        conn = await asyncpg.connect(roles["caller"])
+        try:
+            refused = []
+            for sql, payload in (
+                    ("SELECT * FROM tool_job_enqueue('pt', $1::text::jsonb, NULL, NULL, NULL, "
+                     "NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL)", big),
+                    ("SELECT * FROM tool_job_enqueue('pt', $1::text::jsonb, NULL, NULL, NULL, "
+                     "NULL, NULL, NULL, NULL, NULL, NULL, 999999999, NULL, NULL)", bomb),
+                    ("SELECT sidecar_enqueue('pt', $1::text::jsonb)", big)):
+                await conn.execute("SET sidecar.max_payload_bytes = '0'")
+                with pytest.raises(asyncpg.InvalidParameterValueError,
+                                   match="more than the limit of 1000 bytes") as caught:
+                    await conn.fetch(sql, payload)
+                refused.append(caught.value)
+            await conn.execute("SET sidecar.max_payload_bytes = '100'")  # lowering holds
+            with pytest.raises(asyncpg.InvalidParameterValueError, match="limit of 100 "):
+                await conn.fetchval("SELECT sidecar_enqueue('pt', $1::text::jsonb)",
+                                    orjson.dumps({"blob": "x" * 200}).decode())
+            await conn.execute("RESET sidecar.max_payload_bytes")
+            return len(refused), await conn.fetchval(
+                "SELECT sidecar_enqueue('pt', '{\"small\": 1}')")
+        finally:
+            await conn.close()
+
+    count, small = run(main())
+    assert count == 3
+    assert scalar(dsn, "SELECT count(*) FROM tool_jobs") == 1
+    assert job_row(dsn, small)["payload"] == {"small": 1}

@@ -42,6 +42,7 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_claim_flow", "EXECUTE"),
     ("function", "tool_job_claim_flow_many", "EXECUTE"),
     ("function", "tool_job_new_id", "EXECUTE"),
+    ("function", "tool_job_payload_ceiling", "EXECUTE"),
     ("function", "tool_job_cancel", "EXECUTE"),
     ("function", "tool_job_check_actor", "EXECUTE"),
     ("function", "tool_job_retry", "EXECUTE"),

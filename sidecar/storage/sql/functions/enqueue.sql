@@ -19,6 +19,24 @@ LANGUAGE sql VOLATILE AS $$
                          FROM 1 FOR 6) AS b) AS fresh
 $$;
 
+-- The largest payload (bytes, as stored: jsonb text) any enqueue accepts, whatever its
+-- caller passes (issue 41, point 2: a limit a caller chooses is no limit): the setting
+-- sidecar.max_payload_bytes as the database's owner set it for the database (ALTER
+-- DATABASE ... SET sidecar.max_payload_bytes = N), read from the catalog, not from the
+-- session (a session's SET cannot raise it); 8 MiB when unset or not a positive number.
+CREATE OR REPLACE FUNCTION tool_job_payload_ceiling() RETURNS bigint
+SET search_path FROM CURRENT
+LANGUAGE sql STABLE AS $$
+    SELECT coalesce((
+        SELECT nullif(substring(setting FROM '^sidecar\.max_payload_bytes=([0-9]{1,15})$')
+                      ::bigint, 0)
+        FROM pg_db_role_setting s, unnest(s.setconfig) setting
+        WHERE s.setdatabase = (SELECT oid FROM pg_database WHERE datname = current_database())
+          AND s.setrole = 0
+          AND setting ~ '^sidecar\.max_payload_bytes=[0-9]{1,15}$'
+        LIMIT 1), 8388608)
+$$;
+
 -- Enqueue one job, validated: the one implementation behind `sidecar enqueue` and
 -- sidecar_enqueue. Returns the job's id and whether it was created now (false: the
 -- idempotency key already names this job, same tool, payload and concurrency key). Bad
@@ -27,7 +45,8 @@ $$;
 -- limits are those of sidecar/enqueue_args.py (tests/test_caller_options.py checks both
 -- agree). run_after (a time) or run_in (an interval from now()) schedules the job, by the
 -- database's clock; expires_in bounds when an attempt may start (from now()).
--- max_payload_bytes: the largest payload as stored (jsonb text), NULL or 0 = no check.
+-- max_payload_bytes: the largest payload as stored (jsonb text), NULL or 0 = the ceiling;
+-- never above tool_job_payload_ceiling(), which only the database's owner raises.
 -- concurrency_key (the last argument since migration 016, so every call written for 014
 -- by name or position means the same): 1-256 printable characters, NULL is no key. The
 -- id is time-ordered (tool_job_new_id). Inserted, journaled (job_enqueued) and, when due
@@ -60,6 +79,8 @@ DECLARE
     v_due timestamptz;
     v_expiry timestamptz;
     v_payload_text text;
+    v_ceiling bigint;
+    v_limit bigint;
     v_existing record;
     v_tag record;
     v_member text;
@@ -81,12 +102,15 @@ BEGIN
         RAISE EXCEPTION 'payload is NULL: pass a JSON value, e.g. ''{}''::jsonb'
             USING ERRCODE = '22023';
     END IF;
+    v_ceiling := tool_job_payload_ceiling();
+    v_limit := CASE WHEN coalesce(p_max_payload_bytes, 0) > 0
+                    THEN least(p_max_payload_bytes, v_ceiling) ELSE v_ceiling END;
     v_payload_text := p_payload::text;
-    IF coalesce(p_max_payload_bytes, 0) > 0
-            AND octet_length(v_payload_text) > p_max_payload_bytes THEN
+    IF octet_length(v_payload_text) > v_limit THEN
         RAISE EXCEPTION 'payload: % bytes as stored, more than the limit of % bytes '
-                        '(sidecar.max_payload_bytes); pass a reference (a URL or an object '
-                        'key) instead', octet_length(v_payload_text), p_max_payload_bytes
+                        '(sidecar.max_payload_bytes; the database''s own setting caps it); '
+                        'pass a reference (a URL or an object key) instead',
+                        octet_length(v_payload_text), v_limit
             USING ERRCODE = '22023';
     END IF;
     IF p_idempotency_key IS NOT NULL AND (
@@ -249,7 +273,9 @@ $$;
 -- Enqueue from any language, in the caller's own transaction: the job exists (and an idle
 -- sidecar of the tool is woken) only if that transaction commits. Same validation and
 -- defaults as `sidecar enqueue`; the payload limit is the setting sidecar.max_payload_bytes
--- (ALTER DATABASE ... SET, or SET LOCAL), 8 MiB when unset, as SIDECAR_MAX_PAYLOAD_BYTES.
+-- (ALTER DATABASE ... SET, or SET LOCAL to lower it), 8 MiB when unset, as
+-- SIDECAR_MAX_PAYLOAD_BYTES; a session's SET cannot raise it above the database's own
+-- (tool_job_payload_ceiling).
 -- Runs with the caller's rights; the writes are tool_job_enqueue's (SECURITY DEFINER), so
 -- a role needs EXECUTE on both: `sidecar migrate --worker-role` and `--caller-role` grant
 -- them (sql/roles.sql), and PUBLIC may call neither.
