@@ -112,7 +112,8 @@ def test_show_events_jobs_and_the_web_view_scrub_old_rows(dsn, tmp_path):
 @pytest.mark.database
 def test_the_client_scrubs_old_rows(dsn):
     """What sidecar.client hands its caller (and the MCP gateway its clients: tasks/get,
-    tool results) from a stored row: ``get``, ``jobs`` and ``wait``."""
+    tool results, progress) from a stored row: ``get``, ``jobs``, ``wait`` and why a job
+    waits (a pause's reason: also ``sidecar wait --progress`` and MCP progress)."""
     url = with_password(dsn, PASSWORD)
     job = old_job(dsn, url)
 
@@ -121,9 +122,14 @@ def test_the_client_scrubs_old_rows(dsn):
             got = await client.get(job)
             listed = await client.jobs(tool=TOOL)
             ended = await client.wait(job, timeout=30)
-            return got, listed, ended
+            # why a queued job of the paused tool waits: the pause's reason, as stored
+            queued = await client.enqueue(TOOL, {"k": 2})
+            why = await client.waiting_reason(queued.id)
+            assert why is not None and why.reason == "paused", why
+            return got, listed, ended, why
 
-    got, listed, ended = kit.run(go())
-    for what, value in (("get", got), ("jobs", listed), ("wait", ended)):
+    got, listed, ended, why = kit.run(go())
+    for what, value in (("get", got), ("jobs", listed), ("wait", ended),
+                        ("waiting_reason", why)):
         assert_scrubbed(repr(value), f"Client.{what}")
     assert got.result["n"] == 12345678901234567890123

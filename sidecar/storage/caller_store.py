@@ -141,10 +141,11 @@ class CallerStore(JobAccess):
         return shown_rows(await self.db.fetch(Q["jobs_to_wait_for"], ids))
 
     async def wait_reasons(self, job_ids: Iterable[uuid.UUID], explain: bool = True,
-                           ) -> list[asyncpg.Record]:
+                           ) -> list[dict[str, Any]]:
         """``id, reason, ahead, detail`` of each queued job of ``job_ids`` (at most 1,000):
         why it waits (SQL tool_job_wait_reasons, functions/waiting.sql; reason None when a
         claim could take it now); no row without ``explain``. Jobs among them whose start
         deadline passed end ``expired`` first (their waiters hear the end). Bounded as
-        every pool call."""
-        return await self.db.fetch(Q["wait_reasons"], [str(j) for j in job_ids], explain)
+        every pool call. ``shown``: a pause's reason is free text (issue 41, point 7)."""
+        return shown_rows(await self.db.fetch(Q["wait_reasons"], [str(j) for j in job_ids],
+                                              explain))
