@@ -11,7 +11,7 @@ import pytest
 from kit import FAST_PROFILE, base_env, cli, enqueue, one_line_error, scalar
 from sidecar.protocol.errors import ConfigError
 from sidecar.protocol.model import tool_env_key
-from sidecar.runtime.config import load_settings, secret_values
+from sidecar.runtime.config import GLOBAL_FIELDS, PROFILE_FIELDS, load_settings, secret_values
 
 UNREACHABLE = "postgresql://bob:s3cretpw@127.0.0.1:1/nope"
 
@@ -530,3 +530,25 @@ def test_cli_drain_run_with_valid_profile_and_no_jobs_exits_0(dsn):
     done = cli(dsn, "run", "--drain", "--", "true", timeout=60)
     assert done.returncode == 0, done.stderr.decode(errors="replace")
     assert "Traceback" not in done.stderr.decode(errors="replace")
+
+
+_ARABIC_INDIC = str.maketrans("0123456789", "٠١٢٣٤٥٦٧٨٩")
+
+
+def _digit_settings() -> list[tuple[str, str]]:
+    """Every setting whose default holds digits (numbers, durations, exit codes, uids),
+    with those digits written in another script (int() and float() read "٦٤" as 64)."""
+    found = []
+    for table, prefix in ((GLOBAL_FIELDS, "SIDECAR_"), (PROFILE_FIELDS, "SIDECAR_")):
+        for name, field in table.items():
+            if any(c.isdigit() for c in field.default):
+                found.append((prefix + name, field.default.translate(_ARABIC_INDIC)))
+    return found
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("var,value", _digit_settings())
+def test_digits_of_other_scripts_are_refused_by_every_setting(var, value):
+    """One parser rule for every bounded value (issue 41, point 13's kind): only ASCII
+    digits; SIDECAR_NON_RETRYABLE_EXIT_CODES once read "٦٤" as 64."""
+    assert var in config_error({var: value})

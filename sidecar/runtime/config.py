@@ -245,7 +245,7 @@ def _extra_paths(text: str) -> tuple[tuple[str, str], ...]:
 
 
 def _exit_codes(text: str) -> frozenset[int]:
-    codes = frozenset(int(part) for part in _names(text))
+    codes = frozenset(_integer(part) for part in _names(text))
     if any(not 1 <= code <= 255 for code in codes):
         raise _Invalid("exit codes are integers from 1 to 255, comma-separated")
     return codes
