@@ -552,3 +552,16 @@ def test_digits_of_other_scripts_are_refused_by_every_setting(var, value):
     """One parser rule for every bounded value (issue 41, point 13's kind): only ASCII
     digits; SIDECAR_NON_RETRYABLE_EXIT_CODES once read "٦٤" as 64."""
     assert var in config_error({var: value})
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("env", [
+    {"SIDECAR_NETWORK": "none", "SIDECAR_SANDBOX": "off"},
+    {"SIDECAR_PROFILE_OCR_NETWORK": "none", "SIDECAR_PROFILE_OCR_SANDBOX": "off"},
+])
+def test_network_none_without_the_sandbox_is_refused_not_dropped(env):
+    """NETWORK=none is the namespace sandbox's: with SANDBOX=off the tool used the host's
+    network and nothing said so (issue 41, point 1's kind: a setting that silently
+    switches off another)."""
+    message = config_error(env)
+    assert "NETWORK" in message and "SANDBOX" in message and "host's network" in message

@@ -509,6 +509,14 @@ def _build_profile(
         if p[name.lower()] < 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must not be negative")
 
+    if p["network"] == "none" and p["sandbox"] == "off":
+        # A setting that cannot hold must not be dropped in silence (issue 41, point 1's
+        # kind): without the sandbox the tool shares the host's network.
+        raise ConfigError(
+            f"{src['NETWORK']}=none needs the namespace sandbox, but {src['SANDBOX']}=off "
+            f"for tool {tool!r}: the tool would use the host's network; set SANDBOX=auto or "
+            "required, or NETWORK=host")
+
     lease, hb, misses, jitter = (
         p["lease_seconds"], p["heartbeat_seconds"], p["tolerated_misses"], p["jitter_seconds"]
     )

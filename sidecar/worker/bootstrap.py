@@ -37,7 +37,7 @@ import signal
 from dataclasses import dataclass
 
 from sidecar.ops import tracing
-from sidecar.protocol.errors import UsageError
+from sidecar.protocol.errors import ConfigError, UsageError
 from sidecar.protocol.model import LeaseProfile
 from sidecar.runtime.config import Settings, validate_tool_name
 from sidecar.runtime.log import log
@@ -132,6 +132,12 @@ def host_step(config: RunConfig, settings: Settings) -> Host:
     work_root = isolation.check_work_dir(settings, config.profile)
     linux.raise_open_files_limit()
     plan, off = isolation.check_sandbox(settings, config.profile, work_root, config.argv)
+    if plan is None and config.profile.network == "none":
+        # NETWORK=none is the namespace sandbox's: without it the tool would share the
+        # host's network, a setting dropped in silence (issue 41, point 1's kind).
+        raise ConfigError(f"SIDECAR_NETWORK=none for tool {config.tool!r} needs the "
+                          f"namespace sandbox, unavailable here ({off}); install bubblewrap "
+                          "or allow user namespaces, or set NETWORK=host")
     if plan is None and config.profile.sandbox == "auto":
         log.emit("sandbox_unavailable", "warning", tool=config.tool, reason=off,
                  effect="attempts run without the namespace sandbox: they see what the "
