@@ -239,6 +239,13 @@ def test_a_caller_writes_only_through_the_checked_functions(dsn, roles):
                 with pytest.raises(asyncpg.InvalidParameterValueError, match="by"):
                     await own.fetch("SELECT * FROM tool_job_cancel($1, NULL, $2)",
                                     kept, "x" * 600)
+                # the expiry a read settles: 1,000 ids at most, as an array; a positive limit
+                many = orjson.dumps([str(uuid.uuid4()) for _ in range(1001)]).decode()
+                for ids, limit, field in ((many, None, "ids"), ('{"a": 1}', None, "ids"),
+                                          (None, -1, "limit"), (None, 0, "limit")):
+                    with pytest.raises(asyncpg.InvalidParameterValueError, match=field):
+                        await own.fetch("SELECT * FROM tool_job_expire($1::text::jsonb, $2)",
+                                        ids, limit)
             finally:
                 await own.close()
             return ref.id, kept

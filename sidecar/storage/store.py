@@ -251,6 +251,9 @@ def shown_rows(rows: Iterable[Any]) -> list[Any]:
     return [shown(row) for row in rows]
 
 
+SETTLE_BATCH = 1000  # job ids per tool_job_expire call (functions/expiry.sql bounds it)
+
+
 async def settle_expired(conn: Any, job_ids: Iterable[uuid.UUID], timeout: float) -> None:
     """End failed/expired those of ``job_ids`` past their expiry that no attempt runs
     (tool_job_expire, functions/expiry.sql: what the sidecars' sweep does), before a
@@ -260,10 +263,12 @@ async def settle_expired(conn: Any, job_ids: Iterable[uuid.UUID], timeout: float
     primary, case F12), reads the rows as they are, left to the sweep."""
     ids = [str(job_id) for job_id in job_ids]  # jsonb through the connection's codec
     try:
-        if isinstance(conn, asyncpg.Connection):
-            await db.run(conn, "fetch", Q["settle_expired"], ids, timeout=timeout)
-        else:
-            await conn.fetch(Q["settle_expired"], ids, timeout=timeout)
+        for start in range(0, len(ids), SETTLE_BATCH):  # the function takes 1,000 at most
+            batch = ids[start:start + SETTLE_BATCH]
+            if isinstance(conn, asyncpg.Connection):
+                await db.run(conn, "fetch", Q["settle_expired"], batch, timeout=timeout)
+            else:
+                await conn.fetch(Q["settle_expired"], batch, timeout=timeout)
     except (asyncpg.InsufficientPrivilegeError, asyncpg.ReadOnlySQLTransactionError):
         pass
 

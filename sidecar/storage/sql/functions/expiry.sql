@@ -34,7 +34,21 @@ $$;
 CREATE OR REPLACE FUNCTION tool_job_expire(p_ids jsonb, p_limit integer)
 RETURNS TABLE (id uuid, tool text, fencing_token bigint, attempt integer)
 SECURITY DEFINER SET search_path FROM CURRENT
-LANGUAGE sql VOLATILE AS $$
+LANGUAGE plpgsql VOLATILE AS $$
+#variable_conflict use_column
+BEGIN
+-- Its inputs are checked as every definer function's (issue 41, point 2): a caller may
+-- name at most 1,000 jobs at a time, as an array; a limit, when given, is positive.
+IF p_ids IS NOT NULL AND (jsonb_typeof(p_ids) <> 'array'
+                          OR jsonb_array_length(p_ids) > 1000) THEN
+    RAISE EXCEPTION 'ids: a JSON array of at most 1000 job ids (NULL: every job)'
+        USING ERRCODE = '22023';
+END IF;
+IF p_limit IS NOT NULL AND p_limit < 1 THEN
+    RAISE EXCEPTION 'limit: a positive number of jobs (NULL: no bound)'
+        USING ERRCODE = '22023';
+END IF;
+RETURN QUERY
 WITH doomed AS (
     SELECT j.id, j.state AS previous_state FROM tool_jobs j
     WHERE j.state IN ('queued', 'running') AND j.expires_at <= now()
@@ -62,7 +76,8 @@ WITH doomed AS (
                               'previous_state', expired.previous_state)
     FROM expired
 )
-SELECT expired.id, expired.tool, expired.fencing_token, expired.attempt FROM expired
+SELECT expired.id, expired.tool, expired.fencing_token, expired.attempt FROM expired;
+END
 $$;
 
 REVOKE EXECUTE ON FUNCTION tool_job_expire(jsonb, integer) FROM PUBLIC;
