@@ -458,15 +458,20 @@ def cmd_cancel(args, settings: Settings) -> int:
 def _kill_expected(pending: int, latest_s: float | None) -> dict[str, str]:
     """The ``tree_kill`` line of ``cancel`` and ``pause --cancel-running``: when the trees
     of ``pending`` jobs cancelled while they ran are expected to die. Their owners are
-    told at commit (a NOTIFY, functions/cancel.sql) and kill within about a second; a
-    lost notification leaves it to the owner's next heartbeat, at the latest when the
-    lease ends, ``latest_s`` seconds from now. Empty when no tree was running."""
+    told at commit (a NOTIFY, functions/cancel.sql) and kill within about a second; an
+    owner that cannot LISTEN (behind a transaction pooler without
+    SIDECAR_LISTEN_DATABASE_URL, or while its LISTEN connection is down) asks about every
+    second instead (sidecar.worker.claim_loop's cancel check), so about a second holds in
+    every pooler mode. Only an owner that does not answer at all (the database out of its
+    reach) leaves it to its next heartbeat, at the latest when the lease ends, ``latest_s``
+    seconds from now. Empty when no tree was running."""
     if not pending or latest_s is None:
         return {}
     whose = "its owner was told; its tree dies" if pending == 1 \
         else f"their owners were told; their {pending} trees die"
-    return {"tree_kill": f"{whose} within about 1 s, at the latest by the owner's next "
-                         f"heartbeat (within {max(latest_s, 0.0):.0f} s, when the lease ends)"}
+    return {"tree_kill": f"{whose} within about 1 s (an owner that cannot LISTEN checks "
+                         "every second), at the latest when the lease ends (within "
+                         f"{max(latest_s, 0.0):.0f} s) should the owner lose the database"}
 
 
 def _state_counts(states) -> dict[str, int]:

@@ -2,7 +2,10 @@
 job (``sidecar cancel JOB``, ``cancel --tag``, ``pause --cancel-running``; the web view,
 MCP and sidecar.client share the same SQL function) NOTIFYs the owning sidecar on its
 cancel channel, which renews at once, gets zero rows and kills the tree, instead of
-waiting for its next heartbeat. The heartbeat stays the fallback.
+waiting for its next heartbeat. A sidecar that cannot LISTEN (behind a transaction
+pooler without a listen URL, or while its LISTEN connection is down) checks about every
+second whether a job it runs was cancelled, with the same end. The heartbeat stays the
+fallback.
 
 The sidecar here heartbeats every 20 s under a 60 s lease: the test asserts the order on
 the database's clock (P3), that the owner confirmed the tree dead (``cancel_acknowledged``)
@@ -26,10 +29,28 @@ LONG_HEARTBEAT = {"SIDECAR_HEARTBEAT_SECONDS": str(HEARTBEAT), "SIDECAR_LEASE_SE
 HANG = "hang_tree.py"
 
 
-@pytest.mark.parametrize("how", ["cancel", "cancel --tag", "pause --cancel-running"])
-def test_a_cancel_kills_the_tree_before_the_next_heartbeat(dsn, sidecars, tmp_path, how):
+# How the owner hears of the cancel: its NOTIFY (a LISTEN session on the server); or,
+# with no LISTEN at all (SIDECAR_DATABASE_POOLER=transaction without
+# SIDECAR_LISTEN_DATABASE_URL: the mode alone turns LISTEN off, even on the plain server)
+# or with its LISTEN connection down (a listen URL nobody answers on), its own check
+# about every second (issue 41 point 12).
+NO_LISTEN = {"SIDECAR_DATABASE_POOLER": "transaction"}
+LISTEN_DOWN = {"SIDECAR_LISTEN_DATABASE_URL": "postgresql://app:pw@127.0.0.1:1/nope"}
+HEARD = {"notify": ({}, "listen_started", "notify"),
+         "no-listen": (NO_LISTEN, "listen_disabled", "check"),
+         "listen-down": (LISTEN_DOWN, "listen_lost", "check")}
+
+
+@pytest.mark.parametrize(("how", "heard"), [
+    ("cancel", "notify"), ("cancel --tag", "notify"), ("pause --cancel-running", "notify"),
+    ("cancel", "no-listen"), ("pause --cancel-running", "no-listen"),
+    ("cancel", "listen-down")])
+def test_a_cancel_kills_the_tree_before_the_next_heartbeat(dsn, sidecars, tmp_path, how,
+                                                            heard):
     pidfile = tmp_path / "pids"
-    sc = sidecars(dsn, [HANG], env=base_env(dsn, **LONG_HEARTBEAT))
+    extra, listen_event, via = HEARD[heard]
+    sc = sidecars(dsn, [HANG], env=base_env(dsn, **LONG_HEARTBEAT, **extra))
+    sc.wait_event(listen_event)
     job_id = enqueue(dsn, HANG, {"pidfile": str(pidfile), "tree": True}, "--tag", "run=push")
     pids = read_pids(pidfile, 4)
     try:
@@ -58,7 +79,8 @@ def test_a_cancel_kills_the_tree_before_the_next_heartbeat(dsn, sidecars, tmp_pa
     assert since_claim < HEARTBEAT, (
         f"the tree was confirmed dead {since_claim:.1f} s after the claim: at the heartbeat "
         f"(due {HEARTBEAT:g} s after it), not on the owner's notification")
-    assert sc.events("cancel_heard")[0]["job_id"] == job_id
+    cancel_heard = sc.events("cancel_heard")[0]
+    assert (cancel_heard["job_id"], cancel_heard["via"]) == (job_id, via)
     [lost] = journal_rows(dsn, job_id, "heartbeat_lost")
     assert lost["details"]["state"] == "cancelled"
 

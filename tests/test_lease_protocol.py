@@ -173,6 +173,32 @@ def test_cancel_makes_the_owner_heartbeat_get_zero_rows(dsn):
     assert list(previous.values()) == ["running"] and renewed == {} and again == {}
 
 
+def test_the_cancel_check_finds_only_the_owners_own_cancelled_attempts(dsn):
+    """The check of a sidecar that cannot LISTEN (issue 41 point 12): among the leases it
+    holds, the attempts cancelled while they ran, fenced on owner and token like the
+    heartbeat; a running job, a stale token and another owner's cancel are not its."""
+
+    async def go():
+        caller, store = await _stores(dsn)
+        for n in range(3):
+            await caller.enqueue("t", {"n": n}, None, 3, {})
+        mine = [await store.claim("t", "w1", 30) for _ in range(2)]
+        theirs = await store.claim("t", "w2", 30)
+        for job in (*mine[:1], theirs):
+            await caller.cancel(job.id)
+        held = [(job.id, job.fencing_token) for job in mine]
+        found = await store.cancelled_leases("w1", held)
+        stale = await store.cancelled_leases("w1", [(mine[0].id, mine[0].fencing_token + 1)])
+        other = await store.cancelled_leases("w1", [(theirs.id, theirs.fencing_token)])
+        nothing = await store.cancelled_leases("w1", [])
+        await store.pool.close()
+        return mine, found, stale, other, nothing
+
+    mine, found, stale, other, nothing = run(go())
+    assert found == [mine[0].id]
+    assert stale == [] and other == [] and nothing == []
+
+
 def test_heartbeats_are_hot_updates(dsn):
     """lease_until and heartbeat_at are unindexed, so renewals do not touch indexes."""
 

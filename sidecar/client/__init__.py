@@ -521,7 +521,8 @@ class Client:
                      by: str | None = None) -> dict[uuid.UUID, str]:
         """Cancel one job, or with ``tag`` (``{key: value, ...}``) every queued or running
         job whose tags include all of them; their later stages too. A running job's tree
-        is killed by its sidecar at its next heartbeat. Returns ``{id: previous state}``
+        is killed by its sidecar within about a second (told at commit, or its own check
+        every second when it cannot LISTEN). Returns ``{id: previous state}``
         of every job cancelled, empty when none was (already finished, or no such job).
         ``by``: who asked, journaled as job_cancelled's ``by`` (at most 200 characters;
         ``sidecar mcp (PRINCIPAL)`` makes the job's error say "cancelled by its MCP

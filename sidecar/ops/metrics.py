@@ -158,11 +158,13 @@ HEALTH_CONNECTIONS_REFUSED = Counter(
 LOOP_LAG = Histogram("sidecar_event_loop_lag_seconds", "Event-loop lag of the sidecar.",
                      buckets=_FAST)
 # The periodic services (sidecar.ops.periodic), by name.
-SERVICES = ("pruner", "forwarder", "leftover_sweep", "orphan_reaper", "loop_watch")
+SERVICES = ("pruner", "forwarder", "leftover_sweep", "orphan_reaper", "loop_watch",
+            "cancel_check")
 SERVICE_RESULTS = ("ok", "error")
 SERVICE_RUNS = Counter("sidecar_service_runs",
                        "Runs of the periodic background services (pruner, forwarder, "
-                       "leftover_sweep, orphan_reaper, loop_watch) by result: ok, or error "
+                       "leftover_sweep, orphan_reaper, loop_watch, cancel_check) by result: ok, "
+                       "or error "
                        "(logged under the service's error event).", ("service", "result"))
 
 

@@ -1,6 +1,7 @@
 """The one shape of a periodic background service of a sidecar: the pruner
-(sidecar.ops.retention), the result forwarder (sidecar.worker.forwarder), the leftover sweep and
-the adopted-orphan reaper (sidecar.worker.claim_loop), the event-loop watch (sidecar.ops.health).
+(sidecar.ops.retention), the result forwarder (sidecar.worker.forwarder), the leftover sweep,
+the adopted-orphan reaper and the cancel check (sidecar.worker.claim_loop), the event-loop
+watch (sidecar.ops.health).
 
 A service runs one step, then waits a period, until it is cancelled. It has a name, a
 period (seconds), a first run after a delay plus a random jitter (so sidecars started

@@ -301,8 +301,9 @@ class JobAccess(StoreBase):
         """Cancel a job (``job_id``), or every queued or running job whose tags include
         all of ``tags``, and their later stages that are still queued or running; return
         ``{id: previous state}`` of every job cancelled (empty when none was). A running
-        one's owner is told at commit and kills its tree within about a second, at its
-        next heartbeat when the notification is lost (functions/cancel.sql). ``by``: who
+        one's owner is told at commit (functions/cancel.sql), or finds out by its own
+        check every second when it cannot LISTEN, and kills its tree within about a
+        second; at the latest when its lease ends if it is cut off. ``by``: who
         asked, journaled as ``job_cancelled``'s ``by`` (issue 30; None: not said)."""
         rows = await self.db.fetch(Q["cancel_job"], job_id, tags or None, by,
                                    timeout=self.timeout)

@@ -150,6 +150,17 @@ class WorkerStore(Pruning):
         return {AttemptId(row["id"], row["fencing_token"]): None if row["locked"]
                 else Renewal(row["lease_until"], row["lease_remaining"]) for row in rows}
 
+    async def cancelled_leases(self, owner_id: str,
+                               held: Iterable[tuple[uuid.UUID, int]]) -> list[uuid.UUID]:
+        """The job ids among ``held`` ((job id, token) pairs, the leases ``owner_id`` holds)
+        cancelled while they ran, in one read-only statement: how a sidecar that cannot
+        LISTEN learns of a cancel without waiting for its next heartbeat (issue 41). Raises
+        what asyncpg raises (the caller checks again later)."""
+        leases = [{"id": str(job_id), "token": token} for job_id, token in held]
+        rows = await self.db.fetch(Q["cancelled_leases_of_owner"], owner_id, leases,
+                                   timeout=self.timeout)
+        return [row["id"] for row in rows]
+
     @staticmethod
     async def expire_lease_if_owner(
         conn: asyncpg.Connection, owner_id: str, job_id: uuid.UUID, token: int, timeout: float,

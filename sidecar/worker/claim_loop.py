@@ -55,6 +55,11 @@ IDLE_REFRESH_SECONDS = 30.0
 LISTEN_RETRY_MIN_SECONDS = 1.0
 LISTEN_RETRY_MAX_SECONDS = 30.0
 LISTEN_CHECK_SECONDS = 30.0
+# A sidecar that cannot hear the cancel NOTIFY (no LISTEN behind a transaction pooler, or
+# its LISTEN connection is down) asks the database this often, while it holds leases,
+# whether a job it runs was cancelled (issue 41), so the tree still dies within about a
+# second rather than at the next heartbeat.
+CANCEL_CHECK_SECONDS = 1.0
 
 
 def wake_channel(owner_id: str) -> str:
@@ -141,6 +146,10 @@ class Worker:
         self.channel = wake_channel(self.owner_id)
         self.cancel_channel = cancel_channel(self.owner_id)
         self._listening = False  # LISTEN on self.channel is up
+        # The cancel check (_check_cancels) is owed once more after LISTEN came up or went
+        # down (a cancel sent in between was heard by nobody); the event ends its wait.
+        self._cancel_check_owed = False
+        self._cancel_check_wake = asyncio.Event()
         self._idle_since: float | None = None  # monotonic time of our idle registration
         self._retry_at: float | None = None  # monotonic time a rate allows the next claim
         # The turn a rate gave this sidecar (monotonic): until then, a job's end does not
@@ -263,6 +272,7 @@ class Worker:
         self._background = [
             asyncio.create_task(keeper.run(), name="heartbeat"),
             asyncio.create_task(self._listen(), name="listen"),
+            asyncio.create_task(self._check_cancels(), name="cancel-check"),
             asyncio.create_task(forwarder.run(), name="forwarder"),
             asyncio.create_task(health.watch_loop(self.readiness), name="loop-watch"),
             asyncio.create_task(retention.run_pruner(store, self.settings, self.profile.tool),
@@ -568,17 +578,18 @@ class Worker:
 
         Behind a transaction pooler (``SIDECAR_DATABASE_POOLER=transaction``) without
         SIDECAR_LISTEN_DATABASE_URL, LISTEN has no session to live in: no listener at all
-        (``listen_disabled``), the claim loop polls every ``SIDECAR_POLL_SECONDS``. The task
-        then just waits to be cancelled (a background task that returns counts as a failure
-        of the worker).
+        (``listen_disabled``), the claim loop polls every ``SIDECAR_POLL_SECONDS`` and
+        ``_check_cancels`` stands in for the cancel channel. The task then just waits to be
+        cancelled (a background task that returns counts as a failure of the worker).
 
         The first LISTEN logs ``listen_started``. When the connection fails or cannot be
         made, ``listen_lost`` (warning, once per outage, with the reason): the sidecar
         leaves the idle list (a wake-up sent to it would be lost), claims at once and then
-        polls; it connects again after LISTEN_RETRY_MIN_SECONDS, doubling to
-        LISTEN_RETRY_MAX_SECONDS (``listen_error`` at debug level for each further
-        failure), and logs ``listen_restored`` with the outage's length once LISTEN is back.
-        ``sidecar_listening`` is 1 while it listens, else 0.
+        polls (``_check_cancels`` asks about cancels meanwhile); it connects again after
+        LISTEN_RETRY_MIN_SECONDS, doubling to LISTEN_RETRY_MAX_SECONDS (``listen_error``
+        at debug level for each further failure), and logs ``listen_restored`` with the
+        outage's length once LISTEN is back. ``sidecar_listening`` is 1 while it listens,
+        else 0.
         """
         tool = self.profile.tool
         settings = self.settings
@@ -588,7 +599,9 @@ class Worker:
             log.emit("listen_disabled", tool=tool,
                      reason="SIDECAR_DATABASE_POOLER=transaction without "
                             "SIDECAR_LISTEN_DATABASE_URL: polling every "
-                            f"{settings.poll_seconds:g} s instead of LISTEN")
+                            f"{settings.poll_seconds:g} s instead of LISTEN, and checking "
+                            f"every {CANCEL_CHECK_SECONDS:g} s whether a running job was "
+                            "cancelled")
             await asyncio.Event().wait()
         listen_dsn, pooler = target
         via = ("SIDECAR_LISTEN_DATABASE_URL" if settings.listen_database_url
@@ -606,7 +619,7 @@ class Worker:
             # stop the tree within about a second instead of at the next heartbeat.
             with contextlib.suppress(ValueError):
                 if self._ctx.keeper.renew_soon(uuid.UUID(payload)):
-                    log.emit("cancel_heard", tool=tool, job_id=payload)
+                    log.emit("cancel_heard", tool=tool, job_id=payload, via="notify")
 
         lost_at: float | None = None  # monotonic start of the current outage
         off_list = True  # not on the idle list, or taken off since the last LISTEN
@@ -667,7 +680,12 @@ class Worker:
 
     def _set_listening(self, up: bool) -> None:
         """Whether LISTEN on our channel is up: ``_stay_idle`` registers only then, and
-        ``sidecar_listening`` says it."""
+        ``sidecar_listening`` says it. A change owes one cancel check at once (a cancel
+        NOTIFY sent while the connection went down or before the LISTEN took hold was
+        heard by nobody)."""
+        if up != self._listening:
+            self._cancel_check_owed = True
+            self._cancel_check_wake.set()
         self._listening = up
         metrics.LISTENING.labels(*self.labels).set(1 if up else 0)
 
@@ -688,6 +706,49 @@ class Worker:
                      reason=db.describe_error(exc))
             return False
         return True
+
+    async def _check_cancels(self) -> None:
+        """Stand in for the cancel channel while this sidecar cannot hear it: every
+        CANCEL_CHECK_SECONDS (drawn between 0.8 and 1 of it), while LISTEN is not up
+        (``listen_disabled`` behind a transaction pooler, or between ``listen_lost`` and
+        ``listen_restored``) and leases are held, one read-only statement asks which of its
+        running jobs were cancelled (LeaseKeeper.check_cancels); for each, the leases are
+        renewed at once, the cancelled one gets zero rows and its tree dies by the same
+        path as on a NOTIFY (logged ``cancel_heard`` with ``via`` ``check``). Once more
+        right after LISTEN comes up or goes down (``_set_listening``). Nothing to do when the
+        heartbeat is no longer than the check. A failed check (any error; the heartbeat
+        stays the fallback) is logged once per episode as ``cancel_check_error`` and tried
+        again at the next period. The periodic service ``cancel_check``
+        (sidecar.ops.periodic)."""
+        tool = self.profile.tool
+        failing = False
+
+        async def step() -> None:
+            nonlocal failing
+            owed, self._cancel_check_owed = self._cancel_check_owed, False
+            if (self._listening and not owed) \
+                    or self.profile.heartbeat_seconds <= CANCEL_CHECK_SECONDS:
+                return
+            try:
+                found = await self._ctx.keeper.check_cancels()
+            except BaseException:
+                self._cancel_check_owed = self._cancel_check_owed or owed
+                raise
+            failing = False
+            for job_id in found:
+                log.emit("cancel_heard", tool=tool, job_id=str(job_id), via="check")
+
+        def once_per_episode(exc: BaseException) -> dict[str, str] | None:
+            nonlocal failing
+            if failing:
+                return None
+            failing = True
+            return {"reason": db.describe_error(exc)}
+
+        await Periodic("cancel_check", CANCEL_CHECK_SECONDS, step, spread=POLL_SPREAD,
+                       wake=self._cancel_check_wake, errors=(Exception,),
+                       error_event="cancel_check_error", fields={"tool": tool},
+                       error_fields=once_per_episode).run()
 
     async def _sweep_leftovers(self) -> None:
         """Every SIDECAR_LEFTOVER_SWEEP_SECONDS, clear what sidecars of this work root that

@@ -113,11 +113,26 @@ class LeaseKeeper:
         ``job_id`` is held here, renew every lease now instead of at the end of the
         heartbeat period; the cancelled one gets zero rows and its supervisor kills the
         tree (P5, P13). Returns whether one is held (a notification for a job not ours, or
-        already ended here, is ignored). The heartbeat stays the fallback for a lost one."""
+        already ended here, is ignored). The heartbeat stays the fallback for a lost one;
+        ``check_cancels`` asks the same when no notification can be heard."""
         if not any(key.job_id == job_id for key in self.leases):
             return False
         self._soon.set()
         return True
+
+    async def check_cancels(self) -> list[uuid.UUID]:
+        """Ask the database which leases held here were cancelled while they ran (one
+        read-only statement for them all, WorkerStore.cancelled_leases) and ``renew_soon``
+        for each: the sidecar's own check when it cannot hear the cancel NOTIFY (no LISTEN
+        behind a transaction pooler, or its LISTEN connection is down; issue 41). Returns
+        the job ids found (empty, without a statement, when no lease is renewable).
+        Raises what the store raises; the heartbeat stays the fallback."""
+        held = [(lease.job.id, lease.job.fencing_token)
+                for lease in list(self.leases.values()) if lease.renewable]
+        if not held:
+            return []
+        cancelled = await self.store.cancelled_leases(self.owner_id, held)
+        return [job_id for job_id in cancelled if self.renew_soon(job_id)]
 
     def drop(self, attempt: AttemptId) -> None:
         """The supervisor is done with a lease: stop renewing it. An abandoned lease moves to

@@ -247,6 +247,17 @@ SELECT id, fencing_token, lease_until, lease_remaining, false AS locked FROM ren
 UNION ALL
 SELECT id, fencing_token, NULL, NULL, true FROM ours WHERE id NOT IN (SELECT id FROM lockable);
 
+-- name: cancelled_leases_of_owner
+-- Which of the leases owner $1 holds ($2: a jsonb array of {id, token}, as
+-- extend_leases_if_owner) were cancelled while they ran: the check a sidecar that cannot
+-- LISTEN makes about every second in place of the cancel NOTIFY (tool_job_tell_owner,
+-- issue 41). Read-only, by primary key: one cheap statement for all its running jobs.
+SELECT j.id FROM tool_jobs j
+JOIN jsonb_to_recordset($2::jsonb) AS held(id uuid, token bigint) ON j.id = held.id
+WHERE j.fencing_token = held.token
+  AND j.owner_id = $1
+  AND j.state = 'cancelled';
+
 -- name: finish_job_if_owner
 -- P6: the terminal write (succeeded or failed) commits only for the owner. A success of
 -- a tool with a RESULT_URL ($9) queues its forwarding in the same statement, so a
