@@ -210,6 +210,8 @@ def cmd_enqueue(args, settings: Settings) -> int:
     if args.idempotency_key is not None:
         key = enqueue_args.check_idempotency_key(args.idempotency_key)
         check_producer_key(key)  # ':stage:N' keys belong to next stages (case F22)
+    # mcp.* tags and mcp: keys are sidecar mcp's (issue 41 point 2)
+    enqueue_args.refuse_reserved(options.tags, args.idempotency_key, enqueue_args.CLI_NAMES)
 
     # The text as given, validated: jsonb keeps every number exactly, where a round trip
     # through Python floats would not (12345678901234567890123 stays an integer).
@@ -747,7 +749,8 @@ def cmd_mcp(args, settings: Settings) -> int:
             args.start_deadline, "--start-deadline", mcp_catalog.MAX_START_DEADLINE_SECONDS,
             positive=True),
         allowed_hosts=tuple(args.allowed_host or ()),
-        allowed_origins=tuple(args.allowed_origin or ()))
+        allowed_origins=tuple(args.allowed_origin or ()),
+        secret=mcp_catalog.load_secret(settings.mcp_secret_file, settings.mcp_token_file))
     mcp_gateway.check_catalog(catalog)  # each schema valid in its draft, before any I/O
 
     return run_async(settings, mcp_gateway.serve(settings, catalog, options, stdio=args.stdio,

@@ -271,6 +271,9 @@ def test_options_reach_the_row_and_bad_input_writes_nothing(dsn):
                 ({"run_after": dt.timedelta(days=400)}, UsageError, "366"),
                 ({"idempotency_key": "x:stage:2"}, UsageError, "stage"),
                 ({"idempotency_key": "a\nb"}, UsageError, "idempotency"),
+                # sidecar mcp's namespaces (issue 41 point 2)
+                ({"tags": {"mcp.principal": "bob"}}, UsageError, "tags mcp.principal"),
+                ({"idempotency_key": "mcp:0123"}, UsageError, "reserved for sidecar mcp"),
                 ({"payload": {"x": object()}}, UsageError, "payload"),
                 ({"payload": {"x": "\u0000"}}, UsageError, "jsonb"),
                 # a new user's trial: NaN was stored as null, these raised raw errors

@@ -425,14 +425,51 @@ def test_token_file_rules(tmp_path):
 @pytest.mark.unit
 def test_call_keys_need_a_session_and_are_scoped():
     """A derived key only with a session and a request id; the same request gives the
-    same key, another principal, session or id another."""
-    key = mcp_catalog.call_idempotency_key
+    same key, another principal, session or id another, and so does another secret."""
+    secret = mcp_catalog.gateway_secret(b"the token file")
+
+    def key(*parts):
+        return mcp_catalog.call_idempotency_key(secret, *parts)
+
     assert key("alice", None, 1) is None and key("alice", "s", None) is None
     assert key("alice", "s", 1) == key("alice", "s", "1")
     assert len({key("alice", "s", 1), key("bob", "s", 1), key("alice", "t", 1),
                 key("alice", "s", 2)}) == 4
+    assert key("alice", "s", 1) != mcp_catalog.call_idempotency_key(
+        mcp_catalog.gateway_secret(b"another file"), "alice", "s", 1)
     scoped = mcp_catalog.client_idempotency_key
-    assert scoped("alice", "k") != scoped("bob", "k")
+    assert scoped(secret, "alice", "k") != scoped(secret, "bob", "k")
+
+
+@pytest.mark.unit
+def test_only_tags_the_gateway_signed_are_its_own():
+    """Issue 41 point 2: mcp.sig covers every mcp.* tag; a job without it, with a changed
+    mcp.* tag or signed under another secret is not the gateway's; other tags are free."""
+    secret = mcp_catalog.gateway_secret(b"the token file")
+    tags = mcp_catalog.sign_tags(secret, {"mcp.principal": "bob", "mcp.task": "t" * 32})
+    assert mcp_catalog.signed(secret, tags)
+    assert mcp_catalog.signed(secret, {**tags, "run": "42"})
+    assert not mcp_catalog.signed(secret, {**tags, "mcp.principal": "alice"})
+    assert not mcp_catalog.signed(secret, {**tags, "mcp.kind": "task"})
+    assert not mcp_catalog.signed(secret, {k: v for k, v in tags.items() if k != "mcp.sig"})
+    assert not mcp_catalog.signed(mcp_catalog.gateway_secret(b"another"), tags)
+    assert not mcp_catalog.signed(secret, None)
+
+
+@pytest.mark.unit
+def test_the_secret_file_is_bounded_and_named(tmp_path):
+    """SIDECAR_MCP_SECRET_FILE wins over the token file; a short one is refused naming
+    the variable; the token file's text is the fallback; neither: random per process."""
+    secret, tokens = tmp_path / "secret", tmp_path / "tokens"
+    secret.write_text("s" * 40 + "\n")
+    tokens.write_text(f"alice {ALICE}\n")
+    load = mcp_catalog.load_secret
+    assert load(str(secret), str(tokens)) == load(str(secret), "") != load("", str(tokens))
+    assert load("", str(tokens)) == load("", str(tokens))
+    assert load("", "") != load("", "")
+    secret.write_text("short\n")
+    with pytest.raises(ConfigError, match="SIDECAR_MCP_SECRET_FILE"):
+        load(str(secret), str(tokens))
 
 
 @pytest.mark.e2e

@@ -9,6 +9,7 @@ used where the SDK's client would refuse to send what a hostile client can."""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 
@@ -24,8 +25,18 @@ from test_mcp_gateway import (  # noqa: F401 - the fixture
     gateway,
 )
 
-from kit import TOOLS, base_env, cli, job_row, pid_alive, read_pids, scalar, wait_until
-from sidecar.mcp.tasks import TaskHandle, TasksExtension, list_tasks
+from kit import (
+    TOOLS,
+    base_env,
+    cli,
+    job_row,
+    one_line_error,
+    pid_alive,
+    read_pids,
+    scalar,
+    wait_until,
+)
+from sidecar.mcp.tasks import TaskHandle, TasksExtension, get_task, list_tasks
 
 pytestmark = pytest.mark.e2e
 
@@ -416,3 +427,72 @@ def test_the_database_going_away_mid_call_is_a_clear_error_then_recovery(
     except httpx2.HTTPError as exc:
         problems.append(f"a call after the restore: {exc!r}")
     assert not problems, "; ".join(problems)
+
+
+# --- forged mcp.* tags and mcp: keys (issue 41 point 2) -------------------------------
+
+def _plant(dsn, tags, key=None):
+    """A job of `pt` written around the gateway by another producer: sidecar_enqueue, the
+    SQL function any caller may run, with the gateway's tag names (and key)."""
+    return scalar(dsn, "SELECT sidecar_enqueue('pt', '{\"steps\": []}', "
+                  "idempotency_key => $1, tags => $2::jsonb)", key, tags)
+
+
+def test_a_task_planted_in_another_principals_name_is_neither_listed_nor_counted(
+        dsn, gateway, tmp_path):  # noqa: F811 - the fixture
+    """Any producer may write tags. Was: two jobs tagged mcp.principal=bob, mcp.kind=task,
+    mcp.task=... showed in bob's tasks/list, tasks/get found them, and with
+    --max-tasks-per-principal 2 bob's own task call was refused. Expected: the gateway
+    trusts only the mcp.* tags it signed (docs/mcp.md, Security)."""
+    planted = ["p" * 32, "q" * 32]
+    for task_id in planted:
+        _plant(dsn, {"mcp.principal": "bob", "mcp.kind": "task", "mcp.task": task_id,
+                     "mcp.tool_call": "x", "mcp.sig": "0" * 64})
+    g = gateway("--max-tasks-per-principal", "2")
+
+    async def main():
+        async with g.client(BOB, extensions=[TasksExtension()]) as bob:
+            handle = await bob.session.call_tool("pt", {"steps": []}, allow_claimed=True)
+            listed = await list_tasks(bob.session)
+            with pytest.raises(MCPError, match="no task"):
+                await get_task(bob.session, planted[0])
+            return handle, listed
+
+    handle, listed = asyncio.run(main())
+    assert isinstance(handle, TaskHandle)
+    assert [t["taskId"] for t in listed] == [handle.task_id]
+
+
+def test_a_job_planted_under_a_principals_derived_key_is_not_joined(
+        dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """Was: the gateway's key of bob's `_meta` key k was mcp:sha256(["bob", "k"]), which
+    anyone can compute: a job planted under it (same tool and arguments) was the one
+    bob's call joined, so bob got the planter's job. Expected: bob's call gets its own
+    job (the key is an HMAC under the gateway's secret)."""
+    env = _gateway_env(dsn, tmp_path)
+    sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
+    old_key = "mcp:" + hashlib.sha256(orjson.dumps(["bob", "order-7"])).hexdigest()
+    planted = _plant(dsn, {"mcp.principal": "bob", "mcp.tool_call": "1"}, key=old_key)
+    g = gateway()
+
+    async def main():
+        async with g.client(BOB) as bob:
+            return await bob.call_tool(
+                "pt", {"steps": []}, meta={"io.github.sidecar/idempotency-key": "order-7"})
+
+    result = asyncio.run(main())
+    joined = result.meta["io.github.sidecar/job"]["id"]
+    assert joined != str(planted)
+    assert scalar(dsn, "SELECT count(*) FROM tool_jobs") == 2
+
+
+def test_the_cli_refuses_the_gateways_tags_and_keys_in_one_line(dsn):
+    """`sidecar enqueue --tag mcp.x=y` (or `--idempotency-key mcp:...`) is refused, exit
+    2, one line naming the option and the reserved prefix; nothing is written."""
+    for args, named in ((["--tag", "mcp.principal=bob"], "--tag mcp.principal"),
+                        (["--idempotency-key", "mcp:abc"], "--idempotency-key")):
+        done = cli(dsn, "enqueue", "pt", *args)
+        assert done.returncode == 2, done.stderr.decode()
+        line = one_line_error(done, no_stdout=True)
+        assert named in line and "reserved for sidecar mcp" in line, line
+    assert scalar(dsn, "SELECT count(*) FROM tool_jobs") == 0

@@ -357,7 +357,8 @@ class Client:
                       tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
                       traceparent: str | None = None, tracestate: str | None = None,
                       concurrency_key: str | None = None,
-                      connection: asyncpg.Connection | None = None) -> JobRef:
+                      connection: asyncpg.Connection | None = None,
+                      gateway_tags: bool = False) -> JobRef:
         """Queue one call of ``tool`` with ``payload`` (any JSON value, None is ``{}``; a
         sidecar.protocol.model.RawJson is sent as the JSON text it is) and return its JobRef.
 
@@ -377,6 +378,11 @@ class Client:
         idle sidecar is a NOTIFY, sent at commit (none on rollback). Without it the job is
         written and committed at once on the client's pool.
 
+        Tags named ``mcp.*`` and keys starting ``mcp:`` are ``sidecar mcp``'s (issue 41
+        point 2): refused with UsageError unless ``gateway_tags`` (the gateway's own
+        calls, whose ``mcp.*`` tags it signs; it ignores any job whose tags it did not
+        sign, so the flag opens nothing to another producer: docs/mcp.md, Security).
+
         Raises UsageError (or ConfigError for the tool name) for bad input, with nothing
         written; IdempotencyConflict; DatabaseUnavailable or asyncpg errors."""
         store = self._opened()
@@ -389,6 +395,9 @@ class Client:
         if idempotency_key is not None:
             check_producer_key(enqueue_args.check_idempotency_key(idempotency_key,
                                                                   "idempotency_key"))
+        if not gateway_tags:
+            enqueue_args.refuse_reserved(options.tags, idempotency_key,
+                                         enqueue_args.PYTHON_NAMES)
         text = _payload_text({} if payload is None else payload,
                              self.settings.max_payload_bytes)
         job_id, created = await store.enqueue(tool, text, idempotency_key, max_attempts,

@@ -14,12 +14,15 @@ Errors: ConfigError (exit 2), one line naming the variable and the fix.
 from __future__ import annotations
 
 import hashlib
+import hmac
+import secrets
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
+from sidecar.protocol import enqueue_args
 from sidecar.protocol.errors import ConfigError
 from sidecar.protocol.model import tool_env_key
 from sidecar.runtime import tokens
@@ -36,6 +39,16 @@ principal_of = tokens.principal_of
 ANY_OBJECT: Mapping[str, Any] = {"type": "object"}
 # The principal of a `sidecar mcp --stdio` session: whoever started the process.
 STDIO_PRINCIPAL = "stdio"
+# The gateway's namespaces (issue 41 point 2): tags named mcp.* and idempotency keys
+# starting mcp: are written by `sidecar mcp` only; the CLI and Client.enqueue refuse them
+# (sidecar.protocol.enqueue_args), and the gateway trusts a job's mcp.* tags only with a
+# valid mcp.sig (sign_tags).
+RESERVED_TAG_PREFIX = enqueue_args.RESERVED_TAG_PREFIX
+RESERVED_KEY_PREFIX = enqueue_args.RESERVED_KEY_PREFIX
+SIG_TAG = "mcp.sig"
+# SIDECAR_MCP_SECRET_FILE: its size bounds, bytes.
+MIN_SECRET_BYTES = 32
+MAX_SECRET_BYTES = 4096
 # `sidecar mcp --start-deadline`: the default, and the most it may be (30 days), seconds.
 DEFAULT_START_DEADLINE_SECONDS = 600.0
 MAX_START_DEADLINE_SECONDS = 30 * 86400.0
@@ -103,22 +116,76 @@ def load_tokens(path: str) -> dict[str, str]:
     return tokens.load_tokens(path, "SIDECAR_MCP_TOKEN_FILE")
 
 
-def call_idempotency_key(principal: str, session_id: str | None,
+def load_secret(secret_file: str, token_file: str) -> bytes:
+    """The secret the gateway's ``mcp.*`` tags and ``mcp:`` keys are signed with (issue 41
+    point 2: any producer, on the same database role, could write them): from
+    SIDECAR_MCP_SECRET_FILE when set (at least 32 bytes; the replicas of one gateway share
+    it, and it outlives token rotations), else from SIDECAR_MCP_TOKEN_FILE's text (which
+    no other producer reads; changing the file then hides the tasks made before), else
+    (``--stdio`` without either) a random one per process. ConfigError naming the
+    variable when the file is unreadable, too large or too short."""
+    if secret_file:
+        data = tokens.read_bounded("SIDECAR_MCP_SECRET_FILE", secret_file, MAX_SECRET_BYTES,
+                                   "mount the Secret there")
+        if len(data.strip()) < MIN_SECRET_BYTES:
+            raise ConfigError(f"SIDECAR_MCP_SECRET_FILE={secret_file}: give at least "
+                              f"{MIN_SECRET_BYTES} bytes of secret (e.g. openssl rand -hex 32)")
+        return gateway_secret(data.strip())
+    if token_file:
+        return gateway_secret(tokens.read_bounded(
+            "SIDECAR_MCP_TOKEN_FILE", token_file, MAX_TOKEN_FILE_BYTES,
+            "mount the Secret there"))
+    return gateway_secret(None)
+
+
+def gateway_secret(material: bytes | None) -> bytes:
+    """32 bytes of key from ``material`` (SHA-256, domain-separated); a fresh random
+    key when there is none."""
+    if not material:
+        return secrets.token_bytes(32)
+    return hashlib.sha256(b"sidecar mcp tags\0" + material).digest()
+
+
+def _mac(secret: bytes, value: Any) -> str:
+    """HMAC-SHA256 of ``value`` as canonical JSON under ``secret``, 64 hex digits."""
+    return hmac.new(secret, orjson.dumps(value, option=orjson.OPT_SORT_KEYS),
+                    hashlib.sha256).hexdigest()
+
+
+def sign_tags(secret: bytes, tags: Mapping[str, str]) -> dict[str, str]:
+    """``tags`` with ``mcp.sig`` added: the HMAC of every other ``mcp.*`` tag (names and
+    values), so a job another producer tagged ``mcp.*`` carries no valid one."""
+    own = {k: v for k, v in tags.items() if k.startswith(RESERVED_TAG_PREFIX) and k != SIG_TAG}
+    return {**tags, SIG_TAG: _mac(secret, own)}
+
+
+def signed(secret: bytes, tags: Mapping[str, str] | None) -> bool:
+    """Whether a job's tags carry a valid ``mcp.sig`` (sign_tags) under ``secret``: only
+    such jobs are the gateway's (listed, counted, joined, replayed). Constant-time."""
+    tags = tags or {}
+    given = tags.get(SIG_TAG)
+    if not isinstance(given, str):
+        return False
+    own = {k: v for k, v in tags.items() if k.startswith(RESERVED_TAG_PREFIX) and k != SIG_TAG}
+    return hmac.compare_digest(given, _mac(secret, own))
+
+
+def call_idempotency_key(secret: bytes, principal: str, session_id: str | None,
                          request_id: str | int | None) -> str | None:
     """The idempotency key of an MCP ``tools/call`` (P18): the same principal, session
     and JSON-RPC request id give the same key, so a client's retry of that request joins
     the job instead of running the tool twice. None when the request has no session or no
     id (the 2026-07-28 protocol has no sessions, and request ids repeat across a client's
     connections: no key is safer than a wrong one); a client then gives its own in
-    ``_meta`` (sidecar.mcp.gateway.IDEMPOTENCY_META)."""
+    ``_meta`` (sidecar.mcp.gateway.IDEMPOTENCY_META). Keyed by ``secret``
+    (gateway_secret): another producer cannot compute it, so cannot plant a job under it."""
     if not session_id or request_id is None:
         return None
-    digest = hashlib.sha256(orjson.dumps([principal, session_id, str(request_id)]))
-    return f"mcp:{digest.hexdigest()}"
+    return f"{RESERVED_KEY_PREFIX}{_mac(secret, [principal, session_id, str(request_id)])}"
 
 
-def client_idempotency_key(principal: str, key: str) -> str:
+def client_idempotency_key(secret: bytes, principal: str, key: str) -> str:
     """A key the client gave (in ``_meta``), scoped to its principal: two principals
-    using the same key get two jobs, and neither can reach the other's through it."""
-    digest = hashlib.sha256(orjson.dumps([principal, key]))
-    return f"mcp:{digest.hexdigest()}"
+    using the same key get two jobs, and neither can reach the other's through it; keyed
+    by ``secret`` as call_idempotency_key."""
+    return f"{RESERVED_KEY_PREFIX}{_mac(secret, [principal, key])}"

@@ -99,7 +99,9 @@ class GatewayOptions:
     ``allowed_origins`` (``Host``/``Origin`` values accepted besides the loopback ones;
     ``host:*`` admits any port). ``start_deadline_seconds``: a call's job not started
     that long after the call ends failed, kind ``expired`` (its ``expires_at``; issue 41:
-    no call waits for ever for a tool no sidecar serves)."""
+    no call waits for ever for a tool no sidecar serves). ``secret``: the key of the
+    ``mcp.sig`` tag and of the derived idempotency keys (catalog.gateway_secret; the
+    replicas of one gateway share it; issue 41 point 2)."""
 
     max_calls_per_principal: int = DEFAULT_MAX_CALLS_PER_PRINCIPAL
     max_tasks_per_principal: int = DEFAULT_MAX_TASKS_PER_PRINCIPAL
@@ -107,6 +109,9 @@ class GatewayOptions:
     start_deadline_seconds: float = mcp_catalog.DEFAULT_START_DEADLINE_SECONDS
     allowed_hosts: Sequence[str] = ()
     allowed_origins: Sequence[str] = ()
+    # What the gateway's mcp.* tags and mcp: keys are signed with
+    # (sidecar.mcp.catalog.gateway_secret); empty: a random one per process.
+    secret: bytes = b""
 
 
 class Gateway:
@@ -123,6 +128,7 @@ class Gateway:
         self.tools = {tool.name: tool for tool in catalog}
         self.validators = {tool.name: _validator(tool) for tool in catalog}
         self.principal_of = principal_of
+        self.secret = options.secret or mcp_catalog.gateway_secret(None)
         self.in_flight: dict[str, int] = {}
         # How results carry exact numbers: marked for ExactWire over HTTP (build_http_app
         # sets it), plain ints and floats over stdio (sidecar.mcp.wire).
@@ -176,6 +182,7 @@ class Gateway:
                 await self._check_task_bound(principal)
                 tags["mcp.task"] = secrets.token_urlsafe(24)
                 tags["mcp.kind"] = "task"
+            tags = mcp_catalog.sign_tags(self.secret, tags)
             try:
                 ref = None
                 if key is None and not as_task:  # no session: a retry finds its job
@@ -183,7 +190,7 @@ class Gateway:
                 if ref is None:
                     ref = await self.client.enqueue(
                         tool.name, arguments, idempotency_key=key, tags=tags,
-                        expires_in=self.options.start_deadline_seconds)
+                        expires_in=self.options.start_deadline_seconds, gateway_tags=True)
             except IdempotencyConflict as exc:
                 raise MCPError(code=INVALID_PARAMS,
                                message=_conflict(str(exc), meta, key)) from None
@@ -196,7 +203,8 @@ class Gateway:
                     f"the job could not be queued: {self._said(exc)}")) from None
             if as_task:  # the handle at once; the job goes on without this request
                 job = await self.client.get(ref.id)
-                if "mcp.task" not in (job.tags or {}):  # the key named a plain call
+                if "mcp.task" not in (job.tags or {}) \
+                        or not self._signed(job.tags):  # the key named a plain call
                     raise MCPError(code=INVALID_PARAMS, message=(
                         f"_meta {IDEMPOTENCY_META}: this key already names a call made "
                         f"without the Tasks extension (job {job.id}); use another key"))
@@ -229,7 +237,7 @@ class Gateway:
         wanted = {"mcp.principal": tags["mcp.principal"],
                   "mcp.tool_call": tags["mcp.tool_call"]}
         for row in await self.client.unfinished_like(tool, arguments, wanted):
-            if "mcp.task" not in (row["tags"] or {}):
+            if "mcp.task" not in (row["tags"] or {}) and self._signed(row["tags"]):
                 return JobRef(row["id"], False)
         return None
 
@@ -240,8 +248,15 @@ class Gateway:
                     or not given.isprintable():
                 raise MCPError(code=INVALID_PARAMS, message=(
                     f"_meta {IDEMPOTENCY_META}: give 1-256 printable characters"))
-            return mcp_catalog.client_idempotency_key(principal, given)
-        return mcp_catalog.call_idempotency_key(principal, _session_id(ctx), ctx.request_id)
+            return mcp_catalog.client_idempotency_key(self.secret, principal, given)
+        return mcp_catalog.call_idempotency_key(self.secret, principal, _session_id(ctx),
+                                                ctx.request_id)
+
+    def _signed(self, tags: Mapping[str, str] | None) -> bool:
+        """Whether a job's mcp.* tags are this gateway's (a valid ``mcp.sig``): any
+        producer may write tags, so only a signed job is listed, counted, joined or
+        replayed (issue 41 point 2)."""
+        return mcp_catalog.signed(self.secret, tags)
 
     @contextlib.contextmanager
     def _slot(self, principal: str):
@@ -302,8 +317,9 @@ class Gateway:
         session, from its job: waits (no polling) for the job to end. None when that
         request was not a job, or its job is gone (sidecar.mcp.resume: a resumed SSE
         stream, on any replica)."""
-        rows = await self.client.jobs(tags={"mcp.session": session_id[:256],
-                                            "mcp.tool_call": _tag_id(request)}, limit=1)
+        rows = [row for row in await self.client.jobs(
+            tags={"mcp.session": session_id[:256], "mcp.tool_call": _tag_id(request)},
+            limit=TASK_LIST_LIMIT) if self._signed(row["tags"])]
         if not rows:
             return None
         try:
@@ -322,8 +338,16 @@ class Gateway:
         tasks (counted in the database: the bound holds across replicas, give or take
         the tasks being created at the same moment)."""
         limit = self.options.max_tasks_per_principal
-        count = await self.client.count_unfinished(
-            {"mcp.principal": principal, "mcp.kind": "task"}, limit)
+        wanted = {"mcp.principal": principal, "mcp.kind": "task"}
+        count = await self.client.count_unfinished(wanted, limit)
+        if count >= limit:  # some may be planted: count only the signed ones
+            found = set()
+            for state in ("queued", "running"):
+                for row in await self.client.jobs(tags=wanted, state=state,
+                                                  limit=min(limit + 1, 1000)):
+                    if self._signed(row["tags"]):
+                        found.add(row["tags"].get("mcp.task"))
+            count = len(found)
         if count >= limit:
             raise MCPError(code=INVALID_REQUEST, message=(
                 f"too many unfinished tasks for principal {principal} (at most {limit}); "
@@ -337,12 +361,13 @@ class Gateway:
         missing = MCPError(code=INVALID_PARAMS, message=f"no task {task_id[:80]!r}")
         if not TASK_ID.fullmatch(task_id):
             raise missing
-        rows = await self.client.jobs(tags={"mcp.task": task_id, "mcp.principal": principal},
-                                      limit=1)
+        rows = [row for row in await self.client.jobs(
+            tags={"mcp.task": task_id, "mcp.principal": principal}, limit=TASK_LIST_LIMIT)
+            if self._signed(row["tags"])]
         if not rows:
             raise missing
-        try:
-            return await self.client.get(rows[0]["id"])
+        try:  # the oldest: a copy of a signed task's tags is younger than the task
+            return await self.client.get(rows[-1]["id"])
         except JobNotFound:  # pruned just now
             raise missing from None
 
@@ -412,10 +437,12 @@ class Gateway:
         rows = await self.client.jobs(tags={"mcp.principal": principal, "mcp.kind": "task"},
                                       limit=TASK_LIST_LIMIT)
         tasks = []
-        for row in rows:
+        seen: set[str] = set()
+        for row in reversed(rows):  # oldest first: a copied task is listed once
             task_id = (row["tags"] or {}).get("mcp.task")
-            if not task_id:
+            if not task_id or task_id in seen or not self._signed(row["tags"]):
                 continue
+            seen.add(task_id)
             moments = [row["created_at"], row["finished_at"]]
             tasks.append({"taskId": task_id,
                           "status": _TASK_STATUS.get(row["state"], "working"),
@@ -423,6 +450,7 @@ class Gateway:
                           "lastUpdatedAt": _iso(max(m for m in moments if m is not None)),
                           "ttlMs": self._ttl_ms(row["state"]),
                           "pollIntervalMs": TASK_POLL_MS})
+        tasks.reverse()  # newest first, as before
         return {"resultType": "complete", "tasks": tasks}
 
     async def _cancel(self, job_id: uuid.UUID, principal: str) -> None:

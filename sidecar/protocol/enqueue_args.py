@@ -233,6 +233,27 @@ def check_tracestate(value: str, what: str = "--tracestate") -> str:
     return value
 
 
+# The namespaces of `sidecar mcp` (issue 41 point 2): tags named mcp.* and idempotency
+# keys starting mcp: are the gateway's; other producers are refused them here (the
+# gateway itself trusts only mcp.* tags it signed: sidecar.mcp.catalog.sign_tags).
+RESERVED_TAG_PREFIX = "mcp."
+RESERVED_KEY_PREFIX = "mcp:"
+
+
+def refuse_reserved(tags: Mapping[str, str], key: str | None, names: OptionNames) -> None:
+    """UsageError (exit 2) naming the option when a tag is named ``mcp.*`` or the
+    idempotency key starts ``mcp:``: those belong to ``sidecar mcp`` (docs/mcp.md,
+    Security). ``names`` spells the options (CLI_NAMES or PYTHON_NAMES)."""
+    for name in tags:
+        if name.startswith(RESERVED_TAG_PREFIX):
+            raise UsageError(f"{names.tags} {name[:70]}: tags named {RESERVED_TAG_PREFIX}* "
+                             "are reserved for sidecar mcp; use another name")
+    if key is not None and key.startswith(RESERVED_KEY_PREFIX):
+        key_name = "--idempotency-key" if names is CLI_NAMES else "idempotency_key"
+        raise UsageError(f"{key_name} {key[:70]!r}: keys starting {RESERVED_KEY_PREFIX!r} "
+                         "are reserved for sidecar mcp; use another key")
+
+
 def check_idempotency_key(key: str, what: str = "--idempotency-key") -> str:
     """``key`` if it is 1-512 printable characters of valid UTF-8; else UsageError. (Keys
     ending in ``:stage:N`` belong to next stages: sidecar.storage.store.check_producer_key.)"""

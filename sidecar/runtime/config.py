@@ -385,6 +385,10 @@ GLOBAL_FIELDS: dict[str, _Field] = {
     "MCP_TOKEN_FILE": _Field(_absolute_path, "", "path",
                              "bearer tokens `sidecar mcp` accepts over HTTP, one "
                              "`PRINCIPAL TOKEN` line each (a mounted Secret)"),
+    "MCP_SECRET_FILE": _Field(_absolute_path, "", "path",
+                              "the secret `sidecar mcp` signs its job tags and keys with "
+                              "(shared by its replicas); unset: derived from "
+                              "SIDECAR_MCP_TOKEN_FILE"),
     "WEB_TOKEN_FILE": _Field(_absolute_path, "", "path",
                              "admin tokens of `sidecar web` (cancel, retry, pause, resume), "
                              "one `PRINCIPAL TOKEN` line each; unset: read-only"),
@@ -446,6 +450,7 @@ class Settings:
     retention_failed_seconds: float
     leftover_sweep_seconds: float
     mcp_token_file: str
+    mcp_secret_file: str
     web_token_file: str
     defaults: Mapping[str, tuple[object, str]]
     overrides: Mapping[str, Mapping[str, tuple[object, str]]]
