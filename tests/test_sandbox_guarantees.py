@@ -166,3 +166,63 @@ def test_a_sandboxed_tool_that_exits_leaves_nothing_the_sidecar_must_kill(dsn, p
     assert all(_row(dsn, job)["state"] == "succeeded" for job in jobs)
     killed = [job for job in jobs if journal_details(dsn, job, "child_killed")]
     assert killed == [], [journal_details(dsn, job, "child_killed") for job in killed]
+
+
+_GUARANTEE_PROBE = r'''
+import asyncio, json, os, sys
+from sidecar.worker import child as child_module
+from sidecar.worker.bootstrap import subreaper_step
+from sidecar.worker.isolation import SandboxPlan
+
+work_root, job_dir, script = sys.argv[1], sys.argv[2], sys.argv[3]
+table = subreaper_step("probe")
+scans = []
+real_find_tree = child_module.find_tree
+child_module.find_tree = lambda *a, **k: scans.append(1) or real_find_tree(*a, **k)
+plan = SandboxPlan("/usr/bin/bwrap", work_root)
+cookie = {"SIDECAR_JOB_ID": "probe-" + str(os.getpid()), "SIDECAR_FENCING_TOKEN": "1"}
+
+def marked():
+    found = []
+    for pid in os.listdir("/proc"):
+        try:
+            env = open(f"/proc/{pid}/environ", "rb").read()
+        except OSError:
+            continue
+        if ("SIDECAR_JOB_ID=" + cookie["SIDECAR_JOB_ID"]).encode() in env.split(b"\0"):
+            found.append(int(pid))
+    return found
+
+async def main():
+    env = {"PATH": "/usr/bin:/bin", **cookie}
+    tool = await child_module.Child.spawn(
+        ["/bin/sh", "-c", script], env, b"", 1 << 20, lambda line: None, cookie,
+        cwd=job_dir, processes=table, wrap=lambda argv, fd: plan.argv(argv, job_dir, fd))
+    await tool.exited
+    report = await tool.kill_tree(1.0)
+    print(json.dumps({"scans": len(scans), "signal": report.signal, "survivors": report.survivors,
+                      "init": tool.sandbox_init_pid, "returncode": tool.returncode,
+                      "left": marked()}))
+
+asyncio.run(main())
+'''
+
+
+@pytest.mark.parametrize("script", ["exit 3", "sleep 600 & sleep 600 & exit 3"])
+def test_a_sandboxed_tree_is_known_dead_by_its_namespace_without_a_scan(tmp_path, script):
+    """Issue 42 (each guarantee paid once): once a sandboxed tool exits, its tree is the
+    PID namespace, dead when the namespace's init has exited (the kernel empties the
+    namespace first). The tree kill waits for that init and scans /proc not once, and
+    nothing of the tool is left, including what it left running in its namespace."""
+    root = short_root(tmp_path)
+    job_dir = root / "job"
+    job_dir.mkdir(mode=0o700, parents=True)
+    done = __import__("subprocess").run(
+        [sys.executable, "-c", _GUARANTEE_PROBE, str(root), str(job_dir), script],
+        capture_output=True, timeout=60, cwd=str(Path(__file__).parent.parent))
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    seen = orjson.loads(done.stdout.splitlines()[-1])
+    assert seen["returncode"] == 3 and seen["init"], seen
+    assert seen["scans"] == 0, seen
+    assert seen["signal"] is None and seen["survivors"] == [], seen
+    assert seen["left"] == [], f"processes of the tool outlived its namespace: {seen}"

@@ -566,8 +566,14 @@ class Child:
         self.status_fd = status_fd
         self.sandboxed = status_fd >= 0
         self.sandbox_failed = False
+        # The host pid of bwrap's namespace init (PID 1 of the sandbox), from bwrap's
+        # status (``child-pid``): the tree is dead once it is (Child._tree_gone_by_guarantee).
+        self.sandbox_init_pid: int | None = None
         self.processes = processes if processes is not None else ProcessTable()
         self.cgroup = cgroup
+        # The tool joined ``cgroup`` itself before exec (a preexec_fn), so everything it
+        # ever forked was born inside: set by ``spawn``.
+        self.cgroup_from_exec = False
         # The child's own resource use (wait4), its reaped descendants included.
         self.rusage: resource.struct_rusage | None = None
         self.popen = popen
@@ -658,8 +664,10 @@ class Child:
                                 f"{getattr(exc, 'strerror', None) or exc}", short) from None
         except subprocess.SubprocessError as exc:
             raise SpawnFailed(f"cannot start {argv[0]}: {exc}", 126) from None
-        return cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie, cgroup,
-                   processes, status_r)
+        child = cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie,
+                    cgroup, processes, status_r)
+        child.cgroup_from_exec = cgroup is not None and make_preexec is not None
+        return child
 
     # --- exit ---------------------------------------------------------------
 
@@ -701,8 +709,13 @@ class Child:
                 document = json.loads(line)
             except ValueError:
                 continue
-            if isinstance(document, dict) and isinstance(document.get("exit-code"), int):
+            if not isinstance(document, dict):
+                continue
+            if isinstance(document.get("exit-code"), int):
                 code = document["exit-code"]
+            pid = document.get("child-pid")
+            if isinstance(pid, int) and not isinstance(pid, bool) and pid > 1:
+                self.sandbox_init_pid = pid
         if code is not None:
             self.returncode = decode_sandbox_status(code)
         elif self.returncode is not None and self.returncode >= 0:
@@ -866,6 +879,11 @@ class Child:
         something of which still runs (case F23). The job cgroup, where there is one, is
         killed with ``cgroup.kill``, which reaches every member whatever its identity."""
         report = KillReport()
+        if self.exited.done() and await self._tree_gone_by_guarantee():
+            # The usual end under a stronger guarantee (issue 42): the PID namespace or
+            # the job cgroup says the tree is dead; no scan of /proc.
+            self._uncount()
+            return report
         members: dict[psutil.Process, None] = {}
         procs = await self._scan()
         if procs and self.sandboxed and self.exited.done():
@@ -913,6 +931,53 @@ class Child:
             # still count against the RUN_AS user's RLIMIT_NPROC for the next attempt.
             await self.loop.run_in_executor(None, self.processes.reap_adopted)
         return report
+
+    async def _tree_gone_by_guarantee(self) -> bool:
+        """True when the tool has exited and a guarantee stronger than a scan says nothing
+        of its tree is left, so the tree kill has no work (issue 42: each guarantee paid
+        once); False when the caller must scan. Call only once ``exited`` is done.
+
+        - Sandboxed: the tree is the sandbox's PID namespace. bwrap exits as the tool
+          does, and its namespace init (``--die-with-parent``) with it; the kernel lets
+          PID 1 of a namespace finish exiting only once every process in it is gone
+          (``zap_pid_ns_processes``), and no process can leave the namespace (no
+          capability, no user namespace inside). So the tree is dead once the init,
+          adopted by this subreaper, has exited (waited for up to
+          ``SANDBOX_SETTLE_SECONDS``). What the tool left in its namespace was killed by
+          the kernel with the init, without a grace, as before: no orphan to report.
+        - A job cgroup the tool joined before exec (``cgroup_from_exec``; no RUN_AS):
+          its ``cgroup.procs`` are the tree (a fork is born in its parent's cgroup, and
+          only a privileged process could move out): empty is dead. A tool the parent
+          moved after a vfork is no such guarantee: what it forked before the move and
+          left behind (it may exit first, and its children are then ours, not its) stays
+          outside, and only the scan finds it.
+
+        False when neither applies: no subreaper (the init is then not ours to wait for),
+        bwrap's status named no init, the init still runs after the wait, the cgroup
+        still has members, or RUN_AS without a sandbox (adopted zombies of that user are
+        reaped by the scan at once: RLIMIT_NPROC)."""
+        if self.sandboxed:
+            pid = self.sandbox_init_pid
+            if pid is None or not self.processes.subreaper or self.sandbox_failed:
+                return False
+            if self._init_exited(pid):
+                return True
+            await self._wait_exits(_processes([pid]), SANDBOX_SETTLE_SECONDS)
+            return self._init_exited(pid)
+        return self.cgroup_from_exec and self.run_as_uid is None \
+            and not self.cgroup.members()
+
+    def _init_exited(self, pid: int) -> bool:
+        """True when the sandbox's init ``pid`` has exited: reaped now (unless a spawn
+        holds ``reap_lock``, case F9), a zombie left to the orphan reaper, or no child of
+        ours any more (reaped already, by bwrap or the orphan reaper: its pid may be
+        another process's by now). False while it runs, or when ``pid`` is a managed
+        tool's or an exempt child's (the init's pid was reused: not ours to judge)."""
+        if self.processes.is_own(pid):
+            return False
+        if not self.processes.reap_listed([pid]):
+            return True
+        return linux.is_zombie(pid)
 
     def _sandbox_wrappers(self) -> set[int]:
         """bwrap's own processes of a sandboxed child: bwrap (our child) and the
