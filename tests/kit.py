@@ -472,6 +472,22 @@ def job_processes(job_id: str) -> list[int]:
     return found
 
 
+def owner_processes(owner_id: str) -> list[int]:
+    """Live processes carrying a sidecar's owner id in their environment
+    (SIDECAR_OWNER_ID): every tool tree of that sidecar, and its attempts prepared ahead
+    (their launchers, bwrap and its namespace init: started before any job, they carry the
+    attempt's variables but no job's). Zombies count as gone."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            if proc.environ().get("SIDECAR_OWNER_ID") == owner_id and \
+                    proc.status() != psutil.STATUS_ZOMBIE:
+                found.append(proc.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
 # --- isolation: cgroups and work roots -------------------------------------------------------
 
 def job_cgroup_dirs(pid: int) -> list[Path]:

@@ -258,8 +258,9 @@ def test_child_sees_stdio_only_an_allow_listed_environment_and_its_own_dir(dsn, 
     assert not os.path.exists(job_dir)
     [summary] = _journal(dsn, job, "job_succeeded")
     assert summary["cpu_seconds"] >= 0 and summary["peak_memory_bytes"] > MIB
-    if ROOT:  # each attempt in a cgroup of its own
-        assert f"job-{job}-1" in seen["cgroup"]
+    if ROOT:  # each attempt in a cgroup of its own, named in its journal
+        [started] = _journal(dsn, job, "tool_request_started")
+        assert "sidecar-jobs/" + started["cgroup"] in seen["cgroup"]
 
 
 @pytest.mark.e2e

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 import orjson
+import psutil
 import pytest
 
 from kit import (
@@ -25,6 +26,7 @@ from kit import (
     job_processes,
     job_row,
     journal_details,
+    owner_processes,
     sandbox_extra_paths,
     short_root,
     wait_until,
@@ -78,14 +80,18 @@ def test_a_sigkilled_sidecar_takes_the_sandboxed_tree_down(dsn, sidecars, public
     (all ignoring SIGTERM) and bwrap's processes are gone within seconds."""
     env = _env(dsn, public_root / "work", SIDECAR_STAGE_TIMEOUT_SECONDS="120")
     sc = sidecars(dsn, HANG_TREE, "--tool", "doomed", env=env)
-    sc.wait_event("worker_started", 30)
+    owner = sc.wait_event("worker_started", 30)["owner_id"]
     job = enqueue(dsn, "doomed", {"pidfile": "/dev/null", "tree": True})
-    # bwrap and its namespace's init, the tool, and its three descendants.
-    before = _tree_started(job, 6)
+    # The tool and its three descendants carry the job's id; bwrap and its namespace's
+    # init, started ahead of the job (issue 42), only the attempt's variables.
+    before = _tree_started(job, 4)
+    assert len(owner_processes(owner)) > len(before)  # bwrap, its init, prepared ones
     sc.proc.kill()
     sc.proc.wait(5)
     wait_until(lambda: job_processes(job) == [], 10,
                what=f"the guardian's kill of the sandboxed tree {before}")
+    wait_until(lambda: owner_processes(owner) == [], 10,
+               what="bwrap's processes and the attempts prepared ahead to end")
 
 
 def test_a_stage_deadline_kills_the_whole_sandboxed_tree(dsn, sidecars, public_root):
@@ -96,12 +102,16 @@ def test_a_stage_deadline_kills_the_whole_sandboxed_tree(dsn, sidecars, public_r
     sc = sidecars(dsn, HANG_TREE, "--tool", "stuck", env=env)
     sc.wait_event("worker_started", 30)
     job = enqueue(dsn, "stuck", {"pidfile": "/dev/null", "tree": True})
-    _tree_started(job, 6)
+    tree = _tree_started(job, 4)  # the tool and its descendants (bwrap's two: started ahead)
+    wrappers = {parent for pid in tree for parent in psutil.Process(pid).parents()
+                if parent.name() == "bwrap"}
+    assert len(wrappers) == 2, wrappers  # bwrap and its namespace's init
     wait_until(lambda: job_row(dsn, job)["state"] == "failed", 30, what="the stage deadline")
     assert _row(dsn, job)["error"]["kind"] == "stage_timeout"
     killed = journal_details(dsn, job, "child_killed")
     assert killed and killed[-1]["survivors"] == 0, killed
     assert job_processes(job) == []
+    assert not [p for p in wrappers if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
 
 
 @needs_root

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from kit import TOOLS, base_env, enqueue, query, short_root, wait_until
+from kit import TOOLS, base_env, enqueue, journal_details, query, short_root, wait_until
 from sidecar.worker import linux
 from sidecar.worker.cgroups import JobCgroup, detect
 
@@ -156,4 +156,5 @@ def test_a_default_profile_tool_runs_in_its_job_cgroup_with_what_it_forks(dsn, s
     [row] = query(dsn, "SELECT state, result FROM tool_jobs WHERE id = $1", job)
     assert row["state"] == "succeeded", row
     seen = set(row["result"].values())
-    assert len(seen) == 1 and f"job-{job}-1" in seen.pop(), row["result"]
+    started = journal_details(dsn, job, "tool_request_started")[0]
+    assert len(seen) == 1 and "sidecar-jobs/" + started["cgroup"] in seen.pop(), row["result"]

@@ -367,6 +367,10 @@ GLOBAL_FIELDS: dict[str, _Field] = {
                         "metrics, /livez and /readyz of `sidecar run`; off = none"),
     "LOG_TOOL_STDERR": _Field(_flag, "false", "bool",
                               "log the tool's stderr lines (content) as tool_stderr events"),
+    "PREPARE": _Field(_flag, "true", "bool",
+                      "keep one attempt per slot prepared ahead (work directory, job cgroup, "
+                      "sandbox, a launcher waiting for its job); false: set each up when "
+                      "its job is claimed"),
     "WORK_DIR": _Field(_absolute_path, "", "path",
                        "root of each attempt's private work directory; default the temp dir"),
     "MAX_PAYLOAD_BYTES": _Field(_non_negative_int, str(8 * 1024 * 1024), "bytes",
@@ -443,6 +447,7 @@ class Settings:
     listen_database_url_file: str
     http_addr: str
     log_tool_stderr: bool
+    prepare: bool
     work_dir: str
     max_payload_bytes: int
     cgroups: str

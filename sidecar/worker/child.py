@@ -544,6 +544,45 @@ def _spawn_counted(processes: ProcessTable, *args):
         processes.spawn_done()
 
 
+@dataclass
+class Launched:
+    """A started process and the parent's ends of its pipes (``Child.launch``), not yet
+    watched: ``Child.start`` makes the Child, or ``discard`` kills and reaps it.
+    ``status_fd`` is bwrap's status pipe (-1 unsandboxed); ``cgroup_from_exec``: it
+    joined ``cgroup`` before exec."""
+
+    popen: subprocess.Popen
+    stdin_fd: int
+    stdout_fd: int
+    stderr_fd: int
+    status_fd: int
+    processes: ProcessTable
+    cgroup: JobCgroup | None
+    cgroup_from_exec: bool
+
+    def alive(self) -> bool:
+        """True while the process runs (a ``waitid`` that does not reap it)."""
+        try:
+            return os.waitid(os.P_PID, self.popen.pid,
+                             os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:
+            return False
+
+    def discard(self) -> None:
+        """SIGKILL its process group (its own session: everything it started, a
+        sandbox's namespace with it), reap it, close the pipes. Blocks up to 5 s: call it
+        off the event loop."""
+        with contextlib.suppress(OSError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired, ChildProcessError):
+            self.popen.wait(5)
+        self.processes.unmanage(self.popen.pid)
+        for fd in (self.stdin_fd, self.stdout_fd, self.stderr_fd, self.status_fd):
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+
+
 class Child:
     """One running tool process and its pipes. Create with ``await Child.spawn(...)``.
 
@@ -640,6 +679,26 @@ class Child:
         attempt's sandbox (sidecar.worker.isolation.SandboxPlan.argv), ``status_fd`` the
         descriptor bwrap reports its status on; None runs ``argv`` as is.
         """
+        if processes is None:
+            processes = ProcessTable()
+        launched = await cls.launch(argv, env, cwd=cwd, make_preexec=make_preexec,
+                                    cgroup=cgroup, new_privileges=new_privileges,
+                                    processes=processes, wrap=wrap)
+        return cls.start(launched, payload, max_stdout, on_stderr_line, cookie)
+
+    @classmethod
+    async def launch(cls, argv: list[str], env: dict[str, str], cwd: str | None = None,
+                     make_preexec: Callable[[int, int], Callable[[], None]] | None = None,
+                     cgroup: JobCgroup | None = None, new_privileges: bool = False,
+                     processes: ProcessTable | None = None,
+                     wrap: Callable[[list[str], int], list[str]] | None = None,
+                     joins_itself: bool = False) -> Launched:
+        """``spawn``'s first half: the process, started and managed, with its pipes, but
+        nothing written to its stdin and nothing watched yet (``start`` does both). A
+        prepared launcher (sidecar.worker.prepared) is launched ahead of its job this way.
+        ``joins_itself``: the command joins ``cgroup`` itself before it execs anything
+        (the launcher's first step), so the parent does not move it. Raises like
+        ``spawn``."""
         loop = asyncio.get_running_loop()
         if processes is None:
             processes = ProcessTable()
@@ -647,8 +706,8 @@ class Child:
         try:
             popen, in_w, out_r, err_r, status_r = await loop.run_in_executor(
                 processes.spawn_thread(new_privileges), _spawn_counted, processes, argv, env,
-                os.getpid(), cwd, make_preexec, cgroup if make_preexec is None else None,
-                wrap)
+                os.getpid(), cwd, make_preexec,
+                cgroup if make_preexec is None and not joins_itself else None, wrap)
         except (OSError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError):  # from submit: _spawn_counted never ran
                 processes.spawn_done()
@@ -664,9 +723,19 @@ class Child:
                                 f"{getattr(exc, 'strerror', None) or exc}", short) from None
         except subprocess.SubprocessError as exc:
             raise SpawnFailed(f"cannot start {argv[0]}: {exc}", 126) from None
-        child = cls(popen, in_w, out_r, err_r, payload, max_stdout, on_stderr_line, cookie,
-                    cgroup, processes, status_r)
-        child.cgroup_from_exec = cgroup is not None and make_preexec is not None
+        return Launched(popen, in_w, out_r, err_r, status_r, processes, cgroup,
+                        cgroup is not None and (make_preexec is not None or joins_itself))
+
+    @classmethod
+    def start(cls, launched: Launched, payload: bytes, max_stdout: int,
+              on_stderr_line: Callable[[bytes], None], cookie: dict[str, str]) -> Child:
+        """``spawn``'s second half: write ``payload`` to the launched process's stdin and
+        watch its pipes and its exit (arguments as ``spawn``). Call it on the event loop,
+        once per ``Launched``."""
+        child = cls(launched.popen, launched.stdin_fd, launched.stdout_fd, launched.stderr_fd,
+                    payload, max_stdout, on_stderr_line, cookie, launched.cgroup,
+                    launched.processes, launched.status_fd)
+        child.cgroup_from_exec = launched.cgroup_from_exec
         return child
 
     # --- exit ---------------------------------------------------------------

@@ -43,7 +43,8 @@ from sidecar.worker.guard import GuardServer
 from sidecar.worker.isolation import SandboxPlan, SparePool
 from sidecar.worker.lease import LeaseKeeper
 from sidecar.worker.leftovers import OwnerLock, sweep_dead_owners
-from sidecar.worker.supervisor import JobSupervisor
+from sidecar.worker.prepared import Preparer
+from sidecar.worker.supervisor import JobSupervisor, discard_prepared, prepare_attempt
 
 # An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
 # function skips places older than two minutes (migration 008).
@@ -257,12 +258,21 @@ class Worker:
         stack.push_async_callback(guard.stop)
         if self.adopt_orphans:  # the last sweep, once every tool is gone
             stack.callback(self.processes.reap_adopted)
+        # One attempt per slot set up ahead of its job (issue 42); discarded before the
+        # spare directories are removed (the stack unwinds in reverse).
+        preparer = Preparer(self.concurrency, lambda serial: prepare_attempt(self._ctx, serial),
+                            discard_prepared) \
+            if self.settings.prepare and not self.profile.run_as else None
         self._ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
                                   dict(os.environ), self.shutdown_kill, forwarder.wake,
                                   self.settings, guard, guard_url, self.cgroup_host,
                                   ClaimPause(on_end=self.wake.set),
                                   processes=self.processes, spares=self.spares,
-                                  sandbox=self.sandbox, tracer=self.tracer)
+                                  sandbox=self.sandbox, tracer=self.tracer,
+                                  preparer=preparer)
+        if preparer is not None:
+            stack.push_async_callback(preparer.close)
+            preparer.fill()
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict(),
                  http_addr=http_addr, guard_url=guard_url,

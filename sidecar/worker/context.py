@@ -20,6 +20,7 @@ from sidecar.worker.lease import LeaseKeeper
 
 if TYPE_CHECKING:
     from sidecar.worker.guard import GuardServer
+    from sidecar.worker.prepared import Preparer
 
 
 @dataclass(frozen=True)
@@ -47,5 +48,8 @@ class WorkerContext:
     # How each attempt is wrapped in bubblewrap (sidecar.worker.isolation.check_sandbox at
     # start); None: attempts run unsandboxed (SANDBOX=off, or auto where it cannot work).
     sandbox: SandboxPlan | None = None
+    # Attempts prepared ahead of their jobs (sidecar.worker.prepared); None: each is set
+    # up when its job is claimed (SIDECAR_PREPARE=false, RUN_AS).
+    preparer: Preparer | None = None
     # Each attempt's trace (issue 30): sidecar.ops.tracing.OFF unless OTEL_* asks for traces.
     tracer: Tracer = OFF

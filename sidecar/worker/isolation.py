@@ -759,6 +759,15 @@ class Sandbox:
         self._make_cgroup()
         return True
 
+    def attach(self) -> None:
+        """For a Sandbox opened ahead of its job (sidecar.worker.prepared, never under
+        RUN_AS): write ``files`` and make the guard socket now that the job is known, while
+        the work directory is still the sidecar's own (case F15: through its descriptor,
+        never an existing name). Cheap enough for the event loop. Raises OSError."""
+        for name, text in self.files.items():
+            self.write_file(name, text)
+        self._listen_guard()
+
     def _make_dir(self, root: str) -> None:
         """The new work directory, made and filled through descriptors (sidecar.worker.safefs),
         still the sidecar's own (mode 0700) until ``_hand_over``."""

@@ -63,6 +63,7 @@ from sidecar.worker.context import WorkerContext
 from sidecar.worker.isolation import TMPDIR_VARIABLES, Sandbox, child_environment
 from sidecar.worker.lease import Lease
 from sidecar.worker.leftovers import job_name, work_dir_prefix
+from sidecar.worker.prepared import PreparedAttempt, launcher_argv, unset_pwd_for
 from sidecar.worker.progress import PROGRESS_FILE_NAME, ProgressReporter
 
 if TYPE_CHECKING:
@@ -75,22 +76,35 @@ _STDERR_LINES_PER_SECOND = 200
 PARSE_ON_LOOP_BYTES = 64 * 1024
 
 
+def attempt_variables(profile: LeaseProfile, owner_id: str, sandbox: Sandbox
+                      ) -> dict[str, str]:
+    """The variables of an attempt that its job does not change (docs/child-process.md):
+    the tool, its stage timeout, the owner, its work directory and the files in it, its
+    temporary directory and, by the profile's ``HOME``, its own HOME and XDG base
+    directories. A prepared launcher starts with these (sidecar.worker.prepared)."""
+    variables = dict(
+        SIDECAR_TOOL=profile.tool,
+        SIDECAR_STAGE_TIMEOUT_SECONDS=f"{profile.stage_timeout_seconds:g}",
+        SIDECAR_OWNER_ID=owner_id,
+        SIDECAR_JOB_DIR=sandbox.job_dir,
+        SIDECAR_RESULT_FILE=sandbox.result_file,
+        SIDECAR_PROGRESS_FILE=os.path.join(sandbox.job_dir, PROGRESS_FILE_NAME),
+    )
+    variables.update(dict.fromkeys(TMPDIR_VARIABLES, sandbox.job_dir))
+    variables.update(sandbox.home_variables())
+    return variables
+
+
 def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
                   sandbox: Sandbox) -> dict[str, str]:
     """The variables a child gets for one attempt (docs/child-process.md): the
-    ``SIDECAR_*`` ones, its temporary directory (its work directory) and, by the profile's
-    ``HOME``, its own HOME and XDG base directories."""
+    ``SIDECAR_*`` ones of its job and ``attempt_variables``."""
     variables = dict(
         SIDECAR_JOB_ID=str(job.id),
         SIDECAR_TOOL=job.tool,
         SIDECAR_ATTEMPT=str(job.attempt),
         SIDECAR_FENCING_TOKEN=str(job.fencing_token),
         SIDECAR_IDEMPOTENCY_KEY=f"tool-job:{job.id}",
-        SIDECAR_STAGE_TIMEOUT_SECONDS=f"{profile.stage_timeout_seconds:g}",
-        SIDECAR_OWNER_ID=owner_id,
-        SIDECAR_JOB_DIR=sandbox.job_dir,
-        SIDECAR_RESULT_FILE=sandbox.result_file,
-        SIDECAR_PROGRESS_FILE=os.path.join(sandbox.job_dir, PROGRESS_FILE_NAME),
     )
     # The caller's trace context, by OpenTelemetry's environment-carrier convention.
     if job.trace_context_ignored:
@@ -100,9 +114,9 @@ def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
         variables["TRACEPARENT"] = job.traceparent
         if job.tracestate:
             variables["TRACESTATE"] = job.tracestate
-    variables.update(dict.fromkeys(TMPDIR_VARIABLES, sandbox.job_dir))
-    variables.update(sandbox.home_variables())
-    return variables
+    attempt = attempt_variables(profile, owner_id, sandbox)
+    attempt["SIDECAR_TOOL"] = job.tool
+    return {**attempt, **variables}
 
 
 class _StderrRelay:
@@ -155,6 +169,56 @@ class _StderrRelay:
             self.dropped = 0
 
 
+async def prepare_attempt(ctx: WorkerContext, serial: int) -> PreparedAttempt:
+    """One attempt of ``ctx``'s tool set up ahead of its job (sidecar.worker.prepared): a
+    work directory (a kept one when there is one) and a job cgroup named
+    ``<owner key>.job-p<serial>-0``, and a launcher started in them (and in the sandbox)
+    with the attempt's static environment, waiting for its job's line. Raises what
+    opening the Sandbox or starting the launcher raises; nothing is left behind then."""
+    profile = ctx.profile
+    sandbox = Sandbox(ctx.settings, profile, ctx.cgroup_host,
+                      job_name(ctx.owner_id, f"p{serial}", 0),
+                      work_dir_prefix(ctx.owner_id), spares=ctx.spares)
+    loop = asyncio.get_running_loop()
+    try:
+        if not sandbox.open_kept():
+            await loop.run_in_executor(None, sandbox.open)
+        env = child_environment(ctx.base_env, profile,
+                                attempt_variables(profile, ctx.owner_id, sandbox))
+        if ctx.guard is not None and (ctx.sandbox is None or ctx.sandbox.network != "none"):
+            env["SIDECAR_GUARD_URL"] = ctx.guard_url
+        preexec = sandbox.preexec if sandbox.needs_preexec else None
+        # The launcher joins its cgroup itself, unless a preexec_fn does (limits).
+        procs = sandbox.cgroup.procs_files if sandbox.cgroup is not None and preexec is None \
+            else []
+        plan = ctx.sandbox
+        if plan is None:
+            argv, wrap = launcher_argv(ctx.argv, procs, None, unset_pwd_for(env, False)), None
+        else:
+            argv = ctx.argv
+
+            def wrap(tool_argv: list[str], status_fd: int) -> list[str]:
+                return launcher_argv(
+                    tool_argv, procs,
+                    lambda inner: plan.argv(inner, sandbox.job_dir, status_fd), False)
+        launched = await Child.launch(argv, env, cwd=sandbox.job_dir, make_preexec=preexec,
+                                      cgroup=sandbox.cgroup,
+                                      new_privileges=profile.allow_new_privs,
+                                      processes=ctx.processes, wrap=wrap,
+                                      joins_itself=bool(procs))
+    except BaseException:
+        await loop.run_in_executor(None, sandbox.close)
+        raise
+    return PreparedAttempt(sandbox, launched, env, ctx.argv[0])
+
+
+def discard_prepared(prepared: PreparedAttempt) -> None:
+    """Kill a prepared launcher never used and remove its work directory and cgroup
+    (blocking: off the event loop)."""
+    prepared.launched.discard()
+    prepared.sandbox.close()
+
+
 class JobSupervisor:
     """Runs one claimed job to a terminal, requeued, released or abandoned end: spawn,
     race, kill and measure here; the verdict in sidecar.protocol.verdict; the fenced write in
@@ -177,6 +241,9 @@ class JobSupervisor:
         self.commit = FencedCommit(ctx, job, lease, self.started, trace)
         # The tool's progress reports (guard and SIDECAR_PROGRESS_FILE, issue 26).
         self.progress = ProgressReporter(ctx.store, ctx.owner_id, job, lease)
+        # The attempt prepared ahead that this one runs in (``_run``), until its
+        # launcher became the Child or was dropped.
+        self.prepared: PreparedAttempt | None = None
 
     async def run(self) -> Outcome:
         """Supervise the job; return how the attempt ended."""
@@ -240,15 +307,26 @@ class JobSupervisor:
         # The checkpoint is written while the work directory is still the sidecar's own,
         # before the RUN_AS user (and so a sibling attempt) can plant a link in it (F15).
         files = {} if job.checkpoint_text is None else {CHECKPOINT_FILE_NAME: job.checkpoint_text}
-        sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
-                          job_name(self.ctx.owner_id, job.id, job.fencing_token),
-                          work_dir_prefix(self.ctx.owner_id), spares=self.ctx.spares,
-                          files=files, guard_socket=self.ctx.guard is not None)
         loop = asyncio.get_running_loop()
+        # An attempt prepared ahead (sidecar.worker.prepared): its work directory, cgroup
+        # and sandbox are set up and its launcher waits; only the job's own files and
+        # guard socket are added now, while the directory is still the sidecar's.
+        self.prepared = self.ctx.preparer.take() if self.ctx.preparer is not None else None
+        if self.prepared is not None:
+            sandbox = self.prepared.sandbox
+            sandbox.files, sandbox.guard_socket = files, self.ctx.guard is not None
+        else:
+            sandbox = Sandbox(self.ctx.settings, profile, self.ctx.cgroup_host,
+                              job_name(self.ctx.owner_id, job.id, job.fencing_token),
+                              work_dir_prefix(self.ctx.owner_id), spares=self.ctx.spares,
+                              files=files, guard_socket=self.ctx.guard is not None)
         try:
-            if not sandbox.open_kept():
+            if self.prepared is not None:
+                sandbox.attach()
+            elif not sandbox.open_kept():
                 await loop.run_in_executor(None, sandbox.open)
         except Exception as exc:  # noqa: BLE001 - any failure here fails the attempt, cleanly
+            await self._drop_prepared()
             await loop.run_in_executor(None, sandbox.close)
             short = shortage_errno(exc)
             if short is not None:
@@ -304,13 +382,22 @@ class JobSupervisor:
         relay = _StderrRelay(self.job, self.ctx.settings.log_tool_stderr)
         self.trace.spawning()
         try:
-            child = await Child.spawn(self.ctx.argv, env, payload, profile.max_result_bytes,
-                                      relay, cookie, cwd=sandbox.job_dir,
-                                      make_preexec=sandbox.preexec if sandbox.needs_preexec
-                                      else None, cgroup=sandbox.cgroup,
-                                      new_privileges=profile.allow_new_privs,
-                                      processes=self.ctx.processes,
-                                      wrap=self._sandbox_wrap(sandbox))
+            child = None
+            if self.prepared is not None:
+                child = self.prepared.start(env, payload, profile.max_result_bytes, relay,
+                                            cookie)
+                if child is None:  # the line cannot carry env, or the launcher is gone
+                    await self._drop_prepared()
+            if child is None:
+                child = await Child.spawn(self.ctx.argv, env, payload,
+                                          profile.max_result_bytes, relay, cookie,
+                                          cwd=sandbox.job_dir,
+                                          make_preexec=sandbox.preexec
+                                          if sandbox.needs_preexec else None,
+                                          cgroup=sandbox.cgroup,
+                                          new_privileges=profile.allow_new_privs,
+                                          processes=self.ctx.processes,
+                                          wrap=self._sandbox_wrap(sandbox))
             child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
             self.trace.spawned(child.pid)
         except SpawnShortage as exc:
@@ -325,9 +412,14 @@ class JobSupervisor:
                 FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
 
         self.ctx.claim_pause.started()
+        # The attempt's job cgroup by name: ``<owner key>.job-<id>-<token>``, or
+        # ``.job-p<n>-0`` for one prepared ahead of its job (issue 42).
+        cgroup = sandbox.cgroup.name if sandbox.cgroup is not None else None
         self.commit.note("tool_request_started", {
-            "pid": child.pid, "argv0": self.ctx.argv[0], "payload": self.payload_digest})
-        log.emit("tool_request_started", **log_fields(self.job), pid=child.pid)
+            "pid": child.pid, "argv0": self.ctx.argv[0], "payload": self.payload_digest,
+            **({"cgroup": cgroup} if cgroup else {})})
+        log.emit("tool_request_started", **log_fields(self.job), pid=child.pid,
+                 cgroup=cgroup)
 
         # SIDECAR_PROGRESS_FILE, looked at on a timer of its own (progress.FILE_SECONDS),
         # never the heartbeat's: a waiting caller sees a report within a second (issue 41).
@@ -359,6 +451,14 @@ class JobSupervisor:
             ("oom_kills", usage.oom_kills or None),
             ("process_limit_hits", usage.process_limit_hits or None)) if v is not None}
         return await self._settle(reason, child, sandbox, usage)
+
+    async def _drop_prepared(self) -> None:
+        """Kill the prepared launcher this attempt will not use (its process group, and
+        the sandbox's namespace with it) and reap it; the sandbox (work directory and
+        cgroup) stays the attempt's."""
+        prepared, self.prepared = self.prepared, None
+        if prepared is not None:
+            await asyncio.get_running_loop().run_in_executor(None, prepared.launched.discard)
 
     def _sandbox_wrap(self, sandbox: Sandbox):
         """The wrapper of the tool's command line in this attempt's bubblewrap sandbox

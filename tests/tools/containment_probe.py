@@ -120,7 +120,10 @@ for entry in os.listdir("/proc"):
     except OSError:
         env = {}
     # Processes of the same sidecar's other attempts (the host may run other sidecars).
-    if env.get("SIDECAR_OWNER_ID") == own_owner and env.get("SIDECAR_JOB_ID") != own_job:
+    # PID 1 is never one: in the sandbox it is the attempt's own namespace init, started
+    # (ahead of the job, issue 42) with the attempt's environment but not the job's.
+    if env.get("SIDECAR_OWNER_ID") == own_owner and env.get("SIDECAR_JOB_ID") != own_job \
+            and pid != 1:
         others.append(pid)
     token = env.get("SIDECAR_GUARD_TOKEN")
     if token and token != own_token:

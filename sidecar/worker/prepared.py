@@ -1,0 +1,197 @@
+"""Attempts prepared ahead of their jobs (issue 42: the sandbox off the job's path).
+
+What an attempt needs before its tool can run costs milliseconds that have nothing to do
+with the job: a work directory, a job cgroup, a process started in that cgroup and (by
+default) a bubblewrap sandbox, whose namespaces and mounts alone take about 4 ms of the
+kernel's time. A ``Preparer`` keeps one such attempt per slot ready: a **launcher**, a
+tiny POSIX shell script that has joined its job cgroup and entered its sandbox and now
+waits for one line on its stdin. When a job is claimed, the supervisor writes that line
+(the job's own variables) followed by the payload, and the launcher ``exec``s the tool
+with the line's variables added to its environment, in its work directory, keeping its
+pid: the tool starts as soon as the line arrives.
+
+The launcher (``launcher_argv``):
+
+- joins every ``cgroup.procs`` of its job cgroup itself, before it execs anything (so
+  everything the tool ever forks is born in the cgroup: no live move of a running tool,
+  and the cgroup is the tree, ``Child.cgroup_from_exec``), then execs bwrap when
+  sandboxed;
+- inside, reads one line, ``NAME=value`` pairs separated by the unit separator (0x1F),
+  exports each, and execs the tool. ``read`` takes a pipe byte by byte, so the tool's
+  stdin starts exactly at the payload. A variable whose name or value could not travel
+  on that line (a newline, a 0x1F, a NUL) makes ``job_line`` refuse, and the attempt is
+  started the usual way.
+
+What the prepared attempt shares with its job is only what the profile fixes (the
+command, the static environment, the work directory, the cgroup and sandbox); nothing of
+the job exists before the line. A launcher never used is killed with its process group
+(``Launched.discard``) and its work directory and cgroup removed, at shutdown or when its
+work directory can no longer be reused. docs/isolation.md, "Prepared attempts".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from sidecar.runtime import log
+from sidecar.worker.child import Child, Launched
+from sidecar.worker.isolation import Sandbox
+
+SH = "/bin/sh"
+# The launcher's argv[0] ($0 of its scripts): what `ps` shows while it waits.
+LAUNCHER_NAME = "sidecar-launcher"
+FIELD_SEPARATOR = "\x1f"  # ASCII unit separator: between NAME=value pairs of the job line
+_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+# Host side, before the sandbox: join each cgroup.procs named before "--" (125 when one
+# cannot be joined: the preparer sees a dead launcher and the attempt starts cold).
+_JOIN = 'while [ "$1" != -- ]; do echo 0 > "$1" || exit 125; shift; done; shift; '
+# The job's line: export its pairs, then exec the tool (argv after $0). set -f: no
+# pathname expansion of the values; IFS only splits the line into its pairs.
+_READ = ("IFS='" + FIELD_SEPARATOR + "'; read -r line || exit 125; set -f; "
+         'for kv in $line; do export "$kv"; done; unset IFS kv line; ')
+
+
+def launcher_argv(tool_argv: list[str], procs_files: list[str],
+                  wrap: Callable[[list[str]], list[str]] | None,
+                  unset_pwd: bool) -> list[str]:
+    """The launcher's command line: join ``procs_files`` (the job cgroup's
+    ``cgroup.procs``, none without a cgroup or when a preexec_fn joins them), then
+    ``wrap`` (bwrap's argv around the inner command; None unsandboxed), read the job's
+    line and exec ``tool_argv``. ``unset_pwd``: drop the PWD the shell exports, so an
+    unsandboxed tool's environment is exactly the one a cold start gives (bwrap sets PWD
+    itself)."""
+    read = _READ + ("unset PWD; " if unset_pwd else "") + 'exec "$@"'
+    if wrap is not None:
+        inner = wrap([SH, "-c", read, LAUNCHER_NAME, *tool_argv])
+        if not procs_files:
+            return inner
+        return [SH, "-c", _JOIN + 'exec "$@"', LAUNCHER_NAME, *procs_files, "--", *inner]
+    if not procs_files:
+        return [SH, "-c", read, LAUNCHER_NAME, *tool_argv]
+    return [SH, "-c", _JOIN + read, LAUNCHER_NAME, *procs_files, "--", *tool_argv]
+
+
+def job_line(variables: dict[str, str]) -> bytes | None:
+    """The line a launcher reads: ``NAME=value`` pairs joined by 0x1F, ending in a
+    newline, UTF-8. None when one of them cannot travel on it (a name that is no shell
+    name, a value with a newline, a 0x1F or a NUL): start that attempt cold."""
+    pairs = []
+    for name, value in variables.items():
+        if not _NAME.fullmatch(name) or any(c in value for c in ("\n", FIELD_SEPARATOR, "\0")):
+            return None
+        pairs.append(f"{name}={value}")
+    return (FIELD_SEPARATOR.join(pairs) + "\n").encode()
+
+
+@dataclass
+class PreparedAttempt:
+    """One launcher waiting for its job: its open ``sandbox`` (work directory and
+    cgroup; no guard socket and no files yet), the ``launched`` process and the static
+    environment it was started with (``env``)."""
+
+    sandbox: Sandbox
+    launched: Launched
+    env: dict[str, str]
+    program: str  # the tool's executable (absolute): checked at start, as exec would
+
+    def line_for(self, env: dict[str, str]) -> bytes | None:
+        """The job line that turns this launcher's environment into ``env`` (the
+        variables that differ or are new); None when ``env`` lacks one of the static
+        ones (a launcher can add, not remove) or the line cannot carry a value."""
+        if any(name not in env for name in self.env):
+            return None
+        return job_line({k: v for k, v in env.items() if self.env.get(k) != v})
+
+    def start(self, env: dict[str, str], payload: bytes, max_stdout: int,
+              on_stderr_line: Callable[[bytes], None], cookie: dict[str, str]
+              ) -> Child | None:
+        """The job's Child: its line then ``payload`` on the launcher's stdin. None (the
+        caller discards this attempt and starts cold) when the line cannot carry ``env``
+        the tool's executable is gone, or the launcher is no longer running."""
+        line = self.line_for(env)
+        # A tool gone (or no longer executable) since the launcher started: a cold start
+        # tells it as spawn_failed (127, 126), not as the shell's exit status.
+        if line is None or not os.access(self.program, os.X_OK) or not self.launched.alive():
+            return None
+        return Child.start(self.launched, line + payload, max_stdout, on_stderr_line, cookie)
+
+
+class Preparer:
+    """Keeps up to ``size`` PreparedAttempts of one Worker ready (one per slot).
+
+    ``make`` is an async callable that prepares one (opens a Sandbox, launches its
+    launcher) or raises; ``discard`` kills one never used and removes its work directory
+    and cgroup (blocking: run off the loop). ``take`` hands out a ready one (or None) and
+    starts preparing its replacement; ``close`` discards every one left and prepares no
+    more. A failure to prepare is logged (``prepare_failed``) and retried at the next
+    ``take``; meanwhile attempts start cold."""
+
+    def __init__(self, size: int, make: Callable[[int], object],
+                 discard: Callable[[PreparedAttempt], None]):
+        self.size = size
+        self._make = make
+        self._discard = discard
+        self._ready: list[PreparedAttempt] = []
+        self._pending = 0
+        self._closed = False
+        self._serial = itertools.count(1)
+        self._tasks: set[asyncio.Task] = set()
+        self.failures = 0
+
+    def __len__(self) -> int:
+        return len(self._ready)
+
+    def fill(self) -> None:
+        """Start preparing until ``size`` are ready or on their way (on the event loop)."""
+        while not self._closed and len(self._ready) + self._pending < self.size:
+            self._pending += 1
+            task = asyncio.ensure_future(self._prepare_one(next(self._serial)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _prepare_one(self, serial: int) -> None:
+        try:
+            prepared = await self._make(serial)
+        except Exception as exc:  # noqa: BLE001 - logged; attempts start cold meanwhile
+            self.failures += 1
+            log.emit("prepare_failed", "warning", reason=f"{type(exc).__name__}: {exc}"[:300])
+            return
+        finally:
+            self._pending -= 1
+        if self._closed:
+            await asyncio.get_running_loop().run_in_executor(None, self._discard, prepared)
+            return
+        self._ready.append(prepared)
+
+    def take(self) -> PreparedAttempt | None:
+        """A ready attempt (the caller owns it now), or None; its replacement is on its
+        way. After a failure, preparing is tried again only at the next take."""
+        prepared = self._ready.pop() if self._ready else None
+        self.fill()
+        return prepared
+
+    async def close(self) -> None:
+        """Prepare no more; wait for those on their way; discard every unused one."""
+        self._closed = True
+        if self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+        ready, self._ready = self._ready, []
+        loop = asyncio.get_running_loop()
+        for prepared in ready:
+            with contextlib.suppress(Exception):
+                await loop.run_in_executor(None, self._discard, prepared)
+
+
+def unset_pwd_for(env: dict[str, str], sandboxed: bool) -> bool:
+    """True when the launcher must drop the PWD its shell exports: unsandboxed, and the
+    tool's environment would have none (bwrap sets PWD itself, as a cold start gives)."""
+    return not sandboxed and "PWD" not in env
+
+

@@ -1,0 +1,93 @@
+"""Attempts prepared ahead of their jobs (issue 42, sidecar.worker.prepared): the job's
+line and its refusals (unit), a real launcher under /bin/sh (e2e), and a real sidecar
+whose attempts run in launchers set up before their jobs were claimed (e2e)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kit import base_env, enqueue, job_row, journal_details
+from sidecar.worker.prepared import FIELD_SEPARATOR, job_line, launcher_argv
+
+# The tool: its environment as JSON, a line, then its whole stdin (not a shell: a shell
+# would export a PWD of its own).
+SHOW = [sys.executable, "-c", "import json, os, sys; sys.stdout.buffer.write("
+        "json.dumps(dict(os.environ)).encode() + b'\\n---\\n' + sys.stdin.buffer.read())"]
+
+
+@pytest.mark.unit
+def test_the_job_line_carries_names_and_values_or_refuses_the_attempt():
+    line = job_line({"SIDECAR_JOB_ID": "42", "TRACESTATE": "a=b, c=d e"})
+    assert line == f"SIDECAR_JOB_ID=42{FIELD_SEPARATOR}TRACESTATE=a=b, c=d e\n".encode()
+    assert job_line({}) == b"\n"
+    for bad in ({"X": "two\nlines"}, {"X": "a" + FIELD_SEPARATOR + "b"}, {"X": "nul\0"},
+                {"1X": "v"}, {"X-Y": "v"}, {"": "v"}, {"X=Y": "v"}):
+        assert job_line(bad) is None, bad
+
+
+@pytest.mark.unit
+def test_the_launcher_joins_its_cgroup_before_the_sandbox_and_reads_inside_it():
+    wrap = lambda inner: ["/usr/bin/bwrap", "--", *inner]  # noqa: E731
+    argv = launcher_argv(["/bin/tool", "a b"], ["/cg/cgroup.procs"], wrap, False)
+    assert argv[:2] == ["/bin/sh", "-c"] and "cgroup.procs" not in argv[2]
+    assert argv[4:7] == ["/cg/cgroup.procs", "--", "/usr/bin/bwrap"]
+    assert argv[-2:] == ["/bin/tool", "a b"] and "read -r" in argv[-4]
+    assert launcher_argv(["/bin/tool"], [], None, True)[2].count("unset PWD") == 1
+
+
+def _launch(argv, env):
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, env=env, cwd="/")
+
+
+@pytest.mark.e2e
+def test_a_launcher_runs_its_tool_with_the_lines_variables_and_the_payload_intact():
+    """The values reach the tool as written (no shell expansion of $, `, *, quotes or
+    spaces), the payload after the line is the tool's whole stdin, byte for byte, and
+    an unsandboxed launcher leaves no PWD of its own."""
+    values = {"SIDECAR_JOB_ID": "01a2-x", "ODD": "$HOME `id` * 'q' \"d\" \\ a=b  ",
+              "EMPTY": ""}
+    payload = b'{"k": "line1\\nline2"}\n\x00\xff tail'
+    proc = _launch(launcher_argv(SHOW, [], None, True), {"PATH": "/usr/bin:/bin", "KEEP": "1"})
+    out, err = proc.communicate(job_line(values) + payload, timeout=10)
+    assert proc.returncode == 0, err
+    env_text, _, stdin = out.partition(b"---\n")
+    seen = json.loads(env_text)
+    assert {k: seen.get(k) for k in values} == values
+    assert seen["KEEP"] == "1" and "PWD" not in seen and "line" not in seen
+    assert stdin == payload
+
+
+@pytest.mark.e2e
+def test_a_launcher_without_its_line_starts_nothing():
+    proc = _launch(launcher_argv(SHOW, [], None, True), {"PATH": "/usr/bin:/bin"})
+    out, _ = proc.communicate(b"", timeout=10)
+    assert proc.returncode == 125 and out == b""
+
+
+@pytest.mark.e2e
+def test_a_sidecars_attempts_run_in_launchers_prepared_before_their_jobs(dsn, sidecars):
+    """Each job's tool runs in an attempt prepared ahead (its cgroup, when there is one,
+    is a prepared one: job-p<n>-0), with its own job's variables; with SIDECAR_PREPARE
+    false the same jobs start cold, with the same variables."""
+    script = 'printf \'{"job": "%s", "token": "%s"}\' "$SIDECAR_JOB_ID" "$SIDECAR_FENCING_TOKEN"'
+    for prepare in ("true", "false"):
+        jobs = [enqueue(dsn, f"prep-{prepare}", {"n": n}) for n in range(3)]
+        sc = sidecars(dsn, ["/bin/sh", "-c", script], "--tool", f"prep-{prepare}", "--drain",
+                      env=base_env(dsn, SIDECAR_PREPARE=prepare))
+        assert sc.wait(60) == 0
+        for job in jobs:
+            row = job_row(dsn, job)
+            assert row["state"] == "succeeded", row["error"]
+            assert row["result"]["job"] == job and row["result"]["token"] == "1"
+            [started] = journal_details(dsn, job, "tool_request_started")
+            if started.get("cgroup"):
+                assert (".job-p" in started["cgroup"]) == (prepare == "true"), started
+        if os.geteuid() == 0:
+            assert all(journal_details(dsn, job, "tool_request_started")[0].get("cgroup")
+                       for job in jobs)
