@@ -19,7 +19,7 @@ last end):
     a bare spawn-and-reap loop of ``/bin/true`` (``posix_spawn`` + ``waitpid``) on
     CONCURRENCY threads.
 
-``python -m bench.baseline child COUNT CONCURRENCY START_AT [--sandbox]``
+``python -m bench.baseline child COUNT CONCURRENCY START_AT [--sandbox] [--prepared]``
     spawn and reap ``/bin/true`` the way the sidecar does, CONCURRENCY at a time, in one
     asyncio (uvloop) process: ``sidecar.worker.child.Child.spawn`` (vfork from the long-lived
     spawn thread, new session, pipes for stdin, stdout and stderr, the payload ``{}``
@@ -135,12 +135,16 @@ def sandbox_wrap(workdir: str):
 
 
 async def child_loop(count: int, concurrency: int, start_at: float,
-                     sandbox: bool = False) -> dict:
+                     sandbox: bool = False, prepared: bool = False) -> dict:
     """Spawn and reap ``/bin/true`` ``count`` times through the sidecar's own spawn path
     (sidecar.worker.child.Child), ``concurrency`` at once, in the sidecar's sandbox when
-    ``sandbox``; the window and the CPU it took. Raises LookupError when ``sandbox`` is
-    asked for where there is none."""
+    ``sandbox``; the window and the CPU it took. ``prepared``: as the sidecar does by
+    default (sidecar.worker.prepared), each slot launches its next launcher while its
+    current job runs, and a job only writes its line and waits for the exit; ``go_ms``
+    then lists each job's time from its line to its exit. Raises LookupError when
+    ``sandbox`` is asked for where there is none."""
     from sidecar.worker.child import Child, ProcessTable
+    from sidecar.worker.prepared import job_line, launcher_argv, wait_ready
 
     processes = ProcessTable()
     left, done, first, last = count, 0, None, 0.0
@@ -157,17 +161,40 @@ async def child_loop(count: int, concurrency: int, start_at: float,
     await asyncio.sleep(max(0.0, start_at - time.time()))
     cpu0 = _cpu_seconds()
 
+    go_ms: list[float] = []
+
+    async def launch():
+        if wrap is None:
+            launched = await Child.launch(launcher_argv(["/bin/true"], [], None, True), base,
+                                          cwd=workdir, processes=processes)
+        else:
+            launched = await Child.launch(
+                ["/bin/true"], base, cwd=workdir, processes=processes,
+                wrap=lambda argv, fd: launcher_argv(argv, [], lambda inner: wrap(inner, fd),
+                                                    False))
+        await wait_ready(launched)
+        return launched
+
     async def loop() -> None:
         nonlocal left, done, first, last
+        ahead = asyncio.ensure_future(launch()) if prepared else None
         while left > 0:
             left -= 1
-            t0 = time.time()
             job = str(uuid.uuid4())
             cookie = {"SIDECAR_JOB_ID": job, "SIDECAR_FENCING_TOKEN": "1"}
-            child = await Child.spawn(["/bin/true"], {**base, **cookie}, b"{}", 8 << 20,
-                                      lambda _line: None, cookie, cwd=workdir,
-                                      processes=processes, wrap=wrap)
+            if ahead is not None:
+                launched = await ahead
+                t0 = time.time()
+                ahead = asyncio.ensure_future(launch()) if left > 0 else None
+                child = Child.start(launched, job_line(cookie) + b"{}", 8 << 20,
+                                    lambda _line: None, cookie)
+            else:
+                t0 = time.time()
+                child = await Child.spawn(["/bin/true"], {**base, **cookie}, b"{}", 8 << 20,
+                                          lambda _line: None, cookie, cwd=workdir,
+                                          processes=processes, wrap=wrap)
             await child.exited
+            go_ms.append(1000 * (time.time() - t0))
             await child.close_pipes(timeout=1.0)
             processes.attempt_ended()
             first = t0 if first is None else min(first, t0)
@@ -179,7 +206,7 @@ async def child_loop(count: int, concurrency: int, start_at: float,
         cpu = _cpu_seconds() - cpu0
     finally:
         os.rmdir(workdir)
-    return {"jobs": done, "first": first, "last": last, "cpu_s": cpu}
+    return {"jobs": done, "first": first, "last": last, "cpu_s": cpu, "go_ms": go_ms}
 
 
 def spawn_loop(count: int, concurrency: int, start_at: float) -> dict:
@@ -234,7 +261,7 @@ def main(argv: list[str]) -> int:
         with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
             try:
                 out = runner.run(child_loop(int(argv[1]), int(argv[2]), float(argv[3]),
-                                            "--sandbox" in argv[4:]))
+                                            "--sandbox" in argv[4:], "--prepared" in argv[4:]))
             except LookupError as exc:
                 print(exc, file=sys.stderr)
                 return 3

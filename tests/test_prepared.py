@@ -11,8 +11,8 @@ import sys
 
 import pytest
 
-from kit import base_env, enqueue, job_row, journal_details
-from sidecar.worker.prepared import FIELD_SEPARATOR, job_line, launcher_argv
+from kit import base_env, enqueue, job_row, journal_details, wait_until
+from sidecar.worker.prepared import FIELD_SEPARATOR, READY, job_line, launcher_argv
 
 # The tool: its environment as JSON, a line, then its whole stdin (not a shell: a shell
 # would export a PWD of its own).
@@ -56,7 +56,8 @@ def test_a_launcher_runs_its_tool_with_the_lines_variables_and_the_payload_intac
     proc = _launch(launcher_argv(SHOW, [], None, True), {"PATH": "/usr/bin:/bin", "KEEP": "1"})
     out, err = proc.communicate(job_line(values) + payload, timeout=10)
     assert proc.returncode == 0, err
-    env_text, _, stdin = out.partition(b"---\n")
+    assert out.startswith(READY)  # said before the line was read, then the tool's own
+    env_text, _, stdin = out[len(READY):].partition(b"---\n")
     seen = json.loads(env_text)
     assert {k: seen.get(k) for k in values} == values
     assert seen["KEEP"] == "1" and "PWD" not in seen and "line" not in seen
@@ -67,27 +68,32 @@ def test_a_launcher_runs_its_tool_with_the_lines_variables_and_the_payload_intac
 def test_a_launcher_without_its_line_starts_nothing():
     proc = _launch(launcher_argv(SHOW, [], None, True), {"PATH": "/usr/bin:/bin"})
     out, _ = proc.communicate(b"", timeout=10)
-    assert proc.returncode == 125 and out == b""
+    assert proc.returncode == 125 and out == READY
 
 
 @pytest.mark.e2e
 def test_a_sidecars_attempts_run_in_launchers_prepared_before_their_jobs(dsn, sidecars):
-    """Each job's tool runs in an attempt prepared ahead (its cgroup, when there is one,
-    is a prepared one: job-p<n>-0), with its own job's variables; with SIDECAR_PREPARE
-    false the same jobs start cold, with the same variables."""
+    """Each job claimed while an attempt is ready runs in it (its cgroup, where there is
+    one, is a prepared one: job-p<n>-0) with its own job's variables, and another is
+    prepared for the next; with SIDECAR_PREPARE false the same jobs start cold."""
     script = 'printf \'{"job": "%s", "token": "%s"}\' "$SIDECAR_JOB_ID" "$SIDECAR_FENCING_TOKEN"'
     for prepare in ("true", "false"):
-        jobs = [enqueue(dsn, f"prep-{prepare}", {"n": n}) for n in range(3)]
-        sc = sidecars(dsn, ["/bin/sh", "-c", script], "--tool", f"prep-{prepare}", "--drain",
-                      env=base_env(dsn, SIDECAR_PREPARE=prepare))
-        assert sc.wait(60) == 0
-        for job in jobs:
+        tool = f"prep-{prepare}"
+        sc = sidecars(dsn, ["/bin/sh", "-c", script], "--tool", tool,
+                      env=base_env(dsn, SIDECAR_PREPARE=prepare, SIDECAR_LOG_LEVEL="debug"))
+        sc.wait_event("worker_started")
+        for n in range(3):
+            if prepare == "true":  # the attempt for this job is ready before it exists
+                wait_until(lambda n=n, sc=sc: len(sc.events("attempt_prepared")) > n, 15,
+                           what="an attempt prepared ahead")
+            job = enqueue(dsn, tool, {"n": n})
+            wait_until(lambda job=job: job_row(dsn, job)["state"] not in ("queued", "running"),
+                       20, what="the job's end")
             row = job_row(dsn, job)
             assert row["state"] == "succeeded", row["error"]
             assert row["result"]["job"] == job and row["result"]["token"] == "1"
             [started] = journal_details(dsn, job, "tool_request_started")
-            if started.get("cgroup"):
+            if os.geteuid() == 0:  # job cgroups
                 assert (".job-p" in started["cgroup"]) == (prepare == "true"), started
-        if os.geteuid() == 0:
-            assert all(journal_details(dsn, job, "tool_request_started")[0].get("cgroup")
-                       for job in jobs)
+        sc.stop()
+        assert sc.events("attempt_prepared") == [] or prepare == "true"

@@ -39,7 +39,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from sidecar.runtime import log
+from sidecar.runtime.log import log
 from sidecar.worker.child import Child, Launched
 from sidecar.worker.isolation import Sandbox
 
@@ -54,8 +54,14 @@ _NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _JOIN = 'while [ "$1" != -- ]; do echo 0 > "$1" || exit 125; shift; done; shift; '
 # The job's line: export its pairs, then exec the tool (argv after $0). set -f: no
 # pathname expansion of the values; IFS only splits the line into its pairs.
-_READ = ("IFS='" + FIELD_SEPARATOR + "'; read -r line || exit 125; set -f; "
+# First it says it is ready (READY on stdout, taken by ``wait_ready`` before the stdout
+# pipe is the tool's): cgroup joined, sandbox set up, waiting for the line.
+READY = b"R"
+_READ = ("printf " + READY.decode() + "; IFS='" + FIELD_SEPARATOR + "'; "
+         "read -r line || exit 125; set -f; "
          'for kv in $line; do export "$kv"; done; unset IFS kv line; ')
+READY_SECONDS = 30.0  # a launcher not ready by then is discarded (a stuck mount, a host
+#                       out of processes): the attempt starts cold
 
 
 def launcher_argv(tool_argv: list[str], procs_files: list[str],
@@ -76,6 +82,39 @@ def launcher_argv(tool_argv: list[str], procs_files: list[str],
     if not procs_files:
         return [SH, "-c", read, LAUNCHER_NAME, *tool_argv]
     return [SH, "-c", _JOIN + read, LAUNCHER_NAME, *procs_files, "--", *tool_argv]
+
+
+async def wait_ready(launched: Launched, timeout: float = READY_SECONDS) -> None:
+    """Return once the launcher has said READY on its stdout (the byte is taken, so the
+    tool's output starts clean). Raises OSError when it ended first or said something
+    else, TimeoutError after ``timeout`` seconds."""
+    loop = asyncio.get_running_loop()
+    fd = launched.stdout_fd
+    os.set_blocking(fd, False)
+    ready = loop.create_future()
+
+    def on_readable() -> None:
+        try:
+            data = os.read(fd, len(READY))
+        except BlockingIOError:
+            return
+        except OSError as exc:
+            data, error = b"", exc
+        else:
+            error = None
+        if not ready.done():
+            if data == READY:
+                ready.set_result(None)
+            else:
+                ready.set_exception(error or OSError(
+                    f"the launcher {'ended' if not data else 'wrote ' + repr(data[:20])} "
+                    "before it was ready"))
+
+    loop.add_reader(fd, on_readable)
+    try:
+        await asyncio.wait_for(ready, timeout)
+    finally:
+        loop.remove_reader(fd)
 
 
 def job_line(variables: dict[str, str]) -> bytes | None:
@@ -169,6 +208,9 @@ class Preparer:
             await asyncio.get_running_loop().run_in_executor(None, self._discard, prepared)
             return
         self._ready.append(prepared)
+        log.emit("attempt_prepared", "debug", pid=prepared.launched.popen.pid,
+                 cgroup=prepared.sandbox.cgroup.name if prepared.sandbox.cgroup else None,
+                 ready=len(self._ready))
 
     def take(self) -> PreparedAttempt | None:
         """A ready attempt (the caller owns it now), or None; its replacement is on its

@@ -63,7 +63,12 @@ from sidecar.worker.context import WorkerContext
 from sidecar.worker.isolation import TMPDIR_VARIABLES, Sandbox, child_environment
 from sidecar.worker.lease import Lease
 from sidecar.worker.leftovers import job_name, work_dir_prefix
-from sidecar.worker.prepared import PreparedAttempt, launcher_argv, unset_pwd_for
+from sidecar.worker.prepared import (
+    PreparedAttempt,
+    launcher_argv,
+    unset_pwd_for,
+    wait_ready,
+)
 from sidecar.worker.progress import PROGRESS_FILE_NAME, ProgressReporter
 
 if TYPE_CHECKING:
@@ -206,6 +211,11 @@ async def prepare_attempt(ctx: WorkerContext, serial: int) -> PreparedAttempt:
                                       new_privileges=profile.allow_new_privs,
                                       processes=ctx.processes, wrap=wrap,
                                       joins_itself=bool(procs))
+        try:
+            await wait_ready(launched)
+        except BaseException:
+            await loop.run_in_executor(None, launched.discard)
+            raise
     except BaseException:
         await loop.run_in_executor(None, sandbox.close)
         raise
