@@ -56,7 +56,7 @@ FAIR_CAP = 2          # max_running of the fairness run
 RATE_PER_S = 10.0     # the rate limit (claims per second)
 RATE_SIDECARS = 8     # sidecars competing for its tokens
 RATE_WINDOW = {"quick": 5.0, "medium": 60.0, "full": 60.0}  # seconds measured
-COST_TARGET, STATEMENTS_TARGET, FAIR_TARGET, RATE_TOLERANCE = 0.8, 2.0, 3, 0.05
+COST_TARGET, STATEMENTS_TARGET, FAIR_TARGET, RATE_TOLERANCE = 0.8, 2.0, 3, 0.03
 # The plpgsql functions of the flow claim: the claim itself, the per-key check (one call
 # per key looked at) and the trigger that wakes an idle sidecar when a slot frees.
 FUNCTIONS = ("tool_job_claim_flow", "tool_flow_key_blocked", "tool_job_slot_freed")

@@ -1102,7 +1102,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="at most N claims of TOOL per second or minute (a token bucket)")
     p.add_argument("--rate-per-key", metavar="N/s|N/m", help="the same, per key")
     p.add_argument("--burst", type=_int_from(1, 1_000_000), metavar="N",
-                   help="tokens a rate's bucket holds (default 1: no bursts)")
+                   help="claims a rate lets start at once (default 1: no bursts)")
     p.add_argument("--clear", action="store_true", help="remove every limit of TOOL")
     p = add("limits", cmd_limits, "every tool's flow limits, pause and running jobs as JSON")
     p.add_argument("--tool", metavar="TOOL", help="only this tool")

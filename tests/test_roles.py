@@ -54,6 +54,7 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_claimable", "EXECUTE"),
     ("function", "tool_flow_slots", "EXECUTE"),
     ("function", "tool_flow_tokens", "EXECUTE"),
+    ("function", "tool_flow_bucket_size", "EXECUTE"),
     ("function", "tool_flow_room", "EXECUTE"),
     ("function", "tool_job_tell_owner", "EXECUTE"),
     ("function", "tool_job_expire", "EXECUTE"),

@@ -799,8 +799,9 @@ WITH cleared AS (
 SELECT count(*) FROM cleared;
 
 -- name: prune_full_key_buckets
--- Retention: per-key buckets that refilled (burst / rate seconds after their last claim),
--- or of a tool without a per-key rate now. A missing bucket is a full one, so nothing
+-- Retention: per-key buckets that refilled (a claim leaves at least no token, so a bucket
+-- is full tool_flow_bucket_size / rate seconds after its last claim), or of a tool
+-- without a per-key rate now. A missing bucket is a full one, so nothing
 -- changes for the claim; a bucket a claim refreshes meanwhile is re-checked under its row
 -- lock and kept.
 WITH gone AS (
@@ -808,7 +809,8 @@ WITH gone AS (
     USING tool_flow f
     WHERE k.tool = f.tool
       AND (f.key_rate_per_second IS NULL
-           OR k.tokens_at < now() - (f.burst / f.key_rate_per_second) * interval '1 second')
+           OR k.tokens_at < now() - (tool_flow_bucket_size(f.burst) / f.key_rate_per_second)
+                                    * interval '1 second')
     RETURNING 1
 )
 SELECT count(*) FROM gone;

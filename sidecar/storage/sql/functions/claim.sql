@@ -12,9 +12,11 @@
 -- A held rate hands out turns: the owner held gets the next free token time after those
 -- already promised (rate_queue: [{o: owner, at}]) and keeps it when it claims again
 -- early, so N sidecars waiting on one bucket wake one per token instead of all at each
--- token. A turn not taken within 0.25 s and one token (at most 1 s) of its time is
--- dropped: its sidecar stopped or fell behind (it only loses its place), and the others
--- never wait long for a turn nobody takes.
+-- token. A turn taken a little late moves no other turn: the bucket kept the time (up to
+-- half a token, claimable.sql tool_flow_bucket_size); only time the full bucket could not
+-- keep moves the turns after it as late. A turn not taken within 0.25 s and one token (at
+-- most 1 s) of its time is dropped: its sidecar stopped or fell behind (it only loses its
+-- place), and the others never wait long for a turn nobody takes.
 CREATE OR REPLACE FUNCTION tool_job_claim_flow(
     p_tool text, p_owner text, p_lease float8, p_lifetime float8, p_max_attempts integer)
 RETURNS TABLE (id uuid, tool text, payload_text text, fencing_token bigint, attempt integer,
@@ -33,6 +35,7 @@ DECLARE
     f tool_flow%ROWTYPE;
     v_clock timestamptz;
     v_tokens float8;
+    v_lost float8;    -- seconds of refill the full bucket could not keep since its last claim
     v_queue jsonb;
     v_mine timestamptz;
     v_ahead integer;
@@ -73,6 +76,12 @@ BEGIN
     END IF;
     IF f.rate_per_second IS NOT NULL THEN
         v_tokens := tool_flow_tokens(f, NULL, v_clock);
+        v_lost := CASE WHEN f.tokens IS NULL THEN 0 ELSE extract(
+                      epoch FROM v_clock - f.tokens_at) - (v_tokens - f.tokens)
+                      / f.rate_per_second END;
+        IF v_lost < 1e-6 THEN  -- below the clock's microsecond: rounding, not lost time
+            v_lost := 0;
+        END IF;
         -- the turns still awaited, oldest first
         SELECT coalesce(jsonb_agg(r ORDER BY (r->>'at')::timestamptz), '[]'::jsonb)
         INTO v_queue
@@ -108,15 +117,16 @@ BEGIN
             RETURN;
         END IF;
         IF v_mine IS NOT NULL OR jsonb_array_length(v_queue)
-                <> jsonb_array_length(coalesce(f.rate_queue, '[]'::jsonb)) THEN
-            -- Our turn is used (or we need none). Taken late, it moves the later turns
-            -- as late: a full bucket kept no token for the time we lost.
+                <> jsonb_array_length(coalesce(f.rate_queue, '[]'::jsonb))
+                OR (v_lost > 0 AND jsonb_array_length(v_queue) > 0) THEN
+            -- Our turn is used (or we need none). The turns after it move as late as the
+            -- time the full bucket lost: none when we came late by less than its half
+            -- token's worth, and the schedule keeps the rate.
             UPDATE tool_flow
             SET rate_queue = (
                 SELECT coalesce(jsonb_agg(jsonb_build_object(
                            'o', r->>'o',
-                           'at', (r->>'at')::timestamptz
-                                 + greatest(interval '0', v_clock - coalesce(v_mine, v_clock)))),
+                           'at', (r->>'at')::timestamptz + v_lost * interval '1 second')),
                        '[]'::jsonb)
                 FROM jsonb_array_elements(v_queue) r WHERE r->>'o' <> p_owner)
             WHERE tool_flow.tool = p_tool;
@@ -223,12 +233,12 @@ BEGIN
         rr_walk = false
     WHERE tool_flow.tool = p_tool;
     IF f.key_rate_per_second IS NOT NULL AND v_job_key <> '' THEN
+        -- the key's bucket as tool_flow_tokens refills it (the tool's row lock keeps any
+        -- other claim of the tool from changing it meanwhile), less the token taken
         INSERT INTO tool_flow_keys AS k (tool, concurrency_key, tokens, tokens_at)
-        VALUES (p_tool, v_job_key, f.burst - 1, v_clock)
+        VALUES (p_tool, v_job_key, tool_flow_tokens(f, v_job_key, v_clock) - 1, v_clock)
         ON CONFLICT (tool, concurrency_key) DO UPDATE
-        SET tokens = least(f.burst, k.tokens + f.key_rate_per_second
-                           * greatest(0, extract(epoch FROM v_clock - k.tokens_at))) - 1,
-            tokens_at = v_clock;
+        SET tokens = excluded.tokens, tokens_at = excluded.tokens_at;
     END IF;
 
     RETURN QUERY

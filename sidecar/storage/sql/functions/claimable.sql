@@ -70,27 +70,43 @@ BEGIN
 END
 $$;
 
+-- The most a rate's bucket holds (issue 42, point 4): its burst and half a token. A claim
+-- takes one whole token, so no more than `burst` claims start at once (floor(burst + 0.5)
+-- is burst); the half token keeps the part of a period a claim comes late by, up to half
+-- a period, where a bucket of exactly `burst` would lose it: claimants that each come a
+-- few milliseconds after their token (the round trip, a wake-up) no longer fall behind the
+-- rate by those milliseconds at every claim. The bound it gives, over any window of T
+-- seconds: at most burst + 0.5 + rate x T claims start (the bucket's most, plus what it
+-- refills), so burst + rate x T over whole periods as before, and one more than that
+-- only in a window at least half a period past a whole number of them (docs/operations.md,
+-- "Flow control"). The same for the tool's bucket and each key's.
+CREATE OR REPLACE FUNCTION tool_flow_bucket_size(p_burst integer) RETURNS float8
+LANGUAGE sql IMMUTABLE AS $$
+    SELECT p_burst + 0.5::float8
+$$;
+
 -- Tokens in tool f's bucket (p_key NULL) or in key p_key's at p_clock: what the last claim
--- left, refilled at the rate since, up to the burst. A bucket not yet used (or forgotten:
--- queries.sql prune_full_key_buckets) is full. NULL when there is no such rate; always
--- NULL for jobs without a key ('').
+-- left, refilled at the rate since, up to tool_flow_bucket_size. A bucket not yet used (or
+-- forgotten: queries.sql prune_full_key_buckets) is full. NULL when there is no such rate;
+-- always NULL for jobs without a key ('').
 CREATE OR REPLACE FUNCTION tool_flow_tokens(f tool_flow, p_key text, p_clock timestamptz)
 RETURNS float8
 SET search_path FROM CURRENT
 LANGUAGE plpgsql STABLE AS $$
 DECLARE
+    v_size constant float8 := tool_flow_bucket_size(f.burst);
     v_tokens float8;
 BEGIN
     IF p_key IS NULL AND f.rate_per_second IS NOT NULL THEN
-        RETURN least(f.burst, coalesce(f.tokens, f.burst) + f.rate_per_second
+        RETURN least(v_size, coalesce(f.tokens, v_size) + f.rate_per_second
                      * greatest(0, extract(epoch FROM p_clock - coalesce(f.tokens_at, p_clock))));
     ELSIF p_key <> '' AND f.key_rate_per_second IS NOT NULL THEN
-        SELECT least(f.burst, k.tokens + f.key_rate_per_second
+        SELECT least(v_size, k.tokens + f.key_rate_per_second
                      * greatest(0, extract(epoch FROM p_clock - k.tokens_at)))
         INTO v_tokens
         FROM tool_flow_keys k
         WHERE k.tool = f.tool AND k.concurrency_key = p_key;
-        RETURN coalesce(v_tokens, f.burst);
+        RETURN coalesce(v_tokens, v_size);
     END IF;
     RETURN NULL;
 END
