@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -36,6 +38,23 @@ async def run_true() -> None:
     STATS["jobs"] += 1
     STATS["first"] = t0 if STATS["first"] is None else min(STATS["first"], t0)
     STATS["last"] = max(STATS["last"], time.time())
+
+
+_STATS_LOCK = threading.Lock()
+
+
+def run_true_blocking() -> None:
+    """run_true for a worker that runs each job on a thread of its own (DBOS's workflows
+    without async): the same child, with the same session, stdin and captured output, by
+    subprocess.run."""
+    t0 = time.time()
+    subprocess.run(["/bin/true"], stdin=subprocess.DEVNULL, capture_output=True,
+                   start_new_session=True, check=False)
+    t1 = time.time()
+    with _STATS_LOCK:
+        STATS["jobs"] += 1
+        STATS["first"] = t0 if STATS["first"] is None else min(STATS["first"], t0)
+        STATS["last"] = max(STATS["last"], t1)
 
 
 async def _sleep_until(start_at: float) -> None:
@@ -142,10 +161,10 @@ async def procrastinate_run(dsn: str, concurrency: int, start_at: float) -> dict
 # worker_concurrency - running workflows per look. At its default of 1 s a process could
 # start no more than worker_concurrency jobs per second, so the bench sets it to
 # DBOS_POLL_S: at 1x1 each job waits about one interval after the previous one ends, and
-# 1, 2, 5, 10 and 20 ms tried at 1x1 and 1x8 on this machine (2026-12-04, load 3-11 on 2
-# cores) differed by less than the noise except 10-20 ms being slower at 1x1; 2 ms keeps
-# that wait small without doubling the idle polling of 1 ms. bench/throughput.py writes
-# it in the settings.
+# 1, 2, 5 and 10 ms tried twice each at 1x1 and 1x8 on this machine (2026-12-04, load 3-4
+# on 2 cores) differed by less than the noise between the two rounds (2 ms the fastest at
+# 1x1 in the quieter one, 5 ms at 1x8); 2 ms keeps that wait small without doubling the
+# idle polling of 1 ms. bench/throughput.py writes it in the settings.
 
 DBOS_QUEUE = "bench"
 DBOS_POLL_S = 0.002
@@ -166,9 +185,13 @@ def _dbos_launch(dsn: str, executor_id: str, listen: bool):
 
     # A workflow with no steps: DBOS records its start (the claim) and its outcome, as the
     # other peers record a job's claim and end; a step would add a checkpoint per job.
+    # Not async: DBOS runs such a workflow on a thread of its executor, and that was its
+    # fastest way here. As an async workflow on this uvloop loop (libuv forks the whole
+    # DBOS process for each child) it ran 26 jobs/s at 1x1 and 55 at 1x8 against 45 and
+    # 191 this way, and 37 and 127 on DBOS's own asyncio loop (2026-12-04, load 3-4).
     @DBOS.workflow(name=ENTRYPOINT)
-    async def bench_true() -> None:
-        await run_true()
+    def bench_true() -> None:
+        run_true_blocking()
 
     if not listen:
         DBOS.listen_queues([])

@@ -406,7 +406,8 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
 
 DBOS_SETTINGS = (
     f"1: DBOS: one queue, worker_concurrency = the shape's concurrency and no queue-wide "
-    f"limit, one executor per worker process, each job a workflow with no steps, "
+    f"limit, one executor per worker process, each job a workflow with no steps (not "
+    f"async: DBOS runs it on a thread of its executor, /bin/true by subprocess.run), "
     f"polling_interval_sec {DBOS_POLL_S * 1000:g} ms (its default of 1 s would start at "
     f"most worker_concurrency jobs per second per process); its system database is a "
     f"scratch database of its own on the same server, made fresh for each shape")
