@@ -7,7 +7,8 @@ Helper processes (the bench's own process never imports them):
 ``python -m bench.peers run KIND DSN CONCURRENCY START_AT``  work until the queue is empty;
     print ``{"jobs", "first", "last"}`` (wall-clock start of the first job, end of the last)
 
-KIND is ``pgqueuer``, ``procrastinate`` or ``dbos``. All run on uvloop, like the sidecar.
+KIND is ``pgqueuer``, ``procrastinate`` or ``dbos``. The helpers run on uvloop, like the
+sidecar; PgQueuer and Procrastinate run their jobs on it, DBOS on its executor's threads.
 DBOS keeps its queue in its own system database: give it a database of its own (the
 bench makes a scratch one per run), since its ``prepare`` empties the queue's workflows.
 """
