@@ -218,3 +218,50 @@ def test_gateway_section_without_the_mcp_extra_gives_one_n_a_row(monkeypatch):
     assert cells[2].startswith("n/a: the [mcp] extra is not installed")
     assert "no_such_package_for_bench_14" in cells[2]
     assert cells[5] == "p50 ≤ 1.5 × Client.call" and cells[6] == "n/a"
+
+
+@pytest.mark.unit
+def test_peer_rows_name_all_three_peers_and_judge_against_the_best_of_them():
+    """Section 1's rows against the peers (issue 42 point 3): the baseline and the ratio
+    name PgQueuer, Procrastinate and DBOS, and ≥ 1.0 × the better peer counts all three,
+    so a sidecar ahead of two peers but behind DBOS misses it; the like-for-like
+    SIDECAR_SANDBOX=off row is judged the same way."""
+    from bench import throughput
+
+    assert set(throughput.PEERS) == {"pgqueuer", "procrastinate", "dbos"}
+    peer_rates = {"pgqueuer": 200.0, "procrastinate": 150.0, "dbos": 300.0}
+    baseline = throughput.peer_baseline(peer_rates)
+    assert baseline == "PgQueuer 200 jobs/s; Procrastinate 150 jobs/s; DBOS 300 jobs/s"
+
+    behind = throughput.peer_row("1×8", {"rate": 250.0}, peer_rates, baseline, True).cells()
+    assert behind[1] == "no-op throughput, 1×8 vs the peers" and behind[2] == "250 jobs/s"
+    assert behind[4] == "1.25 × PgQueuer, 1.67 × Procrastinate, 0.83 × DBOS"
+    assert behind[5] == "≥ 1.0 × the better peer" and behind[6] == "**NO**"
+    ahead = throughput.peer_row("1×8", {"rate": 301.0}, peer_rates, baseline, True)
+    assert ahead.cells()[6] == "yes"
+    untargeted = throughput.peer_row("2×8", {"rate": 301.0}, peer_rates, baseline, False)
+    assert untargeted.cells()[5:] == ["-", "n/a"]  # 2×8: measured for the trend only
+
+    fair = throughput._fair_peer_row("1×8", {"rate": 250.0}, peer_rates, baseline).cells()
+    assert "SIDECAR_SANDBOX=off" in fair[1] and fair[3] == baseline
+    assert fair[4].endswith("0.83 × DBOS") and fair[6] == "**NO**"
+
+
+@pytest.mark.unit
+def test_peer_rows_are_not_judged_when_a_peer_failed_or_is_missing():
+    """Where one peer could not be measured (its cell says the error) or is not installed,
+    the target stays but is not judged (n/a): beating two of three proves nothing."""
+    from bench import throughput
+
+    failed = {"pgqueuer": 200.0, "procrastinate": 150.0, "dbos": RuntimeError("boom")}
+    baseline = throughput.peer_baseline(failed)
+    assert baseline.endswith("DBOS error (RuntimeError)")
+    row = throughput.peer_row("1×1", {"rate": 900.0}, failed, baseline, True).cells()
+    assert row[4] == "4.50 × PgQueuer, 6.00 × Procrastinate" and row[6] == "n/a"
+    missing = {"pgqueuer": 200.0, "procrastinate": 150.0}
+    row = throughput.peer_row("1×1", {"rate": 900.0}, missing,
+                              throughput.peer_baseline(missing), True).cells()
+    assert row[6] == "n/a"
+    assert throughput._fair_peer_row("1×1", {"rate": 900.0}, missing,
+                                     "b").cells()[6] == "n/a"
+    assert throughput.peer_baseline({}) == "peers not installed (pip install -e '.[bench]')"
