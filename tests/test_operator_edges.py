@@ -590,6 +590,7 @@ def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn,
         guardian = [p for p in sidecar_a.children()
                     if "sidecar.worker.guardian" in " ".join(p.cmdline())]
         assert len(guardian) == 1, [p.cmdline() for p in sidecar_a.children()]
+        a_dirs = [os.path.basename(os.readlink(f"/proc/{pid}/cwd")) for pid in tree[:1]]
         assert [p.name for p in work.iterdir() if ".j" in p.name]
         guardian[0].kill()  # the guardian first: nothing of A's is left to clean up
         wait_until(lambda: not pid_alive(guardian[0].pid), 5, what="A's guardian gone")
@@ -598,8 +599,12 @@ def test_a_sidecar_killed_with_its_guardian_leaves_no_tool_running_for_long(dsn,
         assert any(pid_alive(p) for p in tree)  # nobody has cleared it yet
         wait_until(lambda: not any(pid_alive(p) for p in tree), 20,
                    what="sidecar B's sweep to kill A's tree")
-        wait_until(lambda: not [p for p in work.iterdir() if ".j" in p.name], 10,
-                   what="sidecar B's sweep to remove A's work directory")
+        # A's key: the prefix of its tool's work directory (B's own directories, prepared
+        # ahead of its jobs, carry B's).
+        a_key = Path(os.readlink(f"/proc/{tree[0]}/cwd")).name.split(".")[0] \
+            if pid_alive(tree[0]) else a_dirs[0].split(".")[0]
+        wait_until(lambda: not [p for p in work.iterdir() if p.name.startswith(a_key + ".j")],
+                   10, what="sidecar B's sweep to remove A's work directories")
         row = query(dsn, "SELECT state FROM tool_jobs WHERE id = $1", uuid.UUID(job_id))[0]
         assert row["state"] == "running"  # A's lease ends by itself; B serves another tool
     finally:

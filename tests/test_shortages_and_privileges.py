@@ -172,7 +172,9 @@ def test_pids_limit_reached_by_another_tool_releases_the_attempt_unspent(
     errno, counted in sidecar_attempt_shortages_total, and the sidecar pauses claiming;
     once the shortage clears the job runs and succeeds on its first attempt."""
     (pids_cgroup / "pids.max").write_text("60\n")
-    env = base_env(dsn, SIDECAR_MAX_ATTEMPTS="1")
+    # Cold starts: an attempt prepared before the shortage (issue 42) would need no fork
+    # and run; this is about the spawn that meets it.
+    env = base_env(dsn, SIDECAR_MAX_ATTEMPTS="1", SIDECAR_PREPARE="false")
     launcher = ["sh", "-c", 'echo $$ > "$0/cgroup.procs" && exec "$@"', str(pids_cgroup)]
     sc = sidecars(dsn, [str(TOOLS / "fork_fill.py")], "--tool", "fill", "--concurrency", "2",
                   env=env, launcher=launcher)

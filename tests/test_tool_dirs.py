@@ -120,7 +120,8 @@ def test_an_untouched_work_directory_is_reused_and_a_touched_one_never(dsn, tmp_
     directory's place (only the locked descriptor tells them apart). At shutdown no
     work directory is left."""
     root = short_root(tmp_path / "w")
-    env = base_env(dsn, SIDECAR_WORK_DIR=str(root))
+    # Cold starts, so each attempt is the next one's predecessor (prepared attempts: below).
+    env = base_env(dsn, SIDECAR_WORK_DIR=str(root), SIDECAR_PREPARE="false")
     modes = ["clean", "clean", "write", "clean", "chmod", "clean", "child", "clean",
              "top", "clean", "runtime", "clean", "swap", "clean"]
     jobs = [enqueue(dsn, "reuse", {"mode": mode}, env=env) for mode in modes]
@@ -140,6 +141,28 @@ def test_an_untouched_work_directory_is_reused_and_a_touched_one_never(dsn, tmp_
             (modes[touched], dirs)
     # The original the swap renamed away still carries the owner's prefix: swept too.
     assert not any(os.path.exists(d) for d in [*dirs, dirs[12] + ".old"])
+    assert [p.name for p in root.iterdir() if ".j" in p.name] == []  # none at shutdown
+
+
+def test_prepared_attempts_reuse_untouched_work_directories_and_never_a_touched_one(
+        dsn, tmp_path):
+    """With attempts prepared ahead (issue 42, the default), the next attempt is set up
+    while a job runs, so an untouched directory goes to the attempt prepared after its
+    job ended: reused all the same (two directories take turns), and one that a tool
+    touched is never seen again. At shutdown no work directory is left."""
+    root = short_root(tmp_path / "w")
+    env = base_env(dsn, SIDECAR_WORK_DIR=str(root))
+    modes = ["clean"] * 5 + ["write"] + ["clean"] * 4 + ["chmod"] + ["clean"] * 4
+    jobs = [enqueue(dsn, "reuse-prep", {"mode": mode}, env=env) for mode in modes]
+    done = cli(dsn, "run", "--tool", "reuse-prep", "--drain", "--",
+               str(TOOLS / "dir_reuse.sh"), env=env)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    dirs = [job_row(dsn, job)["result"]["dir"] for job in jobs]
+    assert all(job_row(dsn, job)["result"]["home_had"] == "" for job in jobs)
+    assert len(set(dirs[:5])) < 5, dirs  # clean ones come back
+    for touched, mode in enumerate(modes):
+        if mode != "clean":
+            assert dirs[touched] not in dirs[touched + 1:], (mode, dirs)
     assert [p.name for p in root.iterdir() if ".j" in p.name] == []  # none at shutdown
 
 
