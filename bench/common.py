@@ -177,6 +177,17 @@ def sidecar_env(dsn: str, **extra: str) -> dict[str, str]:
     return env
 
 
+def _runs_a_job(root: psutil.Process) -> bool:
+    """True when ``root`` or one of its descendants carries a SIDECAR_JOB_ID."""
+    for proc in (root, *root.children(recursive=True)):
+        try:
+            if "SIDECAR_JOB_ID" in proc.environ():
+                return True
+        except psutil.Error:
+            continue
+    return False
+
+
 class Sidecar:
     """A real ``sidecar run`` process; its stderr (JSON lines) goes to a file."""
 
@@ -233,7 +244,9 @@ class Sidecar:
 
 
     def tool_children(self) -> list[psutil.Process]:
-        """The sidecar's child processes that are tools (not its guardian)."""
+        """The sidecar's child processes that run a job's tool: not its guardian, and not
+        an attempt prepared ahead of its job (issue 42: its launcher, and bwrap's two
+        processes around it, carry no SIDECAR_JOB_ID until the job's line arrives)."""
         try:
             kids = psutil.Process(self.pid).children()
         except psutil.Error:
@@ -242,7 +255,7 @@ class Sidecar:
         for kid in kids:
             try:
                 if "sidecar.worker.guardian" not in " ".join(kid.cmdline()) \
-                        and kid.status() != psutil.STATUS_ZOMBIE:
+                        and kid.status() != psutil.STATUS_ZOMBIE and _runs_a_job(kid):
                     out.append(kid)
             except psutil.Error:
                 continue
