@@ -97,3 +97,38 @@ def test_a_sidecars_attempts_run_in_launchers_prepared_before_their_jobs(dsn, si
                 assert (".job-p" in started["cgroup"]) == (prepare == "true"), started
         sc.stop()
         assert sc.events("attempt_prepared") == [] or prepare == "true"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("prepare", ["true", "false"])
+@pytest.mark.parametrize("replacement, exit_code", [
+    ("touch {marker}; echo '{{}}'\n", 126),  # no #!: ENOEXEC, never run by a shell
+    ("#!/nonexistent/interpreter\ntouch {marker}\n", 127),  # its interpreter is gone
+], ids=["no-shebang", "missing-interpreter"])
+def test_a_tool_replaced_by_one_the_kernel_cannot_run_fails_spawn_failed_either_way(
+        dsn, sidecars, tmp_path, prepare, replacement, exit_code):
+    """The tool's file is replaced under a running sidecar (an image upgrade gone wrong)
+    by one execve refuses. A cold start says spawn_failed (126 or 127) and runs nothing.
+    A prepared launcher must not differ: /bin/sh's ``exec`` runs a file without ``#!`` as
+    a shell script of its own (so a file never meant to run, did) and reports a missing
+    interpreter as the tool's own exit status 127."""
+    tool = tmp_path / "replaced-tool"
+    marker = tmp_path / "it-ran"
+    tool.write_text("#!/bin/sh\necho '{}'\n")
+    tool.chmod(0o755)
+    sc = sidecars(dsn, [str(tool)], "--tool", "replaced",
+                  env=base_env(dsn, SIDECAR_PREPARE=prepare, SIDECAR_LOG_LEVEL="debug"))
+    sc.wait_event("worker_started")
+    if prepare == "true":
+        wait_until(lambda: sc.events("attempt_prepared"), 15, what="an attempt prepared")
+    fresh = tmp_path / "fresh"
+    fresh.write_text(replacement.format(marker=marker))
+    fresh.chmod(0o755)
+    os.replace(fresh, tool)
+    job = enqueue(dsn, "replaced", {}, "--max-attempts", "1")
+    wait_until(lambda: job_row(dsn, job)["state"] not in ("queued", "running"), 20,
+               what="the job's end")
+    row = job_row(dsn, job)
+    assert not marker.exists(), "the replaced tool's text was run by a shell"
+    assert (row["state"], row["error"]["kind"], row["error"].get("exit_code")) == \
+        ("failed", "spawn_failed", exit_code), row["error"]
