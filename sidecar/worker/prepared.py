@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import itertools
 import os
 import re
+import stat
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -117,6 +119,71 @@ async def wait_ready(launched: Launched, timeout: float = READY_SECONDS) -> None
         loop.remove_reader(fd)
 
 
+# What execve needs to tell an executable file it can run: Linux reads the first 256
+# bytes (BINPRM_BUF_SIZE) for a "#!" line, and follows at most 4 interpreters deep.
+_HEADER_BYTES = 256
+_MAX_INTERPRETERS = 4
+_ELF_MAGIC = b"\x7fELF"
+Fingerprint = tuple[int, int, int, int, int, int]
+
+
+def _fingerprint(info: os.stat_result) -> Fingerprint:
+    return (info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns,
+            info.st_mode)
+
+
+def _elf_identity(header: bytes) -> bytes:
+    """An ELF header's class, byte order and machine (EI_CLASS, EI_DATA, e_machine)."""
+    return header[4:6] + header[18:20]
+
+
+_OWN_ELF: bytes | None = None
+
+
+def _own_elf_identity() -> bytes:
+    global _OWN_ELF
+    if _OWN_ELF is None:
+        with open("/proc/self/exe", "rb") as exe:
+            _OWN_ELF = _elf_identity(exe.read(20))
+    return _OWN_ELF
+
+
+def exec_files(program: str) -> tuple[tuple[str, Fingerprint], ...]:
+    """The files execve reads to start ``program`` (the program, then each ``#!``
+    interpreter), each with the fingerprint of its ``stat`` (device, inode, size, mtime,
+    ctime, mode), for ``PreparedAttempt.start`` to see that none changed since.
+
+    A launcher's ``exec`` is /bin/sh's, which differs from a cold start's execve exactly
+    where execve fails: a file without ``#!`` or of a foreign machine (ENOEXEC) is run as
+    a shell script, and a missing interpreter is the tool's own exit status 127, not
+    spawn_failed. So a launcher is prepared only for a program execve would start: an
+    executable regular file that is ELF of this machine, or a ``#!`` script whose
+    interpreter (at most 4 deep) is. Raises OSError (ENOEXEC, ENOENT, EACCES) otherwise:
+    the attempts then start cold, and a cold start says spawn_failed."""
+    files: list[tuple[str, Fingerprint]] = []
+    path = program
+    for _ in range(_MAX_INTERPRETERS + 1):
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            info = os.fstat(fd)
+            header = os.read(fd, _HEADER_BYTES)
+        finally:
+            os.close(fd)
+        if not stat.S_ISREG(info.st_mode) or not os.access(path, os.X_OK):
+            raise PermissionError(errno.EACCES, "not an executable regular file", path)
+        files.append((path, _fingerprint(info)))
+        if header.startswith(_ELF_MAGIC) and len(header) >= 20:
+            if _elf_identity(header) != _own_elf_identity():
+                raise OSError(errno.ENOEXEC, "an ELF file of another machine", path)
+            return tuple(files)
+        line = header.split(b"\n", 1)[0] if header.startswith(b"#!") else b""
+        interpreter = line[2:].strip(b" \t").split(None, 1)[0] if line[2:].strip() else b""
+        if not interpreter or b"\n" not in header:
+            raise OSError(errno.ENOEXEC, "neither ELF nor a #! script", path)
+        path = os.fsdecode(interpreter)
+    raise OSError(errno.ELOOP, "#! interpreters nested too deep", program)
+
+
 def job_line(variables: dict[str, str]) -> bytes | None:
     """The line a launcher reads: ``NAME=value`` pairs joined by 0x1F, ending in a
     newline, UTF-8. None when one of them cannot travel on it (a name that is no shell
@@ -139,6 +206,8 @@ class PreparedAttempt:
     launched: Launched
     env: dict[str, str]
     program: str  # the tool's executable (absolute): checked at start, as exec would
+    # exec_files(program) when the launcher was prepared: unchanged at start, or cold.
+    files: tuple[tuple[str, Fingerprint], ...] = ()
 
     def line_for(self, env: dict[str, str]) -> bytes | None:
         """The job line that turns this launcher's environment into ``env`` (the
@@ -152,14 +221,29 @@ class PreparedAttempt:
               on_stderr_line: Callable[[bytes], None], cookie: dict[str, str]
               ) -> Child | None:
         """The job's Child: its line then ``payload`` on the launcher's stdin. None (the
-        caller discards this attempt and starts cold) when the line cannot carry ``env``
-        the tool's executable is gone, or the launcher is no longer running."""
+        caller discards this attempt and starts cold) when the line cannot carry ``env``,
+        the tool's executable or one of its interpreters changed since it was checked
+        (``exec_files``; gone, replaced, rewritten, its mode changed), or the launcher is
+        no longer running."""
         line = self.line_for(env)
-        # A tool gone (or no longer executable) since the launcher started: a cold start
-        # tells it as spawn_failed (127, 126), not as the shell's exit status.
-        if line is None or not os.access(self.program, os.X_OK) or not self.launched.alive():
+        # A tool gone or changed since the launcher started: a cold start tells what execve
+        # makes of it (spawn_failed 127, 126), where the shell's exec would not (exec_files).
+        if line is None or not self._unchanged() or not self.launched.alive():
             return None
         return Child.start(self.launched, line + payload, max_stdout, on_stderr_line, cookie)
+
+
+    def _unchanged(self) -> bool:
+        """True when every file of ``files`` still stats as it did (one ``stat`` each)."""
+        if not self.files:
+            return False
+        for path, fingerprint in self.files:
+            try:
+                if _fingerprint(os.stat(path)) != fingerprint:
+                    return False
+            except OSError:
+                return False
+        return True
 
 
 class Preparer:

@@ -65,6 +65,7 @@ from sidecar.worker.lease import Lease
 from sidecar.worker.leftovers import job_name, work_dir_prefix
 from sidecar.worker.prepared import (
     PreparedAttempt,
+    exec_files,
     launcher_argv,
     unset_pwd_for,
     wait_ready,
@@ -179,8 +180,12 @@ async def prepare_attempt(ctx: WorkerContext, serial: int) -> PreparedAttempt:
     work directory (a kept one when there is one) and a job cgroup named
     ``<owner key>.job-p<serial>-0``, and a launcher started in them (and in the sandbox)
     with the attempt's static environment, waiting for its job's line. Raises what
-    opening the Sandbox or starting the launcher raises; nothing is left behind then."""
+    opening the Sandbox or starting the launcher raises, and OSError for a program the
+    launcher's shell would exec otherwise than execve (prepared.exec_files); nothing is
+    left behind then."""
     profile = ctx.profile
+    # Only for a program execve would start (else the shell's exec differs): raises.
+    files = exec_files(ctx.argv[0])
     sandbox = Sandbox(ctx.settings, profile, ctx.cgroup_host,
                       job_name(ctx.owner_id, f"p{serial}", 0),
                       work_dir_prefix(ctx.owner_id), spares=ctx.spares)
@@ -219,7 +224,7 @@ async def prepare_attempt(ctx: WorkerContext, serial: int) -> PreparedAttempt:
     except BaseException:
         await loop.run_in_executor(None, sandbox.close)
         raise
-    return PreparedAttempt(sandbox, launched, env, ctx.argv[0])
+    return PreparedAttempt(sandbox, launched, env, ctx.argv[0], files)
 
 
 def discard_prepared(prepared: PreparedAttempt) -> None:
