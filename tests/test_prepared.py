@@ -132,3 +132,29 @@ def test_a_tool_replaced_by_one_the_kernel_cannot_run_fails_spawn_failed_either_
     assert not marker.exists(), "the replaced tool's text was run by a shell"
     assert (row["state"], row["error"]["kind"], row["error"].get("exit_code")) == \
         ("failed", "spawn_failed", exit_code), row["error"]
+
+
+# Variable names the launcher's shell sets itself (its own, or POSIX sh's: dash resets an
+# imported IFS, OPTIND and PPID, and a PWD that does not name its directory).
+SHELL_NAMES = {"line": "L", "kv": "K", "IFS": "x", "OPTIND": "7", "PPID": "5",
+               "PWD": "/nowhere"}
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("prepare", ["true", "false"])
+def test_variables_the_launchers_shell_owns_reach_the_tool_as_passed(dsn, sidecars, prepare):
+    """ENV_PASSTHROUGH may name any variable; the tool gets the sidecar's value, as a cold
+    start gives it. A launcher must not lose or rewrite one because its shell uses the
+    same name (its loop variables, or what POSIX sh sets at start)."""
+    show = [sys.executable, "-c", "import json, os; print(json.dumps("
+            f"{{k: os.environ.get(k) for k in {sorted(SHELL_NAMES)!r}}}))"]
+    env = base_env(dsn, SIDECAR_PREPARE=prepare, SIDECAR_LOG_LEVEL="debug",
+                   SIDECAR_ENV_PASSTHROUGH="PATH," + ",".join(SHELL_NAMES), **SHELL_NAMES)
+    sc = sidecars(dsn, show, "--tool", "shellnames", env=env)
+    sc.wait_event("worker_started")
+    job = enqueue(dsn, "shellnames", {})
+    wait_until(lambda: job_row(dsn, job)["state"] not in ("queued", "running"), 20,
+               what="the job's end")
+    row = job_row(dsn, job)
+    assert row["state"] == "succeeded", row["error"]
+    assert row["result"] == SHELL_NAMES
