@@ -26,7 +26,8 @@ def test_the_job_line_carries_names_and_values_or_refuses_the_attempt():
     assert line == f"SIDECAR_JOB_ID=42{FIELD_SEPARATOR}TRACESTATE=a=b, c=d e\n".encode()
     assert job_line({}) == b"\n"
     for bad in ({"X": "two\nlines"}, {"X": "a" + FIELD_SEPARATOR + "b"}, {"X": "nul\0"},
-                {"1X": "v"}, {"X-Y": "v"}, {"": "v"}, {"X=Y": "v"}):
+                {"1X": "v"}, {"X-Y": "v"}, {"": "v"}, {"X=Y": "v"}, {"IFS": "v"},
+                {"PPID": "1"}, {"SIDECAR_LAUNCHER_LINE": "v"}):
         assert job_line(bad) is None, bad
 
 

@@ -59,9 +59,18 @@ _JOIN = 'while [ "$1" != -- ]; do echo 0 > "$1" || exit 125; shift; done; shift;
 # First it says it is ready (READY on stdout, taken by ``wait_ready`` before the stdout
 # pipe is the tool's): cgroup joined, sandbox set up, waiting for the line.
 READY = b"R"
+# Its own variables are SIDECAR_ names, which no ENV_PASSTHROUGH passes and no job line
+# carries (job_line); IFS is the shell's, never in the tool's environment here (SHELL_SET).
+_LINE, _PAIR = "SIDECAR_LAUNCHER_LINE", "SIDECAR_LAUNCHER_PAIR"
 _READ = ("printf " + READY.decode() + "; IFS='" + FIELD_SEPARATOR + "'; "
-         "read -r line || exit 125; set -f; "
-         'for kv in $line; do export "$kv"; done; unset IFS kv line; ')
+         f"read -r {_LINE} || exit 125; set -f; "
+         f'for {_PAIR} in ${_LINE}; do export "${_PAIR}"; done; unset IFS {_PAIR} {_LINE}; ')
+# Variables POSIX sh (dash) sets at its start whatever its environment says: an imported
+# IFS is reset to <space><tab><newline>, OPTIND to 1, PPID to its parent's pid, and a
+# PWD that does not name its directory to the one it does (bwrap sets PWD to the
+# sandbox's directory itself, as a cold start in it gives). A tool's environment with one
+# of them cannot be a launcher's (shell_altered).
+SHELL_SET = ("IFS", "OPTIND", "PPID")
 READY_SECONDS = 30.0  # a launcher not ready by then is discarded (a stuck mount, a host
 #                       out of processes): the attempt starts cold
 
@@ -184,13 +193,34 @@ def exec_files(program: str) -> tuple[tuple[str, Fingerprint], ...]:
     raise OSError(errno.ELOOP, "#! interpreters nested too deep", program)
 
 
+_SHELL_OWN = frozenset(("IFS", "OPTIND", "PPID", "PWD", "SIDECAR_LAUNCHER_LINE",
+                        "SIDECAR_LAUNCHER_PAIR"))
+
+
+class NotPreparable(Exception):
+    """This Worker's attempts cannot run in launchers for as long as it runs (its static
+    environment holds what the launcher's shell would change, ``shell_altered``): the
+    Preparer says so once and prepares no more."""
+
+
+def shell_altered(env: dict[str, str], sandboxed: bool) -> list[str]:
+    """The names of ``env`` a launcher's /bin/sh would not pass on to the tool as they
+    are (SHELL_SET, and PWD unsandboxed, where no bwrap sets it); empty when none."""
+    names = [name for name in SHELL_SET if name in env]
+    if not sandboxed and "PWD" in env:
+        names.append("PWD")
+    return names
+
+
 def job_line(variables: dict[str, str]) -> bytes | None:
     """The line a launcher reads: ``NAME=value`` pairs joined by 0x1F, ending in a
     newline, UTF-8. None when one of them cannot travel on it (a name that is no shell
-    name, a value with a newline, a 0x1F or a NUL): start that attempt cold."""
+    name or one the launcher's shell sets itself, a value with a newline, a 0x1F or a
+    NUL): start that attempt cold."""
     pairs = []
     for name, value in variables.items():
-        if not _NAME.fullmatch(name) or any(c in value for c in ("\n", FIELD_SEPARATOR, "\0")):
+        if not _NAME.fullmatch(name) or name in _SHELL_OWN \
+                or any(c in value for c in ("\n", FIELD_SEPARATOR, "\0")):
             return None
         pairs.append(f"{name}={value}")
     return (FIELD_SEPARATOR.join(pairs) + "\n").encode()
@@ -254,7 +284,8 @@ class Preparer:
     and cgroup (blocking: run off the loop). ``take`` hands out a ready one (or None) and
     starts preparing its replacement; ``close`` discards every one left and prepares no
     more. A failure to prepare is logged (``prepare_failed``) and retried at the next
-    ``take``; meanwhile attempts start cold."""
+    ``take``; meanwhile attempts start cold. ``NotPreparable`` is logged once
+    (``prepare_off``) and ends preparing: every attempt starts cold."""
 
     def __init__(self, size: int, make: Callable[[int], object],
                  discard: Callable[[PreparedAttempt], None]):
@@ -282,6 +313,11 @@ class Preparer:
     async def _prepare_one(self, serial: int) -> None:
         try:
             prepared = await self._make(serial)
+        except NotPreparable as exc:
+            if not self._closed:
+                self._closed = True
+                log.emit("prepare_off", "warning", reason=str(exc)[:300])
+            return
         except Exception as exc:  # noqa: BLE001 - logged; attempts start cold meanwhile
             self.failures += 1
             log.emit("prepare_failed", "warning", reason=f"{type(exc).__name__}: {exc}"[:300])
