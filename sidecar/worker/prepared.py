@@ -133,6 +133,7 @@ async def wait_ready(launched: Launched, timeout: float = READY_SECONDS) -> None
 _HEADER_BYTES = 256
 _MAX_INTERPRETERS = 4
 _ELF_MAGIC = b"\x7fELF"
+_INTERPRETER_END = re.compile(rb"[ \t]")
 Fingerprint = tuple[int, int, int, int, int, int]
 
 
@@ -186,9 +187,13 @@ def exec_files(program: str) -> tuple[tuple[str, Fingerprint], ...]:
                 raise OSError(errno.ENOEXEC, "an ELF file of another machine", path)
             return tuple(files)
         line = header.split(b"\n", 1)[0] if header.startswith(b"#!") else b""
-        interpreter = line[2:].strip(b" \t").split(None, 1)[0] if line[2:].strip() else b""
-        if not interpreter or b"\n" not in header:
-            raise OSError(errno.ENOEXEC, "neither ELF nor a #! script", path)
+        # As Linux reads it: the interpreter ends at a space or a tab, nothing else
+        # ("#!/bin/sh\r" names "/bin/sh\r"); a relative one would be looked up from
+        # the tool's directory, not ours.
+        interpreter = _INTERPRETER_END.split(line[2:].lstrip(b" \t"), maxsplit=1)[0]
+        if not interpreter.startswith(b"/") or b"\n" not in header:
+            raise OSError(errno.ENOEXEC, "neither ELF nor a #! script with an absolute "
+                          "interpreter", path)
         path = os.fsdecode(interpreter)
     raise OSError(errno.ELOOP, "#! interpreters nested too deep", program)
 
