@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -106,7 +108,8 @@ def test_a_sidecars_attempts_run_in_launchers_prepared_before_their_jobs(dsn, si
     ("touch {marker}; echo '{{}}'\n", 126),  # no #!: ENOEXEC, never run by a shell
     ("#!/nonexistent/interpreter\ntouch {marker}\n", 127),  # its interpreter is gone
     ("#!/bin/sh\r\ntouch {marker}\n", 127),  # CRLF: the interpreter is "/bin/sh\r"
-], ids=["no-shebang", "missing-interpreter", "crlf"])
+    (None, 127),  # an ELF program whose dynamic loader (PT_INTERP) is missing
+], ids=["no-shebang", "missing-interpreter", "crlf", "missing-loader"])
 def test_a_tool_replaced_by_one_the_kernel_cannot_run_fails_spawn_failed_either_way(
         dsn, sidecars, tmp_path, prepare, replacement, exit_code):
     """The tool's file is replaced under a running sidecar (an image upgrade gone wrong)
@@ -124,7 +127,12 @@ def test_a_tool_replaced_by_one_the_kernel_cannot_run_fails_spawn_failed_either_
     if prepare == "true":
         wait_until(lambda: sc.events("attempt_prepared"), 15, what="an attempt prepared")
     fresh = tmp_path / "fresh"
-    fresh.write_text(replacement.format(marker=marker))
+    if replacement is None:  # /bin/true asking for a loader that is not there
+        binary = Path("/bin/true").read_bytes()
+        loader = re.search(rb"/lib[^\0]*/ld-[^\0]+", binary).group()
+        fresh.write_bytes(binary.replace(loader, loader[:-1] + b"X", 1))
+    else:
+        fresh.write_text(replacement.format(marker=marker))
     fresh.chmod(0o755)
     os.replace(fresh, tool)
     # The first job meets the launcher prepared for the old file, the second one a
