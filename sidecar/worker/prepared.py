@@ -38,6 +38,7 @@ import itertools
 import os
 import re
 import stat
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -147,6 +148,37 @@ def _elf_identity(header: bytes) -> bytes:
     return header[4:6] + header[18:20]
 
 
+_PT_INTERP = 3
+
+
+def _elf_loader(path: str) -> str | None:
+    """The dynamic loader an ELF file names (its PT_INTERP program header), or None for
+    a static one. Raises OSError (ENOEXEC for headers that do not hold together)."""
+    with open(path, "rb") as elf:
+        ident = elf.read(64)
+        wide, order = ident[4] == 2, "<" if ident[5] == 1 else ">"
+        if wide:
+            phoff, = struct.unpack_from(order + "Q", ident, 32)
+            phentsize, phnum = struct.unpack_from(order + "HH", ident, 54)
+            layout = order + "IIQQQQQQ"  # type, flags, offset, vaddr, paddr, filesz, ...
+        else:
+            phoff, = struct.unpack_from(order + "I", ident, 28)
+            phentsize, phnum = struct.unpack_from(order + "HH", ident, 42)
+            layout = order + "IIIIIIII"  # type, offset, vaddr, paddr, filesz, ...
+        if phnum > 4096 or phentsize < struct.calcsize(layout):
+            raise OSError(errno.ENOEXEC, "bad ELF program headers", path)
+        elf.seek(phoff)
+        table = elf.read(phentsize * phnum)
+        for n in range(phnum):
+            fields = struct.unpack_from(layout, table, n * phentsize)
+            if fields[0] != _PT_INTERP:
+                continue
+            offset, size = (fields[2], fields[5]) if wide else (fields[1], fields[4])
+            elf.seek(offset)
+            return os.fsdecode(elf.read(min(size, 4096)).split(b"\0", 1)[0])
+    return None
+
+
 _OWN_ELF: bytes | None = None
 
 
@@ -167,8 +199,9 @@ def exec_files(program: str) -> tuple[tuple[str, Fingerprint], ...]:
     where execve fails: a file without ``#!`` or of a foreign machine (ENOEXEC) is run as
     a shell script, and a missing interpreter is the tool's own exit status 127, not
     spawn_failed. So a launcher is prepared only for a program execve would start: an
-    executable regular file that is ELF of this machine, or a ``#!`` script whose
-    interpreter (at most 4 deep) is. Raises OSError (ENOEXEC, ENOENT, EACCES) otherwise:
+    executable regular file that is ELF of this machine (its dynamic loader, if it
+    names one, there too: one more file), or a ``#!`` script whose interpreter (at most
+    4 deep) is. Raises OSError (ENOEXEC, ENOENT, EACCES) otherwise:
     the attempts then start cold, and a cold start says spawn_failed."""
     files: list[tuple[str, Fingerprint]] = []
     path = program
@@ -185,6 +218,13 @@ def exec_files(program: str) -> tuple[tuple[str, Fingerprint], ...]:
         if header.startswith(_ELF_MAGIC) and len(header) >= 20:
             if _elf_identity(header) != _own_elf_identity():
                 raise OSError(errno.ENOEXEC, "an ELF file of another machine", path)
+            loader = _elf_loader(path)
+            if loader is not None:  # execve opens it too: ENOENT when it is missing
+                try:
+                    files.append((loader, _fingerprint(os.stat(loader))))
+                except OSError as exc:
+                    raise FileNotFoundError(errno.ENOENT, f"its dynamic loader {loader} "
+                                            f"is missing ({exc.strerror})", path) from None
             return tuple(files)
         line = header.split(b"\n", 1)[0] if header.startswith(b"#!") else b""
         # As Linux reads it: the interpreter ends at a space or a tab, nothing else
