@@ -228,10 +228,13 @@ def exec_files(program: str) -> tuple[tuple[str, Fingerprint], ...]:
             return tuple(files)
         line = header.split(b"\n", 1)[0] if header.startswith(b"#!") else b""
         # As Linux reads it: the interpreter ends at a space or a tab, nothing else
-        # ("#!/bin/sh\r" names "/bin/sh\r"); a relative one would be looked up from
-        # the tool's directory, not ours.
-        interpreter = _INTERPRETER_END.split(line[2:].lstrip(b" \t"), maxsplit=1)[0]
-        if not interpreter.startswith(b"/") or b"\n" not in header:
+        # ("#!/bin/sh\r" names "/bin/sh\r"), or at the end of the line or of a short
+        # file; one cut off by the 256-byte buffer is refused. A relative one would be
+        # looked up from the tool's directory, not ours.
+        parts = _INTERPRETER_END.split(line[2:].lstrip(b" \t"), maxsplit=1)
+        interpreter = parts[0]
+        whole = len(parts) > 1 or b"\n" in header or len(header) < _HEADER_BYTES
+        if not interpreter.startswith(b"/") or not whole:
             raise OSError(errno.ENOEXEC, "neither ELF nor a #! script with an absolute "
                           "interpreter", path)
         path = os.fsdecode(interpreter)
