@@ -171,3 +171,39 @@ def test_variables_the_launchers_shell_owns_reach_the_tool_as_passed(dsn, sideca
     row = job_row(dsn, job)
     assert row["state"] == "succeeded", row["error"]
     assert row["result"] == SHELL_NAMES
+
+
+@pytest.mark.unit
+def test_exec_files_prepares_only_what_execve_would_start(tmp_path):
+    """exec_files (the check before a launcher is prepared) follows execve: ELF of this
+    machine with its loader, and #! lines read as Linux reads them; everything else
+    raises, and those attempts start cold."""
+    from sidecar.worker.prepared import exec_files
+
+    def tool(name: str, content: bytes) -> str:
+        path = tmp_path / name
+        path.write_bytes(content)
+        path.chmod(0o755)
+        return str(path)
+
+    true = Path("/bin/true").read_bytes()
+    loader = re.search(rb"/lib[^\0]*/ld-[^\0]+", true).group()
+    assert [p for p, _ in exec_files("/bin/true")][0] == "/bin/true"
+    assert len(exec_files("/bin/true")) == 2  # and its dynamic loader
+    script = tool("ok", b"#!/bin/sh -e\necho\n")
+    assert [p for p, _ in exec_files(script)][:2] == [script, "/bin/sh"]
+    assert exec_files(tool("short", b"#!/bin/sh"))  # no newline in a short file: runs
+    foreign = bytearray(true)
+    foreign[18:20] = b"\xb7\x00" if foreign[18:20] != b"\xb7\x00" else b"\x3e\x00"
+    for name, content in (("plain", b"echo hi\n"), ("crlf", b"#!/bin/sh\r\necho\n"),
+                          ("relative", b"#!sh\n"), ("gone", b"#!/nonexistent/sh\n"),
+                          ("cut", b"#!/" + b"x" * 300 + b"\n"),
+                          ("foreign", bytes(foreign)),
+                          ("noloader", true.replace(loader, loader[:-1] + b"X", 1))):
+        with pytest.raises(OSError):
+            exec_files(tool(name, content))
+    with pytest.raises(OSError):
+        exec_files(str(tmp_path))  # a directory
+    (tmp_path / "noexec").write_bytes(b"#!/bin/sh\n")  # mode 0644: no x bit, even for root
+    with pytest.raises(OSError):
+        exec_files(str(tmp_path / "noexec"))
