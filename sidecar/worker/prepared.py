@@ -156,6 +156,8 @@ def _elf_loader(path: str) -> str | None:
     a static one. Raises OSError (ENOEXEC for headers that do not hold together)."""
     with open(path, "rb") as elf:
         ident = elf.read(64)
+        if len(ident) < 64:
+            raise OSError(errno.ENOEXEC, "truncated ELF header", path)
         wide, order = ident[4] == 2, "<" if ident[5] == 1 else ">"
         if wide:
             phoff, = struct.unpack_from(order + "Q", ident, 32)
@@ -169,6 +171,8 @@ def _elf_loader(path: str) -> str | None:
             raise OSError(errno.ENOEXEC, "bad ELF program headers", path)
         elf.seek(phoff)
         table = elf.read(phentsize * phnum)
+        if len(table) < phentsize * phnum:
+            raise OSError(errno.ENOEXEC, "truncated ELF program headers", path)
         for n in range(phnum):
             fields = struct.unpack_from(layout, table, n * phentsize)
             if fields[0] != _PT_INTERP:
@@ -309,7 +313,6 @@ class PreparedAttempt:
         if line is None or not self._unchanged() or not self.launched.alive():
             return None
         return Child.start(self.launched, line + payload, max_stdout, on_stderr_line, cookie)
-
 
     def _unchanged(self) -> bool:
         """True when every file of ``files`` still stats as it did (one ``stat`` each)."""
