@@ -128,6 +128,71 @@ def test_an_escapee_that_drops_its_environment_is_killed_with_the_tree(dsn, tmp_
             _kill(int(pidfile.read_text()))
 
 
+# A descendant that leaves its job cgroup for a cgroup of its own below it (as the tool's
+# user may wherever it can write the job cgroup: root, or a delegated subtree), setsid and
+# re-parented to the sidecar: the job cgroup's cgroup.procs no longer lists it.
+_HIDE_IN_SUBCGROUP = r"""
+setsid sh -c '
+  for entry in $(cat /proc/self/cgroup); do
+    ctl=${entry#*:}; ctl=${ctl%%:*}; path=${entry#*:*:}
+    case "$path" in *sidecar-jobs*) ;; *) continue ;; esac
+    case "$ctl" in "") base=/sys/fs/cgroup/unified ;; pids|memory) base=/sys/fs/cgroup/$ctl ;;
+                   *) continue ;; esac
+    mkdir "$base$path/hide" && echo $$ > "$base$path/hide/cgroup.procs"
+    echo "$base$path/hide" >> "$1.cgroups"
+  done
+  echo $$ > "$1.tmp" && mv "$1.tmp" "$1"
+  exec sleep 30' hide "$1" &
+while [ ! -s "$1" ]; do sleep 0.05; done
+echo '{}'
+"""
+
+
+@needs_root
+@pytest.mark.parametrize("prepare", ["true", "false"])
+def test_an_escapee_that_leaves_its_job_cgroup_is_killed_with_the_tree(dsn, tmp_path,
+                                                                      public_dir, sidecars,
+                                                                      prepare):
+    """Issue 42's fast tree kill takes an empty job cgroup for a dead tree. A tool that
+    joined its cgroup before exec (a prepared launcher, or the preexec_fn that PROCESSES
+    brings) may still move a descendant out of it: into a cgroup it makes below its own,
+    as root or in a delegated subtree. That escapee carries the job's cookie and was
+    adopted by the sidecar: before issue 42 the scan found and killed it when the tool
+    exited; an empty cgroup.procs must not hide it while the sidecar runs on."""
+    work = public_dir()
+    pidfile = tmp_path / "escapee.pid"
+    env = _env(dsn, work, SIDECAR_PREPARE=prepare, SIDECAR_PROFILE_HIDE_PROCESSES="64")
+    sc = sidecars(dsn, ["/bin/sh", "-c", _HIDE_IN_SUBCGROUP, "hide", str(pidfile)],
+                  "--tool", "hide", env=env)
+    try:
+        job = enqueue(dsn, "hide", {}, env=env)
+        wait_until(lambda: _row(dsn, job)["state"] not in ("queued", "running"), 20,
+                   what="the job's end")
+        assert _row(dsn, job)["state"] == "succeeded"
+        pid = int(pidfile.read_text())
+        assert eventually(lambda: not _alive(pid), 3), \
+            f"escapee {pid} outlived its job (PREPARE={prepare})"
+        assert _journal(dsn, job, "child_killed"), "no orphaned_descendants kill journaled"
+    finally:
+        sc.stop()
+        if pidfile.exists():
+            _kill(int(pidfile.read_text()))
+        cgroups = Path(f"{pidfile}.cgroups")
+        for made in cgroups.read_text().split() if cgroups.exists() else []:
+            for path in (made, str(Path(made).parent)):
+                eventually(lambda p=path: _rmdir(p), 3)
+
+
+def _rmdir(path: str) -> bool:
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False
+    return True
+
+
 # --- the result file ----------------------------------------------------------------------
 
 @needs_root

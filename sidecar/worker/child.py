@@ -1014,17 +1014,25 @@ class Child:
           adopted by this subreaper, has exited (waited for up to
           ``SANDBOX_SETTLE_SECONDS``). What the tool left in its namespace was killed by
           the kernel with the init, without a grace, as before: no orphan to report.
-        - A job cgroup the tool joined before exec (``cgroup_from_exec``; no RUN_AS):
-          its ``cgroup.procs`` are the tree (a fork is born in its parent's cgroup, and
-          only a privileged process could move out): empty is dead. A tool the parent
-          moved after a vfork is no such guarantee: what it forked before the move and
-          left behind (it may exit first, and its children are then ours, not its) stays
-          outside, and only the scan finds it.
+        - A job cgroup the tool joined before exec (``cgroup_from_exec``; no RUN_AS; this
+          process a subreaper): a fork is born in its parent's cgroup, so empty
+          ``cgroup.procs`` are a dead tree *unless* a member moved itself out, which the
+          tool's user may wherever it may write cgroup files (root, or the owner of a
+          delegated subtree: into a cgroup it makes below its own, whose members the job
+          cgroup's ``cgroup.procs`` does not list). Such a process outlives the tool's
+          exit only as a descendant of another live member (then the cgroup is not
+          empty) or as an orphan adopted by this subreaper (Linux hands orphans to the
+          subreaper's thread group leader): so the cgroup is the tree only while this
+          process has no adopted child of its own running either (one small read).
+          A tool the parent moved after a vfork is no such guarantee: what it forked
+          before the move and left behind (it may exit first, and its children are then
+          ours, not its) stays outside, and only the scan finds it.
 
-        False when neither applies: no subreaper (the init is then not ours to wait for),
-        bwrap's status named no init, the init still runs after the wait, the cgroup
-        still has members, or RUN_AS without a sandbox (adopted zombies of that user are
-        reaped by the scan at once: RLIMIT_NPROC)."""
+        False when neither applies: no subreaper (the init is then not ours to wait for,
+        nor an escapee of the cgroup ours to see), bwrap's status named no init, the init
+        still runs after the wait, the cgroup still has members, an adopted orphan runs,
+        or RUN_AS without a sandbox (adopted zombies of that user are reaped by the scan
+        at once: RLIMIT_NPROC)."""
         if self.sandboxed:
             pid = self.sandbox_init_pid
             if pid is None or not self.processes.subreaper or self.sandbox_failed:
@@ -1034,7 +1042,17 @@ class Child:
             await self._wait_exits(_processes([pid]), SANDBOX_SETTLE_SECONDS)
             return self._init_exited(pid)
         return self.cgroup_from_exec and self.run_as_uid is None \
-            and not self.cgroup.members()
+            and self.processes.subreaper and not self.cgroup.members() \
+            and not self._adopted_running()
+
+    def _adopted_running(self) -> bool:
+        """True when an orphan adopted by this subreaper (no managed tool, no exempt
+        child) still runs; exited ones are reaped on the way (ProcessTable.reap_listed).
+        A process that left its job cgroup and outlived the tool is one of these."""
+        me = os.getpid()
+        listed = linux.adopted_pids(me) if linux.HAVE_PROC_CHILDREN else _children(me)
+        return bool(self.processes.reap_listed(
+            [pid for pid in listed if not self.processes.is_own(pid)]))
 
     def _init_exited(self, pid: int) -> bool:
         """True when the sandbox's init ``pid`` has exited: reaped now (unless a spawn

@@ -64,8 +64,11 @@ from sidecar.worker.isolation import TMPDIR_VARIABLES, Sandbox, child_environmen
 from sidecar.worker.lease import Lease
 from sidecar.worker.leftovers import job_name, work_dir_prefix
 from sidecar.worker.prepared import (
+    NotPreparable,
     PreparedAttempt,
+    exec_files,
     launcher_argv,
+    shell_altered,
     unset_pwd_for,
     wait_ready,
 )
@@ -179,8 +182,18 @@ async def prepare_attempt(ctx: WorkerContext, serial: int) -> PreparedAttempt:
     work directory (a kept one when there is one) and a job cgroup named
     ``<owner key>.job-p<serial>-0``, and a launcher started in them (and in the sandbox)
     with the attempt's static environment, waiting for its job's line. Raises what
-    opening the Sandbox or starting the launcher raises; nothing is left behind then."""
+    opening the Sandbox or starting the launcher raises, and OSError for a program the
+    launcher's shell would exec otherwise than execve (prepared.exec_files),
+    NotPreparable for an environment it would change (prepared.shell_altered); nothing
+    is left behind then."""
     profile = ctx.profile
+    # Only for a program execve would start (else the shell's exec differs): raises.
+    files = exec_files(ctx.argv[0])
+    altered = shell_altered(child_environment(ctx.base_env, profile, {}),
+                            ctx.sandbox is not None)
+    if altered:
+        raise NotPreparable(f"ENV_PASSTHROUGH passes {', '.join(altered)}, which a "
+                            "launcher's /bin/sh sets itself: every attempt starts cold")
     sandbox = Sandbox(ctx.settings, profile, ctx.cgroup_host,
                       job_name(ctx.owner_id, f"p{serial}", 0),
                       work_dir_prefix(ctx.owner_id), spares=ctx.spares)
@@ -219,7 +232,7 @@ async def prepare_attempt(ctx: WorkerContext, serial: int) -> PreparedAttempt:
     except BaseException:
         await loop.run_in_executor(None, sandbox.close)
         raise
-    return PreparedAttempt(sandbox, launched, env, ctx.argv[0])
+    return PreparedAttempt(sandbox, launched, env, ctx.argv[0], files)
 
 
 def discard_prepared(prepared: PreparedAttempt) -> None:
