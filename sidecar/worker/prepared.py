@@ -334,9 +334,10 @@ class Preparer:
     launcher) or raises; ``discard`` kills one never used and removes its work directory
     and cgroup (blocking: run off the loop). ``take`` hands out a ready one (or None) and
     starts preparing its replacement; ``close`` discards every one left and prepares no
-    more. A failure to prepare is logged (``prepare_failed``) and retried at the next
-    ``take``; meanwhile attempts start cold. ``NotPreparable`` is logged once
-    (``prepare_off``) and ends preparing: every attempt starts cold."""
+    more. A failure to prepare is logged (``prepare_failed``, once per reason until a
+    prepare succeeds) and retried at the next ``take``; meanwhile attempts start cold.
+    ``NotPreparable`` is logged once (``prepare_off``) and ends preparing: every attempt
+    starts cold."""
 
     def __init__(self, size: int, make: Callable[[int], object],
                  discard: Callable[[PreparedAttempt], None]):
@@ -349,6 +350,7 @@ class Preparer:
         self._serial = itertools.count(1)
         self._tasks: set[asyncio.Task] = set()
         self.failures = 0
+        self._last_failure: str | None = None  # the reason last logged as prepare_failed
 
     def __len__(self) -> int:
         return len(self._ready)
@@ -371,7 +373,13 @@ class Preparer:
             return
         except Exception as exc:  # noqa: BLE001 - logged; attempts start cold meanwhile
             self.failures += 1
-            log.emit("prepare_failed", "warning", reason=f"{type(exc).__name__}: {exc}"[:300])
+            reason = f"{type(exc).__name__}: {exc}"[:300]
+            # Once per reason until a prepare succeeds: a lasting cause (a program only
+            # binfmt_misc runs, a missing EXTRA_PATHS directory) is not a line per job.
+            if reason != self._last_failure:
+                self._last_failure = reason
+                log.emit("prepare_failed", "warning", reason=reason,
+                         failures=self.failures)
             return
         finally:
             self._pending -= 1
@@ -379,6 +387,7 @@ class Preparer:
             await asyncio.get_running_loop().run_in_executor(None, self._discard, prepared)
             return
         self._ready.append(prepared)
+        self._last_failure = None
         log.emit("attempt_prepared", "debug", pid=prepared.launched.popen.pid,
                  cgroup=prepared.sandbox.cgroup.name if prepared.sandbox.cgroup else None,
                  ready=len(self._ready))
