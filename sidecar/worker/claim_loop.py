@@ -413,8 +413,11 @@ class Worker:
             elif self._retry_at is not None:
                 timeout = min(interval, max(0.0, self._retry_at - time.monotonic()))
                 self._retry_at = None
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.wake.wait(), timeout)
+            if not self.wake.is_set():  # a job's end while claiming: claim again at once
+                # asyncio.timeout, not wait_for: no task of its own per wake-up (issue 42).
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(timeout):
+                        await self.wake.wait()
 
     def _start_attempt(self, store: WorkerStore, ctx: WorkerContext, job: ClaimedJob,
                        sent: float) -> None:
