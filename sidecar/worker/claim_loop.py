@@ -37,6 +37,7 @@ from sidecar.storage.queries import migrations
 from sidecar.storage.worker_store import WorkerStore
 from sidecar.worker.cgroups import CgroupHost
 from sidecar.worker.child import ProcessTable
+from sidecar.worker.commit import labelled
 from sidecar.worker.context import WorkerContext
 from sidecar.worker.forwarder import Forwarder
 from sidecar.worker.guard import GuardServer
@@ -375,7 +376,7 @@ class Worker:
                     # One count per claim statement, by what it did.
                     outcome = ("claimed" if jobs else
                                held.reason.value if held is not None else "empty")
-                    metrics.CLAIM_ATTEMPTS.labels(*self.labels, outcome).inc()
+                    labelled(metrics.CLAIM_ATTEMPTS, *self.labels, outcome).inc()
                     for job in jobs:
                         self._start_attempt(store, ctx, job, sent)
                     if held is not None:
@@ -424,9 +425,9 @@ class Worker:
         """Supervise one claimed attempt: its lease held from ``sent`` (the monotonic time
         the claim was sent, F20), after any older attempt of the same job here is killed
         (F14); tracked in ``running`` by attempt until it ends."""
-        metrics.JOBS_CLAIMED.labels(*self.labels).inc()
+        labelled(metrics.JOBS_CLAIMED, *self.labels).inc()
         if job.reclaimed:
-            metrics.JOBS_RECLAIMED.labels(*self.labels).inc()
+            labelled(metrics.JOBS_RECLAIMED, *self.labels).inc()
         predecessors = self._supersede(store, job)
         lease = ctx.keeper.hold(job, sent)
         supervisor = JobSupervisor(ctx, job, lease, predecessors,

@@ -60,6 +60,23 @@ ACKNOWLEDGING_OUTCOMES = frozenset({Outcome.CANCELLED, Outcome.LEASE_LOST, Outco
 JOURNAL_DEFER_SECONDS = 1.0
 
 
+# metric.labels(*values), each label set looked up once (prometheus_client validates the
+# values and takes a lock at every labels() call: about 2 us, several times per job).
+# Safe because the metrics counted per job are never cleared nor their children removed.
+_LABELLED: dict[tuple[int, tuple[str, ...]], Any] = {}
+
+
+def labelled(metric: Any, *values: str) -> Any:
+    """``metric.labels(*values)`` (a prometheus_client metric's child for these label
+    values), looked up once per process and label set. Only for metrics whose children
+    are never removed (the per-attempt counters and histograms)."""
+    key = (id(metric), values)
+    child = _LABELLED.get(key)
+    if child is None:
+        child = _LABELLED[key] = metric.labels(*values)
+    return child
+
+
 def backoff_seconds(profile: LeaseProfile, attempt: int) -> float:
     """Exponential backoff with full jitter (P16): a uniform draw in
     [0, min(cap, base x 2^(attempt-1))] seconds, so retries of many jobs spread out."""
@@ -172,10 +189,10 @@ class FencedCommit:
         """Count one attempt's end: its outcome, its duration and, for a failure (failed
         or requeued), its error.kind."""
         labels = (self.job.tool, self.ctx.profile.provider)
-        metrics.ATTEMPTS_FINISHED.labels(*labels, outcome).inc()
+        labelled(metrics.ATTEMPTS_FINISHED, *labels, outcome).inc()
         if kind is not None:
-            metrics.ATTEMPT_FAILURES.labels(*labels, kind).inc()
-        metrics.ATTEMPT_DURATION.labels(*labels).observe(time.monotonic() - self.started)
+            labelled(metrics.ATTEMPT_FAILURES, *labels, kind).inc()
+        labelled(metrics.ATTEMPT_DURATION, *labels).observe(time.monotonic() - self.started)
 
     async def _succeed(self, ending: Succeeded) -> Ended:
         """Commit the result (and create its next stage, P19) if the lease is still ours."""
