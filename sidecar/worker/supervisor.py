@@ -336,6 +336,9 @@ class JobSupervisor:
         # guard socket are added now, while the directory is still the sidecar's.
         self.prepared = self.ctx.preparer.take() if self.ctx.preparer is not None else None
         if self.prepared is not None:
+            # A launcher this attempt ends up not using is killed, however it ends (also
+            # by ``_let_go``, first, so the cgroup it sits in can then be removed).
+            held.push_async_callback(self._drop_prepared)
             sandbox = self.prepared.sandbox
             sandbox.files, sandbox.guard_socket = files, self.ctx.guard is not None
         else:
@@ -391,6 +394,7 @@ class JobSupervisor:
         raised): its progress reports, its guard registration, its work directory and
         cgroup (``sandbox_left`` logged for paths that could not be removed)."""
         self.progress.close()
+        await self._drop_prepared()  # a launcher never used: before its cgroup goes
         if self.ctx.guard is not None:
             self.ctx.guard.unregister(self.job.attempt_id)
         left = [] if sandbox.close_kept() else \
@@ -411,6 +415,8 @@ class JobSupervisor:
                                             cookie)
                 if child is None:  # the line cannot carry env, or the launcher is gone
                     await self._drop_prepared()
+                else:
+                    self.prepared = None  # its launcher is the Child's now
             if child is None:
                 child = await Child.spawn(self.ctx.argv, env, payload,
                                           profile.max_result_bytes, relay, cookie,
