@@ -241,7 +241,8 @@ async def _notifications(heard: asyncio.Queue, check_seconds: float
     skipped; a closed connection (None queued by the termination listener) ends it with a
     None."""
     try:
-        first = await asyncio.wait_for(heard.get(), check_seconds)
+        async with asyncio.timeout(check_seconds):  # not wait_for: it can lose a cancel (3.11)
+            first = await heard.get()
     except TimeoutError:
         yield None
         return
@@ -589,7 +590,9 @@ class WaitHub:
                 self._request(list(self._waiters))  # whatever ended before the LISTEN
                 while not self._lost.is_set():
                     try:
-                        await asyncio.wait_for(self._lost.wait(), self.check_seconds)
+                        # asyncio.timeout: wait_for (3.11) can lose the cancellation.
+                        async with asyncio.timeout(self.check_seconds):
+                            await self._lost.wait()
                     except TimeoutError:  # prove the path alive; read everything again
                         async with self._lock, asyncio.timeout(self.timeout):
                             await conn.execute("SELECT 1")

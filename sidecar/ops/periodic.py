@@ -135,5 +135,8 @@ class Periodic:
             await asyncio.sleep(seconds)
             self.lateness = max(0.0, time.monotonic() - before - seconds)
             return
+        # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation
+        # that meets the wake-up or the timeout, and the service then never stops.
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self.wake.wait(), seconds)
+            async with asyncio.timeout(seconds):
+                await self.wake.wait()

@@ -303,7 +303,14 @@ class Worker:
         tasks, self._background = self._background, []
         for task in tasks:
             task.remove_done_callback(self._background_done)
-            task.cancel()
+        # Cancelled again while any is left: on Python 3.11 an asyncio.wait_for whose inner
+        # awaitable finishes as the cancellation arrives loses it (the listener, caught in
+        # its LISTEN at start, went on listening and the stop waited for ever).
+        pending = set(tasks)
+        while pending:
+            for task in pending:
+                task.cancel()
+            _done, pending = await asyncio.wait(pending, timeout=1.0)
         await asyncio.gather(*tasks, return_exceptions=True)
 
     def _background_done(self, task: asyncio.Task) -> None:
@@ -648,10 +655,11 @@ class Worker:
                 conn.add_termination_listener(lambda _conn, ended=closed: ended.set())
                 # LISTEN is a round trip too: a path that went silent after the connect
                 # must not hold the listener for good (it is retried like a failure).
-                await asyncio.wait_for(conn.add_listener(self.channel, on_notify),
-                                       settings.db_timeout_seconds)
-                await asyncio.wait_for(conn.add_listener(self.cancel_channel, on_cancel),
-                                       settings.db_timeout_seconds)
+                # asyncio.timeout, not wait_for: wait_for (3.11) can lose a cancellation.
+                async with asyncio.timeout(settings.db_timeout_seconds):
+                    await conn.add_listener(self.channel, on_notify)
+                async with asyncio.timeout(settings.db_timeout_seconds):
+                    await conn.add_listener(self.cancel_channel, on_cancel)
                 self._set_listening(True)
                 up, off_list = True, False
                 self._idle_since = None  # (re-)register at the next empty claim
@@ -665,8 +673,10 @@ class Worker:
                              channel=self.channel)
                 started, lost_at = True, None
                 while not conn.is_closed():
+                    # asyncio.timeout: wait_for (3.11) can lose the stopping cancellation.
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(closed.wait(), check)
+                        async with asyncio.timeout(check):
+                            await closed.wait()
                     if not conn.is_closed():
                         await conn.execute("SELECT 1", timeout=settings.db_timeout_seconds)
                 raise ConnectionError("the server closed the LISTEN connection")

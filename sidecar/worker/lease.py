@@ -155,8 +155,10 @@ class LeaseKeeper:
                     await self.beat()
                 self._expire_local_deadlines()
                 delay = self.profile.heartbeat_seconds - (time.monotonic() - started)
+                # asyncio.timeout: wait_for (3.11) can lose the cancellation that stops it.
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._soon.wait(), max(0.0, delay))
+                    async with asyncio.timeout(max(0.0, delay)):
+                        await self._soon.wait()
                 early = EARLY_RENEWAL_MIN_SECONDS - (time.monotonic() - started)
                 await asyncio.sleep(max(0.0, early))
         finally:
