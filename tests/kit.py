@@ -458,18 +458,22 @@ def kill_pid(pid: int) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def job_processes(job_id: str) -> list[int]:
-    """Live processes carrying the job's id in their environment (SIDECAR_JOB_ID): its
-    whole tree, re-parented and ``setsid`` escapees included. Zombies count as gone."""
+def _processes_with(name: str, value: str) -> list[int]:
+    """Live processes whose environment has ``name`` = ``value``. Zombies count as gone."""
     found = []
     for proc in psutil.process_iter():
         try:
-            if proc.environ().get("SIDECAR_JOB_ID") == job_id and \
-                    proc.status() != psutil.STATUS_ZOMBIE:
+            if proc.environ().get(name) == value and proc.status() != psutil.STATUS_ZOMBIE:
                 found.append(proc.pid)
         except (psutil.Error, OSError):
             continue
     return found
+
+
+def job_processes(job_id: str) -> list[int]:
+    """Live processes carrying the job's id in their environment (SIDECAR_JOB_ID): its
+    whole tree, re-parented and ``setsid`` escapees included. Zombies count as gone."""
+    return _processes_with("SIDECAR_JOB_ID", job_id)
 
 
 def owner_processes(owner_id: str) -> list[int]:
@@ -477,15 +481,7 @@ def owner_processes(owner_id: str) -> list[int]:
     (SIDECAR_OWNER_ID): every tool tree of that sidecar, and its attempts prepared ahead
     (their launchers, bwrap and its namespace init: started before any job, they carry the
     attempt's variables but no job's). Zombies count as gone."""
-    found = []
-    for proc in psutil.process_iter():
-        try:
-            if proc.environ().get("SIDECAR_OWNER_ID") == owner_id and \
-                    proc.status() != psutil.STATUS_ZOMBIE:
-                found.append(proc.pid)
-        except (psutil.Error, OSError):
-            continue
-    return found
+    return _processes_with("SIDECAR_OWNER_ID", owner_id)
 
 
 # --- isolation: cgroups and work roots -------------------------------------------------------
