@@ -478,3 +478,26 @@ def test_concurrent_well_behaved_jobs_never_kill_each_others_tools(dsn, public_d
     assert parse_events(done.stderr, "draining") == [], f"the sidecar stopped itself: {outcomes}"
     assert outcomes == {("succeeded", None): jobs}, outcomes
     assert done.returncode == 0
+
+
+def test_a_work_directory_of_this_sidecar_left_behind_is_removed_when_it_stops(
+        dsn, public_dir, tmp_path):
+    """An attempt's own removal can fail (a sibling tool of its RUN_AS user writes into
+    the directory while it is emptied: what made test_link_safety's F15 test leave four
+    directories behind: the guardian removes them only after the sidecar has exited, so a
+    caller that looks at once may still see them). The sidecar removes whatever of its own
+    is left before it exits, once none of its tools runs: here a tool leaves a directory
+    named like the sidecar's work directories beside its own, with a file in it, and the
+    drain ends with none of them left and ``leftovers_removed`` counting it."""
+    work = public_dir()
+    tool = tmp_path / "leave.sh"
+    tool.write_text('#!/bin/sh\nhere=$(pwd -P); name=${here##*/}\n'
+                    'left="${here%/*}/${name%%.j*}.jleft"\n'
+                    'mkdir "$left" && echo x > "$left/f" && echo "{}"\n')
+    tool.chmod(0o755)
+    job = enqueue(dsn, "leave", {}, env=_env(dsn, work, SIDECAR_SANDBOX="off"))
+    done = _drain(dsn, _env(dsn, work, SIDECAR_SANDBOX="off"), "leave", command=(str(tool),))
+    assert _row(dsn, job)["state"] == "succeeded", _row(dsn, job)["error"]
+    assert _keyed(work) == []
+    removed = parse_events(done.stderr, "leftovers_removed")
+    assert [event["count"] for event in removed] == [1], removed

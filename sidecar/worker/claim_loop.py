@@ -43,7 +43,12 @@ from sidecar.worker.forwarder import Forwarder
 from sidecar.worker.guard import GuardServer
 from sidecar.worker.isolation import SandboxPlan, SparePool
 from sidecar.worker.lease import LeaseKeeper
-from sidecar.worker.leftovers import OwnerLock, sweep_dead_owners
+from sidecar.worker.leftovers import (
+    OwnerLock,
+    remove_if_abandoned,
+    sweep_dead_owners,
+    work_dir_prefix,
+)
 from sidecar.worker.prepared import Preparer
 from sidecar.worker.supervisor import JobSupervisor, discard_prepared, prepare_attempt
 
@@ -215,9 +220,14 @@ class Worker:
     async def _start(self, stack: contextlib.AsyncExitStack) -> None:
         loop = asyncio.get_running_loop()
         timeout = self.settings.db_timeout_seconds
-        owner_lock = OwnerLock(self.settings.work_dir or tempfile.gettempdir(), self.owner_id)
+        work_root = self.settings.work_dir or tempfile.gettempdir()
+        owner_lock = OwnerLock(work_root, self.owner_id)
         await loop.run_in_executor(None, owner_lock.acquire)
         stack.callback(owner_lock.release)
+        # Last, while the owner lock still marks them ours: the work directories an
+        # attempt could not remove (a sibling tool of its RUN_AS user kept writing into
+        # one while it was emptied, case F15) go once no tool of ours runs any more.
+        stack.callback(self._remove_own_leftovers, work_root)
         # The work directories kept for reuse (sidecar.worker.isolation); after this none more.
         stack.callback(self.spares.close)
         pool = await db.create_pool(self.dsn, timeout, max_size=self.concurrency + 2)
@@ -296,6 +306,25 @@ class Worker:
         for task in self._background:
             task.add_done_callback(self._background_done)
         stack.push_async_callback(self._stop_background)
+
+    def _remove_own_leftovers(self, work_root: str) -> None:
+        """Remove this sidecar's work directories that are still there at its end (each
+        attempt removes its own; one fails when another process writes into it meanwhile,
+        ``sandbox_left``). Runs after every attempt ended and every tree was killed: none of
+        our tools can write into them any more. Each goes through the descriptor holding its
+        lock (leftovers.remove_if_abandoned: no link followed); ``leftovers_removed`` counts
+        them."""
+        prefix = work_dir_prefix(self.owner_id)
+        try:
+            names = [e.name for e in os.scandir(work_root) if e.name.startswith(prefix)]
+        except OSError:
+            return
+        removed = sum(remove_if_abandoned(os.path.join(work_root, name), min_age=0.0)
+                      for name in names)
+        if removed:
+            log.emit("leftovers_removed", tool=self.profile.tool, count=removed,
+                     reason="work directories of this sidecar's attempts that could not be "
+                            "removed when they ended")
 
     async def _stop_background(self) -> None:
         """Cancel the background tasks (heartbeat, listener, forwarder, watchers, reaper)
