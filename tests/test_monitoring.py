@@ -195,7 +195,7 @@ def stage(module_dsn, tmp_path_factory):
     """Two sidecars of stage_tool.py whose results go to a receiver that refuses the first
     (409 stale_fence: a dead letter) and answers 503 to every later one (kept in the
     outbox), scraped every second by a Prometheus that evaluates the rules; then the jobs.
-    Yields (prometheus, test start in Unix seconds, job ids by name)."""
+    Yields (prometheus, test start in Unix seconds, job ids by name, the sidecars)."""
     prometheus = _need("prometheus")
     tmp = tmp_path_factory.mktemp("monitoring")
     sink = HttpSink([(409, {"error": "stale_fence"}), (503, {"error": "busy"})])
@@ -256,7 +256,7 @@ def stage(module_dsn, tmp_path_factory):
                    and prom.value("max(sidecar_forward_backlog)") == 1
                    and prom.value("sum(sidecar_forward_dead_letters_total)") == 1,
                    60, 0.25, what="the jobs' ends scraped")
-        yield prom, started, jobs
+        yield prom, started, jobs, sidecars
     finally:
         if proc is not None:
             stop_process(proc, 15)
@@ -294,7 +294,7 @@ def _targets() -> list[tuple[str, str]]:
 
 @pytest.mark.e2e
 def test_every_dashboard_query_returns_data_from_the_real_prometheus(stage):
-    prom, _, _ = stage
+    prom, _, _, _ = stage
     empty = [f"{title}: {expr}" for title, expr in _targets()
              if not prom.query(_concrete(expr))]
     assert not empty, "queries without data:\n" + "\n".join(empty)
@@ -305,7 +305,7 @@ def test_the_staged_events_show_in_the_panels_series(stage):
     """What happened is what the panels show: two sidecars, the claims and successes, each
     failure under its kind, the kill with its latency, the heartbeats' round trips, the
     job waiting behind the pause, the result kept in the outbox and the one refused."""
-    prom, started, _ = stage
+    prom, started, _, sidecars = stage
     by_title: dict[str, list[dict]] = {}
     for title, expr in _targets():
         by_title.setdefault(title, []).extend(prom.query(_concrete(expr)))
@@ -335,7 +335,11 @@ def test_the_staged_events_show_in_the_panels_series(stage):
     [waiting] = [r for r in by_title["Forwarding backlog"] if "kind" not in r["metric"]]
     assert float(waiting["value"][1]) == 1
     assert values("Stale results", tool=TOOL) == [0]
-    assert values("Ownership unknown", tool=TOOL) == [0, 0]
+    # A heartbeat the database did not answer in time (a loaded CI machine) is an episode
+    # of unknown ownership: the panel may show one only when a sidecar logged one.
+    episodes = sum(len(s.events("ownership_unknown")) for s in sidecars)
+    unknown = values("Ownership unknown", tool=TOOL)
+    assert len(unknown) == 2 and (unknown == [0, 0] or episodes > 0), (unknown, episodes)
     assert values("Lease losses", tool=TOOL) == [0, 0]
 
 
@@ -344,7 +348,7 @@ def test_the_rules_evaluate_on_the_real_series_and_the_dead_letter_fires(stage):
     """Prometheus loaded the PrometheusRule's groups and evaluates every rule without an
     error; the refused result fires SidecarForwardDeadLetters (it has no `for`), and with
     two sidecars alive nothing says the tool has none."""
-    prom, _, _ = stage
+    prom, _, _, _ = stage
     wait_until(lambda: all(r.get("lastEvaluation", "").startswith("2") and
                            r["lastEvaluation"] != "0001-01-01T00:00:00Z"
                            for g in prom.api("rules")["groups"] for r in g["rules"]),
@@ -368,7 +372,7 @@ def test_the_panels_are_drawn_for_a_screenshot(stage, tmp_path):
     """Each panel's queries over the module's span, drawn as lines on a static page and
     screenshot by headless Chromium into TEST_ARTIFACTS_DIR/dashboard-panels.png
     (docs/img/dashboard-panels.png is one such)."""
-    prom, started, _ = stage
+    prom, started, _, _ = stage
     chromium = shutil.which("chromium")
     if chromium is None:
         pytest.fail("chromium is missing: apt-get install chromium (.ci/run does)")
