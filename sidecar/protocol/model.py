@@ -182,6 +182,12 @@ class LeaseProfile:
     extra_paths: tuple[tuple[str, str], ...]
     mcp_description: str
     mcp_input_schema_file: str
+    # Warm tool processes (issue 43): ``per-job`` or ``warm``, and when a warm one is
+    # replaced (jobs served, age in s; 0 = no cap) or stopped for want of jobs (s).
+    process: str = "per-job"
+    max_jobs_per_process: int = 1000
+    max_process_seconds: float = 3600.0
+    warm_idle_seconds: float = 300.0
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:

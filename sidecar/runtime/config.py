@@ -192,6 +192,7 @@ def _home(text: str) -> str:
 
 SANDBOX_MODES = ("auto", "required", "off")
 NETWORK_MODES = ("host", "none")
+PROCESS_MODES = ("per-job", "warm")
 
 
 def _sandbox_mode(text: str) -> str:
@@ -200,6 +201,15 @@ def _sandbox_mode(text: str) -> str:
     if value not in SANDBOX_MODES:
         raise _Invalid("use auto (a bubblewrap sandbox where this host allows one), "
                        "required (refuse to start without it) or off")
+    return value
+
+
+def _process_mode(text: str) -> str:
+    """``per-job`` or ``warm`` (the ``PROCESS`` profile field, docs/child-process.md)."""
+    value = text.strip().lower()
+    if value not in PROCESS_MODES:
+        raise _Invalid("use per-job (a fresh tool process per attempt) or warm (one process "
+                       "serves consecutive jobs of a slot, one JSON line each)")
     return value
 
 
@@ -331,6 +341,19 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "MCP_INPUT_SCHEMA_FILE": _Field(_absolute_path, "", "path",
                                     "a JSON Schema (an object schema) of the tool's MCP "
                                     "arguments; unset = any JSON object"),
+    # Warm tool processes (issue 43; docs/child-process.md, "Warm mode").
+    "PROCESS": _Field(_process_mode, "per-job", "mode",
+                      "per-job: a fresh tool process per attempt; warm: one process, in its "
+                      "slot's sandbox and cgroup, serves consecutive jobs over one JSON line "
+                      "each way"),
+    "MAX_JOBS_PER_PROCESS": _Field(_non_negative_int, "1000", "count",
+                                   "jobs one warm process serves before it is replaced; "
+                                   "0 = no cap"),
+    "MAX_PROCESS_SECONDS": _Field(_number, "3600", "s",
+                                  "age after which a warm process is replaced once its job "
+                                  "ends; 0 = no cap"),
+    "WARM_IDLE_SECONDS": _Field(_number, "300", "s",
+                                "a warm process with no job this long is stopped"),
 }
 
 # Every profile field is one field of model.LeaseProfile, in its order (as_dict's order).
@@ -413,6 +436,7 @@ PASSIVE_VARIABLES = frozenset(
         "SIDECAR_CHECKPOINT_FILE",
         "SIDECAR_JOB_DIR",
         "SIDECAR_RESULT_FILE",
+        "SIDECAR_PROCESS_ID",
         "SIDECAR_TEST_DATABASE_URL",
     }
 )
@@ -515,7 +539,7 @@ def _build_profile(
                           f"{MAX_ATTEMPTS_LIMIT} attempts")
     for name in ("JITTER_SECONDS", "KILL_GRACE_SECONDS", "BACKOFF_BASE_SECONDS",
                  "BACKOFF_MAX_SECONDS", "IDLE_TIMEOUT_SECONDS", "MAX_LIFETIME_SECONDS",
-                 "CPU_SECONDS"):
+                 "CPU_SECONDS", "MAX_PROCESS_SECONDS"):
         if p[name.lower()] < 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must not be negative")
 
@@ -526,6 +550,10 @@ def _build_profile(
             f"{src['NETWORK']}=none needs the namespace sandbox, but {src['SANDBOX']}=off "
             f"for tool {tool!r}: the tool would use the host's network; set SANDBOX=auto or "
             "required, or NETWORK=host")
+
+    if p["warm_idle_seconds"] <= 0:
+        raise ConfigError(f"{src['WARM_IDLE_SECONDS']}={p['warm_idle_seconds']}: must be a "
+                          "positive number of seconds")
 
     lease, hb, misses, jitter = (
         p["lease_seconds"], p["heartbeat_seconds"], p["tolerated_misses"], p["jitter_seconds"]

@@ -544,6 +544,10 @@ def _spawn_counted(processes: ProcessTable, *args):
         processes.spawn_done()
 
 
+class LineBroken(Exception):
+    """A process in line mode cannot take a request (``Child.request``): start another."""
+
+
 @dataclass
 class Launched:
     """A started process and the parent's ends of its pipes (``Child.launch``), not yet
@@ -600,7 +604,8 @@ class Child:
     def __init__(self, popen: subprocess.Popen, stdin_fd: int, stdout_fd: int, stderr_fd: int,
                  payload: bytes, max_stdout: int, on_stderr_line: Callable[[bytes], None],
                  cookie: dict[str, str], cgroup: JobCgroup | None = None,
-                 processes: ProcessTable | None = None, status_fd: int = -1):
+                 processes: ProcessTable | None = None, status_fd: int = -1,
+                 lines: bool = False):
         self.loop = asyncio.get_running_loop()
         self.status_fd = status_fd
         self.sandboxed = status_fd >= 0
@@ -640,10 +645,18 @@ class Child:
             os.set_blocking(fd, False)
         self.loop.add_reader(stdout_fd, self._on_readable, stdout_fd, self._take_stdout)
         self.loop.add_reader(stderr_fd, self._on_readable, stderr_fd, self._take_stderr)
-        rest = self._write_at_once(stdin_fd, payload)
-        # A payload the pipe took whole (most: it holds 64 KiB) needs no task to feed it.
-        self._stdin_task = None if rest is None \
-            else asyncio.ensure_future(self._feed_stdin(stdin_fd, rest))
+        # Line mode (a warm process, sidecar.worker.warm): stdin stays open for one request
+        # line per job (``request``), and each job's answer is the next stdout line.
+        self.line_mode = lines
+        self._stdin_fd = stdin_fd if lines else -1
+        self._line: asyncio.Future[bytes] | None = None
+        if lines:
+            self._stdin_task = None
+        else:
+            rest = self._write_at_once(stdin_fd, payload)
+            # A payload the pipe took whole (most: it holds 64 KiB) needs no task to feed it.
+            self._stdin_task = None if rest is None \
+                else asyncio.ensure_future(self._feed_stdin(stdin_fd, rest))
         self._watch_exit()
         self.processes.attempt_started()
         self._counted = True
@@ -728,13 +741,15 @@ class Child:
 
     @classmethod
     def start(cls, launched: Launched, payload: bytes, max_stdout: int,
-              on_stderr_line: Callable[[bytes], None], cookie: dict[str, str]) -> Child:
+              on_stderr_line: Callable[[bytes], None], cookie: dict[str, str],
+              lines: bool = False) -> Child:
         """``spawn``'s second half: write ``payload`` to the launched process's stdin and
         watch its pipes and its exit (arguments as ``spawn``). Call it on the event loop,
-        once per ``Launched``."""
+        once per ``Launched``. ``lines``: line mode (a warm process): nothing is written
+        now, stdin stays open for ``request``, and ``max_stdout`` caps each line."""
         child = cls(launched.popen, launched.stdin_fd, launched.stdout_fd, launched.stderr_fd,
                     payload, max_stdout, on_stderr_line, cookie, launched.cgroup,
-                    launched.processes, launched.status_fd)
+                    launched.processes, launched.status_fd, lines)
         child.cgroup_from_exec = launched.cgroup_from_exec
         return child
 
@@ -817,6 +832,51 @@ class Child:
 
     # --- pipes --------------------------------------------------------------
 
+    def request(self, line: bytes) -> asyncio.Future[bytes]:
+        """Line mode: write one request ``line`` to the open stdin and return the future of
+        the next line the process writes to stdout (without its newline). Raises
+        ``LineBroken`` when the process cannot take a request: not in line mode, exited,
+        its stdin closed (EPIPE), a request still unanswered, or stdout holding bytes no
+        request asked for (they would be taken for this job's answer)."""
+        if not self.line_mode or self._stdin_fd < 0 or self.exited.done() \
+                or self.stdout_overflow or (self._line is not None and not self._line.done()):
+            raise LineBroken("the process cannot take a request")
+        if self.stdout:
+            raise LineBroken(f"the process wrote {len(self.stdout)} bytes to stdout that no "
+                             "request asked for")
+        if self._stdin_task is not None and not self._stdin_task.done():
+            raise LineBroken("the previous request is still being written")
+        view = memoryview(line)
+        try:
+            view = view[os.write(self._stdin_fd, view):]
+        except BlockingIOError:
+            pass
+        except OSError as exc:
+            raise LineBroken(f"its stdin is closed ({exc.strerror})") from None
+        self._line = self.loop.create_future()
+        if view:
+            self._stdin_task = asyncio.ensure_future(self._feed_open(self._stdin_fd, view))
+        return self._line
+
+    async def _feed_open(self, fd: int, view: memoryview) -> None:
+        """The rest of a request line, as the pipe takes it; stdin stays open. A closed
+        pipe (EPIPE) leaves the rest unwritten: the process ended or stopped reading, which
+        its exit or the stage deadline shows."""
+        while view:
+            try:
+                view = view[os.write(fd, view):]
+            except BlockingIOError:
+                await self._writable(fd)
+            except OSError:
+                return
+
+    def close_stdin(self) -> None:
+        """Line mode: close stdin, the process's cue to finish (EOF on its next read)."""
+        if self._stdin_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self._stdin_fd)
+            self._stdin_fd = -1
+
     @staticmethod
     def _write_at_once(fd: int, payload: bytes) -> memoryview | None:
         """One non-blocking write of ``payload`` to the child's stdin. None when nothing is
@@ -893,6 +953,9 @@ class Child:
         self.stdout_bytes += len(chunk)
         if self.stdout_overflow:
             return
+        if self.line_mode:
+            self._take_line(chunk)
+            return
         if len(self.stdout) + len(chunk) > self.max_stdout:
             self.stdout_overflow = True
             self.stdout = bytearray()  # the result is lost anyway: free it now
@@ -900,6 +963,32 @@ class Child:
                 self.overflowed.set_result(None)
             return
         self.stdout += chunk
+
+    def _take_line(self, chunk: bytes) -> None:
+        """Line mode: keep stdout until a newline; the line up to it answers the pending
+        request. A line longer than ``max_stdout`` overflows (the process is lost with
+        it: nothing after it can be told apart)."""
+        searched = len(self.stdout)
+        self.stdout += chunk
+        end = self.stdout.find(b"\n", searched)
+        if end < 0:
+            if len(self.stdout) > self.max_stdout:
+                self.stdout_overflow = True
+                self.stdout = bytearray()
+                if not self.overflowed.done():
+                    self.overflowed.set_result(None)
+            return
+        if end > self.max_stdout:
+            self.stdout_overflow = True
+            self.stdout = bytearray()
+            if not self.overflowed.done():
+                self.overflowed.set_result(None)
+            return
+        if self._line is not None and not self._line.done():
+            line = bytes(self.stdout[:end])
+            del self.stdout[:end + 1]
+            self._line.set_result(line)
+        # else: a line no request asked for stays in the buffer, and ``request`` refuses
 
     def _take_stderr(self, chunk: bytes) -> None:
         if not chunk:  # EOF: flush an unterminated last line
@@ -933,6 +1022,7 @@ class Child:
             if not self._stdin_task.done():
                 self._stdin_task.cancel()
             await asyncio.gather(self._stdin_task, return_exceptions=True)
+        self.close_stdin()
 
     # --- kill ---------------------------------------------------------------
 

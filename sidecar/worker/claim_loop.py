@@ -50,7 +50,14 @@ from sidecar.worker.leftovers import (
     work_dir_prefix,
 )
 from sidecar.worker.prepared import Preparer
-from sidecar.worker.supervisor import JobSupervisor, discard_prepared, prepare_attempt
+from sidecar.worker.supervisor import (
+    JobSupervisor,
+    discard_prepared,
+    prepare_attempt,
+    start_warm_process,
+    stop_warm_process,
+)
+from sidecar.worker.warm import WarmPool
 
 # An idle sidecar refreshes its place on the idle list this often (seconds); the wake-up
 # function skips places older than two minutes (migration 008).
@@ -271,19 +278,28 @@ class Worker:
             stack.callback(self.processes.reap_adopted)
         # One attempt per slot set up ahead of its job (issue 42); discarded before the
         # spare directories are removed (the stack unwinds in reverse).
+        warm = self.profile.process == "warm"
         preparer = Preparer(self.concurrency, lambda serial: prepare_attempt(self._ctx, serial),
                             discard_prepared) \
-            if self.settings.prepare and not self.profile.run_as else None
+            if self.settings.prepare and not self.profile.run_as and not warm else None
+        # PROCESS=warm (issue 43): jobs run in warm processes kept between jobs instead.
+        warm_pool = WarmPool(
+            self.profile,
+            lambda serial, process_id: start_warm_process(self._ctx, serial, process_id),
+            lambda process, reason: stop_warm_process(self._ctx, process, reason)) \
+            if warm else None
         self._ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
                                   dict(os.environ), self.shutdown_kill, forwarder.wake,
                                   self.settings, guard, guard_url, self.cgroup_host,
                                   ClaimPause(on_end=self.wake.set),
                                   processes=self.processes, spares=self.spares,
                                   sandbox=self.sandbox, tracer=self.tracer,
-                                  preparer=preparer)
+                                  preparer=preparer, warm=warm_pool)
         if preparer is not None:
             stack.push_async_callback(preparer.close)
             preparer.fill()
+        if warm_pool is not None:  # after every job's end: the idle processes go
+            stack.push_async_callback(warm_pool.close)
         log.emit("worker_started", tool=self.profile.tool, owner_id=self.owner_id,
                  concurrency=self.concurrency, profile=self.profile.as_dict(),
                  http_addr=http_addr, guard_url=guard_url,
@@ -300,6 +316,9 @@ class Worker:
                                 name="pruner")]
         if self.adopt_orphans:
             self._background.append(asyncio.create_task(self._reap_orphans(), name="reaper"))
+        if warm_pool is not None:
+            self._background.append(asyncio.create_task(warm_pool.run_idle(),
+                                                        name="warm-idle"))
         if self.settings.leftover_sweep_seconds > 0:
             self._background.append(asyncio.create_task(self._sweep_leftovers(),
                                                         name="leftover-sweep"))

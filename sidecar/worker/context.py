@@ -21,6 +21,7 @@ from sidecar.worker.lease import LeaseKeeper
 if TYPE_CHECKING:
     from sidecar.worker.guard import GuardServer
     from sidecar.worker.prepared import Preparer
+    from sidecar.worker.warm import WarmPool
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,5 @@ class WorkerContext:
     preparer: Preparer | None = None
     # Each attempt's trace (issue 30): sidecar.ops.tracing.OFF unless OTEL_* asks for traces.
     tracer: Tracer = OFF
+    # PROCESS=warm (issue 43): the idle warm processes jobs run in; None: per-job.
+    warm: WarmPool | None = None

@@ -44,15 +44,18 @@ from sidecar.protocol.verdict import (
     decide,
     failure,
     lifetime_failure,
+    limit_failure,
     profile_var,
 )
 from sidecar.protocol.vocabulary import LEASE_ENDINGS, FailureKind, KillSignal, Outcome, StopReason
+from sidecar.protocol.warm import request_line, tool_error, usage_since
 from sidecar.runtime.config import Settings
 from sidecar.runtime.log import log, log_fields, payload_digest
 from sidecar.worker.child import (
     STDERR_LINE_BYTES,
     STDERR_TAIL_BYTES,
     Child,
+    LineBroken,
     SpawnFailed,
     SpawnSetupFailed,
     SpawnShortage,
@@ -73,6 +76,7 @@ from sidecar.worker.prepared import (
     wait_ready,
 )
 from sidecar.worker.progress import PROGRESS_FILE_NAME, ProgressReporter
+from sidecar.worker.warm import PROCESS_ID_VARIABLE, WarmProcess
 
 if TYPE_CHECKING:
     pass
@@ -242,6 +246,79 @@ def discard_prepared(prepared: PreparedAttempt) -> None:
     prepared.sandbox.close()
 
 
+async def start_warm_process(ctx: WorkerContext, serial: int, process_id: str
+                             ) -> WarmProcess:
+    """A warm tool process of ``ctx``'s tool (sidecar.worker.warm): a work directory and
+    job cgroup (``<owner key>.job-w<serial>-0``) of its own, its command started there (in
+    the sandbox, with the profile's limits) with the attempt's static variables and
+    SIDECAR_PROCESS_ID, its stdin open for request lines. Logs
+    ``warm_process_started``. Raises what opening a Sandbox raises (OSError,
+    CgroupError) and SpawnFailed, SpawnSetupFailed, SpawnShortage; nothing is left
+    behind then."""
+    profile = ctx.profile
+    sandbox = Sandbox(ctx.settings, profile, ctx.cgroup_host,
+                      job_name(ctx.owner_id, f"w{serial}", 0),
+                      work_dir_prefix(ctx.owner_id), spares=None)
+    loop = asyncio.get_running_loop()
+    await loop.run_in_executor(None, sandbox.open)
+    process = WarmProcess(serial, sandbox, process_id)
+    try:
+        variables = attempt_variables(profile, ctx.owner_id, sandbox)
+        # A warm job's result is its response line and its progress goes to the guard:
+        # no per-job file a warm process could mistake for a way to answer.
+        for name in ("SIDECAR_RESULT_FILE", "SIDECAR_PROGRESS_FILE"):
+            variables.pop(name, None)
+        env = child_environment(ctx.base_env, profile, variables)
+        env[PROCESS_ID_VARIABLE] = process_id
+        wrap = None
+        if ctx.sandbox is not None:
+            plan = ctx.sandbox
+
+            def wrap(argv: list[str], status_fd: int) -> list[str]:
+                return plan.argv(argv, sandbox.job_dir, status_fd)
+        launched = await Child.launch(ctx.argv, env, cwd=sandbox.job_dir,
+                                      make_preexec=sandbox.preexec
+                                      if sandbox.needs_preexec else None,
+                                      cgroup=sandbox.cgroup,
+                                      new_privileges=profile.allow_new_privs,
+                                      processes=ctx.processes, wrap=wrap)
+        process.child = Child.start(launched, b"", profile.max_result_bytes,
+                                    process.on_stderr_line,
+                                    {PROCESS_ID_VARIABLE: process_id}, lines=True)
+        process.child.run_as_uid = sandbox.ids[0] if sandbox.ids else None
+    except BaseException:
+        await loop.run_in_executor(None, sandbox.close)
+        raise
+    log.emit("warm_process_started", tool=profile.tool, pid=process.child.pid,
+             process_id=process_id,
+             cgroup=sandbox.cgroup.name if sandbox.cgroup is not None else None)
+    return process
+
+
+async def stop_warm_process(ctx: WorkerContext, process: WarmProcess, reason: str) -> None:
+    """End a warm process: close its stdin (the cue to finish), give it the kill grace to
+    exit, kill whatever of its tree is left, and remove its work directory and cgroup.
+    Logs ``warm_process_stopped`` with ``reason`` (idle, max_jobs, max_seconds, shutdown,
+    exited, broken, or the stop reason of the job it did not answer) and the jobs it
+    answered."""
+    child = process.child
+    report = None
+    if child is not None:
+        child.close_stdin()
+        if not child.exited.done():
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(child.exited),
+                                       ctx.profile.kill_grace_seconds)
+        report = await child.kill_tree(ctx.profile.kill_grace_seconds)
+        await child.close_pipes(timeout=1.0)
+    left = await asyncio.get_running_loop().run_in_executor(None, process.sandbox.close)
+    log.emit("warm_process_stopped", tool=ctx.profile.tool,
+             pid=child.pid if child is not None else None, process_id=process.process_id,
+             reason=reason, jobs=process.jobs,
+             survivors=(report.survivors or None) if report is not None else None,
+             left=left or None)
+
+
 class JobSupervisor:
     """Runs one claimed job to a terminal, requeued, released or abandoned end: spawn,
     race, kill and measure here; the verdict in sidecar.protocol.verdict; the fenced write in
@@ -327,6 +404,8 @@ class JobSupervisor:
                  reclaimed=job.reclaimed or None, payload=self.payload_digest)
         if job.lifetime_remaining is not None and job.lifetime_remaining <= 0:
             return self._fail_before_spawn(lifetime_failure(profile))
+        if self.ctx.warm is not None:
+            return await self._run_warm(held)
         # The checkpoint is written while the work directory is still the sidecar's own,
         # before the RUN_AS user (and so a sibling attempt) can plant a link in it (F15).
         files = {} if job.checkpoint_text is None else {CHECKPOINT_FILE_NAME: job.checkpoint_text}
@@ -474,12 +553,16 @@ class JobSupervisor:
             self._killed(StopReason.ORPHANED_DESCENDANTS
                          if reason is StopReason.EXITED else reason, report)
         usage = measure(child, sandbox)  # a few small cgroup files: no hop to a thread
+        self._note_usage(usage)
+        return await self._settle(reason, child, sandbox, usage)
+
+    def _note_usage(self, usage: Usage) -> None:
+        """The attempt's resource use, journaled with its end."""
         self.commit.resources = {k: v for k, v in (
             ("peak_memory_bytes", usage.peak_memory_bytes),
             ("cpu_seconds", None if usage.cpu_seconds is None else round(usage.cpu_seconds, 3)),
             ("oom_kills", usage.oom_kills or None),
             ("process_limit_hits", usage.process_limit_hits or None)) if v is not None}
-        return await self._settle(reason, child, sandbox, usage)
 
     async def _drop_prepared(self) -> None:
         """Kill the prepared launcher this attempt will not use (its process group, and
@@ -517,10 +600,15 @@ class JobSupervisor:
         self.trace.killed(str(reason), details["signal"], len(report.killed),
                           len(report.survivors))
 
-    async def _race(self, child: Child, sandbox: Sandbox) -> StopReason:
+    async def _race(self, child: Child, sandbox: Sandbox,
+                    answer: asyncio.Future | None = None, cpu_base: float = 0.0
+                    ) -> StopReason:
         """Wait for the first of: the child exits, the lease is lost (or cancelled), the
         stage deadline or the job's lifetime cap passes, the tree goes idle, or shutdown
-        demands the kill. Return which. Ownership wins every tie (P13)."""
+        demands the kill. Return which. Ownership wins every tie (P13). ``answer``: a
+        warm process's response line to this job (EXITED when it came: the tool is done
+        with the job); ``cpu_base``: the cgroup's CPU time at its start (CPU_SECONDS
+        bounds the job's own)."""
         profile = self.ctx.profile
         timeout, on_timeout = profile.stage_timeout_seconds, StopReason.STAGE_TIMEOUT
         lifetime = self.job.lifetime_remaining
@@ -538,13 +626,15 @@ class JobSupervisor:
             asyncio.ensure_future(asyncio.shield(child.overflowed)):
                 StopReason.RESULT_TOO_LARGE,
         }
+        if answer is not None:
+            waiters[asyncio.ensure_future(asyncio.shield(answer))] = StopReason.EXITED
         if profile.idle_timeout_seconds > 0:
             waiters[asyncio.ensure_future(
                 watch_idle(child, profile.idle_timeout_seconds,
                            lambda: self.progress.reports))] = StopReason.IDLE_TIMEOUT
         if profile.cpu_seconds > 0:
             waiters[asyncio.ensure_future(
-                watch_cpu(child, sandbox, profile.cpu_seconds))] = StopReason.CPU_LIMIT
+                watch_cpu(child, sandbox, profile.cpu_seconds, cpu_base))] = StopReason.CPU_LIMIT
         try:
             done, _ = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -558,6 +648,212 @@ class JobSupervisor:
             if reason in reasons:
                 return reason
         return StopReason.EXITED
+
+    # --- warm mode (sidecar.worker.warm) -------------------------------------
+
+    async def _run_warm(self, held: contextlib.AsyncExitStack) -> Ending:
+        """The attempt in a warm process: an idle one of the pool, else a new one (a
+        process that cannot take the request is stopped and a new one started, once).
+        Its request line goes out, then the race as for any attempt; an answer keeps the
+        process for the next job, anything else kills its tree (docs/child-process.md,
+        "Warm mode")."""
+        pool = self.ctx.warm
+        process, fresh = pool.take(), False
+        for _ in range(2):
+            if process is None:
+                try:
+                    process, fresh = await pool.start(), True
+                except SpawnShortage as exc:
+                    return self._short_before_spawn("spawn", exc.errno_name, exc.message)
+                except SpawnSetupFailed as exc:
+                    log.emit("sandbox_failed", "error", **log_fields(self.job),
+                             reason=exc.message)
+                    return self._fail_before_spawn(failure(
+                        FailureKind.SANDBOX_FAILED, f"{exc.message}; the tool did not run"))
+                except SpawnFailed as exc:
+                    log.emit("spawn_failed", "error", **log_fields(self.job),
+                             reason=exc.message)
+                    return self._fail_before_spawn(failure(
+                        FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
+                except Exception as exc:  # noqa: BLE001 - the sandbox: fails the attempt
+                    short = shortage_errno(exc)
+                    if short is not None:
+                        return self._short_before_spawn("sandbox", short, str(exc))
+                    log.emit("sandbox_failed", "error", **log_fields(self.job),
+                             reason=str(exc))
+                    return self._fail_before_spawn(failure(
+                        FailureKind.SANDBOX_FAILED, f"cannot set up the warm process's work "
+                        f"directory or cgroup: {exc}; check SIDECAR_WORK_DIR and the cgroup "
+                        "filesystem"))
+            try:
+                answer = await self._send_request(process, held)
+                break
+            except LineBroken as exc:
+                log.emit("warm_process_broken", "warning", **log_fields(self.job),
+                         pid=process.child.pid, reason=str(exc))
+                await pool.stop(process, "broken")
+                if fresh:  # a new process that cannot take its first request
+                    return self._fail_before_spawn(failure(
+                        FailureKind.SPAWN_FAILED, f"the warm process could not take its "
+                        f"first request: {exc}"))
+                process = None
+        return await self._supervise_warm(process, answer, fresh)
+
+    async def _send_request(self, process: WarmProcess, held: contextlib.AsyncExitStack
+                            ) -> asyncio.Future:
+        """Register the job with the guard (a socket of its own in the process's work
+        directory) and write its request line; the future of the answer. Raises
+        LineBroken (the registration is undone)."""
+        guard: dict[str, str] = {}
+        socket_path = None
+        if self.ctx.guard is not None:
+            try:
+                socket_path, listener = process.guard_socket()
+            except OSError:
+                listener = None  # the URL still serves where the network does
+            guard["token"] = self.ctx.guard.register(self.lease, self.progress, listener)
+            if socket_path is not None and self.ctx.guard.has_socket(self.job.attempt_id):
+                guard["socket"] = socket_path
+            if self.ctx.sandbox is None or self.ctx.sandbox.network != "none":
+                guard["url"] = self.ctx.guard_url
+        trace = self.trace.tool_context()
+        if self.job.traceparent:
+            trace = {"TRACEPARENT": self.job.traceparent,
+                     **({"TRACESTATE": self.job.tracestate} if self.job.tracestate else {}),
+                     **(trace or {})}
+
+        async def let_go() -> None:
+            self.progress.close()
+            if self.ctx.guard is not None:
+                self.ctx.guard.unregister(self.job.attempt_id)
+            if socket_path is not None:
+                process.forget_socket(socket_path)
+
+        try:
+            answer = process.child.request(request_line(self.job, guard, trace))
+        except LineBroken:
+            await let_go()
+            raise
+        held.push_async_callback(let_go)
+        return answer
+
+    async def _supervise_warm(self, process: WarmProcess, answer: asyncio.Future,
+                              fresh: bool) -> Ending:
+        profile, child, sandbox = self.ctx.profile, process.child, process.sandbox
+        relay = _StderrRelay(self.job, self.ctx.settings.log_tool_stderr)
+        process.relay = relay
+        stderr_before = child.stderr_bytes
+        # The cgroup is the process's: each job's figures are what changed during it.
+        usage_before = sandbox.cgroup.usage() if sandbox.cgroup is not None else Usage()
+        self.trace.spawning()
+        self.trace.spawned(child.pid)
+        self.ctx.claim_pause.started()
+        cgroup = sandbox.cgroup.name if sandbox.cgroup is not None else None
+        warm = {"process_id": process.process_id, "jobs_before": process.jobs,
+                "fresh": fresh}
+        self.commit.note("tool_request_started", {
+            "pid": child.pid, "argv0": self.ctx.argv[0], "payload": self.payload_digest,
+            "warm": warm, **({"cgroup": cgroup} if cgroup else {})})
+        log.emit("tool_request_started", **log_fields(self.job), pid=child.pid,
+                 cgroup=cgroup, warm=warm)
+        reason = await self._race(child, sandbox, answer, usage_before.cpu_seconds or 0.0)
+        self.trace.stopped(reason)
+        answered = reason is StopReason.EXITED and answer.done() and not answer.cancelled() \
+            and not child.stdout_overflow
+        process.relay = None
+        relay.summary()
+        tail_bytes = child.stderr_bytes - stderr_before
+        stderr_tail = stderr_tail_text(child.stderr_tail[-tail_bytes:] if tail_bytes else b"",
+                                       tail_bytes > len(child.stderr_tail), STDERR_TAIL_BYTES)
+        if answered:
+            process.jobs += 1
+            usage = usage_since(sandbox.cgroup.usage(), usage_before) \
+                if sandbox.cgroup is not None else Usage()
+            self._note_usage(usage)
+            limit = limit_failure(Observed(
+                StopReason.EXITED, 0, usage=usage, stderr_tail=stderr_tail,
+                memory_cgroup=sandbox.cgroup is not None
+                and sandbox.cgroup.host.memory is not None), profile)
+            self.lease.settle()
+            if self.lease.lost.is_set():  # lost as the answer came: ownership first (P13)
+                ending = Reject(self._lease_ending(), payload_digest(answer.result()))
+            elif limit is not None:
+                # An OOM kill or a refused fork in the process during the job: the job
+                # fails by that limit, as a per-job tool's would, and the process (whose
+                # tree lost a member) goes.
+                await self.ctx.warm.stop(process, str(limit.kind))
+                return limit
+            elif child.stdout:
+                # More than one line came for one request: which one answers it cannot be
+                # told (a tool that prints anything but its answers to stdout). The job
+                # fails and the process goes, before it answers another job with it.
+                ending = failure(FailureKind.BAD_RESULT, "the warm process wrote more than "
+                                 "one line for the job's request; write only the answer to "
+                                 "stdout (logs go to stderr)", stderr_tail=stderr_tail)
+                log.emit("warm_process_broken", "warning", **log_fields(self.job),
+                         pid=child.pid, reason="more than one line for one request")
+                await self.ctx.warm.stop(process, "broken")
+                return ending
+            else:
+                ending = await self._answered(answer.result(), stderr_tail)
+            await self.ctx.warm.give_back(process)
+            return ending
+        # No answer: the process is lost with the job; its whole tree goes.
+        if reason is not StopReason.EXITED:
+            self.lease.stop(reason)
+        kill_started = time.monotonic()
+        report = await child.kill_tree(profile.kill_grace_seconds)
+        if report.signal is not None:
+            metrics.KILL_DURATION.labels(self.job.tool, profile.provider).observe(
+                time.monotonic() - kill_started)
+        await child.close_pipes(timeout=1.0)
+        if reason is not StopReason.EXITED or report.signal is not None:
+            self._killed(StopReason.ORPHANED_DESCENDANTS
+                         if reason is StopReason.EXITED else reason, report)
+        usage = usage_since(sandbox.cgroup.usage(), usage_before) \
+            if sandbox.cgroup is not None else Usage()
+        self._note_usage(usage)
+        await self.ctx.warm.stop(process, str(reason))
+        self.lease.settle()
+        if self.lease.lost.is_set():
+            reason = self._lease_ending()
+        if reason is StopReason.EXITED and child.returncode == 0 and not child.stdout_overflow:
+            return failure(FailureKind.BAD_RESULT, "the warm process exited (status 0) "
+                           "before it answered the job's request line",
+                           stderr_tail=stderr_tail)
+        seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
+                        child.stdout_bytes, usage, stderr_tail,
+                        sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)
+        verdict = decide(seen, profile)
+        if isinstance(verdict, Reject | Release | Failure):
+            return verdict
+        return failure(FailureKind.BAD_RESULT, "the warm process ended without answering "
+                       "the job's request line", stderr_tail=stderr_tail)
+
+    async def _answered(self, line: bytes, stderr_tail: str | None) -> Succeeded | Failure:
+        """The verdict on a warm process's response line: the job's result (checked as a
+        per-job tool's stdout), or the failure its ``sidecar_error`` reports."""
+        profile = self.ctx.profile
+        output = bytearray(line)
+        digest = payload_digest(output)
+        try:
+            check_no_secret(output, "the response line")
+            value, text = parse_result(output, "the response line")
+            reported = tool_error(value)
+            if reported is not None:
+                message, code = reported
+                retryable = code not in profile.non_retryable_exit_codes
+                return Failure(FailureKind.EXIT_CODE,
+                               f"the tool reported an error (exit code {code}): {message}"
+                               + ("" if retryable else " (non-retryable for this profile)"),
+                               retryable, {"exit_code": code, "stderr_tail": stderr_tail})
+            result, next_stage = split_next_stage(value, text, self.ctx.settings, profile)
+        except SecretInOutput as exc:
+            return self._refuse_secret(exc, digest, "the response line", stderr_tail)
+        except BadResult as exc:  # worded for a per-job tool's stdout after its exit
+            return failure(FailureKind(exc.kind), exc.message.removeprefix("exit 0 but "),
+                           stderr_tail=stderr_tail)
+        return Succeeded(result, digest, next_stage, stderr_tail)
 
     def _lease_ending(self) -> StopReason:
         """Why the lease ended (lease_lost, cancelled or local_deadline)."""
@@ -707,16 +1003,20 @@ async def watch_idle(child: Child, idle_seconds: float,
             return
 
 
-async def watch_cpu(child: Child, sandbox: Sandbox, limit_seconds: float) -> None:
+async def watch_cpu(child: Child, sandbox: Sandbox, limit_seconds: float,
+                    base: float = 0.0) -> None:
     """Return once the tool's whole tree has used ``limit_seconds`` of CPU time: from the
-    job cgroup where there is one (exited processes count too), else from the live tree.
-    RLIMIT_CPU bounds each process on its own; this bounds their sum."""
+    job cgroup where there is one (exited processes count too; less ``base``, its CPU
+    time when the job started, for a warm process), else from the live tree. RLIMIT_CPU
+    bounds each process on its own; this bounds their sum."""
     loop = asyncio.get_running_loop()
     period = min(1.0, max(0.05, limit_seconds / 10))
     while True:
         await asyncio.sleep(period)
         used = sandbox.cgroup.cpu_seconds() if sandbox.cgroup is not None else None
-        if used is None:
+        if used is not None:
+            used -= base
+        else:
             used = (await loop.run_in_executor(None, tree_activity, child.pid))[0]
         if used >= limit_seconds:
             return

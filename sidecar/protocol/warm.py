@@ -1,0 +1,96 @@
+"""The warm protocol's lines (issue 43; docs/child-process.md, "Warm mode").
+
+A warm tool process serves consecutive jobs of one slot. For each job the sidecar writes
+one **request line** to the tool's stdin, a JSON object ending in a newline::
+
+    {"job_id": "...", "tool": "...", "attempt": 1, "fencing_token": 7,
+     "idempotency_key": "tool-job:...", "payload": {...}, "checkpoint": null,
+     "guard": {"token": "...", "socket": "...", "url": "..."}}
+
+and the tool answers with one **response line** on its stdout: the job's result, any
+JSON value, exactly what a per-job tool prints (the same size cap, checks and next-stage
+rules), or an object whose only key is ``sidecar_error``::
+
+    {"sidecar_error": {"message": "page returned 404", "exit_code": 65}}
+
+which fails the job as a per-job tool exiting with ``exit_code`` would (1 when absent;
+NON_RETRYABLE_EXIT_CODES applies) while the process serves the next job.
+
+Pure: bytes and values only, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+
+from sidecar.protocol.model import ClaimedJob, Usage
+
+# The reserved key of a response line that fails its job without ending the process.
+ERROR_KEY = "sidecar_error"
+_MESSAGE_CHARS = 2000
+_DEFAULT_EXIT_CODE = 1
+
+
+def request_line(job: ClaimedJob, guard: Mapping[str, str] | None = None,
+                 trace: Mapping[str, str] | None = None) -> bytes:
+    """The request line of ``job`` (UTF-8, one ``\\n`` at its end and none inside): its
+    identity, the fencing token and idempotency key for its side effects, its payload
+    and last checkpoint as the JSON they were stored as, ``guard`` (token, and the
+    attempt's socket and URL where it has them) and ``trace`` (TRACEPARENT,
+    TRACESTATE). A newline or carriage return in stored JSON text can only be
+    whitespace between tokens (JSON escapes them inside strings), so it becomes a
+    space."""
+    head = {
+        "job_id": str(job.id), "tool": job.tool, "attempt": job.attempt,
+        "fencing_token": job.fencing_token, "idempotency_key": f"tool-job:{job.id}",
+    }
+    if guard:
+        head["guard"] = dict(guard)
+    if trace:
+        head["trace"] = dict(trace)
+    text = orjson.dumps(head)[:-1]  # without its closing brace: the raw JSON follows
+    payload = _one_line(job.payload_text)
+    checkpoint = _one_line(job.checkpoint_text) if job.checkpoint_text is not None \
+        else b"null"
+    return text + b',"payload":' + payload + b',"checkpoint":' + checkpoint + b"}\n"
+
+
+def _one_line(text: str) -> bytes:
+    data = text.encode()
+    if b"\n" in data or b"\r" in data:
+        data = data.replace(b"\r", b" ").replace(b"\n", b" ")
+    return data
+
+
+def tool_error(value: Any) -> tuple[str, int] | None:
+    """``(message, exit_code)`` when the parsed response ``value`` is a ``sidecar_error``
+    object (its only key), else None (``value`` is the job's result). The message is
+    cut to 2000 characters; an exit code that is not an integer from 1 to 255 is 1."""
+    if not isinstance(value, Mapping) or len(value) != 1 or ERROR_KEY not in value:
+        return None
+    body = value[ERROR_KEY]
+    if isinstance(body, Mapping):
+        message, code = body.get("message"), body.get("exit_code")
+    else:
+        message, code = body, None
+    if not isinstance(message, str):
+        message = "the tool reported an error" if message is None \
+            else orjson.dumps(message, default=str).decode()
+    if isinstance(code, bool) or not isinstance(code, int) or not 1 <= code <= 255:
+        code = _DEFAULT_EXIT_CODE
+    return message[:_MESSAGE_CHARS], code
+
+
+def usage_since(now: Usage, before: Usage) -> Usage:
+    """What one job of a warm process used: the cgroup's figures ``now`` less those at
+    the job's start (``before``): CPU time, OOM kills and refused forks. Peak memory is
+    the process's, not the job's: None. A figure the start did not have is None (CPU) or
+    0 (counts): never the process's whole life taken for one job."""
+    cpu = None if now.cpu_seconds is None or before.cpu_seconds is None \
+        else max(0.0, now.cpu_seconds - before.cpu_seconds)
+    return Usage(peak_memory_bytes=None, cpu_seconds=cpu,
+                 oom_kills=max(0, now.oom_kills - before.oom_kills),
+                 process_limit_hits=max(0, now.process_limit_hits - before.process_limit_hits))

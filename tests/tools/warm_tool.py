@@ -1,0 +1,52 @@
+#!/usr/bin/env python3
+"""A warm tool (PROCESS=warm, docs/child-process.md): one request line per job on stdin,
+one response line on stdout. It counts the jobs it served, so a result shows whether the
+process (and its state) was kept. Payload {"mode": ...}:
+- "count" (default): {"pid": <its pid>, "served": n, "job_id": ..., "token": ...,
+  "process": $SIDECAR_PROCESS_ID, "has_job_env": whether SIDECAR_JOB_ID is in its
+  environment}
+- "hang": never answers (the stage deadline kills it)
+- "exit": exits with status 3 before answering
+- "exit0": exits with status 0 before answering
+- "error": answers {"sidecar_error": {"message": "refused", "exit_code": 65}}
+- "garbage": answers a line that is not JSON
+- "chatty": writes an unasked line first, then answers
+- "child": starts a child that sleeps for ever (its pid in the result), then answers
+- "checkpoint": answers {"checkpoint": <the request's checkpoint>}
+"""
+import json
+import os
+import subprocess
+import sys
+import time
+
+served = 0
+for line in sys.stdin:
+    request = json.loads(line)
+    served += 1
+    mode = (request.get("payload") or {}).get("mode", "count")
+    if mode == "hang":
+        time.sleep(3600)
+    elif mode == "exit":
+        sys.exit(3)
+    elif mode == "exit0":
+        sys.exit(0)
+    if mode == "error":
+        answer = {"sidecar_error": {"message": "refused", "exit_code": 65}}
+    elif mode == "garbage":
+        sys.stdout.write("this is not json\n")
+        sys.stdout.flush()
+        continue
+    elif mode == "checkpoint":
+        answer = {"checkpoint": request.get("checkpoint")}
+    else:
+        answer = {"pid": os.getpid(), "served": served, "job_id": request["job_id"],
+                  "token": request["fencing_token"], "key": request["idempotency_key"],
+                  "process": os.environ.get("SIDECAR_PROCESS_ID"),
+                  "has_job_env": "SIDECAR_JOB_ID" in os.environ}
+        if mode == "child":
+            answer["child"] = subprocess.Popen(["sleep", "3600"]).pid
+        if mode == "chatty":
+            sys.stdout.write('{"unasked": true}\n')
+    sys.stdout.write(json.dumps(answer) + "\n")
+    sys.stdout.flush()
