@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import sys
+import time
 
 import pytest
 
@@ -155,6 +156,30 @@ def test_a_cancelled_job_kills_its_warm_process(dsn, tmp_path):
         sidecar.stop()
 
 
+def test_an_idle_warm_process_that_floods_stdout_is_not_given_the_next_job(dsn, tmp_path):
+    """Output no request asked for, written while the process is idle: at most
+    MAX_RESULT_BYTES of it is kept, and the next job runs in a fresh process (the old one
+    logged broken and gone), never taking a flooded line for its answer."""
+    env = _env(dsn, SIDECAR_MAX_RESULT_BYTES="4096")
+    first = enqueue(dsn, "warm", {"mode": "flood"}, env=env)
+    sidecar = SidecarProcess(dsn, WARM_TOOL, "--tool", "warm", env=env, tmp=tmp_path)
+    try:
+        wait_until(lambda: job_row(dsn, first)["state"] == "succeeded", 30,
+                   what="the first job")
+        pid = job_row(dsn, first)["result"]["pid"]
+        time.sleep(1.5)  # the flood comes half a second after the answer
+        after = enqueue(dsn, "warm", {"mode": "count"}, env=env)
+        wait_until(lambda: job_row(dsn, after)["state"] == "succeeded", 30,
+                   what="the next job")
+        result = job_row(dsn, after)["result"]
+        assert (result["served"], result["pid"] != pid) == (1, True)
+        broken = sidecar.wait_event("warm_process_broken", 10)
+        assert broken["pid"] == pid
+        wait_until(lambda: not pid_alive(pid), 10, what="the flooding process gone")
+    finally:
+        sidecar.stop()
+
+
 def test_a_warm_process_no_job_took_for_warm_idle_seconds_is_stopped(dsn, tmp_path):
     env = _env(dsn, SIDECAR_WARM_IDLE_SECONDS="1")
     job = enqueue(dsn, "warm", {"mode": "count"}, env=env)
@@ -183,3 +208,35 @@ def test_the_documented_warm_examples_serve_jobs_in_one_process(dsn, example):
     assert _results(dsn, ids) == [{"echo": {"n": 1}, "job": str(ids[0])},
                                   {"echo": {"n": 2}, "job": str(ids[1])}]
     assert len(_events(parse_events(done.stderr), "warm_process_started")) == 1
+
+
+def test_a_line_mode_child_keeps_no_more_than_its_cap_of_output_nobody_asked_for():
+    """Child in line mode (sidecar.worker.child), a real process that writes 1 MB of lines
+    with no request pending: at most ``max_stdout`` bytes are held, then the overflow
+    is flagged and ``request`` refuses the process."""
+    import asyncio
+
+    from sidecar.worker.child import Child, LineBroken
+
+    async def run():
+        launched = await Child.launch(
+            ["/bin/sh", "-c", 'i=0; while [ $i -lt 20000 ]; do echo "0123456789abcdef'
+             '0123456789abcdef0123456789abcdef"; i=$((i+1)); done; exec sleep 30'],
+            {"PATH": "/usr/bin:/bin", "LINE_TEST": "flood"})
+        child = Child.start(launched, b"", 4096, lambda line: None, {"LINE_TEST": "flood"},
+                            lines=True)
+        try:
+            for _ in range(200):
+                if child.stdout_overflow:
+                    break
+                assert len(child.stdout) <= 4096
+                await asyncio.sleep(0.05)
+            assert child.stdout_overflow and child.overflowed.done()
+            assert len(child.stdout) == 0
+            with pytest.raises(LineBroken):
+                child.request(b"{}\n")
+        finally:
+            await child.kill_tree(0.5)
+            await child.close_pipes(1.0)
+
+    asyncio.run(run())

@@ -966,29 +966,23 @@ class Child:
 
     def _take_line(self, chunk: bytes) -> None:
         """Line mode: keep stdout until a newline; the line up to it answers the pending
-        request. A line longer than ``max_stdout`` overflows (the process is lost with
-        it: nothing after it can be told apart)."""
+        request (what follows it stays, and ``request`` refuses a process that wrote it).
+        More than ``max_stdout`` bytes kept, an answer's or not, overflow: the process is
+        lost with them (nothing after can be told apart), and an idle process that floods
+        stdout holds no more than that."""
         searched = len(self.stdout)
-        self.stdout += chunk
-        end = self.stdout.find(b"\n", searched)
-        if end < 0:
-            if len(self.stdout) > self.max_stdout:
-                self.stdout_overflow = True
-                self.stdout = bytearray()
-                if not self.overflowed.done():
-                    self.overflowed.set_result(None)
-            return
-        if end > self.max_stdout:
+        self.stdout.extend(chunk)
+        if self._line is not None and not self._line.done():
+            end = self.stdout.find(b"\n", searched)
+            if 0 <= end <= self.max_stdout:
+                line = bytes(self.stdout[:end])
+                del self.stdout[:end + 1]
+                self._line.set_result(line)
+        if len(self.stdout) > self.max_stdout:
             self.stdout_overflow = True
             self.stdout = bytearray()
             if not self.overflowed.done():
                 self.overflowed.set_result(None)
-            return
-        if self._line is not None and not self._line.done():
-            line = bytes(self.stdout[:end])
-            del self.stdout[:end + 1]
-            self._line.set_result(line)
-        # else: a line no request asked for stays in the buffer, and ``request`` refuses
 
     def _take_stderr(self, chunk: bytes) -> None:
         if not chunk:  # EOF: flush an unterminated last line

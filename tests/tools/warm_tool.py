@@ -13,6 +13,7 @@ process (and its state) was kept. Payload {"mode": ...}:
 - "chatty": writes an unasked line first, then answers
 - "child": starts a child that sleeps for ever (its pid in the result), then answers
 - "checkpoint": answers {"checkpoint": <the request's checkpoint>}
+- "flood": answers as "count", then, half a second later, unasked, writes 1 MB of lines
 """
 import json
 import os
@@ -50,3 +51,8 @@ for line in sys.stdin:
             sys.stdout.write('{"unasked": true}\n')
     sys.stdout.write(json.dumps(answer) + "\n")
     sys.stdout.flush()
+    if mode == "flood":
+        time.sleep(0.5)
+        for _ in range(1000):
+            sys.stdout.write('{"unasked": "' + "x" * 1000 + '"}\n')
+        sys.stdout.flush()
