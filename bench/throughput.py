@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import sys
 import time
 
 import asyncpg
@@ -88,17 +89,25 @@ def _cpu(procs: list[Sidecar]) -> float:
     return total
 
 
+# A warm no-op tool (PROCESS=warm, docs/child-process.md): answers every request line
+# with {} and never exits by itself; the warm rows run it where the others run /bin/true.
+WARM_NOOP = [sys.executable, "-c",
+             "import sys\nfor _ in sys.stdin:\n    sys.stdout.write('{}\\n'); "
+             "sys.stdout.flush()"]
+
+
 async def sidecar_run(ctx: Context, conn: asyncpg.Connection, sidecars: int,
                       concurrency: int, tag: str = "", jobs: int | None = None,
-                      **env: str) -> dict:
+                      command: list[str] | None = None, **env: str) -> dict:
     """Throughput of ``sidecars`` real sidecars at ``concurrency`` each; also their CPU,
     and whether they ran the tool sandboxed and in job cgroups. ``tag`` tells apart two
     runs of one shape (a tool of their own); ``jobs`` defaults to the mode's; ``env``:
-    more variables for the sidecars (``SIDECAR_SANDBOX="off"``)."""
+    more variables for the sidecars (``SIDECAR_SANDBOX="off"``); ``command``: the tool
+    (default /bin/true)."""
     shape = f"{sidecars}x{concurrency}" + (f"-{tag}" if tag else "")
     tool, jobs = f"true-{shape}", jobs or ctx.mode.jobs
     await enqueue_many(conn, tool, 1, notify=False, delay_seconds=86400)  # the gate
-    procs = [Sidecar(ctx, f"throughput-{shape}-{i}", tool, ["/bin/true"],
+    procs = [Sidecar(ctx, f"throughput-{shape}-{i}", tool, command or ["/bin/true"],
                      concurrency, drain=True, **env) for i in range(sidecars)]
     try:
         await asyncio.gather(*(p.ready() for p in procs))
@@ -328,6 +337,21 @@ def _fair_peer_row(shape: str, plain, peer_rates: dict, baseline: str) -> Row:
                value >= max(ok.values()) if value and set(ok) >= set(PEERS) else None)
 
 
+def _warm_peer_row(shape: str, warm, peer_rates: dict, baseline: str) -> Row:
+    """Sandboxed no-op jobs served by warm processes (PROCESS=warm, issue 43) beside the
+    peers: not the same work per job (no spawn per job: the process answers a line), so
+    a measure of what warm mode saves, without a target."""
+    value = warm["rate"] if isinstance(warm, dict) else None
+    ok = {k: v for k, v in peer_rates.items() if isinstance(v, float)}
+    ratio = ", ".join(f"{value / v:.2f} × {PEER_LABEL[k]}" for k, v in ok.items()) \
+        if value else "n/a"
+    cpu = f", {warm['cpu_ms_per_job']:.2f} ms CPU per job" if value else ""
+    return Row("1", f"no-op throughput, {shape}, PROCESS=warm (sandboxed; one warm process "
+               "per slot answers each job's line, no spawn per job) vs the peers",
+               (rate(value) + cpu) if value else _fmt(warm), baseline, ratio or "n/a",
+               "-", None)
+
+
 async def _try(what: str, coro):
     try:
         return await coro
@@ -372,6 +396,13 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
         if targeted and sandboxed:
             plain_child = await _try(f"sidecar spawn path {shape} unsandboxed",
                                      _best_child(ctx, sidecars, concurrency, False, runs))
+        warm = None
+        if peer_target and sandboxed:
+            # Issue 43: jobs served by warm processes, one per slot, in the same sandbox:
+            # the sandbox and the spawn are paid once per process, not once per job.
+            warm = await _try(f"sidecar {shape} warm",
+                              sidecar_run(ctx, conn, sidecars, concurrency, tag="warm",
+                                          command=WARM_NOOP, SIDECAR_PROCESS="warm"))
         prepared = plain_cold = None
         if sandboxed and (sidecars, concurrency) in ((1, 1), (1, 8)):
             # Issue 42, point 1: the sandbox's set-up off the job's path.
@@ -431,6 +462,8 @@ async def run(ctx: Context, conn: asyncpg.Connection) -> list[Row]:
         rows.append(peer_row(shape, sc, peer_rates, baseline, peer_target))
         if plain is not None:
             rows.append(_fair_peer_row(shape, plain, peer_rates, baseline))
+        if warm is not None:
+            rows.append(_warm_peer_row(shape, warm, peer_rates, baseline))
         if isinstance(sc, dict):
             cpu = sc["cpu_ms_per_job"]
             floor = claim[1] + child[1] if isinstance(claim, tuple) \
