@@ -305,6 +305,22 @@ def test_a_tiny_warm_idle_seconds_does_not_make_the_idle_sidecar_spin(dsn, tmp_p
     assert used < 0.6, f"an idle sidecar used {used:.2f} s of CPU in 3 s"
 
 
+def test_an_answer_followed_by_an_overflowing_line_is_not_reported_as_a_signal(dsn):
+    """An answer line and, in the same write, a second line over MAX_RESULT_BYTES: the
+    answer future and the overflow resolve together, _race returns EXITED (it comes
+    before RESULT_TOO_LARGE), ``answered`` is False (stdout_overflow), the tree is killed
+    by the sidecar itself and the verdict is taken from the exit status of that kill:
+    ``signal`` "the tool was killed by signal 15" (retryable: the job runs again), and
+    child_killed journals reason ``orphaned_descendants``. Expected: the job fails
+    ``result_too_large`` (or ``bad_result``: two lines for one request)."""
+    env = _env(dsn, SIDECAR_MAX_RESULT_BYTES="4096")
+    ids, _ = _drain(dsn, env, [{"mode": "answer_flood", "bytes": 8192}])
+    row = job_row(dsn, ids[0])
+    assert row["state"] == "failed"
+    assert row["error"]["kind"] in ("result_too_large", "bad_result"), (
+        row["error"], journal_details(dsn, ids[0], "child_killed"))
+
+
 # --- promises that held -----------------------------------------------------------------------
 
 
@@ -344,11 +360,13 @@ def test_a_warm_tool_that_closes_its_stdin_is_replaced_for_the_next_job(dsn):
     assert not pid_alive(first["pid"])
 
 
-def test_sigkill_of_the_sidecar_leaves_no_warm_process_or_its_daemon(dsn, tmp_path):
+@pytest.mark.parametrize("mode", ["daemon", "daemon_noenv"])
+def test_sigkill_of_the_sidecar_leaves_no_warm_process_or_its_daemon(dsn, tmp_path, mode):
     """The sidecar SIGKILLed while its warm process is idle and holds a double-forked,
-    setsid daemon: the guardian kills both."""
+    setsid daemon (``daemon_noenv``: one that dropped its environment, found by the job
+    cgroup alone): the guardian kills both."""
     env = _env(dsn)
-    job = enqueue(dsn, "warm", {"mode": "daemon"}, env=env)
+    job = enqueue(dsn, "warm", {"mode": mode}, env=env)
     sidecar = SidecarProcess(dsn, BREAKER, "--tool", "warm", env=env, tmp=tmp_path)
     try:
         result = _succeeded(dsn, job)
@@ -408,3 +426,42 @@ def test_sigkill_of_the_sidecar_leaves_no_sandboxed_warm_process(dsn, tmp_path):
         assert not pid_alive(started["pid"])
     finally:
         sidecar.stop()
+
+
+def test_a_warm_process_that_dies_while_idle_is_replaced_for_the_next_job(dsn, tmp_path):
+    """A process that answered, then exited (status 3) while idle: the next job runs in a
+    fresh process and succeeds; the dead one is logged stopped."""
+    env = _env(dsn)
+    first = enqueue(dsn, "warm", {"mode": "die_later", "delay": 0.2, "code": 3}, env=env)
+    sidecar = SidecarProcess(dsn, BREAKER, "--tool", "warm", env=env, tmp=tmp_path)
+    try:
+        before = _succeeded(dsn, first)
+        wait_until(lambda: not pid_alive(before["pid"]), 10, what="the idle process exited")
+        after = _succeeded(dsn, enqueue(dsn, "warm", {"mode": "count"}, env=env))
+        assert (after["served"], after["pid"] != before["pid"]) == (1, True)
+        assert after["job_id"] != before["job_id"]
+    finally:
+        sidecar.stop()
+
+
+def test_sigterm_past_the_drain_releases_a_running_warm_job_and_kills_its_process(dsn,
+                                                                                  tmp_path):
+    """SIGTERM while a warm job runs past SIDECAR_DRAIN_SECONDS: the process's tree is
+    killed, the job goes back to ``queued``, and nothing of the process survives the
+    sidecar's exit."""
+    env = _env(dsn, SIDECAR_DRAIN_SECONDS="1", SIDECAR_STAGE_TIMEOUT_SECONDS="60")
+    job = enqueue(dsn, "warm", {"mode": "hang"}, env=env)
+    sidecar = SidecarProcess(dsn, BREAKER, "--tool", "warm", env=env, tmp=tmp_path)
+    try:
+        started = sidecar.wait_event("warm_process_started", 30)
+        wait_until(lambda: journal_details(dsn, job, "tool_request_started"), 30,
+                   what="the job started")
+        sidecar.proc.send_signal(signal.SIGTERM)
+        assert sidecar.wait(30) == 0
+    finally:
+        sidecar.stop()
+    row = job_row(dsn, job)
+    assert row["state"] == "queued", row
+    assert not pid_alive(started["pid"])
+    stopped = sidecar.events("warm_process_stopped")
+    assert [e["reason"] for e in stopped] == ["shutdown"], stopped

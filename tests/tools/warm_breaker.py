@@ -11,6 +11,8 @@ need. Payload {"mode": ..., ...}:
   from the first by time: a library's late print, a background thread)
 - "big": answers one JSON array of about payload["bytes"] bytes of 17-digit numbers
   (valid JSON, exact numbers a float would change: the parse is the slow, exact one)
+- "answer_flood": answers as "count" and, in the same write, one more line of about
+  payload["bytes"] bytes
 - "echo_token": answers {"token": <this request's guard token>}
 - "echo": answers {"echo": payload["value"]}
 - "prev_token": asks the guard (URL) with the previous job's token and with this job's,
@@ -21,6 +23,8 @@ need. Payload {"mode": ..., ...}:
 - "close_stdin": answers as "count", then closes its stdin and stays alive
 - "daemon": starts a double-forked, setsid daemon that sleeps for ever (its pid in the
   answer), then answers as "count"
+- "daemon_noenv": as "daemon", the daemon exec'ing sleep with an empty environment
+- "die_later": answers as "count", then exits (payload["code"]) payload["delay"] s later
 - "hang": never answers
 
 Options (argv): ``--linger DIR``: on stdin EOF write DIR/eof-<pid> and keep running; on
@@ -109,6 +113,9 @@ while True:
         item = b"0.12345678901234567"
         n = max(1, size // (len(item) + 1))
         write(b"[" + b",".join([item] * n) + b"]\n")
+    elif mode == "answer_flood":
+        extra = int(payload.get("bytes", 8192))
+        write(json.dumps(count).encode() + b"\n" + b'{"x": "' + b"y" * extra + b'"}\n')
     elif mode == "echo_token":
         write(json.dumps({"token": token}).encode() + b"\n")
     elif mode == "echo":
@@ -125,7 +132,7 @@ while True:
         write(b'{"a": "x\x00y"}\n')
     elif mode == "latin1":
         write(b'{"a": "caf\xe9"}\n')
-    elif mode == "daemon":
+    elif mode in ("daemon", "daemon_noenv"):
         r, w = os.pipe()
         if os.fork() == 0:
             os.setsid()
@@ -135,6 +142,8 @@ while True:
                 devnull = os.open(os.devnull, os.O_RDWR)
                 for fd in (0, 1, 2):
                     os.dup2(devnull, fd)
+                if mode == "daemon_noenv":  # no SIDECAR_* mark left: only the cgroup knows
+                    os.execve("/bin/sleep", ["sleep", "3600"], {})
                 while True:
                     time.sleep(3600)
             os._exit(0)
@@ -149,6 +158,9 @@ while True:
     if mode == "late_line":
         time.sleep(payload.get("delay", 0.3))
         write(json.dumps({"late_for": request["job_id"]}).encode() + b"\n")
+    if mode == "die_later":
+        time.sleep(payload.get("delay", 0.3))
+        os._exit(payload.get("code", 0))
     if mode == "close_stdin":
         os.close(0)
         while True:
