@@ -90,10 +90,12 @@ def _cpu(procs: list[Sidecar]) -> float:
 
 
 # A warm no-op tool (PROCESS=warm, docs/child-process.md): answers every request line
-# with {} and never exits by itself; the warm rows run it where the others run /bin/true.
+# with the result {} and never exits by itself; the warm rows run it where the others run /bin/true.
 WARM_NOOP = [sys.executable, "-c",
-             "import sys\nfor _ in sys.stdin:\n    sys.stdout.write('{}\\n'); "
-             "sys.stdout.flush()"]
+             "import json, sys\nfor line in sys.stdin:\n"
+             "    job = json.loads(line)['job_id']\n"
+             "    sys.stdout.write('{\"job_id\": \"%s\", \"result\": {}}\\n' % job)\n"
+             "    sys.stdout.flush()"]
 
 
 async def sidecar_run(ctx: Context, conn: asyncpg.Connection, sidecars: int,

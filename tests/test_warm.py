@@ -107,27 +107,29 @@ def test_max_jobs_per_process_replaces_the_process_when_its_job_ends(dsn):
 
 
 def test_what_a_warm_process_answers_decides_its_job_and_whether_it_is_kept(dsn):
-    """A ``sidecar_error`` line fails its job as that exit code would (65: not retried)
-    and keeps the process; a line that is not JSON fails ``bad_result`` and keeps it; two
+    """An ``error`` answer fails its job as that exit code would (65: not retried) and
+    keeps the process; a line that is not JSON fails ``bad_result`` and keeps it; two
     lines for one request fail ``bad_result`` and end it; an exit while holding a job
-    fails that job by its exit code; exit 0 without an answer is ``bad_result``; each
-    job after one that ended the process runs in a fresh one."""
+    fails that job by its exit code; exit 0 without an answer is ``bad_result``; an
+    answer naming another job fails ``bad_result`` and ends the process; each job after
+    one that ended the process runs in a fresh one."""
     env = _env(dsn)
     modes = ["count", "error", "garbage", "count", "chatty", "count", "exit", "count",
-             "exit0", "count"]
+             "exit0", "count", "stranger", "count"]
     ids, events = _run(dsn, env, "warm", modes)
     rows = [job_row(dsn, job) for job in ids]
     kinds = [(r["state"], (r["error"] or {}).get("kind")) for r in rows]
     assert kinds == [("succeeded", None), ("failed", "exit_code"), ("failed", "bad_result"),
                      ("succeeded", None), ("failed", "bad_result"), ("succeeded", None),
                      ("failed", "exit_code"), ("succeeded", None), ("failed", "bad_result"),
-                     ("succeeded", None)]
+                     ("succeeded", None), ("failed", "bad_result"), ("succeeded", None)]
     assert rows[1]["error"]["exit_code"] == 65 and "refused" in rows[1]["error"]["message"]
     assert rows[6]["error"]["exit_code"] == 3
-    served = [rows[i]["result"]["served"] for i in (0, 3, 5, 7, 9)]
-    assert served == [1, 4, 1, 1, 1]
-    assert [e["reason"] for e in _events(events, "warm_process_stopped")] == \
-        ["broken", "exited", "exited", "shutdown"]
+    served = [rows[i]["result"]["served"] for i in (0, 3, 5, 7, 9, 11)]
+    assert served == [1, 4, 1, 1, 1, 1]
+    assert "answers job" in rows[10]["error"]["message"]
+    assert sorted(e["reason"] for e in _events(events, "warm_process_stopped")) == \
+        sorted(["broken", "exited", "exited", "broken", "shutdown"])
 
 
 def test_a_cancelled_job_kills_its_warm_process(dsn, tmp_path):
@@ -205,8 +207,7 @@ def test_the_documented_warm_examples_serve_jobs_in_one_process(dsn, example):
     ids = [enqueue(dsn, "echo", {"n": n}, env=env) for n in (1, 2)]
     done = cli(dsn, "run", "--tool", "echo", "--drain", "--", *command, env=env, timeout=60)
     assert done.returncode == 0, done.stderr.decode()[-3000:]
-    assert _results(dsn, ids) == [{"echo": {"n": 1}, "job": str(ids[0])},
-                                  {"echo": {"n": 2}, "job": str(ids[1])}]
+    assert _results(dsn, ids) == [{"echo": {"n": 1}}, {"echo": {"n": 2}}]
     assert len(_events(parse_events(done.stderr), "warm_process_started")) == 1
 
 

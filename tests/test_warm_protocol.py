@@ -1,6 +1,6 @@
 """The warm protocol's pure parts (sidecar/protocol/warm.py) and the PROCESS profile
-fields: the request line each job sends, the ``sidecar_error`` answer, a job's share of
-its process's cgroup figures."""
+fields: the request line each job sends, the answer that must name its job, a job's
+share of its process's cgroup figures."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from sidecar.protocol.errors import ConfigError
 from sidecar.protocol.model import ClaimedJob, Usage
-from sidecar.protocol.warm import request_line, tool_error, usage_since
+from sidecar.protocol.warm import Answer, BadAnswer, read_answer, request_line, usage_since
 from sidecar.runtime.config import load_settings
 
 pytestmark = pytest.mark.unit
@@ -53,27 +53,49 @@ def test_the_payload_travels_as_stored_every_digit_kept_on_one_line():
     assert orjson.loads(line)["checkpoint"] == [1, 2]
 
 
+JOB = "01a24159-1331-74f3-87f6-0d67722353aa"
+
+
 @pytest.mark.parametrize(("value", "expected"), [
-    ({"sidecar_error": {"message": "404", "exit_code": 65}}, ("404", 65)),
-    ({"sidecar_error": {"message": "no code"}}, ("no code", 1)),
-    ({"sidecar_error": "just text"}, ("just text", 1)),
-    ({"sidecar_error": {"message": "m", "exit_code": 0}}, ("m", 1)),
-    ({"sidecar_error": {"message": "m", "exit_code": 256}}, ("m", 1)),
-    ({"sidecar_error": {"message": "m", "exit_code": True}}, ("m", 1)),
-    ({"sidecar_error": {"message": ["x"]}}, ('["x"]', 1)),
-    ({"sidecar_error": None}, ("the tool reported an error", 1)),
-    ({"sidecar_error": "x", "other": 1}, None),
-    ({"error": "a result that says error"}, None),
-    ([{"sidecar_error": "x"}], None),
-    ("sidecar_error", None),
+    ({"job_id": JOB, "result": {"a": 1}}, Answer({"a": 1})),
+    ({"job_id": JOB, "result": None}, Answer(None)),
+    ({"job_id": JOB, "result": 1, "next": {"tool": "t", "payload": {}}},
+     Answer({"result": 1, "next": {"tool": "t", "payload": {}}}, staged=True)),
+    ({"job_id": JOB, "error": {"message": "404", "exit_code": 65}}, Answer(error=("404", 65))),
+    ({"job_id": JOB, "error": {"message": "no code"}}, Answer(error=("no code", 1))),
+    ({"job_id": JOB, "error": "just text"}, Answer(error=("just text", 1))),
+    ({"job_id": JOB, "error": {"message": "m", "exit_code": 0}}, Answer(error=("m", 1))),
+    ({"job_id": JOB, "error": {"message": "m", "exit_code": 256}}, Answer(error=("m", 1))),
+    ({"job_id": JOB, "error": {"message": "m", "exit_code": True}}, Answer(error=("m", 1))),
+    ({"job_id": JOB, "error": {"message": ["x"]}}, Answer(error=('["x"]', 1))),
+    ({"job_id": JOB, "error": None}, Answer(error=("the tool reported an error", 1))),
 ])
-def test_a_sidecar_error_answer_fails_its_job_anything_else_is_the_result(value, expected):
-    assert tool_error(value) == expected
+def test_an_answer_names_its_job_and_carries_a_result_or_an_error(value, expected):
+    assert read_answer(value, JOB) == expected
 
 
-def test_a_sidecar_error_message_is_cut():
-    message, _ = tool_error({"sidecar_error": {"message": "x" * 5000}})
-    assert len(message) == 2000
+@pytest.mark.parametrize(("value", "out_of_step"), [
+    ({"result": 1}, True),                                    # names no job
+    ({"job_id": "another", "result": 1}, True),               # a late line of another job
+    ({"job_id": JOB.upper(), "result": 1}, True),
+    ([{"job_id": JOB, "result": 1}], True),                   # not an object
+    ("text", True),
+    ({"job_id": JOB}, False),                                 # neither
+    ({"job_id": JOB, "result": 1, "error": "e"}, False),      # both
+    ({"job_id": JOB, "error": "e", "next": {}}, False),
+    ({"job_id": JOB, "result": 1, "extra": 2}, False),
+])
+def test_a_line_that_is_no_answer_fails_its_job_and_one_out_of_step_its_process(
+        value, out_of_step):
+    with pytest.raises(BadAnswer) as info:
+        read_answer(value, JOB)
+    assert info.value.out_of_step is out_of_step
+    assert "\n" not in info.value.message
+
+
+def test_an_error_message_is_cut():
+    answer = read_answer({"job_id": JOB, "error": {"message": "x" * 5000}}, JOB)
+    assert len(answer.error[0]) == 2000
 
 
 def test_a_jobs_usage_is_what_changed_in_its_processs_cgroup_during_it():

@@ -1,8 +1,9 @@
 #!/usr/bin/env node
 // A warm tool (PROCESS=warm, docs/child-process.md "Warm mode"): one request line per
-// job on stdin, one response line per job on stdout.
+// job on stdin, one response line per job on stdout, naming the job it answers.
 const lines = require("readline").createInterface({ input: process.stdin });
 lines.on("line", (line) => {
   const request = JSON.parse(line);
-  process.stdout.write(JSON.stringify({ echo: request.payload, job: request.job_id }) + "\n");
+  const answer = { job_id: request.job_id, result: { echo: request.payload } };
+  process.stdout.write(JSON.stringify(answer) + "\n");
 });

@@ -7,13 +7,16 @@ one **request line** to the tool's stdin, a JSON object ending in a newline::
      "idempotency_key": "tool-job:...", "payload": {...}, "checkpoint": null,
      "guard": {"token": "...", "socket": "...", "url": "..."}}
 
-and the tool answers with one **response line** on its stdout: the job's result, any
-JSON value, exactly what a per-job tool prints (the same size cap, checks and next-stage
-rules), or an object whose only key is ``sidecar_error``::
+and the tool answers with one **response line** on its stdout, a JSON object that names
+the job it answers (so no line is ever taken for another job's answer) and carries
+either its result, any JSON value, exactly what a per-job tool prints (the same size cap,
+checks and ``next`` stages), or an error::
 
-    {"sidecar_error": {"message": "page returned 404", "exit_code": 65}}
+    {"job_id": "...", "result": {...}}
+    {"job_id": "...", "result": {...}, "next": {"tool": "...", "payload": {...}}}
+    {"job_id": "...", "error": {"message": "page returned 404", "exit_code": 65}}
 
-which fails the job as a per-job tool exiting with ``exit_code`` would (1 when absent;
+An error fails the job as a per-job tool exiting with ``exit_code`` would (1 when absent;
 NON_RETRYABLE_EXIT_CODES applies) while the process serves the next job.
 
 Pure: bytes and values only, no I/O.
@@ -22,16 +25,38 @@ Pure: bytes and values only, no I/O.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
 from sidecar.protocol.model import ClaimedJob, Usage
 
-# The reserved key of a response line that fails its job without ending the process.
-ERROR_KEY = "sidecar_error"
 _MESSAGE_CHARS = 2000
 _DEFAULT_EXIT_CODE = 1
+_ANSWER_KEYS = frozenset({"job_id", "result", "next", "error"})
+
+
+class BadAnswer(ValueError):
+    """A response line that is no answer to the request (``message`` says why);
+    ``out_of_step``: it names another job or none, so the process's lines can no longer
+    be matched to requests and it must not serve another job."""
+
+    def __init__(self, message: str, out_of_step: bool = False):
+        super().__init__(message)
+        self.message = message
+        self.out_of_step = out_of_step
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A warm process's answer to one job: ``error`` (message, exit code) or the result
+    as the object a per-job tool would print (``output``: ``{"result": R, "next": N}``
+    when the answer names a next stage, else R itself)."""
+
+    output: Any = None
+    staged: bool = False
+    error: tuple[str, int] | None = None
 
 
 def request_line(job: ClaimedJob, guard: Mapping[str, str] | None = None,
@@ -65,13 +90,33 @@ def _one_line(text: str) -> bytes:
     return data
 
 
-def tool_error(value: Any) -> tuple[str, int] | None:
-    """``(message, exit_code)`` when the parsed response ``value`` is a ``sidecar_error``
-    object (its only key), else None (``value`` is the job's result). The message is
-    cut to 2000 characters; an exit code that is not an integer from 1 to 255 is 1."""
-    if not isinstance(value, Mapping) or len(value) != 1 or ERROR_KEY not in value:
-        return None
-    body = value[ERROR_KEY]
+def read_answer(value: Any, job_id: str) -> Answer:
+    """The answer in the parsed response line ``value`` to the request of job
+    ``job_id``. Raises BadAnswer: out of step for a value that is no object or names no
+    job or another one; in step for one with unknown keys, with neither or both of
+    ``result`` and ``error``, or with ``next`` beside an error. An error's message is cut
+    to 2000 characters; an exit code that is not an integer from 1 to 255 is 1."""
+    if not isinstance(value, Mapping) or value.get("job_id") != job_id:
+        named = value.get("job_id") if isinstance(value, Mapping) else None
+        raise BadAnswer(
+            "the response line names no job" if named is None else
+            f"the response line answers job {str(named)[:80]!r}, not this one", True)
+    unknown = set(value) - _ANSWER_KEYS
+    if unknown:
+        raise BadAnswer(f"the response line has keys a response does not: "
+                        f"{', '.join(sorted(map(str, unknown)))[:200]}")
+    if ("result" in value) == ("error" in value):
+        raise BadAnswer("the response line needs either result or error")
+    if "error" in value:
+        if "next" in value:
+            raise BadAnswer("the response line names a next stage beside an error")
+        return Answer(error=_error(value["error"]))
+    if "next" in value:
+        return Answer({"result": value["result"], "next": value["next"]}, staged=True)
+    return Answer(value["result"])
+
+
+def _error(body: Any) -> tuple[str, int]:
     if isinstance(body, Mapping):
         message, code = body.get("message"), body.get("exit_code")
     else:

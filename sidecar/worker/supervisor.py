@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 import time
 from collections.abc import Callable, Collection
@@ -21,7 +22,7 @@ import psutil
 
 from sidecar.ops import metrics
 from sidecar.ops.tracing import NO_TRACE, AttemptTrace
-from sidecar.protocol import clock
+from sidecar.protocol import clock, jsontext
 from sidecar.protocol.masking import SECRETS
 from sidecar.protocol.model import ClaimedJob, LeaseProfile, NextStage, RawJson, Usage
 from sidecar.protocol.results import (
@@ -48,7 +49,7 @@ from sidecar.protocol.verdict import (
     profile_var,
 )
 from sidecar.protocol.vocabulary import LEASE_ENDINGS, FailureKind, KillSignal, Outcome, StopReason
-from sidecar.protocol.warm import request_line, tool_error, usage_since
+from sidecar.protocol.warm import Answer, BadAnswer, read_answer, request_line, usage_since
 from sidecar.runtime.config import Settings
 from sidecar.runtime.log import log, log_fields, payload_digest
 from sidecar.worker.child import (
@@ -256,8 +257,10 @@ async def start_warm_process(ctx: WorkerContext, serial: int, process_id: str
     CgroupError) and SpawnFailed, SpawnSetupFailed, SpawnShortage; nothing is left
     behind then."""
     profile = ctx.profile
-    sandbox = Sandbox(ctx.settings, profile, ctx.cgroup_host,
-                      job_name(ctx.owner_id, f"w{serial}", 0),
+    # CPU_SECONDS bounds each job (watch_cpu, from the job's start), never the process's
+    # whole life, which an RLIMIT_CPU would (every job it served counting).
+    sandbox = Sandbox(ctx.settings, dataclasses.replace(profile, cpu_seconds=0.0),
+                      ctx.cgroup_host, job_name(ctx.owner_id, f"w{serial}", 0),
                       work_dir_prefix(ctx.owner_id), spares=None)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, sandbox.open)
@@ -691,7 +694,7 @@ class JobSupervisor:
             except LineBroken as exc:
                 log.emit("warm_process_broken", "warning", **log_fields(self.job),
                          pid=process.child.pid, reason=str(exc))
-                await pool.stop(process, "broken")
+                pool.retire(process, "broken")
                 if fresh:  # a new process that cannot take its first request
                     return self._fail_before_spawn(failure(
                         FailureKind.SPAWN_FAILED, f"the warm process could not take its "
@@ -745,6 +748,10 @@ class JobSupervisor:
         stderr_before = child.stderr_bytes
         # The cgroup is the process's: each job's figures are what changed during it.
         usage_before = sandbox.cgroup.usage() if sandbox.cgroup is not None else Usage()
+        cpu_base = usage_before.cpu_seconds or 0.0
+        if sandbox.cgroup is None and profile.cpu_seconds > 0:  # the live tree's, then
+            cpu_base = (await asyncio.get_running_loop().run_in_executor(
+                None, tree_activity, child.pid))[0]
         self.trace.spawning()
         self.trace.spawned(child.pid)
         self.ctx.claim_pause.started()
@@ -756,10 +763,12 @@ class JobSupervisor:
             "warm": warm, **({"cgroup": cgroup} if cgroup else {})})
         log.emit("tool_request_started", **log_fields(self.job), pid=child.pid,
                  cgroup=cgroup, warm=warm)
-        reason = await self._race(child, sandbox, answer, usage_before.cpu_seconds or 0.0)
+        reason = await self._race(child, sandbox, answer, cpu_base)
         self.trace.stopped(reason)
         answered = reason is StopReason.EXITED and answer.done() and not answer.cancelled() \
             and not child.stdout_overflow
+        if reason is StopReason.EXITED and child.stdout_overflow:
+            reason = StopReason.RESULT_TOO_LARGE  # the answer came with a line over the cap
         process.relay = None
         relay.summary()
         tail_bytes = child.stderr_bytes - stderr_before
@@ -781,7 +790,7 @@ class JobSupervisor:
                 # An OOM kill or a refused fork in the process during the job: the job
                 # fails by that limit, as a per-job tool's would, and the process (whose
                 # tree lost a member) goes.
-                await self.ctx.warm.stop(process, str(limit.kind))
+                self.ctx.warm.retire(process, str(limit.kind))
                 return limit
             elif child.stdout:
                 # More than one line came for one request: which one answers it cannot be
@@ -792,11 +801,19 @@ class JobSupervisor:
                                  "stdout (logs go to stderr)", stderr_tail=stderr_tail)
                 log.emit("warm_process_broken", "warning", **log_fields(self.job),
                          pid=child.pid, reason="more than one line for one request")
-                await self.ctx.warm.stop(process, "broken")
+                self.ctx.warm.retire(process, "broken")
                 return ending
             else:
-                ending = await self._answered(answer.result(), stderr_tail)
-            await self.ctx.warm.give_back(process)
+                ending, out_of_step = await self._answered(answer.result(), stderr_tail)
+                if out_of_step:
+                    log.emit("warm_process_broken", "warning", **log_fields(self.job),
+                             pid=child.pid,
+                             reason="an answer that names another job or none")
+                    self.ctx.warm.retire(process, "broken")
+                    return ending
+            # Kept, or retired in the pool's own task: the job's end is written without
+            # waiting for a stop (its lease is settled: renewed no more).
+            self.ctx.warm.give_back(process)
             return ending
         # No answer: the process is lost with the job; its whole tree goes.
         if reason is not StopReason.EXITED:
@@ -813,7 +830,7 @@ class JobSupervisor:
         usage = usage_since(sandbox.cgroup.usage(), usage_before) \
             if sandbox.cgroup is not None else Usage()
         self._note_usage(usage)
-        await self.ctx.warm.stop(process, str(reason))
+        self.ctx.warm.retire(process, str(reason))  # its tree is dead: the rest goes aside
         self.lease.settle()
         if self.lease.lost.is_set():
             reason = self._lease_ending()
@@ -830,30 +847,39 @@ class JobSupervisor:
         return failure(FailureKind.BAD_RESULT, "the warm process ended without answering "
                        "the job's request line", stderr_tail=stderr_tail)
 
-    async def _answered(self, line: bytes, stderr_tail: str | None) -> Succeeded | Failure:
-        """The verdict on a warm process's response line: the job's result (checked as a
-        per-job tool's stdout), or the failure its ``sidecar_error`` reports."""
+    async def _answered(self, line: bytes, stderr_tail: str | None
+                        ) -> tuple[Succeeded | Failure, bool]:
+        """The verdict on a warm process's response line (sidecar.protocol.warm): the job's
+        result, checked as a per-job tool's stdout, or the failure its ``error`` reports;
+        and whether the line was out of step (it names another job or none: the process
+        must serve no other). A line over PARSE_ON_LOOP_BYTES is read off the event
+        loop."""
         profile = self.ctx.profile
         output = bytearray(line)
         digest = payload_digest(output)
+        args = (output, str(self.job.id), self.ctx.settings, profile)
         try:
-            check_no_secret(output, "the response line")
-            value, text = parse_result(output, "the response line")
-            reported = tool_error(value)
-            if reported is not None:
-                message, code = reported
-                retryable = code not in profile.non_retryable_exit_codes
-                return Failure(FailureKind.EXIT_CODE,
-                               f"the tool reported an error (exit code {code}): {message}"
-                               + ("" if retryable else " (non-retryable for this profile)"),
-                               retryable, {"exit_code": code, "stderr_tail": stderr_tail})
-            result, next_stage = split_next_stage(value, text, self.ctx.settings, profile)
+            if len(output) > PARSE_ON_LOOP_BYTES:
+                answer, result, next_stage = await asyncio.get_running_loop(
+                ).run_in_executor(None, _parse_answer, *args)
+            else:
+                answer, result, next_stage = _parse_answer(*args)
         except SecretInOutput as exc:
-            return self._refuse_secret(exc, digest, "the response line", stderr_tail)
+            return self._refuse_secret(exc, digest, ANSWER_SOURCE, stderr_tail), False
+        except BadAnswer as exc:
+            return failure(FailureKind.BAD_RESULT, exc.message,
+                           stderr_tail=stderr_tail), exc.out_of_step
         except BadResult as exc:  # worded for a per-job tool's stdout after its exit
             return failure(FailureKind(exc.kind), exc.message.removeprefix("exit 0 but "),
-                           stderr_tail=stderr_tail)
-        return Succeeded(result, digest, next_stage, stderr_tail)
+                           stderr_tail=stderr_tail), False
+        if answer.error is not None:
+            message, code = answer.error
+            retryable = code not in profile.non_retryable_exit_codes
+            return Failure(FailureKind.EXIT_CODE,
+                           f"the tool reported an error (exit code {code}): {message}"
+                           + ("" if retryable else " (non-retryable for this profile)"),
+                           retryable, {"exit_code": code, "stderr_tail": stderr_tail}), False
+        return Succeeded(result, digest, next_stage, stderr_tail), False
 
     def _lease_ending(self) -> StopReason:
         """Why the lease ended (lease_lost, cancelled or local_deadline)."""
@@ -970,6 +996,27 @@ def _parse_output(output: bytearray, source: str, settings: Settings,
     return split_next_stage(value, text, settings, profile)
 
 
+ANSWER_SOURCE = "the response line"
+
+
+def _parse_answer(output: bytearray, job_id: str, settings: Settings, profile: LeaseProfile
+                  ) -> tuple[Answer, RawJson | None, NextStage | None]:
+    """A warm process's response line checked (no secret, parse_result), read as the
+    answer to job ``job_id`` (warm.read_answer) and its result split from its next stage
+    (split_next_stage), in whichever thread runs this. Raises SecretInOutput, BadResult,
+    BadAnswer."""
+    check_no_secret(output, ANSWER_SOURCE)
+    value, _ = parse_result(output, ANSWER_SOURCE)
+    answer = read_answer(value, job_id)
+    if answer.error is not None:
+        return answer, None, None
+    text = RawJson(jsontext.dumps(answer.output).decode())
+    if answer.staged:
+        result, next_stage = split_next_stage(answer.output, text, settings, profile)
+        return answer, result, next_stage
+    return answer, text, None
+
+
 # The longest a deadline on CLOCK_BOOTTIME may be seen late after a suspend: sleeps (on
 # the monotonic clock, which stops in a suspend) are cut into pieces of at most this.
 DEADLINE_CHECK_SECONDS = 1.0
@@ -1006,19 +1053,17 @@ async def watch_idle(child: Child, idle_seconds: float,
 async def watch_cpu(child: Child, sandbox: Sandbox, limit_seconds: float,
                     base: float = 0.0) -> None:
     """Return once the tool's whole tree has used ``limit_seconds`` of CPU time: from the
-    job cgroup where there is one (exited processes count too; less ``base``, its CPU
-    time when the job started, for a warm process), else from the live tree. RLIMIT_CPU
+    job cgroup where there is one (exited processes count too), else from the live
+    tree; less ``base``, the same figure when the job started (a warm process's). RLIMIT_CPU
     bounds each process on its own; this bounds their sum."""
     loop = asyncio.get_running_loop()
     period = min(1.0, max(0.05, limit_seconds / 10))
     while True:
         await asyncio.sleep(period)
         used = sandbox.cgroup.cpu_seconds() if sandbox.cgroup is not None else None
-        if used is not None:
-            used -= base
-        else:
+        if used is None:
             used = (await loop.run_in_executor(None, tree_activity, child.pid))[0]
-        if used >= limit_seconds:
+        if used - base >= limit_seconds:
             return
 
 

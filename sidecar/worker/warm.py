@@ -35,8 +35,10 @@ from sidecar.worker.isolation import Sandbox
 # which marks every process of its tree for the tree kill as SIDECAR_JOB_ID marks a
 # per-job tool's (and tells a tool that serves both modes which one it is in).
 PROCESS_ID_VARIABLE = "SIDECAR_PROCESS_ID"
-# How often idle processes are looked at, at most (s): WARM_IDLE_SECONDS / 2 if shorter.
+# How often idle processes are looked at (s): WARM_IDLE_SECONDS / 2, within these bounds
+# (a tiny WARM_IDLE_SECONDS must not make an idle sidecar spin).
 IDLE_CHECK_SECONDS = 5.0
+MIN_IDLE_CHECK_SECONDS = 0.1
 
 
 @dataclass
@@ -56,6 +58,9 @@ class WarmProcess:
     last_used: float = field(default_factory=time.monotonic)
     relay: Callable[[bytes], None] | None = None
     idle_stderr_lines: int = 0
+    # Set when the pool is told to stop it: no job takes it, nothing more is done in its
+    # work directory (its removal is under way).
+    retired: bool = False
     _sockets: int = 0
 
     def on_stderr_line(self, line: bytes) -> None:
@@ -86,8 +91,9 @@ class WarmProcess:
         return os.path.join(self.sandbox.job_dir, name), listener
 
     def forget_socket(self, path: str) -> None:
-        """Remove a job's guard socket name (the guard closed the socket itself)."""
-        if self.sandbox.dir_lock is not None:
+        """Remove a job's guard socket name (the guard closed the socket itself); once the
+        process is retired its whole directory goes instead."""
+        if not self.retired and self.sandbox.dir_lock is not None:
             with contextlib.suppress(OSError):
                 os.unlink(os.path.basename(path), dir_fd=self.sandbox.dir_lock)
 
@@ -98,8 +104,11 @@ class WarmPool:
     ``make(serial, process_id)`` starts one (async; raises what starting a tool raises);
     ``stop(process, reason)`` ends one (async: its tree killed, its work directory and
     cgroup removed). ``take`` hands out the idle process used last (its caches warmest)
-    or None; ``give_back`` keeps it idle, or stops it when it is spent; ``run_idle``
-    stops the ones idle for WARM_IDLE_SECONDS; ``close`` stops every idle one."""
+    or None; ``give_back`` keeps it idle, or retires it when it is spent; ``retire``
+    stops one in a task of the pool's own, so no job waits for a stop (its kill grace)
+    and a cancelled caller never leaves one half stopped; ``run_idle`` retires the ones
+    idle for WARM_IDLE_SECONDS; ``close`` stops every idle one at once and waits for
+    every stop under way."""
 
     def __init__(self, profile: LeaseProfile,
                  make: Callable[[int, str], Awaitable[WarmProcess]],
@@ -108,6 +117,7 @@ class WarmPool:
         self._make = make
         self._stop = stop
         self._idle: list[WarmProcess] = []
+        self._stopping: set[asyncio.Task] = set()
         self._serial = itertools.count(1)
         self._closed = False
         self.started = 0
@@ -116,8 +126,15 @@ class WarmPool:
         return len(self._idle)
 
     def take(self) -> WarmProcess | None:
-        """The idle process given back last, or None (start one with ``start``)."""
-        return self._idle.pop() if self._idle else None
+        """The idle process given back last that may still serve (spent ones found on the
+        way are retired), or None (start one with ``start``)."""
+        while self._idle:
+            process = self._idle.pop()
+            reason = self._unfit(process)
+            if reason is None:
+                return process
+            self.retire(process, reason)
+        return None
 
     async def start(self) -> WarmProcess:
         """A new warm process (``make``), not yet serving. Raises what ``make`` raises."""
@@ -125,47 +142,62 @@ class WarmPool:
         self.started += 1
         return process
 
-    async def give_back(self, process: WarmProcess) -> None:
-        """After a job it answered: keep ``process`` idle for the next job, or stop it
+    def give_back(self, process: WarmProcess) -> None:
+        """After a job it answered: keep ``process`` idle for the next job, or retire it
         when it is spent (MAX_JOBS_PER_PROCESS, MAX_PROCESS_SECONDS), exited, or the pool
         is closed."""
-        reason = process.spent(self.profile)
-        if reason is None and (process.child is None or process.child.exited.done()):
-            reason = "exited"
-        if reason is None and self._closed:
-            reason = "shutdown"
+        reason = self._unfit(process) or ("shutdown" if self._closed else None)
         if reason is not None:
-            await self._stop(process, reason)
+            self.retire(process, reason)
             return
         process.relay = None
         process.last_used = time.monotonic()
         self._idle.append(process)
 
-    async def stop(self, process: WarmProcess, reason: str) -> None:
-        """End ``process`` (not idle: the caller holds it)."""
-        await self._stop(process, reason)
+    def _unfit(self, process: WarmProcess) -> str | None:
+        if process.child is None or process.child.exited.done():
+            return "exited"
+        return process.spent(self.profile)
+
+    def retire(self, process: WarmProcess, reason: str) -> None:
+        """Stop ``process`` (not idle: the caller held it) in a task the pool keeps and
+        ``close`` waits for."""
+        if process.retired:
+            return
+        process.retired = True
+        process.relay = None
+        task = asyncio.ensure_future(self._stop_logged(process, reason))
+        self._stopping.add(task)
+        task.add_done_callback(self._stopping.discard)
+
+    async def _stop_logged(self, process: WarmProcess, reason: str) -> None:
+        # stop_warm_process logs what it could not remove; one stop that raised must
+        # not end the loop or the close that stops the others
+        with contextlib.suppress(Exception):
+            await self._stop(process, reason)
 
     async def run_idle(self) -> None:
-        """Stop, every few seconds, the processes idle for WARM_IDLE_SECONDS or gone
-        (runs until cancelled)."""
-        period = min(IDLE_CHECK_SECONDS, self.profile.warm_idle_seconds / 2)
+        """Retire, every few seconds (at most 5, at least 0.1 apart), the processes idle
+        for WARM_IDLE_SECONDS, spent, or gone (runs until cancelled)."""
+        period = max(MIN_IDLE_CHECK_SECONDS,
+                     min(IDLE_CHECK_SECONDS, self.profile.warm_idle_seconds / 2))
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
             for process in list(self._idle):
-                gone = process.child is None or process.child.exited.done()
-                idle = now - process.last_used >= self.profile.warm_idle_seconds
-                if (gone or idle) and process in self._idle:
+                reason = self._unfit(process)
+                if reason is None and now - process.last_used >= self.profile.warm_idle_seconds:
+                    reason = "idle"
+                if reason is not None:
                     self._idle.remove(process)
-                    # stop_warm_process logs what it could not remove; a stop that
-                    # raised must not end the loop that stops the others
-                    with contextlib.suppress(Exception):
-                        await self._stop(process, "exited" if gone else "idle")
+                    self.retire(process, reason)
 
     async def close(self) -> None:
-        """Take no process back from now on and stop every idle one."""
+        """Take no process back from now on, stop every idle one (all at once) and wait
+        for every stop under way, those begun before included."""
         self._closed = True
         idle, self._idle = self._idle, []
         for process in idle:
-            with contextlib.suppress(Exception):
-                await self._stop(process, "shutdown")
+            self.retire(process, "shutdown")
+        while self._stopping:
+            await asyncio.gather(*list(self._stopping), return_exceptions=True)

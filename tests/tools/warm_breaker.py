@@ -7,7 +7,7 @@ need. Payload {"mode": ..., ...}:
 - "burn": uses payload["cpu"] seconds of CPU, then answers as "count" plus {"cpu": the
   process's CPU time so far}
 - "late_line": answers as "count", then, payload["delay"] seconds later, unasked, writes
-  one more JSON line {"late_for": <this job's id>} (a second line for one request, split
+  one more answer to the same job, {"late_for": <its id>} (a second line for one request, split
   from the first by time: a library's late print, a background thread)
 - "big": answers one JSON array of about payload["bytes"] bytes of 17-digit numbers
   (valid JSON, exact numbers a float would change: the parse is the slow, exact one)
@@ -81,6 +81,13 @@ def write(data: bytes):
     os.write(1, data)
 
 
+def answer(job_id, result) -> bytes:
+    """The response line answering ``job_id`` with ``result`` (a value, or raw JSON
+    bytes written as they are)."""
+    raw = result if isinstance(result, bytes) else json.dumps(result).encode()
+    return b'{"job_id": ' + json.dumps(job_id).encode() + b', "result": ' + raw + b"}\n"
+
+
 served = 0
 previous_token = None
 stdin = sys.stdin.buffer
@@ -112,26 +119,26 @@ while True:
         size = int(payload["bytes"])
         item = b"0.12345678901234567"
         n = max(1, size // (len(item) + 1))
-        write(b"[" + b",".join([item] * n) + b"]\n")
+        write(answer(request["job_id"], b"[" + b",".join([item] * n) + b"]"))
     elif mode == "answer_flood":
         extra = int(payload.get("bytes", 8192))
-        write(json.dumps(count).encode() + b"\n" + b'{"x": "' + b"y" * extra + b'"}\n')
+        write(answer(request["job_id"], count) + b'{"x": "' + b"y" * extra + b'"}\n')
     elif mode == "echo_token":
-        write(json.dumps({"token": token}).encode() + b"\n")
+        write(answer(request["job_id"], {"token": token}))
     elif mode == "echo":
-        write(json.dumps({"echo": payload.get("value")}).encode() + b"\n")
+        write(answer(request["job_id"], {"echo": payload.get("value")}))
     elif mode == "prev_token":
         url = guard.get("url")
-        answer = {"prev": guard_status(url, previous_token) if previous_token else None,
-                  "own": guard_status(url, token)}
-        write(json.dumps(answer).encode() + b"\n")
+        statuses = {"prev": guard_status(url, previous_token) if previous_token else None,
+                    "own": guard_status(url, token)}
+        write(answer(request["job_id"], statuses))
     elif mode == "stat":
         path = payload.get("path")
-        write(json.dumps({**count, "exists": os.path.exists(path)}).encode() + b"\n")
+        write(answer(request["job_id"], {**count, "exists": os.path.exists(path)}))
     elif mode == "nul":
-        write(b'{"a": "x\x00y"}\n')
+        write(answer(request["job_id"], b'{"a": "x\x00y"}'))
     elif mode == "latin1":
-        write(b'{"a": "caf\xe9"}\n')
+        write(answer(request["job_id"], b'{"a": "caf\xe9"}'))
     elif mode in ("daemon", "daemon_noenv"):
         r, w = os.pipe()
         if os.fork() == 0:
@@ -151,13 +158,13 @@ while True:
         daemon = int(os.read(r, 32))
         os.close(r)
         os.wait()
-        write(json.dumps({**count, "daemon": daemon}).encode() + b"\n")
+        write(answer(request["job_id"], {**count, "daemon": daemon}))
     else:
-        write(json.dumps(count).encode() + b"\n")
+        write(answer(request["job_id"], count))
     previous_token = token
     if mode == "late_line":
         time.sleep(payload.get("delay", 0.3))
-        write(json.dumps({"late_for": request["job_id"]}).encode() + b"\n")
+        write(answer(request["job_id"], {"late_for": request["job_id"]}))
     if mode == "die_later":
         time.sleep(payload.get("delay", 0.3))
         os._exit(payload.get("code", 0))

@@ -1,16 +1,18 @@
 #!/usr/bin/env python3
 """A warm tool (PROCESS=warm, docs/child-process.md): one request line per job on stdin,
-one response line on stdout. It counts the jobs it served, so a result shows whether the
-process (and its state) was kept. Payload {"mode": ...}:
+one response line on stdout ({"job_id", "result"} or {"job_id", "error"}). It counts the
+jobs it served, so a result shows whether the process (and its state) was kept.
+Payload {"mode": ...}:
 - "count" (default): {"pid": <its pid>, "served": n, "job_id": ..., "token": ...,
   "process": $SIDECAR_PROCESS_ID, "has_job_env": whether SIDECAR_JOB_ID is in its
   environment}
 - "hang": never answers (the stage deadline kills it)
 - "exit": exits with status 3 before answering
 - "exit0": exits with status 0 before answering
-- "error": answers {"sidecar_error": {"message": "refused", "exit_code": 65}}
+- "error": answers with the error {"message": "refused", "exit_code": 65}
 - "garbage": answers a line that is not JSON
 - "chatty": writes an unasked line first, then answers
+- "stranger": answers naming another job
 - "child": starts a child that sleeps for ever (its pid in the result), then answers
 - "checkpoint": answers {"checkpoint": <the request's checkpoint>}
 - "flood": answers as "count", then, half a second later, unasked, writes 1 MB of lines
@@ -33,13 +35,17 @@ for line in sys.stdin:
     elif mode == "exit0":
         sys.exit(0)
     if mode == "error":
-        answer = {"sidecar_error": {"message": "refused", "exit_code": 65}}
+        answer = {"job_id": request["job_id"],
+                  "error": {"message": "refused", "exit_code": 65}}
     elif mode == "garbage":
         sys.stdout.write("this is not json\n")
         sys.stdout.flush()
         continue
     elif mode == "checkpoint":
-        answer = {"checkpoint": request.get("checkpoint")}
+        answer = {"job_id": request["job_id"],
+                  "result": {"checkpoint": request.get("checkpoint")}}
+    elif mode == "stranger":
+        answer = {"job_id": "00000000-0000-0000-0000-000000000000", "result": {}}
     else:
         answer = {"pid": os.getpid(), "served": served, "job_id": request["job_id"],
                   "token": request["fencing_token"], "key": request["idempotency_key"],
@@ -49,6 +55,7 @@ for line in sys.stdin:
             answer["child"] = subprocess.Popen(["sleep", "3600"]).pid
         if mode == "chatty":
             sys.stdout.write('{"unasked": true}\n')
+        answer = {"job_id": request["job_id"], "result": answer}
     sys.stdout.write(json.dumps(answer) + "\n")
     sys.stdout.flush()
     if mode == "flood":
