@@ -309,9 +309,11 @@ async def stop_warm_process(ctx: WorkerContext, process: WarmProcess, reason: st
     if child is not None:
         child.close_stdin()
         if not child.exited.done():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(child.exited),
-                                       ctx.profile.kill_grace_seconds)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can lose a
+            # cancellation (the worker's stop) that meets the end of what it awaits
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(ctx.profile.kill_grace_seconds):
+                    await asyncio.shield(child.exited)
         report = await child.kill_tree(ctx.profile.kill_grace_seconds)
         await child.close_pipes(timeout=1.0)
     left = await asyncio.get_running_loop().run_in_executor(None, process.sandbox.close)
