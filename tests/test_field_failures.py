@@ -222,6 +222,28 @@ def test_f11_results_and_next_stage_payloads_keep_every_digit(dsn, sidecars, tmp
     assert f'"payload":{{"amount":{LONG_FRACTION}}}' in shown.stdout.decode()
 
 
+def test_f11_a_result_slower_to_check_than_the_lease_has_left_is_committed(
+        dsn, sidecars, tmp_path):
+    """Kind: slow work after the heartbeat stopped. 8 MiB of 17-digit numbers take the
+    exact parse seconds (about 5 s on 2 busy cores), more than a 3 s lease has left when
+    the tool exits; the sidecar stopped renewing before it read and checked the output,
+    so the lease ran out, the commit was refused and the job failed although its owner
+    was alive. The output is now checked while the lease is renewed: the job succeeds
+    on its one attempt, every digit kept."""
+    item = "0.12345678901234567"
+    text = "[" + ",".join([item] * ((8 << 20) // (len(item) + 1))) + "]"
+    out = _exact_text(tmp_path, text)
+    env = base_env(dsn, SIDECAR_MAX_RESULT_BYTES=str(16 << 20))
+    job = enqueue(dsn, "big", {}, "--max-attempts", "1", env=env)
+    sc = sidecars(dsn, [str(TOOLS / "exact_json.py"), out], "--tool", "big", "--drain",
+                  env=env)
+    assert sc.wait(120) == 0, sc.stderr_text()[-2000:]
+    [row] = query(dsn, "SELECT state, attempt, length(result::text) AS n, "
+                       "result->>0 AS first FROM tool_jobs WHERE id = $1", job)
+    assert (row["state"], row["attempt"], row["first"]) == ("succeeded", 1, item), row
+    assert not sc.events("result_rejected")
+
+
 def test_f11_enqueued_payloads_keep_every_digit_in_the_tool_show_and_jobs(dsn, sidecars,
                                                                           tmp_path):
     """Kind: the same, for what goes in: the payload the tool reads on stdin, ``show`` and

@@ -557,3 +557,38 @@ def test_the_paths_a_payload_names_under_what_the_sandbox_hides_are_found():
     assert hidden_paths_named(plan, '{"image": "/srv/in/a.png", "n": "/tmpx"}') == []
     hint = hidden_path_hint(["/tmp/scan"])
     assert "/tmp/scan" in hint and "EXTRA_PATHS" in hint
+
+
+@pytest.mark.unit
+def test_a_mounted_path_that_names_something_else_now_is_seen(tmp_path):
+    """mounts_moved: what a waiting sandbox mounted by name is re-checked by identity.
+    A secrets' directory renamed away and replaced, a bound directory removed, a link
+    turned to another directory: moved. Files added inside, or a mode changed: not moved
+    (bwrap's mount still shows them)."""
+    from sidecar.worker.isolation import mount_identities, mounts_moved
+
+    secrets, inputs, v1, v2 = (tmp_path / n for n in ("secrets", "inputs", "v1", "v2"))
+    for d in (secrets, inputs, v1, v2):
+        d.mkdir()
+    link = tmp_path / "current"
+    link.symlink_to(v1)
+    paths = [str(secrets), str(inputs), str(link)]
+    seen = mount_identities(paths)
+    assert all(identity is not None for _, identity in seen)
+    assert not mounts_moved(seen) and not mounts_moved(())
+    (secrets / "token").write_text("x")
+    inputs.chmod(0o700)
+    assert not mounts_moved(seen)
+    secrets.rename(tmp_path / "secrets.old")
+    secrets.mkdir()
+    assert mounts_moved(seen)
+    secrets.rmdir()
+    (tmp_path / "secrets.old").rename(secrets)
+    assert not mounts_moved(seen)
+    inputs.rmdir()
+    assert mounts_moved(seen) and dict(mount_identities(paths))[str(inputs)] is None
+    inputs.mkdir()
+    seen = mount_identities(paths)
+    link.unlink()
+    link.symlink_to(v2)
+    assert mounts_moved(seen)

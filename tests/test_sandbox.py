@@ -165,6 +165,33 @@ def test_a_sandbox_that_cannot_start_fails_sandbox_failed(dsn, sidecars, tmp_pat
     assert "bwrap" in error["message"], error
 
 
+def test_a_secrets_directory_replaced_while_an_attempt_waits_stays_hidden(
+        dsn, sidecars, public_dir):
+    """A launcher prepared ahead (docs/isolation.md, "Prepared attempts") set its sandbox
+    up while the secrets' directory was the old one: bwrap's tmpfs hides that directory
+    object. The host then rotates it (the old one renamed away, a new one in its place),
+    which since Linux 3.18 leaves the waiting sandbox showing the new one. The job
+    started next must still find no secret there: the waiting launcher is not used (its
+    mounts moved), and the replacement prepared after the rotation hides the new one."""
+    base = public_dir(0o700, 0, "/var/tmp")
+    secrets = base / "s"
+    secrets.mkdir()
+    secret = secrets / "url"
+    secret.write_text(dsn + "\n")
+    env = _env(dsn, SIDECAR_DATABASE_URL_FILE=str(secret), SIDECAR_LOG_LEVEL="debug")
+    del env["SIDECAR_DATABASE_URL"]
+    sc = sidecars(dsn, TOOL, "--tool", "sbx", env=env)
+    sc.wait_event("attempt_prepared", 30)
+    secrets.rename(base / "s.old")
+    secrets.mkdir()
+    secret.write_text(dsn + "\n")
+    for _ in range(2):
+        job = enqueue(dsn, "sbx", {"mode": "read", "path": str(secret)})
+        row = _ended(dsn, job)
+        assert row["state"] == "failed" and row["result"] is None, row
+        assert "cannot read" in row["error"]["message"] + str(row["error"]), row["error"]
+
+
 def test_config_shows_the_sandbox_and_refuses_a_bad_extra_path(dsn, tmp_path):
     """`sidecar config` runs the start-up probe: the default profile's sandbox is on here;
     an EXTRA_PATHS entry that does not exist is one line and exit 2."""

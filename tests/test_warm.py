@@ -22,6 +22,7 @@ from kit import (
     journal_details,
     parse_events,
     pid_alive,
+    sandbox_extra_paths,
     wait_until,
 )
 
@@ -241,3 +242,38 @@ def test_a_line_mode_child_keeps_no_more_than_its_cap_of_output_nobody_asked_for
             await child.close_pipes(1.0)
 
     asyncio.run(run())
+
+
+@pytest.mark.skipif(not shutil.which("bwrap"), reason="needs bubblewrap")
+def test_a_warm_process_whose_secrets_directory_was_replaced_serves_no_further_job(
+        dsn, sidecars, public_dir):
+    """A warm process's sandbox hides the secrets' directory object it found at its start.
+    The host rotates that directory (renamed away, a new one in its place), which a
+    long-lived sandbox would then show. The next job gets a fresh process whose sandbox
+    hides the new one; the old process is stopped with reason sandbox_moved."""
+    base = public_dir(0o700, 0, "/var/tmp")
+    secrets = base / "s"
+    secrets.mkdir()
+    secret = secrets / "url"
+    secret.write_text(dsn + "\n")
+    env = _env(dsn, SIDECAR_SANDBOX="required", SIDECAR_DATABASE_URL_FILE=str(secret))
+    del env["SIDECAR_DATABASE_URL"]
+    if sandbox_extra_paths():
+        env["SIDECAR_EXTRA_PATHS"] = sandbox_extra_paths()
+    sc = sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    first = enqueue(dsn, "warm", {"mode": "read", "path": str(secret)}, "--max-attempts", "1",
+                    env=env)
+    wait_until(lambda: job_row(dsn, first)["state"] == "failed", 30, what="the first read")
+    secrets.rename(base / "s.old")
+    secrets.mkdir()
+    secret.write_text(dsn + "\n")
+    second = enqueue(dsn, "warm", {"mode": "read", "path": str(secret)}, "--max-attempts", "1",
+                     env=env)
+    wait_until(lambda: job_row(dsn, second)["state"] in ("failed", "succeeded"), 30,
+               what="the second read")
+    row = job_row(dsn, second)
+    assert row["state"] == "failed" and row["result"] is None, row
+    assert sc.wait_event("warm_process_stopped", 15, reason="sandbox_moved")
+    started = [journal_details(dsn, job, "tool_request_started")[0]["warm"]
+               for job in (first, second)]
+    assert started[0]["process_id"] != started[1]["process_id"] and started[1]["fresh"]

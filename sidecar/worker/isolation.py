@@ -175,6 +175,12 @@ class SandboxPlan:
     network: str = "host"
     extra_paths: tuple[tuple[str, str], ...] = ()
 
+    def mounted_paths(self) -> tuple[str, ...]:
+        """The host paths whose mounts bwrap sets up by name (``mounts_moved``): the
+        work root, each hidden directory and file, each EXTRA_PATHS entry."""
+        return (self.work_root, *self.hidden_dirs, *self.hidden_files,
+                *(path for path, _mode in self.extra_paths))
+
     def argv(self, command: list[str], job_dir: str | None = None,
              status_fd: int | None = None) -> list[str]:
         """The bwrap command line that runs ``command`` in the attempt's sandbox: user,
@@ -209,6 +215,41 @@ class SandboxPlan:
         if status_fd is not None:
             args += ["--json-status-fd", str(status_fd)]
         return [*args, "--", *command]
+
+
+# What each path a sandbox mounts by name (``SandboxPlan.mounted_paths``) named when it
+# was set up: ``(path, (st_dev, st_ino))``, None for a path that did not exist.
+MountIdentities = tuple[tuple[str, "tuple[int, int] | None"], ...]
+
+
+def mount_identities(paths: tuple[str, ...] | list[str]) -> MountIdentities:
+    """The identity of what each of ``paths`` names now, links followed: ``(path,
+    (st_dev, st_ino))``, or ``(path, None)`` when it cannot be stat'ed. One ``stat`` each;
+    never raises."""
+    found = []
+    for path in paths:
+        try:
+            info = os.stat(path)
+        except OSError:
+            found.append((path, None))
+        else:
+            found.append((path, (info.st_dev, info.st_ino)))
+    return tuple(found)
+
+
+def mounts_moved(identities: MountIdentities) -> bool:
+    """True when a path of ``identities`` (``mount_identities`` when a sandbox was set
+    up) names something else now: removed, renamed away, replaced, or a link turned.
+
+    bwrap mounts each hidden directory's tmpfs, each hidden file's /dev/null and each
+    ``EXTRA_PATHS`` bind on what its path named at set-up. A sandbox that outlives a
+    change keeps the old object: since Linux 3.18 a directory or file of the host that
+    is renamed or removed takes the mounts on it in other namespaces along, so a secrets'
+    directory replaced on the host shows its new contents in a sandbox set up before
+    (and a bind shows the old, or a deleted, directory). A sandbox that waits for jobs
+    (a prepared launcher, a warm process) is checked with this before each job and
+    replaced when it is true."""
+    return bool(identities) and mount_identities([p for p, _ in identities]) != identities
 
 
 def _under(path: str, parent: str) -> bool:

@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from sidecar.runtime.log import log
 from sidecar.worker.child import Child, Launched
-from sidecar.worker.isolation import Sandbox
+from sidecar.worker.isolation import MountIdentities, Sandbox, mounts_moved
 
 SH = "/bin/sh"
 # The launcher's argv[0] ($0 of its scripts): what `ps` shows while it waits.
@@ -290,6 +290,9 @@ class PreparedAttempt:
     program: str  # the tool's executable (absolute): checked at start, as exec would
     # exec_files(program) when the launcher was prepared: unchanged at start, or cold.
     files: tuple[tuple[str, Fingerprint], ...] = ()
+    # mount_identities(plan.mounted_paths()) before bwrap mounted them: the same at
+    # start, or cold (a secrets' directory replaced since must not show).
+    mounts: MountIdentities = ()
 
     def line_for(self, env: dict[str, str]) -> bytes | None:
         """The job line that turns this launcher's environment into ``env`` (the
@@ -305,12 +308,14 @@ class PreparedAttempt:
         """The job's Child: its line then ``payload`` on the launcher's stdin. None (the
         caller discards this attempt and starts cold) when the line cannot carry ``env``,
         the tool's executable or one of its interpreters changed since it was checked
-        (``exec_files``; gone, replaced, rewritten, its mode changed), or the launcher is
+        (``exec_files``; gone, replaced, rewritten, its mode changed), a path the
+        sandbox mounts names something else now (``mounts_moved``), or the launcher is
         no longer running."""
         line = self.line_for(env)
         # A tool gone or changed since the launcher started: a cold start tells what execve
         # makes of it (spawn_failed 127, 126), where the shell's exec would not (exec_files).
-        if line is None or not self._unchanged() or not self.launched.alive():
+        if line is None or not self._unchanged() or mounts_moved(self.mounts) \
+                or not self.launched.alive():
             return None
         return Child.start(self.launched, line + payload, max_stdout, on_stderr_line, cookie)
 

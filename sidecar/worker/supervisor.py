@@ -64,7 +64,7 @@ from sidecar.worker.child import (
 )
 from sidecar.worker.commit import FencedCommit
 from sidecar.worker.context import WorkerContext
-from sidecar.worker.isolation import TMPDIR_VARIABLES, Sandbox, child_environment
+from sidecar.worker.isolation import TMPDIR_VARIABLES, Sandbox, child_environment, mount_identities
 from sidecar.worker.lease import Lease
 from sidecar.worker.leftovers import job_name, work_dir_prefix
 from sidecar.worker.prepared import (
@@ -194,6 +194,8 @@ async def prepare_attempt(ctx: WorkerContext, serial: int) -> PreparedAttempt:
     profile = ctx.profile
     # Only for a program execve would start (else the shell's exec differs): raises.
     files = exec_files(ctx.argv[0])
+    # Before bwrap mounts them: a change after this is seen at start (mounts_moved).
+    mounts = mount_identities(ctx.sandbox.mounted_paths()) if ctx.sandbox else ()
     altered = shell_altered(child_environment(ctx.base_env, profile, {}),
                             ctx.sandbox is not None)
     if altered:
@@ -237,7 +239,7 @@ async def prepare_attempt(ctx: WorkerContext, serial: int) -> PreparedAttempt:
     except BaseException:
         await loop.run_in_executor(None, sandbox.close)
         raise
-    return PreparedAttempt(sandbox, launched, env, ctx.argv[0], files)
+    return PreparedAttempt(sandbox, launched, env, ctx.argv[0], files, mounts)
 
 
 def discard_prepared(prepared: PreparedAttempt) -> None:
@@ -264,7 +266,9 @@ async def start_warm_process(ctx: WorkerContext, serial: int, process_id: str
                       work_dir_prefix(ctx.owner_id), spares=None)
     loop = asyncio.get_running_loop()
     await loop.run_in_executor(None, sandbox.open)
-    process = WarmProcess(serial, sandbox, process_id)
+    process = WarmProcess(serial, sandbox, process_id,
+                          mounts=mount_identities(ctx.sandbox.mounted_paths())
+                          if ctx.sandbox is not None else ())
     try:
         variables = attempt_variables(profile, ctx.owner_id, sandbox)
         # A warm job's result is its response line and its progress goes to the guard:
@@ -785,7 +789,18 @@ class JobSupervisor:
                 StopReason.EXITED, 0, usage=usage, stderr_tail=stderr_tail,
                 memory_cgroup=sandbox.cgroup is not None
                 and sandbox.cgroup.host.memory is not None), profile)
+            checked = None
+            if limit is None and not child.stdout and not self.lease.lost.is_set():
+                # Checked while the heartbeat still renews the lease (an exact parse of a
+                # large answer takes seconds on a loaded host): see _settle.
+                checked = await self._answered(answer.result(), stderr_tail)
             self.lease.settle()
+            if checked is not None and checked[1]:
+                log.emit("warm_process_broken", "warning", **log_fields(self.job),
+                         pid=child.pid, reason="an answer that names another job or none")
+                self.ctx.warm.retire(process, "broken")
+                if not self.lease.lost.is_set():
+                    return checked[0]
             if self.lease.lost.is_set():  # lost as the answer came: ownership first (P13)
                 ending = Reject(self._lease_ending(), payload_digest(answer.result()))
             elif limit is not None:
@@ -806,13 +821,9 @@ class JobSupervisor:
                 self.ctx.warm.retire(process, "broken")
                 return ending
             else:
-                ending, out_of_step = await self._answered(answer.result(), stderr_tail)
-                if out_of_step:
-                    log.emit("warm_process_broken", "warning", **log_fields(self.job),
-                             pid=child.pid,
-                             reason="an answer that names another job or none")
-                    self.ctx.warm.retire(process, "broken")
-                    return ending
+                ending = checked[0]
+            if process.retired:
+                return ending
             # Kept, or retired in the pool's own task: the job's end is written without
             # waiting for a stop (its lease is settled: renewed no more).
             self.ctx.warm.give_back(process)
@@ -890,14 +901,28 @@ class JobSupervisor:
 
     async def _settle(self, reason: StopReason, child: Child, sandbox: Sandbox,
                       usage: Usage) -> Ending:
-        self.lease.settle()
-        if self.lease.lost.is_set():  # lost during the kill too: ownership first (P13)
-            reason = self._lease_ending()
         # Scrubbed before it goes anywhere (issue 25): a tool that echoes the mounted
         # database Secret or its guard token leaves "[secret]" in the tail.
         stderr_tail = stderr_tail_text(child.stderr_tail,
                                        child.stderr_bytes > len(child.stderr_tail),
                                        STDERR_TAIL_BYTES)
+        checked = None
+        if not self.lease.lost.is_set() \
+                and not (child.sandbox_failed and reason is StopReason.EXITED) \
+                and isinstance(decide(self._observed(reason, child, sandbox, usage,
+                                                     stderr_tail), self.ctx.profile), Commit):
+            # Read and checked while the heartbeat still renews the lease: the exact parse
+            # of a large result takes seconds on a loaded host (8 MiB of 17-digit numbers:
+            # about 5 s on 2 busy cores), more than what is left of a lease.
+            checked = await self._commit_output(child, sandbox, stderr_tail)
+        self.lease.settle()
+        if self.lease.lost.is_set():  # lost during the kill or the check: ownership first
+            reason = self._lease_ending()  # (P13)
+            if checked is not None:
+                return Reject(reason, checked.digest if isinstance(checked, Succeeded)
+                              else checked.details.get("result"))
+        elif checked is not None:
+            return checked
         if child.sandbox_failed and reason is StopReason.EXITED:
             # bwrap exited without starting the tool: the sandbox's failure, not the
             # tool's exit status (retried, as any sandbox_failed).
@@ -906,10 +931,8 @@ class JobSupervisor:
             return failure(
                 FailureKind.SANDBOX_FAILED, f"the sandbox (bwrap) did not start the tool: "
                 f"{last[0]}", stderr_tail=stderr_tail)
-        seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
-                        child.stdout_bytes, usage, stderr_tail,
-                        sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)
-        verdict = decide(seen, self.ctx.profile)
+        verdict = decide(self._observed(reason, child, sandbox, usage, stderr_tail),
+                         self.ctx.profile)
         match verdict:
             case Reject(reason=ending):
                 returned = (child.returncode == 0 or child.status_lost) \
@@ -924,6 +947,13 @@ class JobSupervisor:
             case Commit():
                 return await self._commit_output(child, sandbox, stderr_tail)
         raise AssertionError(f"no verdict handled: {verdict!r}")
+
+    @staticmethod
+    def _observed(reason: StopReason, child: Child, sandbox: Sandbox, usage: Usage,
+                  stderr_tail: str | None) -> Observed:
+        return Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
+                        child.stdout_bytes, usage, stderr_tail,
+                        sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)
 
     async def _commit_output(self, child: Child, sandbox: Sandbox,
                              stderr_tail: str | None) -> Succeeded | Failure:

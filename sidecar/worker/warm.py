@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from sidecar.protocol.model import LeaseProfile
 from sidecar.worker import safefs
 from sidecar.worker.child import Child
-from sidecar.worker.isolation import Sandbox
+from sidecar.worker.isolation import MountIdentities, Sandbox, mounts_moved
 
 # The variable a warm process starts with, besides the attempt's static ones: its own id,
 # which marks every process of its tree for the tree kill as SIDECAR_JOB_ID marks a
@@ -61,6 +61,9 @@ class WarmProcess:
     # Set when the pool is told to stop it: no job takes it, nothing more is done in its
     # work directory (its removal is under way).
     retired: bool = False
+    # mount_identities of its sandbox's mounted paths at its start: a process whose
+    # sandbox would now differ from a fresh one serves no further job (mounts_moved).
+    mounts: MountIdentities = ()
     _sockets: int = 0
 
     def on_stderr_line(self, line: bytes) -> None:
@@ -157,6 +160,8 @@ class WarmPool:
     def _unfit(self, process: WarmProcess) -> str | None:
         if process.child is None or process.child.exited.done():
             return "exited"
+        if mounts_moved(process.mounts):
+            return "sandbox_moved"
         return process.spent(self.profile)
 
     def retire(self, process: WarmProcess, reason: str) -> None:

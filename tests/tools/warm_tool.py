@@ -16,6 +16,8 @@ Payload {"mode": ...}:
 - "child": starts a child that sleeps for ever (its pid in the result), then answers
 - "checkpoint": answers {"checkpoint": <the request's checkpoint>}
 - "flood": answers as "count", then, half a second later, unasked, writes 1 MB of lines
+- "read": reads the file "path": answers {"bytes": its size}, or the error
+  {"message": "cannot read ...", "exit_code": 2}
 """
 import json
 import os
@@ -44,6 +46,13 @@ for line in sys.stdin:
     elif mode == "checkpoint":
         answer = {"job_id": request["job_id"],
                   "result": {"checkpoint": request.get("checkpoint")}}
+    elif mode == "read":
+        try:
+            with open(request["payload"]["path"], "rb") as f:
+                answer = {"job_id": request["job_id"], "result": {"bytes": len(f.read())}}
+        except OSError as exc:
+            answer = {"job_id": request["job_id"],
+                      "error": {"message": f"cannot read: {exc.strerror}", "exit_code": 2}}
     elif mode == "stranger":
         answer = {"job_id": "00000000-0000-0000-0000-000000000000", "result": {}}
     else:
