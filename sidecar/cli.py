@@ -203,7 +203,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
     tool = validate_tool_name(args.tool)
     options = enqueue_args.enqueue_options(args.priority, args.run_after, args.expires_in,
                                            args.tag, args.traceparent, args.tracestate,
-                                           args.concurrency_key)
+                                           args.concurrency_key, session=args.session)
     payload, raw = _read_payload(args, settings.max_payload_bytes)
     # None: the profile (MAX_ATTEMPTS) of the sidecar that claims the job decides.
     max_attempts = enqueue_args.check_max_attempts(args.max_attempts)
@@ -372,12 +372,30 @@ def cmd_show(args, settings: Settings) -> int:
             job["events"] = [dict(e) for e in await store.job_events(job_id)]
             job["forwarding"] = [dict(o) for o in await store.outbox_of_job(job_id)]
             job["next_stages"] = [dict(c) for c in await store.children(job_id)]
+            if job.get("session_key") is not None:  # its agent session (issue 43)
+                job["session"] = await store.session_of_job(job_id)
             return job
 
     job = run_async(settings, go())
     if job is None:
         raise SidecarError(f"no job {job_id}")
     _print_json(job)
+    return 0
+
+
+def cmd_sessions(args, settings: Settings) -> int:
+    """The live agent sessions (issue 43): one JSON object per line, newest first: tool,
+    session_key, owner_id, generation, lease_until and lease_remaining (s), started_at,
+    last_call_at, calls."""
+    if args.tool is not None:
+        validate_tool_name(args.tool)
+
+    async def go():
+        async with open_store(settings, OperatorStore) as store:
+            return await store.live_sessions(args.tool, args.limit)
+
+    for row in run_async(settings, go()):
+        _print_json(dict(row))
     return 0
 
 
@@ -1041,6 +1059,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency-key", metavar="KEY",
                    help="the key flow control caps (--max-running-per-key) and takes turns "
                         "by, e.g. a tenant or an account (sidecar limit)")
+    p.add_argument("--session", metavar="KEY",
+                   help="the agent session of the call: a session's calls run one at a "
+                        "time, in order, in one warm process that keeps its state "
+                        "(PROCESS=warm; docs/callers.md \"Sessions\")")
     p.add_argument("--wait", action="store_true",
                    help="then wait for the job to end, as `sidecar wait` (exit 0, 3, 4)")
     p.add_argument("--timeout", metavar="DURATION",
@@ -1068,6 +1090,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
     p = add("show", cmd_show, "one job as JSON, with its journal")
     p.add_argument("job_id", metavar="JOB_ID")
+    p = add("sessions", cmd_sessions, "the live agent sessions as JSON lines, newest first")
+    p.add_argument("--tool")
+    p.add_argument("--limit", type=_int_from(1, LIMIT_MAX), default=50)
     p = add("jobs", cmd_jobs, "one line per job, newest first")
     p.add_argument("--state", choices=STATES)
     p.add_argument("--tool")

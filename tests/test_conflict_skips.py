@@ -39,6 +39,10 @@ updating this list):
   existing flow row, journaled.
 - ``queries.sql`` ``web_login_failed``: ``ON CONFLICT (scope, subject) DO UPDATE``: never
   skips; a failure counts on the subject's existing window.
+- ``functions/sessions.sql`` ``tool_job_session_begin``: ``ON CONFLICT (tool, session_key)
+  DO NOTHING`` skips when the session exists; the function then reads and locks that row
+  and decides from it (continued, lost, restarted or elsewhere), never taking the skip
+  as a start.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ AUDITED = {
     ("storage/sql/queries.sql", "web_login_failed"),
     # a concurrent first sample made the tool's sweep row: the turn is that sample's
     ("storage/sql/queries.sql", "sample_tool"),
+    ("storage/sql/functions/sessions.sql", "?"),  # a session's first call
 }
 
 

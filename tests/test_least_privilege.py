@@ -96,7 +96,7 @@ WRITES: dict[str, set[str]] = {
     "SELECT tool_job_wake('pt', 1)": {"worker"},
     "SELECT sidecar_enqueue('pt', '{}')": {"worker", "caller"},
     "SELECT * FROM tool_job_enqueue('pt', '{}', NULL, NULL, NULL, NULL, NULL, NULL, NULL, "
-    "NULL, NULL, NULL, NULL, NULL)": {"worker", "caller"},
+    "NULL, NULL, NULL, NULL, NULL, NULL)": {"worker", "caller"},
     "SELECT * FROM tool_job_cancel($1, NULL, NULL)": {"worker", "caller", "web"},
     "SELECT * FROM tool_job_retry($1, NULL, NULL, NULL, NULL)": {"worker", "web"},
     "SELECT * FROM tool_flow_pause('pt', NULL, NULL)": {"worker", "web"},
@@ -234,7 +234,7 @@ def test_a_caller_writes_only_through_the_checked_functions(dsn, roles):
                 with pytest.raises(asyncpg.InvalidParameterValueError, match="details"):
                     await own.fetch(
                         "SELECT * FROM tool_job_enqueue('pt', '{}', NULL, NULL, NULL, NULL, "
-                        "NULL, NULL, NULL, NULL, NULL, NULL, $1::jsonb, NULL)",
+                        "NULL, NULL, NULL, NULL, NULL, NULL, $1::jsonb, NULL, NULL)",
                         '{"by": "' + "x" * 5000 + '"}')
                 with pytest.raises(asyncpg.InvalidParameterValueError, match="by"):
                     await own.fetch("SELECT * FROM tool_job_cancel($1, NULL, $2)",
@@ -510,9 +510,9 @@ def test_a_caller_cannot_lift_the_databases_payload_ceiling(dsn, roles):
             refused = []
             for sql, payload in (
                     ("SELECT * FROM tool_job_enqueue('pt', $1::text::jsonb, NULL, NULL, NULL, "
-                     "NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL)", big),
+                     "NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL)", big),
                     ("SELECT * FROM tool_job_enqueue('pt', $1::text::jsonb, NULL, NULL, NULL, "
-                     "NULL, NULL, NULL, NULL, NULL, NULL, 999999999, NULL, NULL)", bomb),
+                     "NULL, NULL, NULL, NULL, NULL, NULL, 999999999, NULL, NULL, NULL)", bomb),
                     ("SELECT sidecar_enqueue('pt', $1::text::jsonb)", big)):
                 await conn.execute("SET sidecar.max_payload_bytes = '0'")
                 with pytest.raises(asyncpg.InvalidParameterValueError,

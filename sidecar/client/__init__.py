@@ -191,7 +191,8 @@ def enqueue_options(*, priority: int = 0,
                     expires_in: dt.datetime | dt.timedelta | float | str | None = None,
                     tags: Mapping[str, str] | None = None, traceparent: str | None = None,
                     tracestate: str | None = None,
-                    concurrency_key: str | None = None) -> enqueue_args.EnqueueOptions:
+                    concurrency_key: str | None = None,
+                    session: str | None = None) -> enqueue_args.EnqueueOptions:
     """The client's options as EnqueueOptions: the one parser of the CLI's options
     (sidecar.protocol.enqueue_args.enqueue_options), errors naming the Python arguments.
     ``run_after`` an aware datetime (not claimed before) or a delay (seconds, a timedelta
@@ -200,7 +201,7 @@ def enqueue_options(*, priority: int = 0,
     it). UsageError for the first that is not allowed."""
     return enqueue_args.enqueue_options(
         priority, run_after, expires_in, tags, traceparent, tracestate, concurrency_key,
-        names=enqueue_args.PYTHON_NAMES)
+        session=session, names=enqueue_args.PYTHON_NAMES)
 
 
 class Client:
@@ -220,7 +221,11 @@ class Client:
     ``max_connections``: the pool's size. Every wait of the client shares one more
     connection, its LISTEN connection (sidecar.client.waiting.WaitHub, made at the first
     wait): a client holds at most ``max_connections`` + 1 server connections however
-    many calls it waits for at once (issue 41).
+    many calls it waits for at once (issue 41). ``session``: every call this client
+    enqueues belongs to that agent session (1-256 printable characters; a call's own
+    ``session=`` overrides it): they run one at a time, in order, in one warm process of
+    the tool that keeps its state (docs/callers.md "Sessions"; the tool's profile must be
+    PROCESS=warm).
 
     Use it as ``async with Client() as client:`` or ``client = await Client.connect()``
     (then ``await client.close()``). Opening checks the schema and never changes it:
@@ -229,9 +234,11 @@ class Client:
 
     def __init__(self, dsn: str | None = None, *, settings: Settings | None = None,
                  pooler: str | None = None, listen_dsn: str | None = None,
-                 max_connections: int = 4):
+                 max_connections: int = 4, session: str | None = None):
         if max_connections < 1:
             raise UsageError(f"max_connections {max_connections}: must be at least 1")
+        # checked now: a bad session is the constructor's error, not each call's
+        self.session = enqueue_options(session=session).session
         self._dsn_given = dsn
         self._settings_given = settings
         self._pooler_given = pooler
@@ -357,6 +364,7 @@ class Client:
                       tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
                       traceparent: str | None = None, tracestate: str | None = None,
                       concurrency_key: str | None = None,
+                      session: str | None = None,
                       connection: asyncpg.Connection | None = None,
                       gateway_tags: bool = False) -> JobRef:
         """Queue one call of ``tool`` with ``payload`` (any JSON value, None is ``{}``; a
@@ -371,7 +379,10 @@ class Client:
         1-1000, None: the profile's MAX_ATTEMPTS. ``traceparent``/``tracestate``: W3C
         trace context, given to the tool as TRACEPARENT/TRACESTATE. ``concurrency_key``:
         1-256 printable characters (a tenant, an account): flow control caps it and lets
-        keys take turns (``sidecar limit``, issue 27); None: no key.
+        keys take turns (``sidecar limit``, issue 27); None: no key. ``session``: the agent
+        session of the call (None: the client's own ``session``, if any): its calls run
+        one at a time, in order, in one warm process; a call whose session ended or was
+        lost fails with kind ``session_lost`` (docs/callers.md "Sessions").
 
         ``connection``: your own asyncpg connection, in a transaction you opened: the job
         is written in it and exists only if that transaction commits; the wake-up of an
@@ -390,7 +401,8 @@ class Client:
         tool = validate_tool_name(tool)
         options = enqueue_options(priority=priority, run_after=run_after,
                                   expires_in=expires_in, tags=tags, traceparent=traceparent,
-                                  tracestate=tracestate, concurrency_key=concurrency_key)
+                                  tracestate=tracestate, concurrency_key=concurrency_key,
+                                  session=session if session is not None else self.session)
         enqueue_args.check_max_attempts(max_attempts, "max_attempts")
         if idempotency_key is not None:
             check_producer_key(enqueue_args.check_idempotency_key(idempotency_key,
@@ -470,7 +482,7 @@ class Client:
                    expires_in: dt.datetime | dt.timedelta | float | None = None,
                    tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
                    traceparent: str | None = None, tracestate: str | None = None,
-                   concurrency_key: str | None = None) -> Any:
+                   concurrency_key: str | None = None, session: str | None = None) -> Any:
         """Enqueue ``tool`` with ``payload`` (options as ``enqueue``'s; no ``connection``:
         a job in an open transaction could not run before it commits) and wait for it;
         return its result (the JSON the tool printed, decoded).
@@ -485,7 +497,7 @@ class Client:
                                  priority=priority, run_after=run_after,
                                  expires_in=expires_in, tags=tags, max_attempts=max_attempts,
                                  traceparent=traceparent, tracestate=tracestate,
-                                 concurrency_key=concurrency_key)
+                                 concurrency_key=concurrency_key, session=session)
         end = await self.wait(ref, timeout=seconds)
         assert isinstance(end, JobEnd)
         if not end.succeeded:

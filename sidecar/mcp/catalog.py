@@ -184,6 +184,17 @@ def call_idempotency_key(secret: bytes, principal: str, session_id: str | None,
     return f"{RESERVED_KEY_PREFIX}{_mac(secret, [principal, session_id, str(request_id)])}"
 
 
+def agent_session_key(secret: bytes, principal: str, session_id: str | None) -> str | None:
+    """The agent session (issue 43; docs/callers.md "Sessions") of an MCP client's calls
+    of a warm tool: one per principal and MCP session (``Mcp-Session-Id``), so the calls of
+    one connected client run in order in one warm process that keeps its state, and two
+    clients never share one. None without an MCP session. A MAC under ``secret``: the MCP
+    session id itself (a bearer value) is never stored."""
+    if not session_id:
+        return None
+    return f"mcp:{_mac(secret, ['session', principal, session_id])}"
+
+
 def client_idempotency_key(secret: bytes, principal: str, key: str) -> str:
     """A key the client gave (in ``_meta``), scoped to its principal: two principals
     using the same key get two jobs, and neither can reach the other's through it; keyed

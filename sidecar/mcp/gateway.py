@@ -190,7 +190,8 @@ class Gateway:
                 if ref is None:
                     ref = await self.client.enqueue(
                         tool.name, arguments, idempotency_key=key, tags=tags,
-                        expires_in=self.options.start_deadline_seconds, gateway_tags=True)
+                        expires_in=self.options.start_deadline_seconds, gateway_tags=True,
+                        session=self._agent_session(tool.name, principal, ctx))
             except IdempotencyConflict as exc:
                 raise MCPError(code=INVALID_PARAMS,
                                message=_conflict(str(exc), meta, key)) from None
@@ -240,6 +241,14 @@ class Gateway:
             if "mcp.task" not in (row["tags"] or {}) and self._signed(row["tags"]):
                 return JobRef(row["id"], False)
         return None
+
+    def _agent_session(self, tool: str, principal: str, ctx: Any) -> str | None:
+        """The agent session of this call (issue 43): the client's MCP session, for a tool
+        whose profile is PROCESS=warm (a per-job tool keeps no state between calls);
+        else None."""
+        if not _warm(self.client.settings, tool):
+            return None
+        return mcp_catalog.agent_session_key(self.secret, principal, _session_id(ctx))
 
     def _idempotency_key(self, ctx: Any, principal: str, meta: Mapping[str, Any]) -> str | None:
         given = meta.get(IDEMPOTENCY_META)
@@ -602,6 +611,13 @@ def _scope(ctx: Any) -> Mapping[str, Any] | None:
     request = getattr(ctx, "request", None)
     scope = getattr(request, "scope", None)
     return scope if isinstance(scope, Mapping) else None
+
+
+def _warm(settings: Any, tool: str) -> bool:
+    try:
+        return settings.profile(tool).process == "warm"
+    except Exception:  # noqa: BLE001 - a tool the gateway's settings cannot describe
+        return False
 
 
 def _session_id(ctx: Any) -> str | None:

@@ -80,6 +80,12 @@ LEASES_HELD = Gauge("sidecar_leases_held", "Leases this sidecar holds now.", _TP
 LEASES_UNKNOWN = Gauge("sidecar_leases_ownership_unknown",
                        "Leases this sidecar holds whose ownership is unknown now: the "
                        "database has not confirmed them since a renewal failed (P14b).", _TP)
+SESSIONS_HELD = Gauge("sidecar_sessions_held",
+                      "Agent sessions this sidecar holds now, each with its warm process "
+                      "(issue 43), read at each scrape.", _TP)
+SESSIONS_LOST = Counter("sidecar_sessions_lost",
+                        "Calls that failed session_lost: their session had ended or was "
+                        "lost (issue 43).", _TP)
 LEASES_EXPIRED = Counter("sidecar_leases_expired",
                          "Leases lost before the job ended: zero rows or local deadline.", _TP)
 OWNERSHIP_UNKNOWN = Counter("sidecar_ownership_unknown_episodes",

@@ -52,8 +52,10 @@ class EnqueueOptions:
     ``run_after`` (a time), not both; ``expires_in``: no attempt starts later than this
     after enqueue, or ``expires_at`` (a time, by the database's clock; not both:
     sidecar.client); ``tags`` (string to string); ``traceparent``/``tracestate`` (W3C);
-    ``concurrency_key``: the key flow control caps and takes turns by (issue 27). The
-    defaults change nothing."""
+    ``concurrency_key``: the key flow control caps and takes turns by (issue 27);
+    ``session``: the agent session the call belongs to (issue 43: its calls run one at a
+    time, in order, in one warm process; docs/callers.md "Sessions"). The defaults change
+    nothing."""
 
     priority: int = 0
     run_in: dt.timedelta | None = None
@@ -64,6 +66,7 @@ class EnqueueOptions:
     traceparent: str | None = None
     tracestate: str | None = None
     concurrency_key: str | None = None
+    session: str | None = None
 
 
 @dataclass(frozen=True)
@@ -80,13 +83,15 @@ class OptionNames:
     concurrency_key: str
     idempotency_key: str
     max_attempts: str
+    session: str
 
 
 CLI_NAMES = OptionNames("--priority", "--run-after", "--expires-in", "--tag", "--traceparent",
                         "--tracestate", "--concurrency-key", "--idempotency-key",
-                        "--max-attempts")
+                        "--max-attempts", "--session")
 PYTHON_NAMES = OptionNames("priority", "run_after", "expires_in", "tags", "traceparent",
-                           "tracestate", "concurrency_key", "idempotency_key", "max_attempts")
+                           "tracestate", "concurrency_key", "idempotency_key", "max_attempts",
+                           "session")
 
 
 def parse_duration(text: str, what: str) -> dt.timedelta:
@@ -295,6 +300,7 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
                     traceparent: str | None = None,
                     tracestate: str | None = None,
                     concurrency_key: str | None = None, *,
+                    session: str | None = None,
                     names: OptionNames = CLI_NAMES) -> EnqueueOptions:
     """The one parser of the enqueue options, for the command line (text as given, None
     when absent) and the client (Python values; ``names=PYTHON_NAMES``) alike.
@@ -304,7 +310,8 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
     datetime, or ISO 8601 text with its offset); ``expires_in`` a duration more than 0
     (same forms) or an aware datetime (no attempt starts after it); ``tags`` ``KEY=VALUE``
     strings or a mapping; ``traceparent``/``tracestate`` W3C trace context (a tracestate
-    needs a traceparent); ``concurrency_key`` 1-256 printable characters. Returns
+    needs a traceparent); ``concurrency_key`` and ``session`` 1-256 printable
+    characters each. Returns
     EnqueueOptions; UsageError, naming the option as ``names`` spells it, for the first
     value that is not allowed."""
     when = _moment(run_after, names.run_after, False) if run_after is not None else None
@@ -323,6 +330,8 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
         checked_tags = parse_tags(tags, names.tags)
     if concurrency_key is not None and not isinstance(concurrency_key, str):
         raise UsageError(f"{names.concurrency_key} must be a string, e.g. 'tenant-42'")
+    if session is not None and not isinstance(session, str):
+        raise UsageError(f"{names.session} must be a string, e.g. 'agent-run-42'")
     return EnqueueOptions(
         priority=check_priority(priority, names.priority) if priority is not None else 0,
         run_in=when if isinstance(when, dt.timedelta) else None,
@@ -335,4 +344,6 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
         tracestate=(check_tracestate(tracestate, names.tracestate)
                     if tracestate is not None else None),
         concurrency_key=(check_concurrency_key(concurrency_key, names.concurrency_key)
-                         if concurrency_key is not None else None))
+                         if concurrency_key is not None else None),
+        session=(check_concurrency_key(session, names.session, "agent-run-42")
+                 if session is not None else None))

@@ -75,14 +75,16 @@ def check_cap(value: int, option: str) -> int:
     return value
 
 
-def check_concurrency_key(key: str, option: str = "--concurrency-key") -> str:
+def check_concurrency_key(key: str, option: str = "--concurrency-key",
+                          example: str = "tenant-42") -> str:
     """``key`` if it is 1-256 printable characters of valid UTF-8; else UsageError
-    naming ``option``. (``tool_job_enqueue`` refuses control characters and blank keys
-    too; separators other than the space, which Python does not call printable, only
-    the CLI and the client refuse.)"""
+    naming ``option`` (with ``example``). Also the rule of a session's key (``--session``).
+    (``tool_job_enqueue`` refuses control characters and blank keys too; separators other
+    than the space, which Python does not call printable, only the CLI and the client
+    refuse.)"""
     if not key.strip() or len(key) > MAX_KEY_CHARS or not key.isprintable():
         raise UsageError(f"{option} must be 1-{MAX_KEY_CHARS} printable characters, "
-                         "e.g. tenant-42")
+                         f"e.g. {example}")
     try:
         key.encode("utf-8")
     except UnicodeEncodeError:

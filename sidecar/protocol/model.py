@@ -63,6 +63,7 @@ class ClaimedJob:
     ``traceparent``/``tracestate``: the W3C trace context given at enqueue (issue 26), the
     tool's TRACEPARENT/TRACESTATE; None when none was, or when the row's was not W3C trace
     context (``trace_context_ignored`` names those dropped, issue 30).
+    ``session_key``: the agent session the call belongs to (issue 43), None for none.
     """
 
     id: uuid.UUID
@@ -81,6 +82,7 @@ class ClaimedJob:
     traceparent: str | None = None
     tracestate: str | None = None
     trace_context_ignored: tuple[str, ...] = ()
+    session_key: str | None = None
 
     @property
     def attempt_id(self) -> AttemptId:
@@ -188,6 +190,12 @@ class LeaseProfile:
     max_jobs_per_process: int = 1000
     max_process_seconds: float = 3600.0
     warm_idle_seconds: float = 300.0
+    # Agent sessions (issue 43): a session ends after this long without a call, or once
+    # this old (0 = no cap); a call whose session is gone fails session_lost, or with
+    # ``fresh`` starts it again.
+    session_idle_seconds: float = 300.0
+    session_max_seconds: float = 3600.0
+    session_restart: str = "lost"
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:

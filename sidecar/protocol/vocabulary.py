@@ -93,6 +93,13 @@ class FailureKind(StrEnum):
     # Written by SQL (fail_expired_jobs): no attempt started before the job's expiry, the
     # caller's --expires-in (issue 26).
     EXPIRED = "expired"
+    # A call of an agent session (issue 43) whose session ended or was lost (its process
+    # died, its lease ran out, its sidecar stopped): it is not run in a fresh process
+    # unless the profile says SESSION_RESTART=fresh.
+    SESSION_LOST = "session_lost"
+    # A call of a session for a tool whose profile is PROCESS=per-job: no process outlives
+    # a call there, so no state could be kept.
+    SESSION_UNSUPPORTED = "session_unsupported"
 
 
 # Whether another attempt may help (P16): a transient fault is retried with backoff while
@@ -123,6 +130,9 @@ RETRYABLE: dict[FailureKind, bool] = {
     FailureKind.MAX_ATTEMPTS_EXCEEDED: False,
     FailureKind.CANCELLED: False,
     FailureKind.EXPIRED: False,
+    # Not retried: another attempt would find the session gone just the same.
+    FailureKind.SESSION_LOST: False,
+    FailureKind.SESSION_UNSUPPORTED: False,
 }
 
 

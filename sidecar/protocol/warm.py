@@ -64,14 +64,17 @@ def request_line(job: ClaimedJob, guard: Mapping[str, str] | None = None,
     """The request line of ``job`` (UTF-8, one ``\\n`` at its end and none inside): its
     identity, the fencing token and idempotency key for its side effects, its payload
     and last checkpoint as the JSON they were stored as, ``guard`` (token, and the
-    attempt's socket and URL where it has them) and ``trace`` (TRACEPARENT,
-    TRACESTATE). A newline or carriage return in stored JSON text can only be
+    attempt's socket and URL where it has them), ``trace`` (TRACEPARENT,
+    TRACESTATE) and ``session`` (the agent session's key, issue 43) when the job has
+    one. A newline or carriage return in stored JSON text can only be
     whitespace between tokens (JSON escapes them inside strings), so it becomes a
     space."""
     head = {
         "job_id": str(job.id), "tool": job.tool, "attempt": job.attempt,
         "fencing_token": job.fencing_token, "idempotency_key": f"tool-job:{job.id}",
     }
+    if job.session_key is not None:
+        head["session"] = job.session_key
     if guard:
         head["guard"] = dict(guard)
     if trace:

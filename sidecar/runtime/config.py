@@ -193,6 +193,7 @@ def _home(text: str) -> str:
 SANDBOX_MODES = ("auto", "required", "off")
 NETWORK_MODES = ("host", "none")
 PROCESS_MODES = ("per-job", "warm")
+SESSION_RESTARTS = ("lost", "fresh")
 
 
 def _sandbox_mode(text: str) -> str:
@@ -201,6 +202,15 @@ def _sandbox_mode(text: str) -> str:
     if value not in SANDBOX_MODES:
         raise _Invalid("use auto (a bubblewrap sandbox where this host allows one), "
                        "required (refuse to start without it) or off")
+    return value
+
+
+def _session_restart(text: str) -> str:
+    """``lost`` or ``fresh`` (the ``SESSION_RESTART`` profile field, docs/callers.md)."""
+    value = text.strip().lower()
+    if value not in SESSION_RESTARTS:
+        raise _Invalid("use lost (a call of a session whose process is gone fails "
+                       "session_lost) or fresh (it starts the session again in a new process)")
     return value
 
 
@@ -354,6 +364,16 @@ PROFILE_FIELDS: dict[str, _Field] = {
                                   "ends; 0 = no cap"),
     "WARM_IDLE_SECONDS": _Field(_number, "300", "s",
                                 "a warm process with no job this long is stopped"),
+    # Agent sessions (issue 43, point 3; docs/callers.md, "Sessions").
+    "SESSION_IDLE_SECONDS": _Field(_number, "300", "s",
+                                   "a session with no call this long ends, and its process "
+                                   "with it"),
+    "SESSION_MAX_SECONDS": _Field(_number, "3600", "s",
+                                  "a session ends once it is this old, when no call of it "
+                                  "runs; 0 = no cap"),
+    "SESSION_RESTART": _Field(_session_restart, "lost", "mode",
+                              "a call whose session ended or was lost: lost = it fails "
+                              "session_lost; fresh = a new process starts the session again"),
 }
 
 # Every profile field is one field of model.LeaseProfile, in its order (as_dict's order).
@@ -539,7 +559,7 @@ def _build_profile(
                           f"{MAX_ATTEMPTS_LIMIT} attempts")
     for name in ("JITTER_SECONDS", "KILL_GRACE_SECONDS", "BACKOFF_BASE_SECONDS",
                  "BACKOFF_MAX_SECONDS", "IDLE_TIMEOUT_SECONDS", "MAX_LIFETIME_SECONDS",
-                 "CPU_SECONDS", "MAX_PROCESS_SECONDS"):
+                 "CPU_SECONDS", "MAX_PROCESS_SECONDS", "SESSION_MAX_SECONDS"):
         if p[name.lower()] < 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must not be negative")
 
@@ -551,9 +571,10 @@ def _build_profile(
             f"for tool {tool!r}: the tool would use the host's network; set SANDBOX=auto or "
             "required, or NETWORK=host")
 
-    if p["warm_idle_seconds"] <= 0:
-        raise ConfigError(f"{src['WARM_IDLE_SECONDS']}={p['warm_idle_seconds']}: must be a "
-                          "positive number of seconds")
+    for name in ("WARM_IDLE_SECONDS", "SESSION_IDLE_SECONDS"):
+        if p[name.lower()] <= 0:
+            raise ConfigError(f"{src[name]}={p[name.lower()]}: must be a positive number of "
+                              "seconds")
 
     lease, hb, misses, jitter = (
         p["lease_seconds"], p["heartbeat_seconds"], p["tolerated_misses"], p["jitter_seconds"]

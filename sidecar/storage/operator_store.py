@@ -107,6 +107,20 @@ class OperatorStore(JobAccess, Pruning):
         return shown_rows(await self.db.fetch(Q["children_of_job"], job_id,
                                               timeout=self.timeout))
 
+    async def session_of_job(self, job_id: uuid.UUID) -> dict[str, Any] | None:
+        """The agent session a job belongs to (issue 43), ``shown``: its state (live,
+        ended, lost), owner, generation, lease, start, last call, end and reason, calls;
+        None for a job without one, or whose session has not started yet."""
+        rows = shown_rows(await self.db.fetch(Q["session_of_job"], job_id,
+                                              timeout=self.timeout))
+        return rows[0] if rows else None
+
+    async def live_sessions(self, tool: str | None, limit: int) -> list[dict[str, Any]]:
+        """The live agent sessions (of ``tool``; None: every tool), newest first, at most
+        ``limit``, ``shown`` (issue 43)."""
+        return shown_rows(await self.db.fetch(Q["live_sessions"], tool, limit,
+                                              timeout=self.timeout))
+
     async def outbox_of_job(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
         """The forwarding rows of one job (for ``sidecar show`` and the web view),
         ``shown``, and each RESULT_URL as ``masking.mask_url`` shows it (its credentials

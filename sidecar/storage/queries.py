@@ -84,7 +84,7 @@ def migrations() -> list[Migration]:
 # tool_job_expiry_refunded), flow before claimable (tool_flow_occupied), claimable before
 # demand; within a file, a function before the SQL ones calling it.
 REPEATABLE_ORDER = ("journal", "retention", "wake", "expiry", "waiting", "enqueue", "flow",
-                    "claimable", "claim", "demand", "cancel", "actions")
+                    "claimable", "claim", "demand", "cancel", "actions", "sessions")
 
 
 @dataclass(frozen=True)

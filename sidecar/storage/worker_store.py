@@ -108,8 +108,42 @@ class WorkerStore(Pruning):
                 reclaimed=row["previous_state"] == JobState.RUNNING,
                 checkpoint_text=row["checkpoint_text"], stage=row["stage"],
                 lifetime_remaining=row["lifetime_remaining"],
+                session_key=row["session_key"],
                 **_trace_context(row)))
         return jobs, held
+
+    # --- agent sessions (issue 43) -------------------------------------------------
+
+    async def session_begin(self, tool: str, key: str, owner_id: str, lease_seconds: float,
+                            restart: bool) -> tuple[str, int, str | None]:
+        """What a call of session ``key`` of ``tool`` just claimed by ``owner_id`` runs in:
+        ``(status, generation, end_reason)``, status ``new``, ``continued``, ``restarted``,
+        ``lost`` or ``elsewhere`` (functions/sessions.sql tool_job_session_begin). A start
+        or a call sets the session lease ``lease_seconds`` ahead. Raises what asyncpg
+        raises."""
+        row = await self.db.fetchrow(Q["session_begin"], tool, key, owner_id, lease_seconds,
+                                     restart, timeout=self.timeout)
+        return row["status"], row["generation"], row["end_reason"]
+
+    async def end_session_if_owner(self, tool: str, key: str, generation: int,
+                                   owner_id: str, state: str, reason: str) -> bool:
+        """End session ``key`` (its ``generation``) held by ``owner_id``: ``state`` ``ended``
+        or ``lost``, with ``reason``. False when it was no longer ours."""
+        row = await self.db.fetchrow(Q["end_session_if_owner"], tool, key, generation,
+                                     owner_id, state, reason[:500], timeout=self.timeout)
+        return row is not None
+
+    @staticmethod
+    async def extend_sessions_if_owner(
+        conn: asyncpg.Connection, owner_id: str, held: Iterable[tuple[str, str, int]],
+        lease_seconds: float, timeout: float) -> set[tuple[str, str, int]]:
+        """Renew the session leases ``held`` ((tool, key, generation)) of ``owner_id`` by
+        ``lease_seconds`` in one statement; returns those renewed (the others are no longer
+        ours). Raises what asyncpg raises."""
+        sessions = [{"tool": t, "key": k, "generation": g} for t, k, g in held]
+        rows = await db.run(conn, "fetch", Q["extend_sessions_if_owner"], owner_id,
+                            sessions, lease_seconds, timeout=timeout)
+        return {(r["tool"], r["session_key"], r["generation"]) for r in rows}
 
     async def release_unheld_claims(self, tool: str, owner_id: str,
                                     held: Iterable[AttemptId]) -> list[asyncpg.Record]:

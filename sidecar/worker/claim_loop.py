@@ -286,8 +286,16 @@ class Worker:
         warm_pool = WarmPool(
             self.profile,
             lambda serial, process_id: start_warm_process(self._ctx, serial, process_id),
-            lambda process, reason: stop_warm_process(self._ctx, process, reason)) \
+            lambda process, reason: stop_warm_process(self._ctx, process, reason),
+            lambda session, state, reason: self._end_session(store, session, state, reason),
+            lambda tool, key: store.session_begin(
+                tool, key, self.owner_id, self.profile.lease_seconds,
+                self.profile.session_restart == "fresh")) \
             if warm else None
+        keeper.session_pool = warm_pool
+        if warm_pool is not None:  # read at each scrape, never stale (issue 43)
+            metrics.SESSIONS_HELD.labels(self.profile.tool, self.profile.provider) \
+                .set_function(lambda: len(warm_pool.sessions))
         self._ctx = WorkerContext(store, keeper, self.profile, self.owner_id, self.argv,
                                   dict(os.environ), self.shutdown_kill, forwarder.wake,
                                   self.settings, guard, guard_url, self.cgroup_host,
@@ -325,6 +333,25 @@ class Worker:
         for task in self._background:
             task.add_done_callback(self._background_done)
         stack.push_async_callback(self._stop_background)
+
+    async def _end_session(self, store: WorkerStore, session, state: str,
+                           reason: str) -> None:
+        """Write the end of an agent session this sidecar holds (issue 43; ``state``
+        ``ended`` or ``lost``), fenced by owner and generation, and log
+        ``session_ended``. A database that does not answer is logged: the session's lease,
+        renewed no more, runs out on its own and its next call finds it lost."""
+        try:
+            written = await store.end_session_if_owner(session.tool, session.key,
+                                                       session.generation, self.owner_id,
+                                                       state, reason)
+        except (*db.DATABASE_ERRORS, TimeoutError) as exc:
+            log.emit("session_ended", "warning", tool=session.tool, session=session.key,
+                     generation=session.generation, state=state, reason=reason,
+                     written=False, error=db.describe_error(exc))
+            return
+        log.emit("session_ended", "info" if state == "ended" else "warning",
+                 tool=session.tool, session=session.key, generation=session.generation,
+                 state=state, reason=reason, written=written)
 
     def _remove_own_leftovers(self, work_root: str) -> None:
         """Remove this sidecar's work directories that are still there at its end (each

@@ -82,6 +82,9 @@ class LeaseKeeper:
         self.labels = (profile.tool, profile.provider)
         # Counted at each scrape, never stale: an episode shows as long as it lasts.
         metrics.LEASES_UNKNOWN.labels(*self.labels).set_function(self.unknown_count)
+        # Agent sessions (issue 43): the warm pool whose sessions' leases are renewed
+        # with the job leases (sidecar.worker.warm.WarmPool), None without warm mode.
+        self.session_pool = None
 
     def unknown_count(self) -> int:
         """How many leases held now have their ownership unknown (LeaseState.UNKNOWN: a
@@ -153,6 +156,8 @@ class LeaseKeeper:
                 self._soon.clear()  # a notice arriving during this round asks for another
                 if self.leases or self.abandoned:
                     await self.beat()
+                if self.session_pool is not None and self.session_pool.sessions:
+                    await self.beat_sessions()
                 self._expire_local_deadlines()
                 delay = self.profile.heartbeat_seconds - (time.monotonic() - started)
                 # asyncio.timeout: wait_for (3.11) can lose the cancellation that stops it.
@@ -242,6 +247,42 @@ class LeaseKeeper:
             self._abort_connection()
             log.emit("heartbeat_error", "warning", reason=f"probe: {db.describe_error(exc)}",
                      sqlstate=db.sqlstate(exc))
+
+    async def beat_sessions(self) -> None:
+        """One round for the agent sessions held here (issue 43): renew their leases in one
+        statement. A session not renewed is no longer ours (its lease ran out and a claim
+        found it lost, or another sidecar started it again): its process is stopped,
+        nothing written. When the statement fails, a session whose lease is no longer known
+        to hold (``confirmed_until`` passed) is given up the same way."""
+        pool = self.session_pool
+        sessions = pool.held_sessions()
+        if not sessions:
+            return
+        sent = time.monotonic()
+        renewed: set[tuple[str, str, int]] | None
+        try:
+            conn = await self._connection()
+            renewed = await WorkerStore.extend_sessions_if_owner(
+                conn, self.owner_id, [session.held() for session in sessions],
+                self.profile.lease_seconds, self.statement_timeout)
+        except (Exception, TimeoutError) as exc:  # noqa: BLE001 - unknown: see below
+            self._abort_connection()
+            renewed = None
+            log.emit("heartbeat_error", "warning", reason=f"sessions: {db.describe_error(exc)}",
+                     sqlstate=db.sqlstate(exc))
+        now = time.monotonic()
+        for session in sessions:
+            if pool.sessions.get(session.key) is not session:
+                continue  # ended or replaced meanwhile
+            if renewed is not None and session.held() in renewed:
+                session.confirmed_until = sent + self.profile.lease_seconds - self.margin
+            elif renewed is not None or now > session.confirmed_until:
+                lost = renewed is not None
+                log.emit("session_lease_lost" if lost else "session_lease_unknown", "warning",
+                         tool=session.tool, session=session.key,
+                         generation=session.generation, busy=session.busy)
+                pool.lose_session(session.key, "session_lease_lost" if lost
+                                  else "session_lease_unknown")
 
     async def _connection(self) -> asyncpg.Connection:
         if self._conn is None or self._conn.is_closed():

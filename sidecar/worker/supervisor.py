@@ -52,6 +52,7 @@ from sidecar.protocol.vocabulary import LEASE_ENDINGS, FailureKind, KillSignal, 
 from sidecar.protocol.warm import Answer, BadAnswer, read_answer, request_line, usage_since
 from sidecar.runtime.config import Settings
 from sidecar.runtime.log import log, log_fields, payload_digest
+from sidecar.storage import db
 from sidecar.worker.child import (
     STDERR_LINE_BYTES,
     STDERR_TAIL_BYTES,
@@ -77,7 +78,7 @@ from sidecar.worker.prepared import (
     wait_ready,
 )
 from sidecar.worker.progress import PROGRESS_FILE_NAME, ProgressReporter
-from sidecar.worker.warm import PROCESS_ID_VARIABLE, WarmProcess
+from sidecar.worker.warm import PROCESS_ID_VARIABLE, Session, WarmProcess
 
 if TYPE_CHECKING:
     pass
@@ -415,6 +416,12 @@ class JobSupervisor:
             return self._fail_before_spawn(lifetime_failure(profile))
         if self.ctx.warm is not None:
             return await self._run_warm(held)
+        if job.session_key is not None:
+            return self._fail_before_spawn(failure(
+                FailureKind.SESSION_UNSUPPORTED,
+                f"tool {job.tool!r} runs a fresh process per call (PROCESS=per-job), so "
+                f"session {job.session_key!r} could keep no state; set the tool's "
+                "PROCESS=warm, or enqueue without a session"))
         # The checkpoint is written while the work directory is still the sidecar's own,
         # before the RUN_AS user (and so a sibling attempt) can plant a link in it (F15).
         files = {} if job.checkpoint_text is None else {CHECKPOINT_FILE_NAME: job.checkpoint_text}
@@ -667,11 +674,21 @@ class JobSupervisor:
         process for the next job, anything else kills its tree (docs/child-process.md,
         "Warm mode")."""
         pool = self.ctx.warm
-        process, fresh = pool.take(), False
+        session = None
+        if self.job.session_key is not None:
+            opened = await self._open_session()
+            if not isinstance(opened, Session):
+                return opened
+            session = opened
+            process, fresh = session.process, False
+        else:
+            process, fresh = pool.take(), False
         for _ in range(2):
             if process is None:
                 try:
                     process, fresh = await pool.start(), True
+                    if session is not None:
+                        pool.bind(process, session)
                 except SpawnShortage as exc:
                     return self._short_before_spawn("spawn", exc.errno_name, exc.message)
                 except SpawnSetupFailed as exc:
@@ -686,6 +703,8 @@ class JobSupervisor:
                         FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
                 except Exception as exc:  # noqa: BLE001 - the sandbox: fails the attempt
                     short = shortage_errno(exc)
+                    if session is not None:
+                        pool.drop_session(session, "lost", "its process could not start")
                     if short is not None:
                         return self._short_before_spawn("sandbox", short, str(exc))
                     log.emit("sandbox_failed", "error", **log_fields(self.job),
@@ -705,8 +724,63 @@ class JobSupervisor:
                     return self._fail_before_spawn(failure(
                         FailureKind.SPAWN_FAILED, f"the warm process could not take its "
                         f"first request: {exc}"))
+                if session is not None:  # its state went with it: never a fresh one
+                    return self._fail_before_spawn(self._session_lost(
+                        "its process could not take the call"))
                 process = None
         return await self._supervise_warm(process, answer, fresh)
+
+    async def _open_session(self) -> Session | Ending:
+        """The session this call of an agent session runs in (issue 43): held here and
+        continued, or started (again) here; else the call's end: ``session_lost`` (it
+        ended or was lost, and SESSION_RESTART is not fresh), or a Release when another
+        sidecar holds it or the database did not answer (the attempt is not spent)."""
+        profile, key = self.ctx.profile, self.job.session_key
+        pool = self.ctx.warm
+        sent = time.monotonic()
+        try:
+            status, generation, end_reason = await pool.begin_session(self.job.tool, key)
+        except (*db.DATABASE_ERRORS, TimeoutError) as exc:
+            log.emit("session_unknown", "warning", **log_fields(self.job), session=key,
+                     reason=db.describe_error(exc))
+            self.lease.settle()
+            return Release("session_unknown")
+        confirmed = sent + profile.lease_seconds - self.ctx.keeper.margin
+        if status == "elsewhere":
+            self.lease.settle()
+            return Release("session_elsewhere")
+        if status == "lost":
+            return self._fail_before_spawn(self._session_lost(end_reason or "it ended"))
+        if status == "continued":
+            session = pool.continue_session(key, generation, confirmed)
+            if session is None:
+                # Ours by the database, but its process is gone here (it died between
+                # calls, or this sidecar dropped it): its state is gone with it.
+                lost = pool.sessions.get(key)
+                if lost is not None and not lost.busy:
+                    pool.drop_session(lost, "lost", "its process is gone")
+                else:
+                    await pool.end_session_row(self.job.tool, key, generation, "lost",
+                                               "its process is gone")
+                return self._fail_before_spawn(self._session_lost("its process is gone"))
+            return session
+        session = pool.open_session(self.job.tool, key, generation, confirmed)
+        log.emit("session_started", **log_fields(self.job), session=key,
+                 generation=generation, restarted=status == "restarted",
+                 **({"previous_end": end_reason} if end_reason else {}))
+        self.commit.note("session_started", {"session": key, "generation": generation,
+                                             "restarted": status == "restarted"})
+        return session
+
+    def _session_lost(self, why: str) -> Failure:
+        """The call's failure when its session is gone: kind session_lost, saying why."""
+        key = self.job.session_key
+        log.emit("session_lost", "warning", **log_fields(self.job), session=key, reason=why)
+        metrics.SESSIONS_LOST.labels(self.job.tool, self.ctx.profile.provider).inc()
+        return failure(FailureKind.SESSION_LOST,
+                       f"session {key!r} of tool {self.job.tool!r} is gone ({why}); its "
+                       "state went with its process, so this call did not run: start a new "
+                       "session (another key), or set the tool's SESSION_RESTART=fresh")
 
     async def _send_request(self, process: WarmProcess, held: contextlib.AsyncExitStack
                             ) -> asyncio.Future:

@@ -13,6 +13,14 @@ job that did not answer: a stage deadline, a lost lease, a cancel, shutdown, an 
 overflowing or unsolicited line kill its whole tree (the supervisor does), and the next
 job gets a fresh one. ``MAX_JOBS_PER_PROCESS`` and ``MAX_PROCESS_SECONDS`` replace a
 process when its job ends; ``WARM_IDLE_SECONDS`` stops one no job took for that long.
+
+Agent sessions (issue 43, point 3; docs/callers.md "Sessions"): a process started for a
+call of a session is bound to that ``Session`` and serves only its calls, never the idle
+list; it keeps its state between them. It ends with its session: ``SESSION_IDLE_SECONDS``
+without a call, ``SESSION_MAX_SECONDS`` of age, shutdown (the session ``ended``), or any
+end of the process but those (the session ``lost``: its state is gone, and a later call
+of it fails ``session_lost``). A session whose lease this sidecar lost (``lose_session``)
+has its process stopped without a write: the session is no longer ours.
 """
 
 from __future__ import annotations
@@ -41,6 +49,35 @@ IDLE_CHECK_SECONDS = 5.0
 MIN_IDLE_CHECK_SECONDS = 0.1
 
 
+# Why a session's process stops that ends the session in order (state ``ended``); any
+# other reason means its state is gone unasked (``lost``).
+SESSION_ENDINGS = frozenset({"idle", "shutdown", "session_max_seconds", "max_jobs",
+                             "max_seconds"})
+
+
+@dataclass
+class Session:
+    """One agent session this sidecar holds (issue 43): its ``tool`` and ``key``, its
+    ``generation`` (the session's fencing token, tool_sessions.generation), its warm
+    ``process`` (None until its first call's process has started), whether a call of it
+    runs now (``busy``), when it started and was last used (``started``, ``last_used``:
+    monotonic s) and until when its lease is known to hold (``confirmed_until``: monotonic
+    s, the lease less the safety margin, from the start of the statement that set it)."""
+
+    tool: str
+    key: str
+    generation: int
+    confirmed_until: float
+    process: WarmProcess | None = None
+    busy: bool = False
+    started: float = field(default_factory=time.monotonic)
+    last_used: float = field(default_factory=time.monotonic)
+
+    def held(self) -> tuple[str, str, int]:
+        """``(tool, key, generation)``: what the heartbeat renews."""
+        return self.tool, self.key, self.generation
+
+
 @dataclass
 class WarmProcess:
     """One warm tool process: its ``sandbox`` (work directory, job cgroup), its
@@ -64,6 +101,8 @@ class WarmProcess:
     # mount_identities of its sandbox's mounted paths at its start: a process whose
     # sandbox would now differ from a fresh one serves no further job (mounts_moved).
     mounts: MountIdentities = ()
+    # The agent session it serves (issue 43), None for a process of the idle list.
+    session: Session | None = None
     _sockets: int = 0
 
     def on_stderr_line(self, line: bytes) -> None:
@@ -115,10 +154,22 @@ class WarmPool:
 
     def __init__(self, profile: LeaseProfile,
                  make: Callable[[int, str], Awaitable[WarmProcess]],
-                 stop: Callable[[WarmProcess, str], Awaitable[None]]):
+                 stop: Callable[[WarmProcess, str], Awaitable[None]],
+                 end_session: Callable[[Session, str, str], Awaitable[None]] | None = None,
+                 begin_session: Callable[[str, str], Awaitable[tuple[str, int, str | None]]]
+                 | None = None):
+        """``end_session(session, state, reason)``: write a session's end (state ``ended``
+        or ``lost``), fenced by owner and generation; it must not raise.
+        ``begin_session(tool, key)``: what a call of that session just claimed here runs
+        in, ``(status, generation, end_reason)`` (WorkerStore.session_begin with this
+        sidecar's owner, lease and SESSION_RESTART); raises what the store raises."""
         self.profile = profile
         self._make = make
         self._stop = stop
+        self._end_session = end_session
+        self._begin_session = begin_session
+        # The agent sessions this sidecar holds, by key (issue 43).
+        self.sessions: dict[str, Session] = {}
         self._idle: list[WarmProcess] = []
         self._stopping: set[asyncio.Task] = set()
         self._serial = itertools.count(1)
@@ -146,16 +197,109 @@ class WarmPool:
         return process
 
     def give_back(self, process: WarmProcess) -> None:
-        """After a job it answered: keep ``process`` idle for the next job, or retire it
-        when it is spent (MAX_JOBS_PER_PROCESS, MAX_PROCESS_SECONDS), exited, or the pool
-        is closed."""
+        """After a job it answered: keep ``process`` idle for the next job (a session's:
+        for its session's next call), or retire it when it is spent
+        (MAX_JOBS_PER_PROCESS, MAX_PROCESS_SECONDS; a session's SESSION_MAX_SECONDS too),
+        exited, or the pool is closed."""
         reason = self._unfit(process) or ("shutdown" if self._closed else None)
+        session = process.session
+        if reason is None and session is not None:
+            reason = self._session_over(session, time.monotonic(), idle_too=False)
         if reason is not None:
             self.retire(process, reason)
             return
         process.relay = None
         process.last_used = time.monotonic()
+        if session is not None:
+            session.busy = False
+            session.last_used = process.last_used
+            return
         self._idle.append(process)
+
+    # --- agent sessions (issue 43) ------------------------------------------------
+
+    async def begin_session(self, tool: str, key: str) -> tuple[str, int, str | None]:
+        """The database's word on session ``key`` for a call just claimed here:
+        ``(status, generation, end_reason)`` (functions/sessions.sql). Raises what the
+        store raises."""
+        if self._begin_session is None:
+            raise RuntimeError("this pool serves no sessions")
+        return await self._begin_session(tool, key)
+
+    async def end_session_row(self, tool: str, key: str, generation: int, state: str,
+                              reason: str) -> None:
+        """Write the end of session ``key`` at ``generation`` that no Session here holds
+        (its process is gone); never raises."""
+        await self._end_logged(Session(tool, key, generation, 0.0), state, reason)
+
+    def open_session(self, tool: str, key: str, generation: int,
+                     confirmed_until: float) -> Session:
+        """Hold session ``key`` at ``generation`` (started or restarted here just now), busy
+        with the call that started it; a process of an older generation still held here
+        is retired (its session was lost)."""
+        old = self.sessions.pop(key, None)
+        if old is not None and old.process is not None:
+            self.retire(old.process, "session_replaced", write=False)
+        session = Session(tool, key, generation, confirmed_until, busy=True)
+        self.sessions[key] = session
+        return session
+
+    def continue_session(self, key: str, generation: int,
+                         confirmed_until: float) -> Session | None:
+        """Session ``key`` at ``generation`` held here with a process that may serve its
+        next call, now busy with it; None when it is not held here or its process is
+        gone (the caller ends it lost)."""
+        session = self.sessions.get(key)
+        if session is None or session.generation != generation or session.busy:
+            return None
+        process = session.process
+        if process is None or process.retired or self._unfit(process) is not None:
+            return None
+        session.busy = True
+        session.confirmed_until = max(session.confirmed_until, confirmed_until)
+        return session
+
+    def bind(self, process: WarmProcess, session: Session) -> None:
+        """``process`` (just started) serves ``session`` from now on."""
+        process.session = session
+        session.process = process
+
+    def drop_session(self, session: Session, state: str, reason: str) -> None:
+        """End ``session`` here: no process of it serves again; its end (``state``
+        ``ended`` or ``lost``) is written in the pool's own task, after which its
+        process, if any, is stopped."""
+        if self.sessions.get(session.key) is session:
+            del self.sessions[session.key]
+        process = session.process
+        if process is not None and not process.retired:
+            self.retire(process, reason, state=state)
+            return
+        self._spawn(self._end_logged(session, state, reason))
+
+    def lose_session(self, key: str, reason: str) -> None:
+        """This sidecar no longer holds session ``key`` (its lease was not renewed, or ran
+        out here): its process is stopped, and nothing is written (the session is not
+        ours to end)."""
+        session = self.sessions.pop(key, None)
+        if session is not None and session.process is not None:
+            self.retire(session.process, reason, write=False)
+
+    def held_sessions(self) -> list[Session]:
+        """The sessions held here (the heartbeat renews their leases)."""
+        return list(self.sessions.values())
+
+    def _session_over(self, session: Session, now: float, idle_too: bool) -> str | None:
+        if self.profile.session_max_seconds \
+                and now - session.started >= self.profile.session_max_seconds:
+            return "session_max_seconds"
+        if idle_too and now - session.last_used >= self.profile.session_idle_seconds:
+            return "idle"
+        return None
+
+    async def _end_logged(self, session: Session, state: str, reason: str) -> None:
+        if self._end_session is not None:
+            with contextlib.suppress(Exception):
+                await self._end_session(session, state, reason)
 
     def _unfit(self, process: WarmProcess) -> str | None:
         if process.child is None or process.child.exited.done():
@@ -164,18 +308,36 @@ class WarmPool:
             return "sandbox_moved"
         return process.spent(self.profile)
 
-    def retire(self, process: WarmProcess, reason: str) -> None:
+    def retire(self, process: WarmProcess, reason: str, *, state: str | None = None,
+               write: bool = True) -> None:
         """Stop ``process`` (not idle: the caller held it) in a task the pool keeps and
-        ``close`` waits for."""
+        ``close`` waits for. A session's process ends its session first: ``state`` (by
+        default ``ended`` for the SESSION_ENDINGS reasons, else ``lost``) is written
+        unless ``write`` is False (a session no longer ours)."""
         if process.retired:
             return
         process.retired = True
         process.relay = None
-        task = asyncio.ensure_future(self._stop_logged(process, reason))
+        session = process.session
+        end = None
+        if session is not None:
+            if self.sessions.get(session.key) is session:
+                del self.sessions[session.key]
+            if write:
+                end = (session, state or ("ended" if reason in SESSION_ENDINGS else "lost"),
+                       reason)
+        self._spawn(self._stop_logged(process, reason, end))
+
+    def _spawn(self, work: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(work)
         self._stopping.add(task)
         task.add_done_callback(self._stopping.discard)
 
-    async def _stop_logged(self, process: WarmProcess, reason: str) -> None:
+    async def _stop_logged(self, process: WarmProcess, reason: str,
+                           end: tuple[Session, str, str] | None = None) -> None:
+        # The session's end first: no call of it is handed to this process meanwhile.
+        if end is not None:
+            await self._end_logged(*end)
         # stop_warm_process logs what it could not remove; one stop that raised must
         # not end the loop or the close that stops the others
         with contextlib.suppress(Exception):
@@ -183,9 +345,11 @@ class WarmPool:
 
     async def run_idle(self) -> None:
         """Retire, every few seconds (at most 5, at least 0.1 apart), the processes idle
-        for WARM_IDLE_SECONDS, spent, or gone (runs until cancelled)."""
+        for WARM_IDLE_SECONDS, spent, or gone, and end the sessions with no call for
+        SESSION_IDLE_SECONDS or older than SESSION_MAX_SECONDS (runs until cancelled)."""
         period = max(MIN_IDLE_CHECK_SECONDS,
-                     min(IDLE_CHECK_SECONDS, self.profile.warm_idle_seconds / 2))
+                     min(IDLE_CHECK_SECONDS, self.profile.warm_idle_seconds / 2,
+                         self.profile.session_idle_seconds / 2))
         while True:
             await asyncio.sleep(period)
             now = time.monotonic()
@@ -196,13 +360,26 @@ class WarmPool:
                 if reason is not None:
                     self._idle.remove(process)
                     self.retire(process, reason)
+            for session in list(self.sessions.values()):
+                if session.busy:
+                    continue
+                reason = self._session_over(session, now, idle_too=True)
+                if reason is None and session.process is not None:
+                    reason = self._unfit(session.process)
+                if reason is not None:
+                    self.drop_session(session, "ended" if reason in SESSION_ENDINGS
+                                      else "lost", reason)
 
     async def close(self) -> None:
-        """Take no process back from now on, stop every idle one (all at once) and wait
-        for every stop under way, those begun before included."""
+        """Take no process back from now on, stop every idle one (all at once; the
+        sessions not running a call end, ``shutdown``) and wait for every stop under way,
+        those begun before included."""
         self._closed = True
         idle, self._idle = self._idle, []
         for process in idle:
             self.retire(process, "shutdown")
+        for session in list(self.sessions.values()):
+            if not session.busy:
+                self.drop_session(session, "ended", "shutdown")
         while self._stopping:
             await asyncio.gather(*list(self._stopping), return_exceptions=True)

@@ -5,7 +5,7 @@ jobs it served, so a result shows whether the process (and its state) was kept.
 Payload {"mode": ...}:
 - "count" (default): {"pid": <its pid>, "served": n, "job_id": ..., "token": ...,
   "process": $SIDECAR_PROCESS_ID, "has_job_env": whether SIDECAR_JOB_ID is in its
-  environment}
+  environment, "session": the request's session or null}
 - "hang": never answers (the stage deadline kills it)
 - "exit": exits with status 3 before answering
 - "exit0": exits with status 0 before answering
@@ -16,6 +16,7 @@ Payload {"mode": ...}:
 - "child": starts a child that sleeps for ever (its pid in the result), then answers
 - "checkpoint": answers {"checkpoint": <the request's checkpoint>}
 - "flood": answers as "count", then, half a second later, unasked, writes 1 MB of lines
+- "slow": appends a line to the file "mark", sleeps "seconds", then answers as "count"
 - "read": reads the file "path": answers {"bytes": its size}, or the error
   {"message": "cannot read ...", "exit_code": 2}
 """
@@ -32,6 +33,10 @@ for line in sys.stdin:
     mode = (request.get("payload") or {}).get("mode", "count")
     if mode == "hang":
         time.sleep(3600)
+    elif mode == "slow":
+        with open(request["payload"]["mark"], "a") as mark:
+            mark.write(request["job_id"] + "\n")
+        time.sleep(float(request["payload"]["seconds"]))
     elif mode == "exit":
         sys.exit(3)
     elif mode == "exit0":
@@ -59,7 +64,8 @@ for line in sys.stdin:
         answer = {"pid": os.getpid(), "served": served, "job_id": request["job_id"],
                   "token": request["fencing_token"], "key": request["idempotency_key"],
                   "process": os.environ.get("SIDECAR_PROCESS_ID"),
-                  "has_job_env": "SIDECAR_JOB_ID" in os.environ}
+                  "has_job_env": "SIDECAR_JOB_ID" in os.environ,
+                  "session": request.get("session")}
         if mode == "child":
             answer["child"] = subprocess.Popen(["sleep", "3600"]).pid
         if mode == "chatty":

@@ -69,14 +69,15 @@ SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
 -- $8 tags, $9 max_attempts (NULL: the claiming profile's), $10 traceparent,
 -- $11 tracestate, $12 payload limit (NULL: checked by the caller), $13 journal details,
 -- $14 an expiry time instead of $7 (turned into an interval by the database's clock),
--- $15 concurrency key (NULL: none; migration 016).
+-- $15 concurrency key (NULL: none; migration 016), $16 session key (NULL: none;
+-- migration 026).
 -- The JSON parameters ($2, $8, $13) are text cast here, so the statement runs the same on
 -- the sidecar's connections and on a caller's own (sidecar.client), whatever jsonb codec
 -- that one has.
 SELECT enqueued_id AS id, created
 FROM tool_job_enqueue($1, $2::text::jsonb, $3, $4, $5, $6,
                       coalesce($7::interval, $14::timestamptz - now()), $8::text::jsonb,
-                      $9, $10, $11, $12, $13::text::jsonb, $15);
+                      $9, $10, $11, $12, $13::text::jsonb, $15, $16);
 
 -- name: find_job_by_idempotency_key
 -- jsonb equality: the same payload whatever its key order or spacing.
@@ -190,7 +191,7 @@ WITH flow AS (
               -- P12: seconds left of the job's lifetime cap ($4, NULL = none), counted
               -- from its first claim by the database's clock
               extract(epoch FROM j.first_claimed_at + $4::float8 * interval '1 second'
-                      - now())::float8 AS lifetime_remaining
+                      - now())::float8 AS lifetime_remaining, j.session_key
 ), journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)
     SELECT id, fencing_token, 'job_claimed',
@@ -202,7 +203,12 @@ WITH flow AS (
               ELSE '{}'::jsonb END
     FROM claimed
 )
-SELECT *, NULL::text AS blocked, NULL::float8 AS retry_in FROM claimed
+-- The row in tool_job_claim_row's order (session_key last, migration 026).
+SELECT id, tool, payload_text, fencing_token, attempt, max_attempts, lease_until,
+       idempotency_key, previous_state, refunded, lease_remaining, checkpoint_text, stage,
+       traceparent, tracestate, lifetime_remaining, NULL::text AS blocked,
+       NULL::float8 AS retry_in, session_key
+FROM claimed
 UNION ALL
 SELECT * FROM tool_job_claim_flow_many($1, $2, $3, $4, $5, $6) WHERE EXISTS (SELECT FROM flow);
 
@@ -246,6 +252,50 @@ WITH held AS (
 SELECT id, fencing_token, lease_until, lease_remaining, false AS locked FROM renewed
 UNION ALL
 SELECT id, fencing_token, NULL, NULL, true FROM ours WHERE id NOT IN (SELECT id FROM lockable);
+
+-- name: session_begin
+-- Issue 43: what the call just claimed of session ($1 tool, $2 key) runs in, for owner $3
+-- with a session lease of $4 seconds; $5 SESSION_RESTART=fresh (functions/sessions.sql).
+SELECT status, generation, end_reason FROM tool_job_session_begin($1, $2, $3, $4, $5);
+
+-- name: extend_sessions_if_owner
+-- Issue 43: renew every session lease owner $1 holds ($2: a jsonb array of {tool, key,
+-- generation}) by $3 seconds, in one statement beside the job leases' renewal. One row
+-- per session renewed; none for one no longer ours (its lease ran out and a claim found
+-- it lost, or another owner restarted it): the sidecar stops its process.
+UPDATE tool_sessions s
+SET lease_until = now() + $3::float8 * interval '1 second'
+FROM jsonb_to_recordset($2::jsonb) AS held(tool text, key text, generation integer)
+WHERE s.tool = held.tool AND s.session_key = held.key AND s.generation = held.generation
+  AND s.owner_id = $1 AND s.state = 'live' AND s.lease_until > now()
+RETURNING s.tool, s.session_key, s.generation;
+
+-- name: end_session_if_owner
+-- Issue 43: session ($1 tool, $2 key, generation $3) held by $4 ends: state $5 (ended:
+-- idle, its age, a shutdown; lost: its process died or was killed), reason $6. No row
+-- when it is no longer ours.
+UPDATE tool_sessions
+SET state = $5, lease_until = NULL, ended_at = now(), end_reason = $6
+WHERE tool = $1 AND session_key = $2 AND generation = $3 AND owner_id = $4
+  AND state = 'live'
+RETURNING tool;
+
+-- name: session_of_job
+-- Issue 43: the session of job $1, for `sidecar show` (none: no row).
+SELECT s.tool, s.session_key, s.state, s.owner_id, s.generation, s.lease_until,
+       s.started_at, s.last_call_at, s.ended_at, s.end_reason, s.calls
+FROM tool_jobs j JOIN tool_sessions s ON s.tool = j.tool AND s.session_key = j.session_key
+WHERE j.id = $1;
+
+-- name: live_sessions
+-- Issue 43: the live sessions (of tool $1; NULL: every tool), newest first, at most $2.
+SELECT tool, session_key, state, owner_id, generation, lease_until, started_at,
+       last_call_at, calls,
+       extract(epoch FROM lease_until - now())::float8 AS lease_remaining
+FROM tool_sessions
+WHERE state = 'live' AND ($1::text IS NULL OR tool = $1)
+ORDER BY started_at DESC
+LIMIT $2;
 
 -- name: cancelled_leases_of_owner
 -- Which of the leases owner $1 holds ($2: a jsonb array of {id, token}, as
@@ -531,7 +581,7 @@ SELECT state, owner_id, fencing_token FROM tool_jobs WHERE id = $1;
 SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, attempt,
        max_attempts, idempotency_key, payload, result, error, run_after, created_at,
        first_claimed_at, finished_at, parent_id, stage, checkpoint, priority, expires_at, tags,
-       traceparent, tracestate, progress, concurrency_key
+       traceparent, tracestate, progress, concurrency_key, session_key
 FROM tool_jobs WHERE id = $1;
 
 -- name: job_events

@@ -17,13 +17,12 @@
 -- keep moves the turns after it as late. A turn not taken within 0.25 s and one token (at
 -- most 1 s) of its time is dropped: its sidecar stopped or fell behind (it only loses its
 -- place), and the others never wait long for a turn nobody takes.
+-- Sessions (migration 026): a call of a session is taken only as claimable.sql
+-- tool_job_session_free allows (one at a time, in order, not while another owner's
+-- session lease holds it); the row carries the job's session_key.
 CREATE OR REPLACE FUNCTION tool_job_claim_flow(
     p_tool text, p_owner text, p_lease float8, p_lifetime float8, p_max_attempts integer)
-RETURNS TABLE (id uuid, tool text, payload_text text, fencing_token bigint, attempt integer,
-               max_attempts integer, lease_until timestamptz, idempotency_key text,
-               previous_state text, refunded boolean, lease_remaining float8,
-               checkpoint_text text, stage integer, traceparent text, tracestate text,
-               lifetime_remaining float8, blocked text, retry_in float8)
+RETURNS SETOF tool_job_claim_row
 SET search_path FROM CURRENT
 LANGUAGE plpgsql VOLATILE AS $$
 #variable_conflict use_column
@@ -138,6 +137,7 @@ BEGIN
         SELECT j.id, j.concurrency_key, tool_job_expiry_refunded(j) AS refunded
         FROM tool_jobs j
         WHERE j.tool = p_tool AND tool_job_lease_retakeable(j, p_max_attempts)
+          AND tool_job_session_free(j, p_owner)
         ORDER BY j.priority, j.run_after, j.created_at, j.id
         LIMIT 32
         FOR UPDATE OF j SKIP LOCKED
@@ -204,6 +204,7 @@ BEGIN
             END IF;
             SELECT j.id INTO v_job FROM tool_jobs j
             WHERE j.tool = p_tool AND j.concurrency_key = v_key AND tool_job_queued_due(j)
+              AND tool_job_session_free(j, p_owner)
             ORDER BY j.priority, j.run_after, j.created_at, j.id
             LIMIT 1
             FOR UPDATE OF j SKIP LOCKED;
@@ -258,7 +259,7 @@ BEGIN
         RETURNING j.id, j.tool, j.payload::text AS payload_text, j.fencing_token, j.attempt,
                   j.max_attempts, j.lease_until, j.idempotency_key, j.checkpoint::text AS
                   checkpoint_text, j.stage, j.traceparent, j.tracestate,
-                  j.first_claimed_at, j.concurrency_key
+                  j.first_claimed_at, j.concurrency_key, j.session_key
     ), journal AS (
         INSERT INTO tool_job_events (job_id, fencing_token, event, details)
         SELECT c.id, c.fencing_token, 'job_claimed',
@@ -267,6 +268,9 @@ BEGIN
                                   'reclaimed', v_previous = 'running')
                || CASE WHEN c.concurrency_key <> '' THEN
                       jsonb_build_object('concurrency_key', c.concurrency_key)
+                  ELSE '{}'::jsonb END
+               || CASE WHEN c.session_key IS NOT NULL THEN
+                      jsonb_build_object('session_key', c.session_key)
                   ELSE '{}'::jsonb END
                || CASE WHEN v_refunded THEN jsonb_build_object(
                       'attempt_refunded', 'the expired attempt''s tool never started (F16)')
@@ -279,7 +283,7 @@ BEGIN
            c.checkpoint_text, c.stage, c.traceparent, c.tracestate,
            extract(epoch FROM c.first_claimed_at + p_lifetime * interval '1 second'
                    - now())::float8,
-           NULL::text, NULL::float8
+           NULL::text, NULL::float8, c.session_key
     FROM claimed c;
 END
 $$;

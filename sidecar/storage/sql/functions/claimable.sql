@@ -162,3 +162,24 @@ LANGUAGE sql STABLE AS $$
     SELECT coalesce(greatest(0, 1 - tool_flow_tokens(f, p_key, p_clock))
                     / f.key_rate_per_second, 0)
 $$;
+
+-- Agent sessions (migration 026): whether owner p_owner may take job j (queued, or running
+-- under an expired lease) as far as its session is concerned. A job without a session: yes.
+-- A call of a session: no other call of its session is running under a live lease (one at
+-- a time), no older call of its session is still queued (in order), and no live session
+-- lease of another owner holds it (its process is that sidecar's). A session whose lease
+-- expired holds nothing: the claimer finds it lost (tool_session_begin).
+CREATE OR REPLACE FUNCTION tool_job_session_free(j tool_jobs, p_owner text) RETURNS boolean
+LANGUAGE sql STABLE AS $$
+    SELECT j.session_key IS NULL OR (
+        NOT EXISTS (SELECT FROM tool_jobs o
+                    WHERE o.tool = j.tool AND o.session_key = j.session_key
+                      AND o.id <> j.id AND o.state = 'running')
+        AND NOT EXISTS (SELECT FROM tool_jobs o
+                        WHERE o.tool = j.tool AND o.session_key = j.session_key
+                          AND o.state = 'queued' AND (o.created_at, o.id) < (j.created_at, j.id))
+        AND NOT EXISTS (SELECT FROM tool_sessions s
+                        WHERE s.tool = j.tool AND s.session_key = j.session_key
+                          AND s.state = 'live' AND s.owner_id <> p_owner
+                          AND s.lease_until > now()))
+$$;

@@ -47,8 +47,9 @@ $$;
 -- database's clock; expires_in bounds when an attempt may start (from now()).
 -- max_payload_bytes: the largest payload as stored (jsonb text), NULL or 0 = the ceiling;
 -- never above tool_job_payload_ceiling(), which only the database's owner raises.
--- concurrency_key (the last argument since migration 016, so every call written for 014
--- by name or position means the same): 1-256 printable characters, NULL is no key. The
+-- concurrency_key (since migration 016): 1-256 printable characters, NULL is no key.
+-- session_key (the last argument since migration 026): the agent session the call
+-- belongs to (docs/callers.md "Sessions"), 1-256 printable characters, NULL is none. The
 -- id is time-ordered (tool_job_new_id). Inserted, journaled (job_enqueued) and, when due
 -- now, one idle sidecar of the tool woken (tool_job_wake, a NOTIFY sent at commit): a
 -- rolled-back transaction leaves none of it. p_details (the journal row's details): a
@@ -67,7 +68,8 @@ CREATE OR REPLACE FUNCTION tool_job_enqueue(
     p_tool text, p_payload jsonb, p_idempotency_key text, p_priority integer,
     p_run_after timestamptz, p_run_in interval, p_expires_in interval, p_tags jsonb,
     p_max_attempts integer, p_traceparent text, p_tracestate text,
-    p_max_payload_bytes bigint, p_details jsonb, p_concurrency_key text)
+    p_max_payload_bytes bigint, p_details jsonb, p_concurrency_key text,
+    p_session_key text)
 RETURNS TABLE (enqueued_id uuid, created boolean)
 SECURITY DEFINER SET search_path FROM CURRENT
 LANGUAGE plpgsql VOLATILE AS $$
@@ -131,6 +133,13 @@ BEGIN
             OR p_concurrency_key ~ '[\x01-\x1f\x7f-\x9f]') THEN
         RAISE EXCEPTION 'concurrency_key must be 1-256 printable characters, e.g. '
                         'tenant-42 (NULL: no key)' USING ERRCODE = '22023';
+    END IF;
+    IF p_session_key IS NOT NULL AND (
+            length(p_session_key) NOT BETWEEN 1 AND 256
+            OR btrim(p_session_key) = ''
+            OR p_session_key ~ '[\x01-\x1f\x7f-\x9f]') THEN
+        RAISE EXCEPTION 'session must be 1-256 printable characters, e.g. agent-run-42 '
+                        '(NULL: no session)' USING ERRCODE = '22023';
     END IF;
     IF v_priority NOT BETWEEN 0 AND 9 THEN
         RAISE EXCEPTION 'priority %: must be from 0 (claimed first) to 9', v_priority
@@ -225,9 +234,10 @@ BEGIN
     FOR v_try IN 1..3 LOOP
         INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, priority,
                                run_after, expires_at, tags, traceparent, tracestate,
-                               concurrency_key)
+                               concurrency_key, session_key)
         VALUES (v_id, p_tool, v_key, p_payload, p_max_attempts, v_priority, v_due, v_expiry,
-                v_tags, p_traceparent, p_tracestate, coalesce(p_concurrency_key, ''))
+                v_tags, p_traceparent, p_tracestate, coalesce(p_concurrency_key, ''),
+                p_session_key)
         ON CONFLICT (idempotency_key) DO NOTHING;
         IF FOUND THEN
             -- P23: the payload's sha256 and size as the tool will receive it
@@ -242,22 +252,25 @@ BEGIN
                            'expires_at', v_expiry,
                            'tags', CASE WHEN v_tags <> '{}'::jsonb THEN v_tags END,
                            'traceparent', p_traceparent, 'tracestate', p_tracestate,
-                           'concurrency_key', p_concurrency_key)));
+                           'concurrency_key', p_concurrency_key,
+                           'session_key', p_session_key)));
             IF v_due <= now() THEN
                 PERFORM tool_job_wake(p_tool, 1);
             END IF;
             RETURN QUERY SELECT v_id, true;
             RETURN;
         END IF;
-        SELECT j.id, j.tool, j.payload = p_payload AS same_payload, j.concurrency_key
+        SELECT j.id, j.tool, j.payload = p_payload AS same_payload, j.concurrency_key,
+               j.session_key
         INTO v_existing
         FROM tool_jobs j WHERE j.idempotency_key = v_key;
         IF FOUND THEN
             IF v_existing.tool <> p_tool OR NOT v_existing.same_payload
-                    OR v_existing.concurrency_key <> coalesce(p_concurrency_key, '') THEN
+                    OR v_existing.concurrency_key <> coalesce(p_concurrency_key, '')
+                    OR v_existing.session_key IS DISTINCT FROM p_session_key THEN
                 RAISE EXCEPTION 'idempotency_key % already names job % with a different tool, '
-                                'payload or concurrency key; use a new key for a different '
-                                'operation',
+                                'payload, concurrency key or session; use a new key for a '
+                                'different operation',
                                 quote_literal(v_key), v_existing.id USING ERRCODE = '23505';
             END IF;
             RETURN QUERY SELECT v_existing.id, false;
@@ -284,7 +297,7 @@ CREATE OR REPLACE FUNCTION sidecar_enqueue(
     run_after timestamptz DEFAULT NULL, expires_in interval DEFAULT NULL,
     tags jsonb DEFAULT NULL, max_attempts integer DEFAULT NULL,
     traceparent text DEFAULT NULL, tracestate text DEFAULT NULL,
-    concurrency_key text DEFAULT NULL)
+    concurrency_key text DEFAULT NULL, session_key text DEFAULT NULL)
 RETURNS uuid
 SET search_path FROM CURRENT
 LANGUAGE sql VOLATILE AS $$
@@ -292,10 +305,10 @@ LANGUAGE sql VOLATILE AS $$
         $1, $2, $3, $4, $5, NULL, $6, $7, $8, $9, $10,
         coalesce(nullif(current_setting('sidecar.max_payload_bytes', true), '')::bigint,
                  8388608),
-        '{"by": "sidecar_enqueue"}'::jsonb, $11) e
+        '{"by": "sidecar_enqueue"}'::jsonb, $11, $12) e
 $$;
 
 REVOKE EXECUTE ON FUNCTION tool_job_enqueue(text, jsonb, text, integer, timestamptz,
-    interval, interval, jsonb, integer, text, text, bigint, jsonb, text) FROM PUBLIC;
+    interval, interval, jsonb, integer, text, text, bigint, jsonb, text, text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION sidecar_enqueue(text, jsonb, text, integer, timestamptz,
-    interval, jsonb, integer, text, text, text) FROM PUBLIC;
+    interval, jsonb, integer, text, text, text, text) FROM PUBLIC;

@@ -2,21 +2,25 @@
 -- that keep a tool's flow row and wake a sidecar when a slot frees, and what the claim
 -- (claim.sql) asks of the limits (with claimable.sql).
 
--- A job with a key gives its tool a flow row, whatever inserted it (an enqueue, a next
--- stage, a caller's own INSERT): the fast claim reads only jobs without a key.
+-- A job with a key or a session (migration 026) gives its tool a flow row, whatever
+-- inserted it (an enqueue, a next stage, a caller's own INSERT): the fast claim reads
+-- only jobs without a key, and only tool_job_claim_flow checks the session rules
+-- (claimable.sql tool_job_session_free).
 CREATE OR REPLACE FUNCTION tool_job_keyed_flow() RETURNS trigger
 SET search_path FROM CURRENT
 LANGUAGE plpgsql AS $$
 BEGIN
-    INSERT INTO tool_flow (tool, updated_by) VALUES (NEW.tool, 'a job with a concurrency key')
+    INSERT INTO tool_flow (tool, updated_by)
+    VALUES (NEW.tool, CASE WHEN NEW.concurrency_key <> '' THEN 'a job with a concurrency key'
+                           ELSE 'a job with a session' END)
     ON CONFLICT (tool) DO NOTHING;
     RETURN NULL;
 END
 $$;
 DROP TRIGGER IF EXISTS tool_jobs_keyed_flow ON tool_jobs;
 CREATE TRIGGER tool_jobs_keyed_flow
-    AFTER INSERT OR UPDATE OF concurrency_key ON tool_jobs
-    FOR EACH ROW WHEN (NEW.concurrency_key <> '')
+    AFTER INSERT OR UPDATE OF concurrency_key, session_key ON tool_jobs
+    FOR EACH ROW WHEN (NEW.concurrency_key <> '' OR NEW.session_key IS NOT NULL)
     EXECUTE FUNCTION tool_job_keyed_flow();
 
 -- A freed slot wakes one idle sidecar of a capped tool at commit, as an enqueue does: a
@@ -65,7 +69,7 @@ LANGUAGE sql IMMUTABLE AS $$
     SELECT NULL::uuid, p_tool, NULL::text, NULL::bigint, NULL::integer, NULL::integer,
            NULL::timestamptz, NULL::text, NULL::text, NULL::boolean, NULL::float8,
            NULL::text, NULL::integer, NULL::text, NULL::text, NULL::float8, p_reason,
-           p_retry_in
+           p_retry_in, NULL::text
 $$;
 
 -- Whether a set_tool_limits call ($3: the fields it sets) changes the bucket of the row
