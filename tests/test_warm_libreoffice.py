@@ -8,6 +8,7 @@ processes (soffice's launcher and soffice.bin) are still alive."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -21,6 +22,7 @@ from kit import (
     enqueue,
     job_row,
     journal_details,
+    kill_pid,
     pid_alive,
     wait_until,
 )
@@ -245,3 +247,91 @@ def test_paths_outside_the_root_are_refused_at_once_and_the_same_soffice_serves_
     assert not list(outside.iterdir())
     sc.stop()
     assert not _left(_process_ids(dsn, jobs))
+
+
+def _soffice_bin(launcher: int) -> int:
+    """The soffice.bin under the launcher ``launcher`` (oosplash)."""
+    [pid] = [child.pid for child in psutil.Process(launcher).children(recursive=True)
+             if child.name() == "soffice.bin"]
+    return pid
+
+
+def test_soffice_killed_during_a_job_fails_that_job_and_the_next_gets_a_fresh_process(
+        dsn, sidecars, tmp_path):
+    """soffice.bin dies while it converts (SIGKILL to the pid recorded under the first
+    job's launcher): the recipe finds the bridge gone and exits 75, so that job fails
+    ``exit_code`` 75 (not the deadline's kill) and the next conversion runs in a fresh
+    process with a new soffice."""
+    _need_soffice_and_uno()
+    env = _recipe_env(dsn, tmp_path, SIDECAR_PROFILE_CONVERT_DOC_WARM_STAGE_TIMEOUT_SECONDS=
+                      "60")
+    text = _documents(tmp_path)[0]
+    huge = _huge_table(tmp_path / "huge.html")
+    sc = sidecars(dsn, RECIPE, "--tool", TOOL, env=env)
+    first = _finished(dsn, _convert(dsn, env, text, tmp_path))
+    _pdf(first)
+    victim = _soffice_bin(first["result"]["soffice_pid"])
+    busy = _convert(dsn, env, huge, tmp_path, "--max-attempts", "1")
+    wait_until(lambda: journal_details(dsn, busy, "tool_request_started"), 30,
+               what="the huge document handed to soffice")
+    kill_pid(victim)
+    row = _finished(dsn, busy)
+    assert (row["state"], row["error"]["kind"], row["error"]["exit_code"]) == \
+        ("failed", "exit_code", 75), row["error"]
+    wait_until(lambda: not pid_alive(first["result"]["soffice_pid"]), 15,
+               what="the first soffice's launcher gone")
+    after = _finished(dsn, _convert(dsn, env, text, tmp_path))
+    _pdf(after)
+    assert after["result"]["soffice_pid"] != first["result"]["soffice_pid"]
+    assert journal_details(dsn, after["id"], "tool_request_started")[0]["warm"]["fresh"]
+    sc.stop()
+    assert [e["reason"] for e in sc.events("warm_process_stopped")] == ["exited", "shutdown"]
+
+
+def _serve(root: Path, home: Path) -> subprocess.Popen:
+    """The recipe alone, as the sidecar starts a warm process: request lines on its
+    stdin, answers on its stdout."""
+    return subprocess.Popen(RECIPE, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE,
+                            env={"PATH": os.environ["PATH"], "HOME": str(home),
+                                 "CONVERT_DOC_ROOT": str(root)})
+
+
+def _ask(proc: subprocess.Popen, job_id: str, payload: dict) -> dict:
+    proc.stdin.write(json.dumps({"job_id": job_id, "payload": payload}).encode() + b"\n")
+    proc.stdin.flush()
+    return json.loads(proc.stdout.readline())
+
+
+def test_the_recipe_alone_stops_its_soffice_at_the_end_of_stdin_and_exits_when_it_dies(
+        tmp_path):
+    """Without a sidecar to kill its tree: at the end of its stdin the recipe has soffice
+    terminate and exits 0 with nothing more on stdout, no process of its soffice left; a
+    recipe whose soffice dies while it waits for a request exits 75 at once."""
+    _need_soffice_and_uno()
+    text = _documents(tmp_path)[0]
+    payload = {"input": str(text), "output_dir": str(tmp_path)}
+    for end in ("eof", "soffice dies"):
+        home = tmp_path / end.replace(" ", "-")
+        home.mkdir()
+        proc = _serve(tmp_path, home)
+        try:
+            answer = _ask(proc, "j1", payload)
+            assert answer["job_id"] == "j1" and answer["result"]["bytes"] > 1000, answer
+            tree = _soffice_tree(answer["result"]["soffice_pid"])
+            assert len(tree) >= 2, tree
+            if end == "eof":
+                proc.stdin.close()
+                assert proc.wait(30) == 0, proc.stderr.read().decode()[-2000:]
+                assert proc.stdout.read() == b""
+            else:
+                kill_pid(_soffice_bin(answer["result"]["soffice_pid"]))
+                assert proc.wait(30) == 75, proc.stderr.read().decode()[-2000:]
+            wait_until(lambda tree=tree: not [p for p in tree if pid_alive(p)], 10,
+                       what=f"soffice {sorted(tree)} gone")
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(10)
+            for stream in (proc.stdin, proc.stdout, proc.stderr):
+                stream.close()
