@@ -202,21 +202,28 @@ class Office:
             with contextlib.suppress(UnoException):
                 doc.dispose()
 
-    def stop(self) -> None:
-        """Ask soffice to terminate; after STOP_SECONDS kill its session (launcher and
+    def stop(self, ask: bool = True) -> None:
+        """End soffice: unless ``ask`` is false (the bridge is already broken), ask it to
+        terminate, in a thread of its own so a call that never returns cannot hold this
+        up; once STOP_SECONDS have passed without its exit, kill its session (launcher and
         soffice.bin) by the pid recorded at start. Never raises."""
         if self.proc is None:
             return
         self.stopping = True
-        if self.desktop is not None and not self.gone.is_set():
-            with contextlib.suppress(UnoException):  # the bridge closes as soffice exits
-                self.desktop.terminate()
-        if not self.gone.wait(STOP_SECONDS):
+        if ask and self.desktop is not None and not self.gone.is_set():
+            threading.Thread(target=self._terminate, name="soffice-terminate",
+                             daemon=True).start()
+            if self.gone.wait(STOP_SECONDS):
+                return
             print(f"soffice (pid {self.pid}) did not exit within {STOP_SECONDS:g} s: killed",
                   file=sys.stderr, flush=True)
-            with contextlib.suppress(OSError):
-                os.killpg(self.pid, signal.SIGKILL)
-            self.gone.wait(STOP_SECONDS)
+        with contextlib.suppress(OSError):
+            os.killpg(self.pid, signal.SIGKILL)
+        self.gone.wait(STOP_SECONDS)
+
+    def _terminate(self) -> None:
+        with contextlib.suppress(UnoException):  # the bridge closes as soffice exits
+            self.desktop.terminate()
 
 
 def job_of(payload) -> tuple[str, str, str]:
@@ -254,8 +261,9 @@ def main() -> int:
             answers.write(json.dumps({"job_id": job_id, **fields}) + "\n")
             answers.flush()
 
+    broken = False
     try:
-        for line in sys.stdin:
+        for line in sys.stdin.buffer:  # one request per line, UTF-8 JSON
             try:
                 request = json.loads(line)
                 job_id = request["job_id"]
@@ -279,11 +287,12 @@ def main() -> int:
                 continue
             except Broken as exc:
                 print(f"job {job_id}: {exc}", file=sys.stderr, flush=True)
+                broken = True
                 return BROKEN
             answer(job_id, result={"output": output, "bytes": size,
                                    "soffice_pid": office.pid})
     finally:
-        office.stop()
+        office.stop(ask=not broken)
     return 0
 
 
