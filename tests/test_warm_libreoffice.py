@@ -24,6 +24,7 @@ from kit import (
     journal_details,
     kill_pid,
     pid_alive,
+    sandbox_extra_paths,
     wait_until,
 )
 
@@ -335,3 +336,30 @@ def test_the_recipe_alone_stops_its_soffice_at_the_end_of_stdin_and_exits_when_i
             proc.wait(10)
             for stream in (proc.stdin, proc.stdout, proc.stderr):
                 stream.close()
+
+
+def test_the_warm_recipe_converts_in_the_default_sandbox(dsn, sidecars, public_dir):
+    """SANDBOX=required (bubblewrap, the product's default where the host allows it): the
+    recipe, soffice and its pipe live in the warm process's sandbox (its own /tmp); two
+    documents in a directory bound read-write are converted by one soffice, and nothing
+    of the process is left after the stop."""
+    _need_soffice_and_uno()
+    if shutil.which("bwrap") is None:
+        pytest.fail("bwrap is not installed: apt-get install -y bubblewrap (.ci/run "
+                    "installs it)")
+    root = public_dir(0o755, 0, "/var/tmp")
+    extra = ",".join(p for p in (sandbox_extra_paths(), f"{root}:rw") if p)
+    env = _recipe_env(dsn, root, SIDECAR_SANDBOX="required", SIDECAR_EXTRA_PATHS=extra,
+                      SIDECAR_PROFILE_CONVERT_DOC_WARM_STAGE_TIMEOUT_SECONDS=STAGE_TIMEOUT)
+    documents = _documents(root)[:2]
+    jobs = [_convert(dsn, env, doc, root) for doc in documents]
+    sc = sidecars(dsn, RECIPE, "--tool", TOOL, env=env)
+    rows = [_finished(dsn, job) for job in jobs]
+    for row in rows:
+        _pdf(row)
+    assert len({row["result"]["soffice_pid"] for row in rows}) == 1
+    processes = _process_ids(dsn, jobs)
+    assert len(processes) == 1
+    sc.stop()
+    assert not _left(processes)
+    assert [e["reason"] for e in sc.events("warm_process_stopped")] == ["shutdown"]
