@@ -4,6 +4,7 @@ Each test names the kind of fault it covers; the fix covers every place of that 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import subprocess
@@ -261,16 +262,43 @@ BAD_PAYLOADS = [b"", b"[1", b"[]", b'"url"', b"{}", b'{"url": 5, "image": 5, "in
                 b'"lang": 2}']
 
 
+# The recipes are the scripts (a shebang); recipe_paths.py is a module some of them share.
+# A warm recipe (PROCESS=warm) answers each request line instead of exiting.
+SCRIPTS = sorted(p.name for p in RECIPES.glob("*.py") if p.read_text().startswith("#!"))
+WARM_RECIPES = {"libreoffice_warm.py": "CONVERT_DOC_ROOT"}
+
+
 @pytest.mark.e2e
-@pytest.mark.parametrize("recipe", sorted(p.name for p in RECIPES.glob("*.py")))
-def test_a_recipe_exits_65_with_one_line_on_a_bad_payload(recipe):
+@pytest.mark.parametrize("recipe", SCRIPTS)
+def test_a_recipe_exits_65_with_one_line_on_a_bad_payload(recipe, tmp_path):
     """Case F24, kind: bad input treated as a crash. The recipes died with a traceback and
     exit 1 on a payload of the wrong shape, so the job was retried to its last attempt;
     every recipe now exits 65 (EX_DATAERR, in the default NON_RETRYABLE_EXIT_CODES) with
-    one line naming the field, before it starts its binary."""
+    one line naming the field, before it starts its binary. A warm recipe answers each
+    such payload (every one that is JSON: a request carries a decoded payload) with an
+    error of exit code 65 and that one line, from one process that then exits 0 at the end
+    of its stdin."""
     import subprocess
     import sys
 
+    if recipe in WARM_RECIPES:
+        payloads = []
+        for raw in BAD_PAYLOADS:
+            with contextlib.suppress(ValueError):
+                payloads.append(orjson.loads(raw))
+        lines = b"".join(orjson.dumps({"job_id": str(n), "payload": payload}) + b"\n"
+                         for n, payload in enumerate(payloads))
+        done = subprocess.run([str(RECIPES / recipe)], input=lines, capture_output=True,
+                              env={"PATH": os.environ["PATH"], "HOME": str(tmp_path),
+                                   WARM_RECIPES[recipe]: str(tmp_path)}, timeout=30)
+        assert done.returncode == 0, done.stderr.decode()
+        answers = [orjson.loads(line) for line in done.stdout.splitlines()]
+        assert [a["job_id"] for a in answers] == [str(n) for n in range(len(payloads))]
+        for answer in answers:
+            error = answer["error"]
+            assert error["exit_code"] == 65 and error["message"].startswith("bad payload: ")
+            assert "\n" not in error["message"], error
+        return
     for payload in BAD_PAYLOADS:
         done = subprocess.run([sys.executable, str(RECIPES / recipe)], input=payload,
                               capture_output=True, timeout=30)
