@@ -27,6 +27,7 @@ from bench import (
     soak,
     throughput,
     wal,
+    warmtools,
 )
 from bench.common import (
     MODES,
@@ -39,7 +40,7 @@ from bench.common import (
     measure_clock_offset,
     progress,
 )
-from bench.report import Row, machine, table, write_results
+from bench.report import Row, earlier_results, machine, table, write_results
 
 # Section number -> (title, module). Each module's ``run(ctx, conn)`` returns its rows.
 SECTIONS = {
@@ -57,6 +58,7 @@ SECTIONS = {
     "12": ("flow control", flowctl),
     "13": ("WAL per job", wal),
     "14": ("MCP gateway", gateway),
+    "15": ("warm tools", warmtools),
 }
 DEFAULT_OUTPUT = Path(__file__).resolve().parent / "RESULTS.md"
 
@@ -197,8 +199,10 @@ async def amain(args: argparse.Namespace) -> int:
         ctx.notes.append("jobs through tool_jobs in this run: " + ", ".join(
             f"{who} {n:,}" for who, n in ctx.jobs_run.items()))
     elapsed = time.monotonic() - started
+    # --only rewrites the file with the other sections' rows kept from the earlier run.
+    earlier = earlier_results(args.output, set(only)) if args.only else None
     write_results(args.output, mode_name, rows, machine(pg_version.split(" on ")[0]),
-                  ctx.notes, ctx.settings, elapsed, load_start)
+                  ctx.notes, ctx.settings, elapsed, load_start, earlier)
     print(table(rows), end="")
     progress(f"done in {elapsed:.0f} s; wrote {args.output}")
     if failed:

@@ -60,6 +60,7 @@ class Mode:
     mcp_calls: int              # MCP gateway round trips measured (and as many Client.call)
     mcp_in_flight: int          # MCP calls in flight at once for the gateway's memory
     mcp_tasks: int              # MCP tasks left pending at once for the gateway's memory
+    warm_tool_jobs: int = 12    # real-tool jobs per side of the warm-tools section (15)
 
 
 SHAPES = ((1, 1), (1, 8), (2, 8), (4, 8))
@@ -69,7 +70,7 @@ MODES = {
                   poll_seconds=0.5, hb_window=1.0, reaction_trials=1, kill_trials=1,
                   lag_jobs=16, idle_window=1.5, health_jobs=400, caller_calls=12,
                   caller_waiters=20, bouncer_calls=3, mcp_calls=12,
-                  mcp_in_flight=20, mcp_tasks=50),
+                  mcp_in_flight=20, mcp_tasks=50, warm_tool_jobs=2),
     "medium": Mode("medium", jobs=3000, shapes=SHAPES, pickup_samples=100, poll_samples=20,
                    poll_seconds=2.0, hb_window=8.0, reaction_trials=6, kill_trials=2,
                    lag_jobs=48, idle_window=10.0, health_jobs=100_000,
@@ -79,7 +80,7 @@ MODES = {
                  poll_seconds=2.0, hb_window=10.0, reaction_trials=10, kill_trials=3,
                  lag_jobs=80, idle_window=10.0, health_jobs=100_000,
                  caller_calls=400, caller_waiters=100, bouncer_calls=20,
-                 mcp_calls=400, mcp_in_flight=1000, mcp_tasks=1000),
+                 mcp_calls=400, mcp_in_flight=1000, mcp_tasks=1000, warm_tool_jobs=24),
 }
 
 # The short lease profile of the pickup, heartbeat and reaction sidecars (keeps P10:
@@ -388,12 +389,12 @@ async def enqueue_one(conn: asyncpg.Connection, tool: str, payload: str = "{}",
     from sidecar.storage.queries import Q
 
     # The query's JSON parameters are text ($2, $8, $13); $14 an expiry time (none); $15
-    # the concurrency key.
+    # the concurrency key; $16 the session (none).
     row = await conn.fetchrow(Q["enqueue_job"], tool, payload, None, None, None,
                               None, None, None, max_attempts, None, None, None,
                               orjson.dumps(details if details is not None
                                            else {"by": "bench"}).decode(), None,
-                              concurrency_key)
+                              concurrency_key, None)
     return row["id"]
 
 
