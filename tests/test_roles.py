@@ -19,7 +19,7 @@ from kit import base_env, cli, enqueue, job_row, query, run, scalar
 WORKER_PRIVILEGES = {
     ("schema", "public", "USAGE"),
     *(("table", t, p) for t in ("tool_jobs", "tool_job_outbox", "tool_idle_sidecars",
-                                "tool_flow_keys", "tool_sweeps")
+                                "tool_flow_keys", "tool_sweeps", "tool_sessions")
       for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
     # the journals are appended and pruned, never rewritten (issue 41, point 2)
     *(("table", t, p) for t in ("tool_job_events", "tool_flow_events")
@@ -65,6 +65,8 @@ WORKER_PRIVILEGES = {
     ("function", "tool_flow_bucket_changed", "EXECUTE"),
     ("function", "tool_flow_held", "EXECUTE"),
     ("function", "sidecar_enqueue", "EXECUTE"),
+    ("function", "tool_job_session_free", "EXECUTE"),
+    ("function", "tool_job_session_begin", "EXECUTE"),
 }
 SCALER_PRIVILEGES = {("schema", "public", "USAGE"), ("function", "tool_job_demand", "EXECUTE")}
 

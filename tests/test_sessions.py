@@ -236,3 +236,35 @@ def test_sql_callers_enqueue_into_a_session_in_their_own_transaction(dsn):
 
     with pytest.raises(asyncpg.InvalidParameterValueError, match="session"):
         query(dsn, "SELECT sidecar_enqueue('warm', '{}'::jsonb, session_key => E'a\\nb')")
+
+
+def test_a_sidecar_holds_at_most_max_sessions_and_a_further_session_waits_unspent(
+        dsn, sidecars):
+    """MAX_SESSIONS=1: while s1 lives, a call of s2 goes back to the queue with its attempt
+    unspent (attempt_shortage, errno max_sessions); once s1 ends idle, s2's call runs on
+    its first attempt, in a process of its own."""
+    env = _env(dsn, SIDECAR_MAX_SESSIONS="1", SIDECAR_SESSION_IDLE_SECONDS="2")
+    sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    first = _ended(dsn, _call(dsn, env, "s1"))
+    second = _ended(dsn, _call(dsn, env, "s2"), 60)
+    assert second["state"] == "succeeded" and second["attempt"] == 1, second
+    assert second["result"]["pid"] != first["result"]["pid"]
+    shortages = journal_details(dsn, second["id"], "attempt_shortage")
+    assert shortages and {s["errno"] for s in shortages} == {"max_sessions"}
+    assert _session(dsn, "s1")["end_reason"] == "idle"
+
+
+def test_retention_removes_ended_sessions_but_not_live_ones_or_those_with_calls(dsn):
+    """`sidecar prune`: an ended session older than the retention goes; a live one, and an
+    ended one with a queued call, stay."""
+    query(dsn, "INSERT INTO tool_sessions (tool, session_key, state, ended_at, end_reason) "
+               "VALUES ('warm', 'old', 'ended', now() - interval '400 days', 'idle'), "
+               "('warm', 'waited', 'lost', now() - interval '400 days', 'exited')")
+    query(dsn, "INSERT INTO tool_sessions (tool, session_key, state, owner_id, lease_until) "
+               "VALUES ('warm', 'live', 'live', 'x', now() + interval '1 hour')")
+    _call(dsn, base_env(dsn), "waited")
+    done = cli(dsn, "prune", env=base_env(dsn, SIDECAR_RETENTION_SECONDS="3600"))
+    assert done.returncode == 0, done.stderr.decode()
+    assert orjson.loads(done.stdout)["sessions"] == 1
+    left = {r["session_key"] for r in query(dsn, "SELECT session_key FROM tool_sessions")}
+    assert left == {"waited", "live"}

@@ -71,6 +71,9 @@ RETENTION: tuple[Kind, ...] = (
          "minutes (their sidecars died)", "prune_dead_idle_sidecars"),
     Kind("sweeps", "tool_sweeps", "the sweep turn of a tool no sidecar has sampled for a "
          "day", "prune_idle_sweeps"),
+    Kind("sessions", "tool_sessions", "agent sessions that ended or were lost longer ago "
+         "than the longest retention, none of whose calls is queued or running (a later "
+         "call of the key starts a new session)", "prune_ended_sessions", aged=True),
 )
 # The kinds the finished jobs' batches remove (statement None), by their report keys.
 JOB_KINDS: tuple[Kind, ...] = tuple(kind for kind in RETENTION if kind.statement is None)

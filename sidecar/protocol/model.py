@@ -195,6 +195,7 @@ class LeaseProfile:
     # ``fresh`` starts it again.
     session_idle_seconds: float = 300.0
     session_max_seconds: float = 3600.0
+    max_sessions: int = 8
     session_restart: str = "lost"
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 

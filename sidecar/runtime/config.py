@@ -371,6 +371,10 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "SESSION_MAX_SECONDS": _Field(_number, "3600", "s",
                                   "a session ends once it is this old, when no call of it "
                                   "runs; 0 = no cap"),
+    "MAX_SESSIONS": _Field(_integer, "8", "count",
+                           "agent sessions one sidecar holds at once (each keeps a warm "
+                           "process); a call of a new session beyond them goes back to the "
+                           "queue for another sidecar, its attempt not spent"),
     "SESSION_RESTART": _Field(_session_restart, "lost", "mode",
                               "a call whose session ended or was lost: lost = it fails "
                               "session_lost; fresh = a new process starts the session again"),
@@ -571,6 +575,9 @@ def _build_profile(
             f"for tool {tool!r}: the tool would use the host's network; set SANDBOX=auto or "
             "required, or NETWORK=host")
 
+    if not 1 <= p["max_sessions"] <= 1000:
+        raise ConfigError(f"{src['MAX_SESSIONS']}={p['max_sessions']}: use 1 to 1000 sessions "
+                          "per sidecar")
     for name in ("WARM_IDLE_SECONDS", "SESSION_IDLE_SECONDS"):
         if p[name.lower()] <= 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must be a positive number of "

@@ -737,6 +737,13 @@ class JobSupervisor:
         sidecar holds it or the database did not answer (the attempt is not spent)."""
         profile, key = self.ctx.profile, self.job.session_key
         pool = self.ctx.warm
+        if key not in pool.sessions and len(pool.sessions) >= profile.max_sessions:
+            # Each session keeps a process: a new one beyond the cap goes to another
+            # sidecar (or here, later), its attempt not spent (F19's path).
+            return self._short_before_spawn(
+                "session", "max_sessions", f"this sidecar holds MAX_SESSIONS="
+                f"{profile.max_sessions} sessions; the call waits for one to end or for "
+                "another sidecar")
         sent = time.monotonic()
         try:
             status, generation, end_reason = await pool.begin_session(self.job.tool, key)

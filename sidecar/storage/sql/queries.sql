@@ -882,6 +882,20 @@ WITH gone AS (
 )
 SELECT count(*) FROM gone;
 
+-- name: prune_ended_sessions
+-- Retention (issue 43): agent sessions that ended or were lost more than $1 seconds ago
+-- (the longest retention of finished jobs), none of whose calls is still queued or
+-- running. A later call of the same key then starts a new session.
+WITH gone AS (
+    DELETE FROM tool_sessions s
+    WHERE s.state <> 'live' AND s.ended_at < now() - $1::float8 * interval '1 second'
+      AND NOT EXISTS (SELECT FROM tool_jobs j
+                      WHERE j.tool = s.tool AND j.session_key = s.session_key
+                        AND j.state IN ('queued', 'running'))
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
 -- The operator's web view (`sidecar web`, issue 30). Read-only statements; every one runs
 -- with custom plans (web_custom_plans), so an unset filter ($n IS NULL) drops out of the
 -- plan and each set one reads its own index (migration 019).
