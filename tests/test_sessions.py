@@ -268,3 +268,21 @@ def test_retention_removes_ended_sessions_but_not_live_ones_or_those_with_calls(
     assert orjson.loads(done.stdout)["sessions"] == 1
     left = {r["session_key"] for r in query(dsn, "SELECT session_key FROM tool_sessions")}
     assert left == {"waited", "live"}
+
+
+def test_a_session_whose_process_cannot_start_is_not_left_live(dsn, sidecars, tmp_path):
+    """The tool cannot be started (its #! interpreter is missing): the call fails
+    spawn_failed, and its session ends lost at once instead of staying live (renewed for
+    ever, holding one of MAX_SESSIONS) without a process."""
+    env = _env(dsn, SIDECAR_MAX_SESSIONS="1")
+    broken = tmp_path / "broken-tool"
+    broken.write_text(f"#!{tmp_path / 'no-such-interpreter'}\n")
+    broken.chmod(0o755)
+    sc = sidecars(dsn, [str(broken)], "--tool", "warm", env=env)
+    row = _ended(dsn, _call(dsn, env, "s1"))
+    assert row["error"]["kind"] == "spawn_failed", row["error"]
+    wait_until(lambda: _session(dsn, "s1")["state"] == "lost", 10, what="the session lost")
+    assert sc.wait_event("session_ended", 5)["state"] == "lost"
+    # the cap is free again: another session's call is taken (and fails the same way)
+    other = _ended(dsn, _call(dsn, env, "s2"))
+    assert other["error"]["kind"] == "spawn_failed" and other["attempt"] == 1

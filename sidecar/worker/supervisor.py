@@ -674,15 +674,22 @@ class JobSupervisor:
         process for the next job, anything else kills its tree (docs/child-process.md,
         "Warm mode")."""
         pool = self.ctx.warm
-        session = None
-        if self.job.session_key is not None:
-            opened = await self._open_session()
-            if not isinstance(opened, Session):
-                return opened
-            session = opened
-            process, fresh = session.process, False
-        else:
-            process, fresh = pool.take(), False
+        if self.job.session_key is None:
+            return await self._warm_attempt(held, pool.take(), None)
+        opened = await self._open_session()
+        if not isinstance(opened, Session):
+            return opened
+        try:
+            return await self._warm_attempt(held, opened.process, opened)
+        finally:
+            # A session whose first process never started holds nothing: it ends lost
+            # here, whatever ended the attempt (a spawn failure, a cancellation).
+            if opened.process is None:
+                pool.drop_session(opened, "lost", "its process could not start")
+
+    async def _warm_attempt(self, held: contextlib.AsyncExitStack,
+                            process: WarmProcess | None, session: Session | None) -> Ending:
+        pool, fresh = self.ctx.warm, False
         for _ in range(2):
             if process is None:
                 try:
@@ -703,8 +710,6 @@ class JobSupervisor:
                         FailureKind.SPAWN_FAILED, exc.message, exit_code=exc.exit_code))
                 except Exception as exc:  # noqa: BLE001 - the sandbox: fails the attempt
                     short = shortage_errno(exc)
-                    if session is not None:
-                        pool.drop_session(session, "lost", "its process could not start")
                     if short is not None:
                         return self._short_before_spawn("sandbox", short, str(exc))
                     log.emit("sandbox_failed", "error", **log_fields(self.job),
