@@ -35,7 +35,7 @@ pytestmark = pytest.mark.database
 
 KINDS = ("worker", "scaler", "caller", "web")
 TABLES = ("tool_jobs", "tool_job_events", "tool_job_outbox", "tool_idle_sidecars",
-          "tool_flow", "tool_flow_keys", "tool_flow_events", "tool_sweeps")
+          "tool_flow", "tool_flow_keys", "tool_flow_events", "tool_sweeps", "tool_sessions")
 
 # Direct writes, each with the roles (besides the owner) that may make it. $1 is an
 # existing job's id. A statement is run only as a role that must be refused it.
@@ -115,7 +115,7 @@ READS = {
     "scaler": set(),
     "caller": {"tool_jobs"},
     "web": {"tool_jobs", "tool_job_events", "tool_job_outbox", "tool_flow",
-            "tool_idle_sidecars"},
+            "tool_idle_sidecars", "tool_sessions"},
 }
 
 # The SECURITY DEFINER functions, the only writes the callers and the web view make.

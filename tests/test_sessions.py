@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
+import subprocess
 import sys
 
 import orjson
@@ -19,12 +20,14 @@ from kit import (
     base_env,
     cli,
     enqueue,
+    free_port,
     job_row,
     journal_details,
     one_line_error,
     parse_events,
     pid_alive,
     query,
+    stop_process,
     wait_until,
 )
 
@@ -286,3 +289,43 @@ def test_a_session_whose_process_cannot_start_is_not_left_live(dsn, sidecars, tm
     # the cap is free again: another session's call is taken (and fails the same way)
     other = _ended(dsn, _call(dsn, env, "s2"))
     assert other["error"]["kind"] == "spawn_failed" and other["attempt"] == 1
+
+
+def test_the_web_view_shows_live_sessions_and_a_calls_session(dsn, sidecars, tmp_path):
+    """`sidecar web`, connected as the web view's own role: /sessions lists the live
+    session with its holder and calls, and the call's page says its session."""
+    import urllib.request
+
+    from test_roles import _as
+
+    env = _env(dsn)
+    sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    first = _ended(dsn, _call(dsn, env, "agent-web-1"))
+    role = f"sidecar_web_{first['id'].hex[:10]}"
+    query(dsn, f'CREATE ROLE "{role}" LOGIN')
+    web = None
+    try:
+        assert cli(dsn, "migrate", "--web-role", role).returncode == 0
+        port = free_port()
+        log = tmp_path / "web.log"
+        with open(log, "wb") as out:
+            web = subprocess.Popen([sys.executable, "-m", "sidecar", "web", "--listen",
+                                    f"127.0.0.1:{port}"], env=base_env(_as(dsn, role)),
+                                   stdout=out, stderr=out)
+        wait_until(lambda: "web listening on" in log.read_text(errors="replace"), 30,
+                   what="sidecar web's ready line")
+
+        def page(path):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=20) as r:
+                return r.read().decode()
+
+        listed = page("/sessions?tool=warm")
+        assert "agent-web-1" in listed and first["owner_id"] in listed
+        assert "no live session" not in listed
+        shown = page(f"/jobs/{first['id']}")
+        assert 'id="session"' in shown and "agent-web-1: live, generation 1, 1 calls" in shown
+    finally:
+        if web is not None:
+            stop_process(web)
+        query(dsn, f'DROP OWNED BY "{role}"')
+        query(dsn, f'DROP ROLE "{role}"')

@@ -620,6 +620,22 @@ async def running_page(request: web.Request) -> web.Response:
                    running=running, tool=tool, limit=MAX_RUNNING_ROWS)
 
 
+async def sessions_page(request: web.Request) -> web.Response:
+    """The live agent sessions (issue 43; of one tool with ``?tool=``): who holds each,
+    its generation, calls, lease slack and the call running now."""
+    state = request.app[STATE]
+    tool = _param(request, "tool")
+    if tool is not None:
+        try:
+            validate_tool_name(tool)
+        except ConfigError:
+            raise BadInput("query parameter tool: 1-63 letters, digits, '.', '_' or '-'") \
+                from None
+    rows = await state.store.web_read("web_sessions", tool, MAX_RUNNING_ROWS)
+    return _render(request, "sessions.html", sessions=rows, tool=tool,
+                   limit=MAX_RUNNING_ROWS)
+
+
 async def jobs_page(request: web.Request) -> web.Response:
     wanted = parse_filter(request)
     rows = await request.app[STATE].store.web_read(
@@ -667,9 +683,12 @@ async def job_page(request: web.Request) -> web.Response:
         previous = row["at"]
     forwarding = await state.store.outbox_of_job(job_id)
     children = await state.store.children(job_id)
+    session = await state.store.web_read("web_session_of_job", job_id, method="fetchrow") \
+        if job["session_key"] is not None else None
     error = job["error"] if isinstance(job["error"], dict) else None
     return _render(
         request, "job.html", job=job, error=error, timeline=timeline, total_events=total,
+        session=session,
         forwarding=forwarding, children=children, show=show, content=content,
         content_limit=MAX_CONTENT_CHARS, deadline_s=_stage_deadline(state.settings,
                                                                     job["tool"]),
@@ -900,6 +919,7 @@ def make_app(store: OperatorStore, settings: Settings, admin_tokens: dict[str, s
     app.router.add_get("/tools", tools_page)
     app.router.add_get("/running", running_page)
     app.router.add_get("/jobs", jobs_page)
+    app.router.add_get("/sessions", sessions_page)
     app.router.add_get("/jobs/{job_id}", job_page)
     app.router.add_get("/jobs/{job_id}/{action:cancel|retry}", confirm_page)
     app.router.add_post("/jobs/{job_id}/{action:cancel|retry}", job_action)

@@ -997,7 +997,7 @@ LIMIT $6;
 SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, attempt,
        max_attempts, idempotency_key, error, run_after, created_at, first_claimed_at,
        claimed_at, finished_at, parent_id, stage, priority, expires_at, tags, traceparent,
-       progress, concurrency_key, unstarted_expiries,
+       progress, concurrency_key, unstarted_expiries, session_key,
        extract(epoch FROM lease_until - now())::float8 AS lease_slack_s,
        octet_length(payload::text) AS payload_bytes,
        encode(sha256(convert_to(payload::text, 'UTF8')), 'hex') AS payload_sha256,
@@ -1005,6 +1005,27 @@ SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, atte
        encode(sha256(convert_to(result::text, 'UTF8')), 'hex') AS result_sha256,
        octet_length(checkpoint::text) AS checkpoint_bytes
 FROM tool_jobs WHERE id = $1;
+
+-- name: web_session_of_job
+-- Issue 43: the agent session of job $1 for its page (no row: none, or not started yet).
+SELECT s.session_key, s.state, s.owner_id, s.generation, s.calls, s.started_at,
+       s.last_call_at, s.ended_at, s.end_reason,
+       extract(epoch FROM s.lease_until - now())::float8 AS lease_slack_s
+FROM tool_jobs j JOIN tool_sessions s ON s.tool = j.tool AND s.session_key = j.session_key
+WHERE j.id = $1;
+
+-- name: web_sessions
+-- Issue 43: the live agent sessions (of tool $1; NULL: every tool), newest first, at most
+-- $2, with their lease's slack by the database's clock and the call running now, if any.
+SELECT s.tool, s.session_key, s.owner_id, s.generation, s.calls, s.started_at,
+       s.last_call_at, extract(epoch FROM s.lease_until - now())::float8 AS lease_slack_s,
+       (SELECT j.id FROM tool_jobs j
+        WHERE j.tool = s.tool AND j.session_key = s.session_key AND j.state = 'running'
+        LIMIT 1) AS running_job
+FROM tool_sessions s
+WHERE s.state = 'live' AND ($1::text IS NULL OR s.tool = $1)
+ORDER BY s.started_at DESC
+LIMIT $2;
 
 -- name: web_job_content
 -- The payload ($2 = 'payload') or result ('result') of job $1 as JSON text, at most $3

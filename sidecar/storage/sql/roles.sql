@@ -135,7 +135,7 @@ UNION ALL
 -- name: web_grants
 -- The web view's role (`sidecar web`, issue 30; issue 41, point 2): reads of what its
 -- pages show (the jobs, their journal and forwarding rows, the tools' flow rows, the idle
--- list it counts sidecars from) and the migration ledgers (its schema check); its admin
+-- list it counts sidecars from, the agent sessions) and the migration ledgers (its schema check); its admin
 -- actions only through SECURITY DEFINER functions that check their inputs:
 -- tool_job_cancel, tool_job_retry, tool_flow_pause and tool_flow_resume (and
 -- tool_job_expire: a job page settles a job past its expiry). No write on any
@@ -147,9 +147,10 @@ SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
               '%I.sidecar_schema_repeatables, %I.tool_jobs, %I.tool_job_events, '
-              '%I.tool_job_outbox, %I.tool_flow, %I.tool_idle_sidecars TO %I',
+              '%I.tool_job_outbox, %I.tool_flow, %I.tool_idle_sidecars, %I.tool_sessions '
+              'TO %I', current_schema(), current_schema(), current_schema(),
               current_schema(), current_schema(), current_schema(), current_schema(),
-              current_schema(), current_schema(), current_schema(), $1::text)
+              current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.sidecar_web_sessions, '
               '%I.sidecar_web_login_failures TO %I', current_schema(), current_schema(),
