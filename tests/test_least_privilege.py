@@ -281,7 +281,8 @@ def test_the_web_role_reads_and_acts_only_through_the_functions(dsn, roles):
             args = {"web_tools": (101,), "web_running": (None, 100),
                     "web_jobs_page": (None, None, None, None, None, 51),
                     "web_job": (job,), "web_job_content": (job, "payload", 1000),
-                    "web_job_events": (job, 200), "web_job_event_count": (job,)}
+                    "web_job_events": (job, 200), "web_job_event_count": (job,),
+                    "web_session_of_job": (job,), "web_sessions": (None, 100)}
             assert reads == set(args), "a read of web.py this test does not run"
             for name, values in args.items():
                 await store.web_read(name, *values)
