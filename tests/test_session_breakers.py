@@ -1,0 +1,282 @@
+"""Hostile tests of agent sessions (issue 43, point 3; docs/callers.md "Sessions").
+
+Section 1: reproducers. Each asserts a promise of the docs (or of the brief: nothing stays
+``live`` after its owner is gone, a call of a session stays in its session) and FAILS on
+the code it was written against, because of a defect the test's docstring names.
+
+Section 2: promises attacked that held. They pass, and keep passing guards them.
+
+Real `sidecar run` processes, a real PostgreSQL, the suite's warm tool
+(tests/tools/warm_tool.py) or a small warm tool written by the test."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+import textwrap
+
+import asyncpg
+import pytest
+
+from kit import (
+    TOOLS,
+    _connect,
+    base_env,
+    cli,
+    enqueue,
+    job_row,
+    pid_alive,
+    query,
+    wait_until,
+)
+
+pytestmark = pytest.mark.e2e
+
+WARM_TOOL = [sys.executable, str(TOOLS / "warm_tool.py")]
+
+
+def _env(dsn, **extra):
+    return base_env(dsn, **{"SIDECAR_PROCESS": "warm", "SIDECAR_STAGE_TIMEOUT_SECONDS": "5",
+                            **extra})
+
+
+def _call(dsn, env, session, mode="count", tool="warm", attempts="1", **payload):
+    extra = ("--session", session) if session is not None else ()
+    return enqueue(dsn, tool, {"mode": mode, **payload}, "--max-attempts", attempts, *extra,
+                   env=env)
+
+
+def _ended(dsn, job, timeout=30):
+    wait_until(lambda: job_row(dsn, job)["state"] in ("succeeded", "failed", "cancelled"),
+               timeout, what=f"job {job} to end")
+    return job_row(dsn, job)
+
+
+def _session(dsn, key, tool="warm"):
+    rows = query(dsn, "SELECT * FROM tool_sessions WHERE tool = $1 AND session_key = $2",
+                 tool, key)
+    return dict(rows[0]) if rows else None
+
+
+def _enqueue_in_one_transaction(dsn, session, count):
+    """``count`` calls of ``session`` enqueued through sidecar_enqueue one after another in
+    ONE caller transaction (a caller's PL/pgSQL loop: the transactional-outbox use the docs
+    offer sidecar_enqueue for). Their ids, in the order they were enqueued."""
+
+    async def go():
+        conn = await _connect(dsn)
+        try:
+            async with conn.transaction():
+                await conn.execute("CREATE TEMP TABLE enqueued (n int, id uuid) ON COMMIT DROP")
+                await conn.execute(f"""
+                    DO $$
+                    BEGIN
+                        FOR i IN 1..{int(count)} LOOP
+                            INSERT INTO pg_temp.enqueued VALUES (i, sidecar_enqueue(
+                                'warm', jsonb_build_object('mode', 'count', 'n', i),
+                                max_attempts => 1, session_key => {_literal(session)}));
+                        END LOOP;
+                    END $$""")
+                rows = await conn.fetch("SELECT id FROM pg_temp.enqueued ORDER BY n")
+            return [str(row["id"]) for row in rows]
+        finally:
+            await conn.close()
+
+    return asyncio.run(go())
+
+
+def _literal(text):
+    return "'" + text.replace("'", "''") + "'"
+
+
+# ==========================================================================================
+# Section 1: reproducers (each FAILS on the current code)
+# ==========================================================================================
+
+
+def test_calls_enqueued_in_one_transaction_run_in_the_order_they_were_enqueued(dsn):
+    """Promise 1: "A call of a session is claimed only when ... no older one is queued";
+    the calls run in enqueue order. DEFECT: "older" is (created_at, id). created_at is
+    now(), the transaction's start, so every call enqueued in one caller transaction has
+    the same created_at, and the tie goes to the id, tool_job_new_id(): a millisecond
+    timestamp followed by RANDOM bits. Calls enqueued within the same millisecond are
+    therefore ordered at random: a later call of the session overtakes an earlier one."""
+    env = _env(dsn)
+    ids = _enqueue_in_one_transaction(dsn, "agent-tx", 40)
+    done = cli(dsn, "run", "--tool", "warm", "--drain", "--concurrency", "1", "--",
+               *WARM_TOOL, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    rows = [job_row(dsn, job) for job in ids]
+    assert {row["state"] for row in rows} == {"succeeded"}, [r["error"] for r in rows]
+    assert len({row["result"]["pid"] for row in rows}) == 1
+    served = [row["result"]["served"] for row in rows]
+    assert served == list(range(1, 41)), (
+        f"served in this order (position i ran as call served[i]): {served}")
+
+
+def test_a_live_session_whose_owner_was_killed_does_not_stay_live_past_its_lease(
+        dsn, sidecars):
+    """Promise 4: no session stays ``live`` in tool_sessions after its owner is gone for
+    longer than its lease. DEFECT: a session is only ever marked lost by
+    tool_job_session_begin, i.e. when a later call of the SAME session is claimed. The
+    owner is SIGKILLed while its session is idle (the normal state of an agent session
+    between calls): with no further call the row stays ``live`` for ever, owner and all,
+    with a lease long run out, although another sidecar of the tool is up and polling.
+    `sidecar sessions` keeps listing it, sidecar_sessions_held-style dashboards built on
+    the table count it, and retention (which prunes only ended/lost rows) never removes
+    it."""
+    env = _env(dsn)
+    a = sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    first = _ended(dsn, _call(dsn, env, "idle-agent"))
+    assert first["state"] == "succeeded", first["error"]
+    assert _session(dsn, "idle-agent")["state"] == "live"
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(10)
+    wait_until(lambda: not pid_alive(first["result"]["pid"]), 15,
+               what="the session's process to be gone with its sidecar")
+    b = sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    b.wait_event("worker_started", 30)
+    # SIDECAR_LEASE_SECONDS is 3 (FAST_PROFILE): five leases and more
+    wait_until(lambda: _session(dsn, "idle-agent")["state"] != "live", 20,
+               what="the dead owner's session to stop being live")
+
+
+def test_a_next_stage_of_a_session_call_stays_in_its_session(dsn, sidecars, tmp_path):
+    """Promise (docs/callers.md "Each call is still a job"; point 6 of the brief): a call
+    of a session whose result names a next stage of the same tool. DEFECT:
+    finish_job_if_owner copies the parent's priority, tags, trace context and
+    concurrency key into the next stage, but not its session_key. The next stage runs as a
+    plain job: in a pooled warm process without the session's state (its request has no
+    "session"), free to run beside or after the session's later calls, and the session
+    never sees it. It should inherit the session (or be refused), never silently leave
+    it."""
+    tool = tmp_path / "staged_tool.py"
+    tool.write_text(textwrap.dedent("""\
+        import json, os, sys
+        served = 0
+        for line in sys.stdin:
+            request = json.loads(line)
+            served += 1
+            result = {"pid": os.getpid(), "served": served,
+                      "session": request.get("session")}
+            answer = {"job_id": request["job_id"], "result": result}
+            if (request.get("payload") or {}).get("mode") == "stage1":
+                answer["next"] = {"tool": "warm", "payload": {"mode": "stage2"}}
+            sys.stdout.write(json.dumps(answer) + "\\n")
+            sys.stdout.flush()
+        """))
+    env = _env(dsn, SIDECAR_NEXT_TOOLS="warm")
+    sidecars(dsn, [sys.executable, str(tool)], "--tool", "warm", env=env)
+    parent = _ended(dsn, _call(dsn, env, "staged", "stage1"))
+    assert parent["state"] == "succeeded", parent["error"]
+    assert parent["result"]["session"] == "staged"
+    wait_until(lambda: query(dsn, "SELECT id FROM tool_jobs WHERE parent_id = $1",
+                             parent["id"]), 10, what="the next stage")
+    [child] = query(dsn, "SELECT id FROM tool_jobs WHERE parent_id = $1", parent["id"])
+    stage = _ended(dsn, str(child["id"]))
+    assert stage["state"] == "succeeded", stage["error"]
+    assert stage["session_key"] == "staged", "the next stage left its session"
+    assert stage["result"]["session"] == "staged"
+    assert (stage["result"]["pid"], stage["result"]["served"]) == \
+        (parent["result"]["pid"], 2), "the next stage ran outside the session's process"
+
+
+def test_a_session_does_not_end_idle_while_its_next_call_waits_in_the_queue(
+        dsn, sidecars, tmp_path):
+    """Promise 5: a session ends after SESSION_IDLE_SECONDS *without a call*. DEFECT: the
+    idle clock (WarmPool.run_idle, Session.last_used) only knows the calls this sidecar
+    has claimed. One slot, SESSION_IDLE_SECONDS=3: call 1 of the session runs; a plain job
+    of the tool (8 s) takes the slot; call 2 of the session is enqueued right behind it,
+    well within the 3 s. While call 2 waits for the slot the session is ended ``idle``,
+    and call 2 then fails session_lost: the agent called in time and loses its state
+    because the sidecar was busy with somebody else's work."""
+    env = _env(dsn, SIDECAR_SESSION_IDLE_SECONDS="3", SIDECAR_STAGE_TIMEOUT_SECONDS="30")
+    sidecars(dsn, WARM_TOOL, "--tool", "warm", "--concurrency", "1", env=env)
+    first = _ended(dsn, _call(dsn, env, "busy-agent"))
+    assert first["state"] == "succeeded", first["error"]
+    mark = tmp_path / "mark"
+    plain = _call(dsn, env, None, "slow", mark=str(mark), seconds=8)
+    second = _call(dsn, env, "busy-agent")
+    enqueued = job_row(dsn, second)["created_at"]
+    assert (enqueued - first["finished_at"]).total_seconds() < 3, \
+        "premise: call 2 was enqueued within SESSION_IDLE_SECONDS of call 1"
+    row = _ended(dsn, second, 60)
+    assert job_row(dsn, plain)["state"] == "succeeded"
+    assert row["state"] == "succeeded", (row["error"], _session(dsn, "busy-agent"))
+    assert row["result"]["served"] == 2 and row["result"]["pid"] == first["result"]["pid"]
+
+
+# ==========================================================================================
+# Section 2: promises attacked that held (these PASS)
+# ==========================================================================================
+
+
+def test_held_the_same_idempotency_key_with_another_session_is_refused(dsn):
+    """Promise 6: the same idempotency key with another session (or with none) is another
+    operation: refused (23505), never the existing job handed back."""
+    first = query(dsn, "SELECT sidecar_enqueue('warm', '{}'::jsonb, idempotency_key => 'op-1', "
+                       "session_key => 's-a') AS id")[0]["id"]
+    again = query(dsn, "SELECT sidecar_enqueue('warm', '{}'::jsonb, idempotency_key => 'op-1', "
+                       "session_key => 's-a') AS id")[0]["id"]
+    assert again == first
+    for other in ("'s-b'", "NULL"):
+        with pytest.raises(asyncpg.UniqueViolationError, match="session"):
+            query(dsn, "SELECT sidecar_enqueue('warm', '{}'::jsonb, idempotency_key => 'op-1', "
+                       f"session_key => {other})")
+    with pytest.raises(asyncpg.UniqueViolationError, match="session"):
+        query(dsn, "SELECT sidecar_enqueue('warm', '{}'::jsonb, idempotency_key => 'plain-1')")
+        query(dsn, "SELECT sidecar_enqueue('warm', '{}'::jsonb, idempotency_key => 'plain-1', "
+                   "session_key => 's-a')")
+
+
+HOSTILE_KEYS = [
+    "agent-ü-日本-🤖",
+    "k" * 256,
+    "x'); DELETE FROM tool_sessions; --",
+    "%s %% \\ ' \" $1",
+    "s1 ",  # a trailing blank: another session than "s1"
+    "s1",
+]
+
+
+def test_held_hostile_session_keys_are_distinct_sessions_each_in_its_own_process(dsn):
+    """Promise 5: unicode, 256 characters, SQL-ish and format-ish keys, "s1" and "s1 ": each
+    is its own session, its two calls served 1, 2 by one process, no two sessions sharing
+    a process, every key stored as given and every session ended with the sidecar."""
+    env = _env(dsn)
+    calls = {key: [_call(dsn, env, key) for _ in range(2)] for key in HOSTILE_KEYS}
+    done = cli(dsn, "run", "--tool", "warm", "--drain", "--concurrency", "2", "--",
+               *WARM_TOOL, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    pids = {}
+    for key, jobs in calls.items():
+        rows = [job_row(dsn, job) for job in jobs]
+        assert [r["state"] for r in rows] == ["succeeded"] * 2, [r["error"] for r in rows]
+        assert [r["result"]["served"] for r in rows] == [1, 2], key
+        assert {r["result"]["session"] for r in rows} == {key}
+        assert len({r["result"]["pid"] for r in rows}) == 1
+        pids[key] = rows[0]["result"]["pid"]
+        row = _session(dsn, key)
+        assert row is not None and (row["state"], row["calls"]) == ("ended", 2), (key, row)
+    assert len(set(pids.values())) == len(HOSTILE_KEYS)
+    assert query(dsn, "SELECT count(*) AS n FROM tool_sessions")[0]["n"] == len(HOSTILE_KEYS)
+
+
+def test_held_a_retried_call_is_not_overtaken_by_the_next_call_of_its_session(dsn, sidecars):
+    """Promise 1 with retries: call 1 answers an error (exit code 65, made retryable) and is
+    requeued with a backoff; call 2, enqueued after it and due at once, does not overtake
+    it. Call 1's attempts all run before call 2, in the session's one process."""
+    env = _env(dsn, SIDECAR_NON_RETRYABLE_EXIT_CODES="64")
+    sidecars(dsn, WARM_TOOL, "--tool", "warm", "--concurrency", "2", env=env)
+    warmup = _ended(dsn, _call(dsn, env, "retry-agent"))
+    failing = enqueue(dsn, "warm", {"mode": "error"}, "--max-attempts", "3", "--session",
+                      "retry-agent", env=env)
+    later = _call(dsn, env, "retry-agent")
+    bad = _ended(dsn, failing)
+    good = _ended(dsn, later)
+    assert bad["state"] == "failed" and bad["attempt"] == 3, bad
+    assert good["state"] == "succeeded", good["error"]
+    assert good["claimed_at"] >= bad["finished_at"]
+    # warm-up 1, three attempts of the failing call 2..4, then the later call
+    assert good["result"]["served"] == 5 and good["result"]["pid"] == warmup["result"]["pid"]
