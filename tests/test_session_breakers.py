@@ -26,6 +26,7 @@ from kit import (
     cli,
     enqueue,
     job_row,
+    kill_pid,
     pid_alive,
     query,
     wait_until,
@@ -207,6 +208,52 @@ def test_a_session_does_not_end_idle_while_its_next_call_waits_in_the_queue(
     assert row["result"]["served"] == 2 and row["result"]["pid"] == first["result"]["pid"]
 
 
+def test_a_session_whose_first_process_could_not_start_is_not_held_for_ever(
+        dsn, sidecars, tmp_path):
+    """Promises 4 and 5: a session's end frees its place under MAX_SESSIONS, and a session
+    without a call for SESSION_IDLE_SECONDS ends. DEFECT: in Supervisor._run_warm, when
+    the first process of a NEW session cannot be started (SpawnFailed: the tool is not
+    executable; likewise SpawnSetupFailed and SpawnShortage), the call ends but the
+    Session that _open_session just opened stays in WarmPool.sessions, busy=True with no
+    process, for the sidecar's life: run_idle skips busy sessions, the heartbeat renews
+    its lease (tool_sessions stays ``live``), and it fills a MAX_SESSIONS place. Here the
+    tool is fixed (made executable) right after (it was broken only while the first call started): with MAX_SESSIONS=1 no other session can
+    ever start on this sidecar (its calls go back to the queue, max_sessions, for ever).
+    Only the exception path drops the session; the three typed ones return early."""
+    tool = tmp_path / "late_tool.py"
+    tool.write_text((TOOLS / "warm_tool.py").read_text().replace(
+        "#!/usr/bin/env python3", f"#!{sys.executable}", 1))
+    tool.chmod(0o755)
+    env = _env(dsn, SIDECAR_MAX_SESSIONS="1", SIDECAR_SESSION_IDLE_SECONDS="1")
+    sc = sidecars(dsn, [str(tool)], "--tool", "warm", env=env)
+    sc.wait_event("worker_started", 30)
+    tool.chmod(0o644)  # not executable for a moment: the spawn fails (126)
+    broken = _ended(dsn, _call(dsn, env, "first-agent"))
+    assert broken["state"] == "failed" and broken["error"]["kind"] == "spawn_failed", broken
+    tool.chmod(0o755)
+    other = _call(dsn, env, "second-agent")
+    wait_until(lambda: job_row(dsn, other)["state"] in ("succeeded", "failed"), 30,
+               what=("a call of another session to run once the first one's start failed "
+                     f"(first session: {_session(dsn, 'first-agent')}; "
+                     f"max_sessions shortages: {len(sc.events('attempt_shortage'))})"))
+    assert job_row(dsn, other)["state"] == "succeeded"
+    assert _session(dsn, "first-agent")["state"] != "live"
+
+
+def test_a_sessions_row_names_the_warm_process_holding_it(dsn, sidecars):
+    """Migration 026: tool_sessions.process_id is "SIDECAR_PROCESS_ID of the warm process
+    holding it". DEFECT (minor): nothing ever writes it (no statement in queries.sql or
+    functions/ sets process_id), so it is NULL for every session, live or not, and an
+    operator cannot tie a session to its process tree."""
+    env = _env(dsn)
+    sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    first = _ended(dsn, _call(dsn, env, "named-agent"))
+    assert first["state"] == "succeeded", first["error"]
+    row = _session(dsn, "named-agent")
+    assert row["state"] == "live"
+    assert row["process_id"] == first["result"]["process"], row
+
+
 # ==========================================================================================
 # Section 2: promises attacked that held (these PASS)
 # ==========================================================================================
@@ -280,3 +327,41 @@ def test_held_a_retried_call_is_not_overtaken_by_the_next_call_of_its_session(ds
     assert good["claimed_at"] >= bad["finished_at"]
     # warm-up 1, three attempts of the failing call 2..4, then the later call
     assert good["result"]["served"] == 5 and good["result"]["pid"] == warmup["result"]["pid"]
+
+
+def test_held_a_session_process_killed_between_calls_fails_the_next_call_session_lost(
+        dsn, sidecars):
+    """Promise 3: the session's process dies between calls (SIGKILL of the pid its first
+    call reported): the next call fails session_lost, never starts a fresh process and
+    reaches no tool; the session is lost."""
+    env = _env(dsn)
+    sc = sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    first = _ended(dsn, _call(dsn, env, "fragile"))
+    pid = first["result"]["pid"]
+    kill_pid(pid)
+    wait_until(lambda: not pid_alive(pid), 10, what="the session's process to die")
+    later = _ended(dsn, _call(dsn, env, "fragile"))
+    assert later["state"] == "failed" and later["error"]["kind"] == "session_lost", later
+    assert not [e for e in sc.events("tool_request_started") if e.get("job_id") == later["id"]]
+    assert _session(dsn, "fragile")["state"] == "lost"
+
+
+def test_held_a_cancelled_queued_call_does_not_block_or_reorder_the_later_ones(
+        dsn, sidecars, tmp_path):
+    """Promise 1 with a cancel: call 2 of three is cancelled while call 1 runs (queued
+    then); call 3 runs after call 1, in the same process (served 2), and call 2 never
+    ran."""
+    env = _env(dsn, SIDECAR_STAGE_TIMEOUT_SECONDS="30")
+    sidecars(dsn, WARM_TOOL, "--tool", "warm", "--concurrency", "2", env=env)
+    mark = tmp_path / "mark"
+    one = _call(dsn, env, "cancelly", "slow", mark=str(mark), seconds=3)
+    two = _call(dsn, env, "cancelly")
+    three = _call(dsn, env, "cancelly")
+    wait_until(lambda: mark.exists() and mark.read_text().strip(), 15, what="call 1 to run")
+    done = cli(dsn, "cancel", two, env=env)
+    assert done.returncode == 0, done.stderr.decode()
+    rows = [_ended(dsn, job) for job in (one, two, three)]
+    assert [r["state"] for r in rows] == ["succeeded", "cancelled", "succeeded"], rows
+    assert rows[2]["result"]["served"] == 2
+    assert rows[2]["result"]["pid"] == rows[0]["result"]["pid"]
+    assert rows[2]["claimed_at"] >= rows[0]["finished_at"]
