@@ -254,6 +254,64 @@ def test_a_sessions_row_names_the_warm_process_holding_it(dsn, sidecars):
     assert row["process_id"] == first["result"]["process"], row
 
 
+def test_max_sessions_bounds_the_sessions_held_even_when_two_start_at_once(dsn, sidecars):
+    """Promise 5: MAX_SESSIONS bounds the sessions (and so the warm processes) one sidecar
+    holds. DEFECT: Supervisor._open_session checks ``len(pool.sessions) >=
+    max_sessions`` and only then awaits the database (begin_session); the Session is
+    added after the await. Two first calls of two sessions claimed in one batch (two free
+    slots) both pass the check before either is added: with MAX_SESSIONS=1 the sidecar
+    holds two sessions and two session processes. (Fix: reserve the place before the
+    await, e.g. count pending opens, or check again after it.)"""
+    env = _env(dsn, SIDECAR_MAX_SESSIONS="1", SIDECAR_SESSION_IDLE_SECONDS="300")
+    one = _call(dsn, env, "cap-a")
+    two = _call(dsn, env, "cap-b")  # both queued before the sidecar's first claim
+    sc = sidecars(dsn, WARM_TOOL, "--tool", "warm", "--concurrency", "2", env=env)
+
+    def settled():
+        states = [job_row(dsn, job)["state"] for job in (one, two)]
+        shortages = query(dsn, "SELECT count(*) AS n FROM tool_job_events "
+                               "WHERE event = 'attempt_shortage'")[0]["n"]
+        return "succeeded" in states and (states.count("succeeded") == 2 or shortages)
+
+    wait_until(settled, 30, what="one call to run and the other to run or wait")
+    live = query(dsn, "SELECT session_key FROM tool_sessions WHERE state = 'live' "
+                      "AND owner_id = (SELECT owner_id FROM tool_jobs WHERE id = $1)",
+                 one if job_row(dsn, one)["state"] == "succeeded" else two)
+    assert len(live) <= 1, (f"MAX_SESSIONS=1 but the sidecar holds {len(live)} sessions: "
+                            f"{[r['session_key'] for r in live]}; "
+                            f"started: {len(sc.events('session_started'))}")
+
+
+def test_a_call_interrupted_by_its_owners_death_is_not_run_again_under_session_restart(
+        dsn, sidecars, tmp_path):
+    """Promise 3/4 (docs/callers.md: "A sidecar killed mid-call ... fails the call
+    session_lost: it is not run twice"). DEFECT (or an undocumented exception): with
+    SESSION_RESTART=fresh the sidecar that takes over the interrupted call (max attempts
+    3) finds the session lost, restarts it (generation 2) and runs the SAME call again, in
+    a fresh process without the state it was half way through changing: the mark file
+    gets the call twice. SESSION_RESTART is documented for "a call after the end", not
+    for the call that was running when the session died."""
+    env = _env(dsn, SIDECAR_STAGE_TIMEOUT_SECONDS="60", SIDECAR_SESSION_RESTART="fresh")
+    a = sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    first = _ended(dsn, _call(dsn, env, "restartable"))
+    mark = tmp_path / "mark"
+    job = enqueue(dsn, "warm", {"mode": "slow", "mark": str(mark), "seconds": 30},
+                  "--max-attempts", "3", "--session", "restartable", env=env)
+    wait_until(lambda: mark.exists() and mark.read_text().strip(), 15, what="the call to run")
+    a.proc.send_signal(signal.SIGKILL)
+    a.proc.wait(10)
+    wait_until(lambda: not pid_alive(first["result"]["pid"]), 15,
+               what="the session's process to be gone")
+    sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    wait_until(lambda: job_row(dsn, job)["attempt"] >= 2 or
+               job_row(dsn, job)["state"] in ("failed", "succeeded"), 60,
+               what="the call to be taken over")
+    wait_until(lambda: job_row(dsn, job)["state"] == "failed" or
+               len(mark.read_text().splitlines()) > 1, 30,
+               what="the taken-over call to fail or run again")
+    assert mark.read_text().splitlines() == [job], "the interrupted call ran a second time"
+
+
 # ==========================================================================================
 # Section 2: promises attacked that held (these PASS)
 # ==========================================================================================
