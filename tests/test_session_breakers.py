@@ -423,3 +423,56 @@ def test_held_a_cancelled_queued_call_does_not_block_or_reorder_the_later_ones(
     assert rows[2]["result"]["served"] == 2
     assert rows[2]["result"]["pid"] == rows[0]["result"]["pid"]
     assert rows[2]["claimed_at"] >= rows[0]["finished_at"]
+
+
+def test_held_sigterm_while_a_session_call_runs_leaves_no_process_and_no_live_session(
+        dsn, sidecars, tmp_path):
+    """Promises 3 and 4: SIGTERM while a call of the session runs longer than the drain: the
+    sidecar exits, the session's process is gone, the session is not left live, and the
+    call is not reported succeeded."""
+    env = _env(dsn, SIDECAR_STAGE_TIMEOUT_SECONDS="60", SIDECAR_DRAIN_SECONDS="1")
+    sc = sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    first = _ended(dsn, _call(dsn, env, "drained"))
+    mark = tmp_path / "mark"
+    job = enqueue(dsn, "warm", {"mode": "slow", "mark": str(mark), "seconds": 30},
+                  "--max-attempts", "3", "--session", "drained", env=env)
+    wait_until(lambda: mark.exists() and mark.read_text().strip(), 15, what="the call to run")
+    sc.proc.send_signal(signal.SIGTERM)
+    sc.proc.wait(30)
+    wait_until(lambda: not pid_alive(first["result"]["pid"]), 10,
+               what="the session's process to be gone")
+    assert _session(dsn, "drained")["state"] != "live", _session(dsn, "drained")
+    assert job_row(dsn, job)["state"] != "succeeded"
+
+
+def test_held_an_owner_cut_off_from_the_database_loses_its_session_and_the_next_call_fails(
+        dsn, sidecars, proxy):
+    """Promise 3, partition: sidecar A (through a proxy) holds the session; the proxy
+    blackholes A. A stops the session's process once its lease is no longer known to hold;
+    the next call, enqueued during the partition, waits while A's session lease lives,
+    then sidecar B takes it and fails it session_lost without running it. After the
+    partition heals A runs nothing of the session either."""
+    from netproxy import through
+
+    env = _env(dsn)
+    side_dsn = through(dsn, proxy.port)
+    a = sidecars(side_dsn, WARM_TOOL, "--tool", "warm",
+                 env=_env(side_dsn, SIDECAR_DB_TIMEOUT_SECONDS="1"))
+    first = _ended(dsn, _call(dsn, env, "cut"))
+    assert first["state"] == "succeeded", first["error"]
+    b = sidecars(dsn, WARM_TOOL, "--tool", "warm", env=env)
+    b.wait_event("worker_started", 30)
+    proxy.blackhole()
+    try:
+        later = _call(dsn, env, "cut")
+        row = _ended(dsn, later, 60)
+        wait_until(lambda: not pid_alive(first["result"]["pid"]), 30,
+                   what="A to stop the session's process while cut off")
+    finally:
+        proxy.restore()
+    assert row["state"] == "failed" and row["error"]["kind"] == "session_lost", row
+    assert not [e for e in b.events("tool_request_started") if e.get("job_id") == later]
+    assert not [e for e in a.events("tool_request_started") if e.get("job_id") == later]
+    assert _session(dsn, "cut")["state"] == "lost"
+    third = _ended(dsn, _call(dsn, env, "cut"))
+    assert third["error"]["kind"] == "session_lost", third
