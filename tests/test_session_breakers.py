@@ -312,6 +312,29 @@ def test_a_call_interrupted_by_its_owners_death_is_not_run_again_under_session_r
     assert mark.read_text().splitlines() == [job], "the interrupted call ran a second time"
 
 
+def test_a_drained_batch_does_not_park_a_finished_session_while_another_sessions_call_waits(
+        dsn):
+    """Promise 5 (MAX_SESSIONS: "the call waits for one to end or for another sidecar")
+    with `sidecar run --drain`, the batch mode. DEFECT (liveness): MAX_SESSIONS=1, two
+    sessions with one call each. Session A's only call is done and nothing of A is queued,
+    yet A keeps the one place until SESSION_IDLE_SECONDS (20 here, 300 by default) runs
+    out, while B's call bounces off max_sessions: the batch takes a whole idle period per
+    MAX_SESSIONS sessions. A drained sidecar (or any sidecar whose place is wanted) should
+    end a session with no queued call instead of making another session's call wait."""
+    env = _env(dsn, SIDECAR_MAX_SESSIONS="1", SIDECAR_SESSION_IDLE_SECONDS="20")
+    a = _call(dsn, env, "batch-a")
+    b = _call(dsn, env, "batch-b")
+    done = cli(dsn, "run", "--tool", "warm", "--drain", "--concurrency", "1", "--",
+               *WARM_TOOL, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert [job_row(dsn, job)["state"] for job in (a, b)] == ["succeeded"] * 2
+    first, second = sorted(("batch-a", "batch-b"),
+                           key=lambda k: _session(dsn, k)["started_at"])
+    assert _session(dsn, first)["end_reason"] != "idle", (
+        f"session {first} sat idle for SESSION_IDLE_SECONDS holding the only place while "
+        f"{second}'s call waited")
+
+
 # ==========================================================================================
 # Section 2: promises attacked that held (these PASS)
 # ==========================================================================================
