@@ -498,3 +498,40 @@ def test_held_an_owner_cut_off_from_the_database_loses_its_session_and_the_next_
     assert _session(dsn, "cut")["state"] == "lost"
     third = _ended(dsn, _call(dsn, env, "cut"))
     assert third["error"]["kind"] == "session_lost", third
+
+
+def test_held_many_sessions_on_two_sidecars_run_each_in_order_one_at_a_time(dsn, sidecars):
+    """Promises 1 and 2 under load: two sidecars of two slots each, four sessions of six
+    calls each enqueued interleaved with plain calls and mixed priorities. Each session's
+    calls run in enqueue order (served 1..6), all in one process of one sidecar, never two
+    at once; no session process serves a plain call or another session's."""
+    env = _env(dsn)
+    calls = {f"load-{n}": [] for n in range(4)}
+    plain = []
+    for i in range(6):
+        for key, jobs in calls.items():
+            jobs.append(enqueue(dsn, "warm", {"mode": "count"}, "--max-attempts", "1",
+                                "--session", key, "--priority", str((i * 7) % 3), env=env))
+        plain.append(_call(dsn, env, None))
+    for _ in range(2):
+        sidecars(dsn, WARM_TOOL, "--tool", "warm", "--concurrency", "2", env=env)
+    session_pids = {}
+    for key, jobs in calls.items():
+        rows = [_ended(dsn, job, 90) for job in jobs]
+        assert [r["state"] for r in rows] == ["succeeded"] * 6, [r["error"] for r in rows]
+        assert [r["result"]["served"] for r in rows] == list(range(1, 7)), key
+        assert {r["result"]["session"] for r in rows} == {key}
+        assert len({r["result"]["pid"] for r in rows}) == 1
+        assert len({r["owner_id"] for r in rows}) == 1
+        # one at a time: each call's claim was journaled after the previous call's end
+        # (event ids: a bigserial taken at insert; claimed_at/finished_at are now(), the
+        # start of their transactions, and a claim waiting on the tool's flow lock may
+        # have started before the previous call's end committed)
+        marks = [query(dsn, "SELECT max(id) FILTER (WHERE event = 'job_claimed') AS claimed, "
+                            "max(id) FILTER (WHERE event = 'job_succeeded') AS ended "
+                            "FROM tool_job_events WHERE job_id = $1", job)[0] for job in jobs]
+        assert all(marks[i]["ended"] < marks[i + 1]["claimed"] for i in range(5)), (key, marks)
+        session_pids[key] = rows[0]["result"]["pid"]
+    assert len(set(session_pids.values())) == 4
+    plain_pids = {_ended(dsn, job, 90)["result"]["pid"] for job in plain}
+    assert not plain_pids & set(session_pids.values())
