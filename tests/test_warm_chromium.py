@@ -155,14 +155,17 @@ def _nothing_left(dsn: str, jobs: list[str], browser_pids: set[int]) -> None:
                what=f"no process of warm processes {process_ids} left")
 
 
-def _drain(dsn: str, sidecars, env: dict, payloads: list[dict]) -> list[dict]:
+def _drain(dsn: str, sidecars, env: dict, payloads: list[dict], events: list | None = None
+           ) -> list[dict]:
     """Enqueue one job per payload (one attempt each), drain them with one slot (in order)
     through the recipe, and return the jobs' rows, each with its ``id``; afterwards
-    nothing of the browsers is left."""
+    nothing of the browsers is left. ``events``: extended with the sidecar's log events."""
     jobs = [enqueue(dsn, TOOL, payload, "--max-attempts", "1", env=env)
             for payload in payloads]
     sc = sidecars(dsn, [str(RECIPE)], "--tool", TOOL, "--drain", env=env)
     assert sc.wait(180) == 0, sc.stderr_text()[-3000:]
+    if events is not None:
+        events.extend(sc.events())
     rows = [{**job_row(dsn, job), "id": job} for job in jobs]
     _nothing_left(dsn, jobs, {r["result"]["browser_pid"] for r in rows
                               if r["state"] == "succeeded"})
@@ -238,16 +241,20 @@ def test_a_page_that_never_answers_is_killed_at_the_stage_deadline_and_the_next_
     gone, and the next job succeeds in a fresh process with another browser."""
     _need_chromium()
     env = _recipe_env(dsn, SIDECAR_PROFILE_CHROMIUM_WARM_STAGE_TIMEOUT_SECONDS="5")
+    events: list[dict] = []
     with _site() as (site, base):
         before, hung, after = _drain(dsn, sidecars, env, [
             {"url": f"{base}/page/before"}, {"url": f"{base}/hang"},
-            {"url": f"{base}/page/after"}])
+            {"url": f"{base}/page/after"}], events)
     assert before["state"] == "succeeded", before["error"]
     assert (hung["state"], hung["error"]["kind"]) == ("failed", "stage_timeout"), hung["error"]
     assert after["state"] == "succeeded", after["error"]
     assert _warm_process(dsn, hung["id"])["process_id"] == \
         _warm_process(dsn, before["id"])["process_id"]
     assert _warm_process(dsn, after["id"])["fresh"]
+    assert journal_details(dsn, hung["id"], "child_killed")[0]["reason"] == "stage_timeout"
+    assert [e["reason"] for e in events if e["event"] == "warm_process_stopped"] == \
+        ["stage_timeout", "shutdown"]
     first_browser = before["result"]["browser_pid"]
     assert after["result"]["browser_pid"] != first_browser
     assert not pid_alive(first_browser)
