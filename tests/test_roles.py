@@ -29,6 +29,7 @@ WORKER_PRIVILEGES = {
     ("table", "sidecar_schema_repeatables", "SELECT"),
     ("sequence", "tool_job_events_id_seq", "USAGE"),
     ("sequence", "tool_job_outbox_id_seq", "USAGE"),
+    ("sequence", "tool_jobs_session_seq", "USAGE"),
     ("function", "tool_job_channel", "EXECUTE"),
     ("function", "tool_job_expiry_refunded", "EXECUTE"),
     ("function", "tool_job_journal_rows", "EXECUTE"),
@@ -67,6 +68,7 @@ WORKER_PRIVILEGES = {
     ("function", "sidecar_enqueue", "EXECUTE"),
     ("function", "tool_job_session_free", "EXECUTE"),
     ("function", "tool_job_session_begin", "EXECUTE"),
+    ("function", "tool_job_session_order", "EXECUTE"),
 }
 SCALER_PRIVILEGES = {("schema", "public", "USAGE"), ("function", "tool_job_demand", "EXECUTE")}
 

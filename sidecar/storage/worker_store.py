@@ -125,6 +125,16 @@ class WorkerStore(Pruning):
                                      restart, timeout=self.timeout)
         return row["status"], row["generation"], row["end_reason"]
 
+    async def session_call_queued(self, tool: str, key: str) -> bool:
+        """Whether a call of session ``key`` of ``tool`` waits in the queue."""
+        return await self.db.fetchval(Q["session_call_queued"], tool, key,
+                                      timeout=self.timeout)
+
+    async def lose_expired_sessions(self, tool: str) -> list[asyncpg.Record]:
+        """Live sessions of ``tool`` whose lease ran out -> lost (their holder is gone);
+        ``session_key, owner_id, generation`` of each."""
+        return await self.db.fetch(Q["lose_expired_sessions"], tool, timeout=self.timeout)
+
     async def end_session_if_owner(self, tool: str, key: str, generation: int,
                                    owner_id: str, state: str, reason: str) -> bool:
         """End session ``key`` (its ``generation``) held by ``owner_id``: ``state`` ``ended``

@@ -290,7 +290,8 @@ class Worker:
             lambda session, state, reason: self._end_session(store, session, state, reason),
             lambda tool, key: store.session_begin(
                 tool, key, self.owner_id, self.profile.lease_seconds,
-                self.profile.session_restart == "fresh")) \
+                self.profile.session_restart == "fresh"),
+            store.session_call_queued, drain=self.drain) \
             if warm else None
         keeper.session_pool = warm_pool
         if warm_pool is not None:  # read at each scrape, never stale (issue 43)
@@ -522,7 +523,8 @@ class Worker:
         """The fleet's sweep, on this sidecar's turn: expired leases of the tool with no
         attempt left end failed (P16); jobs of any tool whose expiry passed before an
         attempt started end ``expired`` (issue 26; a job whose tool has no sidecar running
-        expires too). Each logged. Raises what the store raises."""
+        expires too); live sessions of a warm tool whose lease ran out end lost (issue 43).
+        Each logged. Raises what the store raises."""
         tool = self.profile.tool
         for row in await store.fail_exhausted_leases(tool):
             log.emit("job_failed", "warning", job_id=str(row["id"]), tool=tool,
@@ -533,6 +535,12 @@ class Worker:
             log.emit("job_expired", "warning", job_id=str(row["id"]), tool=row["tool"],
                      fencing_token=row["fencing_token"], attempt=row["attempt"],
                      reason=FailureKind.EXPIRED)
+        if self.profile.process == "warm":  # only a warm tool has sessions (issue 43)
+            for row in await store.lose_expired_sessions(tool):
+                log.emit("session_ended", "warning", tool=tool, session=row["session_key"],
+                         generation=row["generation"], state="lost",
+                         reason=f"its lease ran out (held by {row['owner_id']})",
+                         written=True)
 
     async def _settle_claims(self, store: WorkerStore) -> None:
         """Case F16: a claim whose answer was lost may have committed, leaving a job running

@@ -742,13 +742,16 @@ class JobSupervisor:
         sidecar holds it or the database did not answer (the attempt is not spent)."""
         profile, key = self.ctx.profile, self.job.session_key
         pool = self.ctx.warm
-        if key not in pool.sessions and len(pool.sessions) >= profile.max_sessions:
+        opening = key not in pool.sessions
+        if opening and not pool.room() and not await pool.free_a_place():
             # Each session keeps a process: a new one beyond the cap goes to another
             # sidecar (or here, later), its attempt not spent (F19's path).
             return self._short_before_spawn(
                 "session", "max_sessions", f"this sidecar holds MAX_SESSIONS="
                 f"{profile.max_sessions} sessions; the call waits for one to end or for "
                 "another sidecar")
+        if opening:  # its place is taken now: two first calls at once cannot both pass
+            pool.opening += 1
         sent = time.monotonic()
         try:
             status, generation, end_reason = await pool.begin_session(self.job.tool, key)
@@ -757,6 +760,9 @@ class JobSupervisor:
                      reason=db.describe_error(exc))
             self.lease.settle()
             return Release("session_unknown")
+        finally:
+            if opening:
+                pool.opening -= 1
         confirmed = sent + profile.lease_seconds - self.ctx.keeper.margin
         if status == "elsewhere":
             self.lease.settle()

@@ -157,13 +157,24 @@ class WarmPool:
                  stop: Callable[[WarmProcess, str], Awaitable[None]],
                  end_session: Callable[[Session, str, str], Awaitable[None]] | None = None,
                  begin_session: Callable[[str, str], Awaitable[tuple[str, int, str | None]]]
-                 | None = None):
+                 | None = None,
+                 queued_call: Callable[[str, str], Awaitable[bool]] | None = None,
+                 drain: bool = False):
         """``end_session(session, state, reason)``: write a session's end (state ``ended``
         or ``lost``), fenced by owner and generation; it must not raise.
         ``begin_session(tool, key)``: what a call of that session just claimed here runs
         in, ``(status, generation, end_reason)`` (WorkerStore.session_begin with this
-        sidecar's owner, lease and SESSION_RESTART); raises what the store raises."""
+        sidecar's owner, lease and SESSION_RESTART); raises what the store raises.
+        ``queued_call(tool, key)``: whether a call of that session waits in the queue (an
+        idle session with one does not end; raises what the store raises). ``drain``: the
+        sidecar drains (``--drain``): a session with no call waiting gives its place up to
+        a new one at MAX_SESSIONS."""
         self.profile = profile
+        self._queued_call = queued_call
+        self.drain = drain
+        # Sessions being opened now (their first call awaits the database): counted
+        # against MAX_SESSIONS with the ones held.
+        self.opening = 0
         self._make = make
         self._stop = stop
         self._end_session = end_session
@@ -284,6 +295,32 @@ class WarmPool:
         if session is not None and session.process is not None:
             self.retire(session.process, reason, write=False)
 
+    async def call_waits(self, session: Session) -> bool:
+        """Whether a call of ``session`` waits in the queue (True when that cannot be
+        told: a session is never ended on a guess)."""
+        if self._queued_call is None:
+            return False
+        try:
+            return await self._queued_call(session.tool, session.key)
+        except Exception:  # noqa: BLE001 - unknown: keep the session
+            return True
+
+    def room(self) -> bool:
+        """Whether one more session may open here (MAX_SESSIONS, those opening counted)."""
+        return len(self.sessions) + self.opening < self.profile.max_sessions
+
+    async def free_a_place(self) -> bool:
+        """When draining: end the idle session used longest ago that has no call waiting
+        (``drained``), so a new session's call can run; True when a place was freed."""
+        if not self.drain:
+            return False
+        for session in sorted(self.sessions.values(), key=lambda s: s.last_used):
+            if not session.busy and not await self.call_waits(session) \
+                    and self.sessions.get(session.key) is session and not session.busy:
+                self.drop_session(session, "ended", "drained")
+                return True
+        return False
+
     def held_sessions(self) -> list[Session]:
         """The sessions held here (the heartbeat renews their leases)."""
         return list(self.sessions.values())
@@ -346,7 +383,8 @@ class WarmPool:
     async def run_idle(self) -> None:
         """Retire, every few seconds (at most 5, at least 0.1 apart), the processes idle
         for WARM_IDLE_SECONDS, spent, or gone, and end the sessions with no call for
-        SESSION_IDLE_SECONDS or older than SESSION_MAX_SECONDS (runs until cancelled)."""
+        SESSION_IDLE_SECONDS (unless a call of it waits in the queue) or older than
+        SESSION_MAX_SECONDS (runs until cancelled)."""
         period = max(MIN_IDLE_CHECK_SECONDS,
                      min(IDLE_CHECK_SECONDS, self.profile.warm_idle_seconds / 2,
                          self.profile.session_idle_seconds / 2))
@@ -366,7 +404,12 @@ class WarmPool:
                 reason = self._session_over(session, now, idle_too=True)
                 if reason is None and session.process is not None:
                     reason = self._unfit(session.process)
-                if reason is not None:
+                # Idle here, but its next call waits in the queue (this sidecar's slots
+                # were busy): the agent called in time, so the session stays.
+                if reason == "idle" and await self.call_waits(session):
+                    continue
+                if reason is not None and self.sessions.get(session.key) is session \
+                        and not session.busy:
                     self.drop_session(session, "ended" if reason in SESSION_ENDINGS
                                       else "lost", reason)
 

@@ -270,6 +270,23 @@ WHERE s.tool = held.tool AND s.session_key = held.key AND s.generation = held.ge
   AND s.owner_id = $1 AND s.state = 'live' AND s.lease_until > now()
 RETURNING s.tool, s.session_key, s.generation;
 
+-- name: session_call_queued
+-- Issue 43: whether a call of session ($1 tool, $2 key) waits in the queue (an idle
+-- session with one is not ended; a draining sidecar frees only a session without one).
+SELECT EXISTS (SELECT FROM tool_jobs
+               WHERE tool = $1 AND session_key = $2 AND state = 'queued');
+
+-- name: lose_expired_sessions
+-- Issue 43, the sweep (on the tool's sweep turn): live sessions of tool $1 whose lease ran
+-- out (their holder died or was cut off and no longer renews them) are lost, so no
+-- session stays live without a holder; a later call of one fails session_lost (or starts
+-- it again, SESSION_RESTART=fresh). Returns the sessions marked.
+UPDATE tool_sessions
+SET state = 'lost', lease_until = NULL, ended_at = now(),
+    end_reason = format('its lease ran out (held by %s)', owner_id)
+WHERE tool = $1 AND state = 'live' AND lease_until < now()
+RETURNING session_key, owner_id, generation;
+
 -- name: end_session_if_owner
 -- Issue 43: session ($1 tool, $2 key, generation $3) held by $4 ends: state $5 (ended:
 -- idle, its age, a shutdown; lost: its process died or was killed), reason $6. No row
@@ -323,15 +340,18 @@ WITH finished AS (
     WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
       AND state = 'running' AND lease_until > now()
     RETURNING id, tool, fencing_token, attempt, result, idempotency_key, stage, priority,
-              tags, traceparent, tracestate, concurrency_key
+              tags, traceparent, tracestate, concurrency_key, session_key
 ), next_stage AS (
-    -- inherits the parent's priority, tags (group actions reach it), trace context and
-    -- concurrency key (the same tenant's work; migration 016)
+    -- inherits the parent's priority, tags (group actions reach it), trace context,
+    -- concurrency key (the same tenant's work; migration 016) and session (the same
+    -- agent's: it joins its tool's session of that key, after the calls queued before it;
+    -- migration 026)
     INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, parent_id, stage,
-                           priority, tags, traceparent, tracestate, concurrency_key)
+                           priority, tags, traceparent, tracestate, concurrency_key,
+                           session_key)
     SELECT $13::uuid, $10::text, f.idempotency_key || ':stage:' || (f.stage + 1), $11::jsonb,
            $12::int, f.id, f.stage + 1, f.priority, f.tags, f.traceparent, f.tracestate,
-           f.concurrency_key
+           f.concurrency_key, f.session_key
     FROM finished f
     WHERE $10::text IS NOT NULL
       AND NOT EXISTS (SELECT FROM tool_jobs own

@@ -57,10 +57,10 @@ SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
               '%I.sidecar_schema_repeatables TO %I', current_schema(), current_schema(),
               $1::text)
 UNION ALL
-SELECT format('GRANT USAGE ON SEQUENCE %s, %s TO %I',
+SELECT format('GRANT USAGE ON SEQUENCE %s, %s, %I.tool_jobs_session_seq TO %I',
               pg_get_serial_sequence(format('%I.tool_job_events', current_schema()), 'id'),
               pg_get_serial_sequence(format('%I.tool_job_outbox', current_schema()), 'id'),
-              $1::text)
+              current_schema(), $1::text)
 UNION ALL
 (SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, $1::text)
  FROM pg_proc p

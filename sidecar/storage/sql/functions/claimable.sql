@@ -177,7 +177,7 @@ LANGUAGE sql STABLE AS $$
                       AND o.id <> j.id AND o.state = 'running')
         AND NOT EXISTS (SELECT FROM tool_jobs o
                         WHERE o.tool = j.tool AND o.session_key = j.session_key
-                          AND o.state = 'queued' AND (o.created_at, o.id) < (j.created_at, j.id))
+                          AND o.state = 'queued' AND o.session_seq < j.session_seq)
         AND NOT EXISTS (SELECT FROM tool_sessions s
                         WHERE s.tool = j.tool AND s.session_key = j.session_key
                           AND s.state = 'live' AND s.owner_id <> p_owner

@@ -3,6 +3,23 @@
 -- only by the sidecar that holds it, each write fenced by owner and generation (the
 -- session's own fencing token), as a job's lease is by owner and token.
 
+-- Each call of a session gets its place in the session's order as it is inserted, however
+-- it is inserted (an enqueue, a next stage, a caller's own INSERT): a number from one
+-- sequence (migration 026 says why not created_at or the id).
+CREATE OR REPLACE FUNCTION tool_job_session_order() RETURNS trigger
+SET search_path FROM CURRENT
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.session_seq := nextval('tool_jobs_session_seq');
+    RETURN NEW;
+END
+$$;
+DROP TRIGGER IF EXISTS tool_jobs_session_order ON tool_jobs;
+CREATE TRIGGER tool_jobs_session_order
+    BEFORE INSERT ON tool_jobs
+    FOR EACH ROW WHEN (NEW.session_key IS NOT NULL)
+    EXECUTE FUNCTION tool_job_session_order();
+
 -- What a call of session (p_tool, p_key), just claimed by p_owner, runs in. status:
 --   'new'        no such session yet: it starts now, held by p_owner (generation 1);
 --   'continued'  p_owner holds it under a live lease: the call runs in its process;

@@ -19,8 +19,14 @@
 ALTER TABLE tool_jobs ADD COLUMN session_key text;
 ALTER TABLE tool_jobs ADD CONSTRAINT tool_jobs_session_key_check
     CHECK (length(session_key) BETWEEN 1 AND 256) NOT VALID;
+-- A session's calls are ordered by when they were inserted: a number from one sequence,
+-- given to each call as it is inserted (functions/sessions.sql's trigger). Neither
+-- created_at (the transaction's start: every call enqueued in one transaction has the
+-- same) nor the id (random below the millisecond) orders calls of one transaction.
+CREATE SEQUENCE tool_jobs_session_seq;
+ALTER TABLE tool_jobs ADD COLUMN session_seq bigint;
 -- A session's unfinished calls in order: which one is next, and whether one runs.
-CREATE INDEX tool_jobs_session_calls_idx ON tool_jobs (tool, session_key, created_at, id)
+CREATE INDEX tool_jobs_session_calls_idx ON tool_jobs (tool, session_key, session_seq)
     WHERE session_key IS NOT NULL AND state IN ('queued', 'running');
 
 CREATE TABLE tool_sessions (
@@ -35,13 +41,12 @@ CREATE TABLE tool_sessions (
     ended_at      timestamptz,
     end_reason    text,
     calls         bigint NOT NULL DEFAULT 0,
-    process_id    text,          -- SIDECAR_PROCESS_ID of the warm process holding it
     PRIMARY KEY (tool, session_key),
     CHECK ((state = 'live') = (lease_until IS NOT NULL))
 );
--- The live sessions of an owner (its heartbeat renews them by primary key; `sidecar
--- show` and the metrics count them).
-CREATE INDEX tool_sessions_live_idx ON tool_sessions (owner_id) WHERE state = 'live';
+-- The live sessions, by tool and lease end: the sweep that marks lost those whose
+-- holder died (queries.sql lose_expired_sessions), `sidecar sessions`, the web view.
+CREATE INDEX tool_sessions_live_idx ON tool_sessions (tool, lease_until) WHERE state = 'live';
 
 -- The claim's row carries the job's session (NULL: none).
 ALTER TYPE tool_job_claim_row ADD ATTRIBUTE session_key text;
