@@ -69,6 +69,16 @@ async def _batch(ctx: Context, conn: asyncpg.Connection, name: str, tool: str,
                          f"{bad[:1]} {sidecar.tail()}")
     window = (max(r["finished_at"] for r in rows)
               - min(r["first_claimed_at"] for r in rows)).total_seconds()
+    # Each job's CPU as its journal has it (the job cgroup's, or for a warm job what its
+    # process's cgroup used during it): the median, so a warm process's first job (which
+    # may start the tool) does not stand for the rest.
+    cpu = sorted(await conn.fetchval(
+        "SELECT array_agg((details->>'cpu_seconds')::float8) FROM tool_job_events "
+        "WHERE job_id = ANY($1::uuid[]) AND event = 'job_succeeded' "
+        "AND details ? 'cpu_seconds'", ids) or [])
+    ctx.notes.append(f"15: {name}: median tool CPU per job {cpu[len(cpu) // 2]:.3f} s "
+                     f"({len(cpu)} jobs measured)" if cpu else
+                     f"15: {name}: no per-job CPU in the journal (no job cgroup here)")
     return len(ids) / window, [r["result"] for r in rows]
 
 

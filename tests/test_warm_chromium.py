@@ -437,3 +437,93 @@ def test_a_browser_that_dies_ends_the_recipe_non_zero(recipe):
     assert recipe.proc.wait(30) == 128 + signal.SIGKILL, recipe.stderr()[-2000:]
     assert "chromium exited" in recipe.stderr()
     assert not pid_alive(browser)
+
+
+# --- agent sessions through the sidecar (issue 43, points 3 and 4) ----------------------------
+
+
+def _session_call(dsn: str, env: dict, session: str, url: str, attempts: str = "1") -> str:
+    return enqueue(dsn, TOOL, {"url": url}, "--max-attempts", attempts, "--session", session,
+                   env=env)
+
+
+def _ended_row(dsn: str, job: str, timeout: float = 90) -> dict:
+    wait_until(lambda: job_row(dsn, job)["state"] in ("succeeded", "failed", "cancelled"),
+               timeout, what=f"job {job} to end")
+    return {**job_row(dsn, job), "id": job}
+
+
+def test_a_session_of_three_calls_keeps_its_cookie_in_one_browser(dsn, sidecars):
+    """Real Chromium, a session of three calls: call 1 sets a cookie, call 2 loads another
+    page, call 3 reads the cookie back from the server; one browser served all three.
+    Meanwhile a second session, on the same sidecar, never sees that cookie and runs in
+    another browser: two sessions never share a process."""
+    _need_chromium()
+    with _site() as (site, base):
+        env = _recipe_env(dsn)
+        sidecars(dsn, [str(RECIPE)], "--tool", TOOL, "--concurrency", "2", env=env)
+        calls = [_ended_row(dsn, _session_call(dsn, env, "agent-1", f"{base}{path}"))
+                 for path in ("/set-cookie", "/page/two", "/echo-cookie")]
+        other = _ended_row(dsn, _session_call(dsn, env, "agent-2", f"{base}/echo-cookie"))
+        assert [c["state"] for c in calls] == ["succeeded"] * 3, [c["error"] for c in calls]
+        assert len({c["result"]["browser_pid"] for c in calls}) == 1
+        assert f"[{COOKIE}]" in calls[2]["result"]["dom"]
+        assert other["state"] == "succeeded", other["error"]
+        assert "[]" in other["result"]["dom"] and COOKIE not in other["result"]["dom"]
+        processes = {_warm_process(dsn, c["id"])["process_id"] for c in calls}
+        assert len(processes) == 1
+        assert _warm_process(dsn, other["id"])["process_id"] not in processes
+        assert [cookie for path, cookie in site.seen if path == "/echo-cookie"] == \
+            [COOKIE, None]
+
+
+def test_a_hung_call_kills_the_sessions_browser_and_the_next_call_fails_session_lost(
+        dsn, sidecars):
+    """Call 1 of the session sets its cookie; call 2 loads a page that never answers and
+    is killed at the stage deadline with its browser; call 3 fails session_lost at once
+    (no page of it is ever requested) instead of running in a fresh browser without the
+    cookie."""
+    _need_chromium()
+    with _site() as (site, base):
+        env = _recipe_env(dsn, SIDECAR_PROFILE_CHROMIUM_WARM_STAGE_TIMEOUT_SECONDS="8")
+        sidecars(dsn, [str(RECIPE)], "--tool", TOOL, env=env)
+        first = _ended_row(dsn, _session_call(dsn, env, "agent-h", f"{base}/set-cookie"))
+        assert first["state"] == "succeeded", first["error"]
+        browser = first["result"]["browser_pid"]
+        process_id = _warm_process(dsn, first["id"])["process_id"]
+        hung = _ended_row(dsn, _session_call(dsn, env, "agent-h", f"{base}/hang"))
+        assert hung["error"]["kind"] == "stage_timeout", hung["error"]
+        wait_until(lambda: not pid_alive(browser) and not _processes_of({process_id}), 15,
+                   what="the session's browser gone")
+        requests = len(site.seen)
+        third = _ended_row(dsn, _session_call(dsn, env, "agent-h", f"{base}/echo-cookie"))
+        assert third["state"] == "failed" and third["error"]["kind"] == "session_lost", third
+        assert len(site.seen) == requests, "the call after the loss reached the site"
+
+
+def test_a_sidecar_killed_mid_call_leaves_no_browser_and_the_call_is_not_run_twice(
+        dsn, sidecars):
+    """Sidecar A runs a session's call on a page that never answers and is SIGKILLed. Its
+    guardian kills the session's warm process and browser. Sidecar B takes the call over
+    when A's lease ends: the session died with A, so the call fails session_lost and the
+    page is requested once, never again in a fresh browser."""
+    _need_chromium()
+    with _site() as (site, base):
+        env = _recipe_env(dsn, SIDECAR_LEASE_SECONDS="6", SIDECAR_HEARTBEAT_SECONDS="1",
+                          SIDECAR_PROFILE_CHROMIUM_WARM_KILL_GRACE_SECONDS="1")
+        a = sidecars(dsn, [str(RECIPE)], "--tool", TOOL, env=env)
+        first = _ended_row(dsn, _session_call(dsn, env, "agent-k", f"{base}/page/one"))
+        assert first["state"] == "succeeded", first["error"]
+        process_id = _warm_process(dsn, first["id"])["process_id"]
+        job = _session_call(dsn, env, "agent-k", f"{base}/hang", attempts="3")
+        wait_until(lambda: ("/hang", None) in site.seen, 30, what="the page to be asked for")
+        a.proc.send_signal(signal.SIGKILL)
+        a.proc.wait(10)
+        wait_until(lambda: not pid_alive(first["result"]["browser_pid"])
+                   and not _processes_of({process_id}), 30,
+                   what="no browser or process of the session left")
+        b = sidecars(dsn, [str(RECIPE)], "--tool", TOOL, env=env)
+        row = _ended_row(dsn, job, 90)
+        assert row["state"] == "failed" and row["error"]["kind"] == "session_lost", row
+        assert [path for path, _ in site.seen].count("/hang") == 1
+        assert b.wait_event("session_lost", 5)["session"] == "agent-k"
