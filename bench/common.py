@@ -60,7 +60,7 @@ class Mode:
     mcp_calls: int              # MCP gateway round trips measured (and as many Client.call)
     mcp_in_flight: int          # MCP calls in flight at once for the gateway's memory
     mcp_tasks: int              # MCP tasks left pending at once for the gateway's memory
-    warm_tool_jobs: int = 24    # real-tool jobs per side of the warm-tools section (15)
+    warm_tool_jobs: int = 60    # real-tool jobs per side of the warm-tools section (15)
 
 
 SHAPES = ((1, 1), (1, 8), (2, 8), (4, 8))
@@ -80,7 +80,7 @@ MODES = {
                  poll_seconds=2.0, hb_window=10.0, reaction_trials=10, kill_trials=3,
                  lag_jobs=80, idle_window=10.0, health_jobs=100_000,
                  caller_calls=400, caller_waiters=100, bouncer_calls=20,
-                 mcp_calls=400, mcp_in_flight=1000, mcp_tasks=1000, warm_tool_jobs=48),
+                 mcp_calls=400, mcp_in_flight=1000, mcp_tasks=1000, warm_tool_jobs=120),
 }
 
 # The short lease profile of the pickup, heartbeat and reaction sidecars (keeps P10:
