@@ -26,6 +26,7 @@ OLD = {
                          "AND cancel_pending"),
     "idle_sidecars": (1, "SELECT count(*) FROM tool_idle_sidecars WHERE owner_id = 'old'"),
     "sweeps": (1, "SELECT count(*) FROM tool_sweeps WHERE tool = 'old'"),
+    "sessions": (1, "SELECT count(*) FROM tool_sessions WHERE session_key = 'old'"),
 }
 # the recent rows of each kind, which stay
 RECENT = {
@@ -38,6 +39,7 @@ RECENT = {
                      "AND cancel_pending",
     "idle_sidecars": "SELECT count(*) FROM tool_idle_sidecars WHERE owner_id = 'new'",
     "sweeps": "SELECT count(*) FROM tool_sweeps WHERE tool = 'new'",
+    "sessions": "SELECT count(*) FROM tool_sessions WHERE session_key = 'new'",
 }
 
 
@@ -71,6 +73,9 @@ def _rows_of_every_kind(dsn: str) -> None:
                "('old', 'ret', 'c1', now() - interval '11 minutes'), ('new', 'ret', 'c2', now())")
     query(dsn, "INSERT INTO tool_sweeps (tool, swept_at) VALUES "
                "('old', now() - interval '2 days'), ('new', now())")
+    query(dsn, "INSERT INTO tool_sessions (tool, session_key, state, ended_at, end_reason) "
+               "VALUES ('ret', 'old', 'ended', now() - interval '40 days', 'idle'), "
+               "('ret', 'new', 'lost', now() - interval '1 day', 'exited')")
 
 
 def _left(dsn: str) -> dict[str, int]:
