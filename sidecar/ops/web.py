@@ -601,8 +601,9 @@ def _stage_deadline(settings: Settings, tool: str) -> float | None:
         return None
 
 
-async def running_page(request: web.Request) -> web.Response:
-    state = request.app[STATE]
+def _tool_param(request: web.Request) -> str | None:
+    """The optional ``?tool=`` filter of a page: a valid tool name or None; BadInput (one
+    line naming the parameter) otherwise."""
     tool = _param(request, "tool")
     if tool is not None:
         try:
@@ -610,6 +611,12 @@ async def running_page(request: web.Request) -> web.Response:
         except ConfigError:
             raise BadInput("query parameter tool: 1-63 letters, digits, '.', '_' or '-'") \
                 from None
+    return tool
+
+
+async def running_page(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    tool = _tool_param(request)
     fragment = _param(request, "fragment")
     if fragment not in (None, "rows"):
         raise BadInput("query parameter fragment: only 'rows'")
@@ -624,13 +631,7 @@ async def sessions_page(request: web.Request) -> web.Response:
     """The live agent sessions (issue 43; of one tool with ``?tool=``): who holds each,
     its generation, calls, lease slack and the call running now."""
     state = request.app[STATE]
-    tool = _param(request, "tool")
-    if tool is not None:
-        try:
-            validate_tool_name(tool)
-        except ConfigError:
-            raise BadInput("query parameter tool: 1-63 letters, digits, '.', '_' or '-'") \
-                from None
+    tool = _tool_param(request)
     rows = await state.store.web_read("web_sessions", tool, MAX_RUNNING_ROWS)
     return _render(request, "sessions.html", sessions=rows, tool=tool,
                    limit=MAX_RUNNING_ROWS)
