@@ -47,6 +47,10 @@ CLAIM_OUTCOMES = ("claimed", "empty", "paused", "max_running", "max_running_per_
 GUARD_REFUSALS = tuple(ConnectionRefusal)
 
 JOBS_CLAIMED = Counter("sidecar_jobs_claimed", "Jobs claimed (P4).", _TP)
+POLLS = Counter("sidecar_polls",
+                "Polls of the claim loop: one statement that counts the tool's claimable "
+                "jobs (and runs the fleet's sweep on this sidecar's turn), once per poll "
+                "period; a claim follows only when it counted some (issue 28).", _TP)
 CLAIM_ATTEMPTS = Counter("sidecar_claim_attempts",
                          "Claim statements by outcome: claimed (one job or more, one "
                          "statement for all free slots), empty (none), or the flow limit "
@@ -177,8 +181,8 @@ SERVICE_RUNS = Counter("sidecar_service_runs",
 def start_at_zero(tool: str, provider: str) -> None:
     """Create every known label set of ``tool``/``provider`` at zero, and set
     ``sidecar_up`` of the pair to 1."""
-    for metric in (JOBS_CLAIMED, JOBS_RECLAIMED, ATTEMPT_DURATION, HEARTBEAT_SECONDS, LEASE_SLACK,
-                   LAST_HEARTBEAT, LEASES_HELD, LEASES_EXPIRED, OWNERSHIP_UNKNOWN,
+    for metric in (JOBS_CLAIMED, POLLS, JOBS_RECLAIMED, ATTEMPT_DURATION, HEARTBEAT_SECONDS,
+                   LEASE_SLACK, LAST_HEARTBEAT, LEASES_HELD, LEASES_EXPIRED, OWNERSHIP_UNKNOWN,
                    PROCESSES_LEFT, COMPLETIONS_REJECTED, QUEUE_DEPTH, LISTENING, KILL_DURATION,
                    LEASES_UNKNOWN, QUEUE_AGE, FORWARD_BACKLOG):
         metric.labels(tool, provider)

@@ -26,6 +26,9 @@ from sidecar.runtime.log import log
 # How much shorter than its period a poll's wait may be drawn (sidecar.worker.claim_loop's claim
 # loop, the forwarder): 0.2 = between 0.8 and 1 period.
 POLL_SPREAD = 0.2
+# The spread of a wait drawn after a pause (spread_after): between 0.1 and 1 period, as a
+# claim loop's first poll.
+RESYNC_SPREAD = 0.9
 
 
 def spread_period(period: float, draw: float, spread: float) -> float:
@@ -45,6 +48,26 @@ def spread_period(period: float, draw: float, spread: float) -> float:
     return period * (1.0 - spread * draw)
 
 
+def spread_after(late_by: float, period: float, spread: float) -> float:
+    """The spread of the next wait of a service whose last wait ended ``late_by`` seconds
+    later than asked (``period`` seconds, its usual ``spread``): RESYNC_SPREAD when that is
+    more than the spread's own width (``spread * period``), else ``spread``.
+
+    A narrow spread keeps phases apart only if they started apart. A pause of the whole
+    host (a frozen VM, SIGSTOP, a stalled node) or of the database ends every sidecar's
+    wait in the same instant, and draws over 0.8-1 of a period left a fleet of 8 polling
+    within 0.2 s of each other (CI of 2026-12-04: 12 empty claims for 3 jobs); a wait that
+    ends that late is drawn over RESYNC_SPREAD instead, as at start. A spread of 0 stays 0
+    (a service that asked for none). ValueError when ``late_by`` or ``period`` < 0 or
+    ``spread`` is outside [0, 1]."""
+    if late_by < 0 or period < 0 or not 0.0 <= spread <= 1.0:
+        raise ValueError(f"spread_after({late_by!r}, {period!r}, {spread!r}): late_by and "
+                         "period >= 0, spread in [0, 1]")
+    if spread == 0.0 or late_by <= spread * period:
+        return spread
+    return max(spread, RESYNC_SPREAD)
+
+
 def error_reason(exc: BaseException) -> dict[str, Any]:
     """The default fields of a service's error event: ``reason`` = ``Type: message``."""
     return {"reason": f"{type(exc).__name__}: {exc}"}
@@ -58,14 +81,16 @@ class Periodic:
     ``first``: seconds before the first run (default ``period``; 0 runs at once), plus a
     random 0 to ``jitter`` seconds. ``spread``: each later wait is drawn between
     ``(1 - spread) * period`` and ``period`` (spread_period), so the same service of
-    sidecars started together does not run in step. ``wake``: an event that ends a wait
-    early (cleared before each run). ``errors``: what a step may raise and the service
-    survives; each is counted as an ``error`` run and logged as ``error_event`` (level
-    ``warning``) with ``fields`` and ``error_fields(exc)`` (default ``error_reason``; None
-    logs nothing, the run still counts). Anything else ends ``run`` with that exception.
+    sidecars started together does not run in step; after a wait that ended late by more
+    than that width (a pause of the host), over RESYNC_SPREAD (spread_after). ``wake``:
+    an event that ends a wait early (cleared before each run). ``errors``: what a step may
+    raise and the service survives; each is counted as an ``error`` run and logged as
+    ``error_event`` (level ``warning``) with ``fields`` and ``error_fields(exc)`` (default
+    ``error_reason``; None logs nothing, the run still counts). Anything else ends ``run``
+    with that exception.
 
-    ``lateness`` is how many seconds later than asked the last wait ended (a plain wait
-    only; the event-loop watch reads it)."""
+    ``lateness`` is how many seconds later than asked the last wait ended (0 for a wait
+    a wake-up ended; the event-loop watch reads it)."""
 
     def __init__(self, name: str, period: float | Callable[[], float],
                  step: Callable[[], Awaitable[Any]], *, first: float | None = None,
@@ -107,8 +132,10 @@ class Periodic:
                 self.wake.clear()
             if await self.run_once():
                 continue
-            await self._wait(spread_period(self.period, random.random(), self.spread)
-                             if self.spread else self.period)
+            period = self.period
+            spread = spread_after(self.lateness, period, self.spread)
+            await self._wait(spread_period(period, random.random(), spread)
+                             if spread else period)
 
     async def run_once(self) -> bool:
         """One run of the step, counted and, on an error it survives, logged. Returns
@@ -130,13 +157,16 @@ class Periodic:
         return more is True
 
     async def _wait(self, seconds: float) -> None:
+        before = time.monotonic()
         if self.wake is None:
-            before = time.monotonic()
             await asyncio.sleep(seconds)
-            self.lateness = max(0.0, time.monotonic() - before - seconds)
-            return
-        # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation
-        # that meets the wake-up or the timeout, and the service then never stops.
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(seconds):
-                await self.wake.wait()
+        else:
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for loses a cancellation
+            # that meets the wake-up or the timeout, and the service then never stops.
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    await self.wake.wait()
+            if self.wake.is_set():
+                self.lateness = 0.0  # ended early by its wake-up, not late
+                return
+        self.lateness = max(0.0, time.monotonic() - before - seconds)

@@ -21,7 +21,7 @@ import uuid
 
 from sidecar.ops import health, metrics, retention
 from sidecar.ops.health import Readiness
-from sidecar.ops.periodic import POLL_SPREAD, Periodic, spread_period
+from sidecar.ops.periodic import POLL_SPREAD, RESYNC_SPREAD, Periodic, spread_after, spread_period
 from sidecar.ops.tracing import OFF, Tracer
 from sidecar.protocol import clock, parsing
 from sidecar.protocol.errors import ConfigError
@@ -98,8 +98,9 @@ def worker_identity(worker_name: str) -> str:
 
 
 # The first poll period of a claim loop is drawn over [0.1, 1] x SIDECAR_POLL_SECONDS
-# (spread_period), the later ones over [0.8, 1] x (POLL_SPREAD).
-FIRST_POLL_SPREAD = 0.9
+# (spread_period), the later ones over [0.8, 1] x (POLL_SPREAD), except after a poll that
+# came late by more than that (a pause: spread_after).
+FIRST_POLL_SPREAD = RESYNC_SPREAD
 
 
 def may_claim(running: int, concurrency: int, stopping: bool, pause_left: float) -> bool:
@@ -404,19 +405,26 @@ class Worker:
         last_sweep = 0.0
         # This poll period's length (spread_period, issue 28): the first drawn over
         # [0.1, 1] x poll, so sidecars started together poll at spread phases at once;
-        # each later one over [0.8, 1] x poll, so their phases keep drifting apart.
+        # each later one over [0.8, 1] x poll, so their phases keep drifting apart; one
+        # that came later than that width (the host or the loop was paused, which puts a
+        # fleet in step) over [0.1, 1] x poll again.
         interval, spread = poll, FIRST_POLL_SPREAD
+        poll_due = False  # the last wait was ended by the poll's timer
         while not self.stopping.is_set():
             self.wake.clear()
             nothing_due = False
             try:
-                if time.monotonic() - last_sweep >= interval:
+                since = time.monotonic() - last_sweep
+                if poll_due or since >= interval:
+                    poll_due = False
+                    if last_sweep:
+                        spread = spread_after(max(0.0, since - interval), poll, POLL_SPREAD)
                     last_sweep = time.monotonic()
                     interval = spread_period(poll, random.random(), spread)
-                    spread = POLL_SPREAD
                     # One statement a poll; the sweeps only on the fleet's turn, taken by
                     # one sidecar of the tool per poll period (issue 28).
                     sample = await store.sample_tool(tool, poll)
+                    labelled(metrics.POLLS, *self.labels).inc()
                     # Nothing claimable by the database's count just now: the poll claims
                     # nothing (a job queued since sends its NOTIFY after this read).
                     nothing_due = sample["depth"] == 0
@@ -488,20 +496,30 @@ class Worker:
                         await store.due_outbox_rows(tool, self.settings.drain_seconds)):
                     log.emit("drained", tool=tool, owner_id=self.owner_id)
                     return
+                # Until this poll period ends, not a whole period from now: a job's end
+                # or another wake-up does not put the next poll off (whose lateness then
+                # means a pause, spread_after).
+                timeout = max(0.0, last_sweep + interval - time.monotonic())
             except db.DATABASE_ERRORS as exc:
                 log.emit("claim_error", "warning", tool=tool, reason=db.describe_error(exc),
                          sqlstate=db.sqlstate(exc))
-            timeout = interval
-            if self._rate_turn_at is not None:
-                timeout = min(interval, max(0.0, self._rate_turn_at - time.monotonic()))
-            elif self._retry_at is not None:
-                timeout = min(interval, max(0.0, self._retry_at - time.monotonic()))
-                self._retry_at = None
+                timeout = interval  # a whole period before the next try
+            # A wait the poll's timer ends polls, even a hair before the period's end by
+            # the timer's rounding (uvloop's is whole milliseconds): it must count the
+            # queue first, never claim blind.
+            poll_timer = True
+            turn_at = self._rate_turn_at
+            if turn_at is None:
+                turn_at, self._retry_at = self._retry_at, None
+            if turn_at is not None and turn_at - time.monotonic() < timeout:
+                timeout, poll_timer = max(0.0, turn_at - time.monotonic()), False
             if not self.wake.is_set():  # a job's end while claiming: claim again at once
                 # asyncio.timeout, not wait_for: no task of its own per wake-up (issue 42).
-                with contextlib.suppress(TimeoutError):
+                try:
                     async with asyncio.timeout(timeout):
                         await self.wake.wait()
+                except TimeoutError:
+                    poll_due = poll_timer
 
     def _start_attempt(self, store: WorkerStore, ctx: WorkerContext, job: ClaimedJob,
                        sent: float) -> None:
