@@ -203,7 +203,8 @@ def cmd_enqueue(args, settings: Settings) -> int:
     tool = validate_tool_name(args.tool)
     options = enqueue_args.enqueue_options(args.priority, args.run_after, args.expires_in,
                                            args.tag, args.traceparent, args.tracestate,
-                                           args.concurrency_key, session=args.session)
+                                           args.concurrency_key, session=args.session,
+                                           dedupe=args.dedupe)
     payload, raw = _read_payload(args, settings.max_payload_bytes)
     # None: the profile (MAX_ATTEMPTS) of the sidecar that claims the job decides.
     max_attempts = enqueue_args.check_max_attempts(args.max_attempts)
@@ -1063,6 +1064,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the agent session of the call: a session's calls run one at a "
                         "time, in order, in one warm process that keeps its state "
                         "(PROCESS=warm; docs/callers.md \"Sessions\")")
+    p.add_argument("--dedupe", metavar="POLICY",
+                   help="how long the job holds its idempotency key: forever, active "
+                        "(until it finishes: the key then frees for a new job) or a window "
+                        "such as 24h; default the tool's DEDUPE (docs/callers.md)")
     p.add_argument("--wait", action="store_true",
                    help="then wait for the job to end, as `sidecar wait` (exit 0, 3, 4)")
     p.add_argument("--timeout", metavar="DURATION",

@@ -12,11 +12,12 @@ detected and handled. The audit of every ``ON CONFLICT`` in sidecar/storage/sql 
 updating this list):
 
 - ``functions/enqueue.sql`` ``tool_job_enqueue`` (behind ``queries.sql``
-  ``enqueue_job`` and ``sidecar_enqueue``): ``ON CONFLICT (idempotency_key) DO NOTHING``.
-  On a skip the function reads the holder: same tool and payload -> the existing job,
-  ``created: false`` (the idempotent replay); another tool or payload -> SQLSTATE 23505,
-  IdempotencyConflict in ``CallerStore.enqueue`` (exit 2); the holder gone in between (pruned)
-  -> the insert is tried again, never a crash or a silent "done".
+  ``enqueue_job`` and ``sidecar_enqueue``): ``ON CONFLICT (idempotency_key) WHERE key_held
+  DO NOTHING``. On a skip the function reads the holder: one whose dedupe policy lets the
+  key go (migration 027) -> freed, and the insert tried again; same tool and payload ->
+  the existing job, ``created: false`` (the idempotent replay); another tool or payload ->
+  SQLSTATE 23505, IdempotencyConflict in ``CallerStore.enqueue`` (exit 2); the holder gone
+  in between (pruned) -> the insert is tried again, never a crash or a silent "done".
 - ``queries.sql`` ``finish_job_if_owner`` (next stage): no ``ON CONFLICT`` any more. The
   insert skips only the parent's own stage (``NOT EXISTS`` a row with the same key,
   parent and stage: a repeated completion, idempotent); a key held by anything else raises
@@ -43,6 +44,8 @@ updating this list):
   DO NOTHING`` skips when the session exists; the function then reads and locks that row
   and decides from it (continued, lost, restarted or elsewhere), never taking the skip
   as a start.
+- ``queries.sql`` ``set_dedupe_default``: ``ON CONFLICT (tool) DO UPDATE ... WHERE`` the
+  policy differs: a skip means the tool's default is already the one written.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ AUDITED = {
     # a concurrent first sample made the tool's sweep row: the turn is that sample's
     ("storage/sql/queries.sql", "sample_tool"),
     ("storage/sql/functions/sessions.sql", "?"),  # a session's first call
+    ("storage/sql/queries.sql", "set_dedupe_default"),  # the same default already
 }
 
 

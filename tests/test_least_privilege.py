@@ -35,7 +35,8 @@ pytestmark = pytest.mark.database
 
 KINDS = ("worker", "scaler", "caller", "web")
 TABLES = ("tool_jobs", "tool_job_events", "tool_job_outbox", "tool_idle_sidecars",
-          "tool_flow", "tool_flow_keys", "tool_flow_events", "tool_sweeps", "tool_sessions")
+          "tool_flow", "tool_flow_keys", "tool_flow_events", "tool_sweeps", "tool_sessions",
+          "tool_dedupe")
 
 # Direct writes, each with the roles (besides the owner) that may make it. $1 is an
 # existing job's id. A statement is run only as a role that must be refused it.
@@ -75,6 +76,11 @@ WRITES: dict[str, set[str]] = {
     "INSERT INTO tool_sweeps (tool) VALUES ('forged')": {"worker"},
     "UPDATE tool_sweeps SET swept_at = now()": {"worker"},
     "DELETE FROM tool_sweeps": {"worker"},  # the retention's sweeps kind
+    # a tool's default dedupe policy (migration 027): its sidecars' profile
+    "INSERT INTO tool_dedupe (tool, set_by) VALUES ('forged', 'me')": {"worker"},
+    "UPDATE tool_dedupe SET key_frees_after = NULL": {"worker"},
+    "DELETE FROM tool_dedupe": set(),
+    "SELECT tool_job_free_key('k')": {"worker"},
     **{f"TRUNCATE {table}": set() for table in TABLES},
     "INSERT INTO sidecar_schema_migrations (version, name) VALUES (999, 'x')": set(),
     "DELETE FROM sidecar_schema_repeatables": set(),
@@ -96,7 +102,7 @@ WRITES: dict[str, set[str]] = {
     "SELECT tool_job_wake('pt', 1)": {"worker"},
     "SELECT sidecar_enqueue('pt', '{}')": {"worker", "caller"},
     "SELECT * FROM tool_job_enqueue('pt', '{}', NULL, NULL, NULL, NULL, NULL, NULL, NULL, "
-    "NULL, NULL, NULL, NULL, NULL, NULL)": {"worker", "caller"},
+    "NULL, NULL, NULL, NULL, NULL, NULL, NULL)": {"worker", "caller"},
     "SELECT * FROM tool_job_cancel($1, NULL, NULL)": {"worker", "caller", "web"},
     "SELECT * FROM tool_job_retry($1, NULL, NULL, NULL, NULL)": {"worker", "web"},
     "SELECT * FROM tool_flow_pause('pt', NULL, NULL)": {"worker", "web"},
@@ -234,7 +240,7 @@ def test_a_caller_writes_only_through_the_checked_functions(dsn, roles):
                 with pytest.raises(asyncpg.InvalidParameterValueError, match="details"):
                     await own.fetch(
                         "SELECT * FROM tool_job_enqueue('pt', '{}', NULL, NULL, NULL, NULL, "
-                        "NULL, NULL, NULL, NULL, NULL, NULL, $1::jsonb, NULL, NULL)",
+                        "NULL, NULL, NULL, NULL, NULL, NULL, $1::jsonb, NULL, NULL, NULL)",
                         '{"by": "' + "x" * 5000 + '"}')
                 with pytest.raises(asyncpg.InvalidParameterValueError, match="by"):
                     await own.fetch("SELECT * FROM tool_job_cancel($1, NULL, $2)",
@@ -511,9 +517,10 @@ def test_a_caller_cannot_lift_the_databases_payload_ceiling(dsn, roles):
             refused = []
             for sql, payload in (
                     ("SELECT * FROM tool_job_enqueue('pt', $1::text::jsonb, NULL, NULL, NULL, "
-                     "NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL)", big),
+                     "NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL)", big),
                     ("SELECT * FROM tool_job_enqueue('pt', $1::text::jsonb, NULL, NULL, NULL, "
-                     "NULL, NULL, NULL, NULL, NULL, NULL, 999999999, NULL, NULL, NULL)", bomb),
+                     "NULL, NULL, NULL, NULL, NULL, NULL, 999999999, NULL, NULL, NULL, NULL)",
+                     bomb),
                     ("SELECT sidecar_enqueue('pt', $1::text::jsonb)", big)):
                 await conn.execute("SET sidecar.max_payload_bytes = '0'")
                 with pytest.raises(asyncpg.InvalidParameterValueError,

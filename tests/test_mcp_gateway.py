@@ -306,6 +306,40 @@ def test_a_clients_idempotency_key_joins_the_job_within_its_principal_only(
 
 @pytest.mark.e2e
 @pytest.mark.server
+def test_a_clients_dedupe_policy_frees_its_key_once_the_job_ended_and_a_bad_one_is_refused(
+        dsn, sidecars, gateway, tmp_path):
+    """Issue 44, point 4: `_meta` io.github.sidecar/dedupe `active` lets the same key run
+    the tool again once its job has ended (the default, forever, would return the first
+    job); a policy that is not one is an invalid-params error naming the field, and no
+    job is written."""
+    env = _gateway_env(dsn, tmp_path)
+    sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", env=env)
+    g = gateway()
+    active = {"io.github.sidecar/idempotency-key": "sync-9", "io.github.sidecar/dedupe": "active"}
+    forever = {"io.github.sidecar/idempotency-key": "once-9"}
+
+    async def main():
+        async with g.client() as alice:
+            first = await alice.call_tool("pt", {"steps": []}, meta=active)
+            second = await alice.call_tool("pt", {"steps": []}, meta=active)
+            once = await alice.call_tool("pt", {"steps": []}, meta=forever)
+            once_again = await alice.call_tool("pt", {"steps": []}, meta=forever)
+            with pytest.raises(MCPError) as refused:
+                await alice.call_tool("pt", {"steps": []}, meta={
+                    "io.github.sidecar/idempotency-key": "bad-9",
+                    "io.github.sidecar/dedupe": "hourly"})
+            return (_job_id(first), _job_id(second), _job_id(once), _job_id(once_again),
+                    str(refused.value))
+
+    first, second, once, once_again, refused = _run(main())
+    assert first != second and once == once_again
+    assert "io.github.sidecar/dedupe 'hourly'" in refused and "forever, active" in refused
+    assert scalar(dsn, "SELECT count(*) FROM tool_jobs") == 3
+    assert scalar(dsn, "SELECT count(*) FROM tool_job_events WHERE event = 'job_claimed'") == 3
+
+
+@pytest.mark.e2e
+@pytest.mark.server
 def test_http_refuses_missing_and_wrong_tokens_and_foreign_origins(dsn, gateway, tmp_path):
     """Without a token, with a wrong one, or from a foreign Origin, /mcp answers 401/403
     and the SDK client fails to connect; /livez needs no token."""

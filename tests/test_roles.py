@@ -24,7 +24,8 @@ WORKER_PRIVILEGES = {
     # the journals are appended and pruned, never rewritten (issue 41, point 2)
     *(("table", t, p) for t in ("tool_job_events", "tool_flow_events")
       for p in ("SELECT", "INSERT", "DELETE")),
-    *(("table", "tool_flow", p) for p in ("SELECT", "INSERT", "UPDATE")),
+    *(("table", t, p) for t in ("tool_flow", "tool_dedupe")
+      for p in ("SELECT", "INSERT", "UPDATE")),
     ("table", "sidecar_schema_migrations", "SELECT"),
     ("table", "sidecar_schema_repeatables", "SELECT"),
     ("sequence", "tool_job_events_id_seq", "USAGE"),
@@ -38,6 +39,10 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_prunable", "EXECUTE"),
     ("function", "tool_job_wake", "EXECUTE"),
     ("function", "tool_job_enqueue", "EXECUTE"),
+    ("function", "tool_job_dedupe_window", "EXECUTE"),
+    ("function", "tool_job_key_freeable", "EXECUTE"),
+    ("function", "tool_job_free_key", "EXECUTE"),
+    ("function", "tool_job_key_freed_at_end", "EXECUTE"),
     ("function", "tool_job_keyed_flow", "EXECUTE"),
     ("function", "tool_job_slot_freed", "EXECUTE"),
     ("function", "tool_job_claim_flow", "EXECUTE"),

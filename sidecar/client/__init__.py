@@ -192,7 +192,8 @@ def enqueue_options(*, priority: int = 0,
                     tags: Mapping[str, str] | None = None, traceparent: str | None = None,
                     tracestate: str | None = None,
                     concurrency_key: str | None = None,
-                    session: str | None = None) -> enqueue_args.EnqueueOptions:
+                    session: str | None = None,
+                    dedupe: str | None = None) -> enqueue_args.EnqueueOptions:
     """The client's options as EnqueueOptions: the one parser of the CLI's options
     (sidecar.protocol.enqueue_args.enqueue_options), errors naming the Python arguments.
     ``run_after`` an aware datetime (not claimed before) or a delay (seconds, a timedelta
@@ -201,7 +202,7 @@ def enqueue_options(*, priority: int = 0,
     it). UsageError for the first that is not allowed."""
     return enqueue_args.enqueue_options(
         priority, run_after, expires_in, tags, traceparent, tracestate, concurrency_key,
-        session=session, names=enqueue_args.PYTHON_NAMES)
+        session=session, dedupe=dedupe, names=enqueue_args.PYTHON_NAMES)
 
 
 class Client:
@@ -364,7 +365,7 @@ class Client:
                       tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
                       traceparent: str | None = None, tracestate: str | None = None,
                       concurrency_key: str | None = None,
-                      session: str | None = None,
+                      session: str | None = None, dedupe: str | None = None,
                       connection: asyncpg.Connection | None = None,
                       gateway_tags: bool = False) -> JobRef:
         """Queue one call of ``tool`` with ``payload`` (any JSON value, None is ``{}``; a
@@ -382,7 +383,10 @@ class Client:
         keys take turns (``sidecar limit``, issue 27); None: no key. ``session``: the agent
         session of the call (None: the client's own ``session``, if any): its calls run
         one at a time, in order, in one warm process; a call whose session ended or was
-        lost fails with kind ``session_lost`` (docs/callers.md "Sessions").
+        lost fails with kind ``session_lost`` (docs/callers.md "Sessions"). ``dedupe``: how
+        long the job holds ``idempotency_key``: ``"forever"``, ``"active"`` (until it
+        finishes; the key then frees for a new job, the old row kept) or a window such as
+        ``"24h"``; None: the tool's DEDUPE (docs/callers.md "Idempotency keys").
 
         ``connection``: your own asyncpg connection, in a transaction you opened: the job
         is written in it and exists only if that transaction commits; the wake-up of an
@@ -402,7 +406,8 @@ class Client:
         options = enqueue_options(priority=priority, run_after=run_after,
                                   expires_in=expires_in, tags=tags, traceparent=traceparent,
                                   tracestate=tracestate, concurrency_key=concurrency_key,
-                                  session=session if session is not None else self.session)
+                                  session=session if session is not None else self.session,
+                                  dedupe=dedupe)
         enqueue_args.check_max_attempts(max_attempts, "max_attempts")
         if idempotency_key is not None:
             check_producer_key(enqueue_args.check_idempotency_key(idempotency_key,
@@ -482,7 +487,8 @@ class Client:
                    expires_in: dt.datetime | dt.timedelta | float | None = None,
                    tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
                    traceparent: str | None = None, tracestate: str | None = None,
-                   concurrency_key: str | None = None, session: str | None = None) -> Any:
+                   concurrency_key: str | None = None, session: str | None = None,
+                   dedupe: str | None = None) -> Any:
         """Enqueue ``tool`` with ``payload`` (options as ``enqueue``'s; no ``connection``:
         a job in an open transaction could not run before it commits) and wait for it;
         return its result (the JSON the tool printed, decoded).
@@ -497,7 +503,8 @@ class Client:
                                  priority=priority, run_after=run_after,
                                  expires_in=expires_in, tags=tags, max_attempts=max_attempts,
                                  traceparent=traceparent, tracestate=tracestate,
-                                 concurrency_key=concurrency_key, session=session)
+                                 concurrency_key=concurrency_key, session=session,
+                                 dedupe=dedupe)
         end = await self.wait(ref, timeout=seconds)
         assert isinstance(end, JobEnd)
         if not end.succeeded:

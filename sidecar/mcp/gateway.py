@@ -50,7 +50,7 @@ from sidecar.client import Client, JobEnd, JobNotFound, JobProgress, JobRef
 from sidecar.mcp import catalog as mcp_catalog
 from sidecar.mcp import wire
 from sidecar.mcp.catalog import McpTool
-from sidecar.protocol import jsontext, masking, parsing
+from sidecar.protocol import enqueue_args, jsontext, masking, parsing
 from sidecar.protocol.errors import (
     ConfigError,
     DatabaseUnavailable,
@@ -67,6 +67,9 @@ log = logging.getLogger("sidecar.mcp")
 # A client's own idempotency key for a call, in the request's _meta (1-256 printable
 # characters; scoped to its principal).
 IDEMPOTENCY_META = "io.github.sidecar/idempotency-key"
+# How long that key names the call's job (issue 44): forever, active or a window such as
+# 24h (docs/callers.md "Idempotency keys"); unset: the tool's DEDUPE.
+DEDUPE_META = "io.github.sidecar/dedupe"
 # What a result's _meta says about the job behind it.
 JOB_META = "io.github.sidecar/job"
 # The MCP Tasks extension (SEP-2663, protocol 2026-07-28): a client that lists it in its
@@ -173,6 +176,7 @@ class Gateway:
         principal = self.principal_of(ctx)
         meta = _wire_meta(ctx)
         key = self._idempotency_key(ctx, principal, meta)
+        dedupe = _dedupe(meta)
         as_task = _wants_task(ctx)
         with self._slot(principal):
             tags = {"mcp.principal": principal, "mcp.tool_call": _tag_id(ctx.request_id)}
@@ -191,7 +195,8 @@ class Gateway:
                     ref = await self.client.enqueue(
                         tool.name, arguments, idempotency_key=key, tags=tags,
                         expires_in=self.options.start_deadline_seconds, gateway_tags=True,
-                        session=self._agent_session(tool.name, principal, ctx))
+                        session=self._agent_session(tool.name, principal, ctx),
+                        dedupe=dedupe)
             except IdempotencyConflict as exc:
                 raise MCPError(code=INVALID_PARAMS,
                                message=_conflict(str(exc), meta, key)) from None
@@ -611,6 +616,19 @@ def _scope(ctx: Any) -> Mapping[str, Any] | None:
     request = getattr(ctx, "request", None)
     scope = getattr(request, "scope", None)
     return scope if isinstance(scope, Mapping) else None
+
+
+def _dedupe(meta: Mapping[str, Any]) -> str | None:
+    """The call's dedupe policy from ``_meta`` (DEDUPE_META), checked as every enqueue
+    checks it; None when absent. MCPError (invalid params) naming the field otherwise."""
+    given = meta.get(DEDUPE_META)
+    if given is None:
+        return None
+    try:
+        enqueue_args.dedupe_window_seconds(given, f"_meta {DEDUPE_META}")
+    except UsageError as exc:
+        raise MCPError(code=INVALID_PARAMS, message=str(exc)) from None
+    return given
 
 
 def _warm(settings: Any, tool: str) -> bool:

@@ -54,8 +54,9 @@ class EnqueueOptions:
     sidecar.client); ``tags`` (string to string); ``traceparent``/``tracestate`` (W3C);
     ``concurrency_key``: the key flow control caps and takes turns by (issue 27);
     ``session``: the agent session the call belongs to (issue 43: its calls run one at a
-    time, in order, in one warm process; docs/callers.md "Sessions"). The defaults change
-    nothing."""
+    time, in order, in one warm process; docs/callers.md "Sessions"); ``dedupe``: how long
+    the job holds its idempotency key (forever, active or a window; None: the tool's
+    default, issue 44). The defaults change nothing."""
 
     priority: int = 0
     run_in: dt.timedelta | None = None
@@ -67,6 +68,7 @@ class EnqueueOptions:
     tracestate: str | None = None
     concurrency_key: str | None = None
     session: str | None = None
+    dedupe: str | None = None
 
 
 @dataclass(frozen=True)
@@ -84,14 +86,15 @@ class OptionNames:
     idempotency_key: str
     max_attempts: str
     session: str
+    dedupe: str
 
 
 CLI_NAMES = OptionNames("--priority", "--run-after", "--expires-in", "--tag", "--traceparent",
                         "--tracestate", "--concurrency-key", "--idempotency-key",
-                        "--max-attempts", "--session")
+                        "--max-attempts", "--session", "--dedupe")
 PYTHON_NAMES = OptionNames("priority", "run_after", "expires_in", "tags", "traceparent",
                            "tracestate", "concurrency_key", "idempotency_key", "max_attempts",
-                           "session")
+                           "session", "dedupe")
 
 
 def parse_duration(text: str, what: str) -> dt.timedelta:
@@ -259,6 +262,30 @@ def refuse_reserved(tags: Mapping[str, str], key: str | None, names: OptionNames
                          "are reserved for sidecar mcp; use another key")
 
 
+# A dedupe policy's window: a whole number (no leading zero, at most 8 digits) and a unit;
+# functions/dedupe.sql (tool_job_dedupe_window) holds the same rule.
+_DEDUPE_WINDOW = re.compile(r"[1-9][0-9]{0,7}[smhd]")
+_DEDUPE_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+DEDUPE_POLICIES = ("forever", "active")
+
+
+def dedupe_window_seconds(policy: str, what: str = "--dedupe") -> float | None:
+    """How long a job keeps its idempotency key after its enqueue, by its dedupe policy
+    (issue 44, point 4; docs/callers.md "Idempotency keys"): ``forever`` -> None (never
+    freed; the default), ``active`` -> 0 (freed once the job has finished), a window of 1 s
+    to 366 days written as a whole number and a unit (``90s``, ``30m``, ``24h``, ``7d``) ->
+    its seconds (freed once the job has finished and the window since its enqueue has
+    passed). UsageError naming ``what`` otherwise."""
+    if isinstance(policy, str) and policy in DEDUPE_POLICIES:
+        return None if policy == "forever" else 0.0
+    if isinstance(policy, str) and _DEDUPE_WINDOW.fullmatch(policy):
+        seconds = int(policy[:-1]) * _DEDUPE_UNITS[policy[-1]]
+        if seconds <= HORIZON.total_seconds():
+            return float(seconds)
+    raise UsageError(f"{what} {str(policy)[:80]!r}: use forever, active or a window of 1s "
+                     "to 366d, e.g. 24h")
+
+
 def check_idempotency_key(key: str, what: str = "--idempotency-key") -> str:
     """``key`` if it is 1-512 printable characters of valid UTF-8; else UsageError. (Keys
     ending in ``:stage:N`` belong to next stages: sidecar.storage.store.check_producer_key.)"""
@@ -300,7 +327,7 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
                     traceparent: str | None = None,
                     tracestate: str | None = None,
                     concurrency_key: str | None = None, *,
-                    session: str | None = None,
+                    session: str | None = None, dedupe: str | None = None,
                     names: OptionNames = CLI_NAMES) -> EnqueueOptions:
     """The one parser of the enqueue options, for the command line (text as given, None
     when absent) and the client (Python values; ``names=PYTHON_NAMES``) alike.
@@ -311,7 +338,7 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
     (same forms) or an aware datetime (no attempt starts after it); ``tags`` ``KEY=VALUE``
     strings or a mapping; ``traceparent``/``tracestate`` W3C trace context (a tracestate
     needs a traceparent); ``concurrency_key`` and ``session`` 1-256 printable
-    characters each. Returns
+    characters each; ``dedupe`` a policy (dedupe_window_seconds). Returns
     EnqueueOptions; UsageError, naming the option as ``names`` spells it, for the first
     value that is not allowed."""
     when = _moment(run_after, names.run_after, False) if run_after is not None else None
@@ -332,6 +359,8 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
         raise UsageError(f"{names.concurrency_key} must be a string, e.g. 'tenant-42'")
     if session is not None and not isinstance(session, str):
         raise UsageError(f"{names.session} must be a string, e.g. 'agent-run-42'")
+    if dedupe is not None:
+        dedupe_window_seconds(dedupe, names.dedupe)  # refused here as the database would
     return EnqueueOptions(
         priority=check_priority(priority, names.priority) if priority is not None else 0,
         run_in=when if isinstance(when, dt.timedelta) else None,
@@ -346,4 +375,5 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
         concurrency_key=(check_concurrency_key(concurrency_key, names.concurrency_key)
                          if concurrency_key is not None else None),
         session=(check_concurrency_key(session, names.session, "agent-run-42")
-                 if session is not None else None))
+                 if session is not None else None),
+        dedupe=dedupe)

@@ -197,6 +197,10 @@ class LeaseProfile:
     session_max_seconds: float = 3600.0
     max_sessions: int = 8
     session_restart: str = "lost"
+    # How long a job holds its idempotency key (issue 44): forever, active or a window
+    # (sidecar.protocol.enqueue_args.dedupe_window_seconds); the tool's default for an
+    # enqueue that names none.
+    dedupe: str = "forever"
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:

@@ -18,8 +18,8 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 from sidecar.protocol import parsing
-from sidecar.protocol.enqueue_args import MAX_ATTEMPTS_LIMIT
-from sidecar.protocol.errors import ConfigError, SidecarError
+from sidecar.protocol.enqueue_args import MAX_ATTEMPTS_LIMIT, dedupe_window_seconds
+from sidecar.protocol.errors import ConfigError, SidecarError, UsageError
 from sidecar.protocol.masking import SECRETS, mask_url, url_secrets
 from sidecar.protocol.model import (
     PROFILE_FIELD_NAMES,
@@ -214,6 +214,19 @@ def _session_restart(text: str) -> str:
     return value
 
 
+def _dedupe(text: str) -> str:
+    """``forever``, ``active`` or a window such as ``24h`` (the ``DEDUPE`` profile field,
+    docs/callers.md "Idempotency keys")."""
+    value = text.strip()
+    try:
+        dedupe_window_seconds(value)
+    except UsageError:
+        raise _Invalid("use forever (a job keeps its key for good), active (a finished "
+                       "job's key frees for a new job) or a window of 1s to 366d, e.g. "
+                       "24h") from None
+    return value
+
+
 def _process_mode(text: str) -> str:
     """``per-job`` or ``warm`` (the ``PROCESS`` profile field, docs/child-process.md)."""
     value = text.strip().lower()
@@ -378,6 +391,11 @@ PROFILE_FIELDS: dict[str, _Field] = {
     "SESSION_RESTART": _Field(_session_restart, "lost", "mode",
                               "a call whose session ended or was lost: lost = it fails "
                               "session_lost; fresh = a new process starts the session again"),
+    # The tool's default dedupe policy (issue 44, point 4; docs/callers.md).
+    "DEDUPE": _Field(_dedupe, "forever", "policy",
+                     "how long a job holds its idempotency key when its enqueue names no "
+                     "policy: forever, active (until it finishes) or a window such as 24h "
+                     "(until it finishes and that long after its enqueue)"),
 }
 
 # Every profile field is one field of model.LeaseProfile, in its order (as_dict's order).

@@ -54,7 +54,7 @@ class CallerStore(JobAccess):
         args = (tool, db.encode_json(value), key, o.priority, o.run_after, o.run_in,
                 o.expires_in, db.encode_json(o.tags), max_attempts, o.traceparent,
                 o.tracestate, max_payload_bytes, db.encode_json(details), o.expires_at,
-                o.concurrency_key, o.session)
+                o.concurrency_key, o.session, o.dedupe)
         try:
             if conn is None:
                 row = await self.db.fetchrow(Q["enqueue_job"], *args, timeout=self.timeout)

@@ -83,8 +83,8 @@ def migrations() -> list[Migration]:
 # plpgsql bodies are only parsed. So: expiry before claimable (its row rules call
 # tool_job_expiry_refunded), flow before claimable (tool_flow_occupied), claimable before
 # demand; within a file, a function before the SQL ones calling it.
-REPEATABLE_ORDER = ("journal", "retention", "wake", "expiry", "waiting", "enqueue", "flow",
-                    "claimable", "claim", "demand", "cancel", "actions", "sessions")
+REPEATABLE_ORDER = ("journal", "retention", "wake", "expiry", "waiting", "dedupe", "enqueue",
+                    "flow", "claimable", "claim", "demand", "cancel", "actions", "sessions")
 
 
 @dataclass(frozen=True)

@@ -33,8 +33,8 @@ from sidecar.storage.store import Pruning, stage_key
 DEFAULT_MAX_ATTEMPTS = 3
 # Jobs one expiry sweep ends at most (fail_expired).
 EXPIRY_BATCH = 500
-# The unique constraint of tool_jobs.idempotency_key (migration 001).
-_JOB_KEY_CONSTRAINT = "tool_jobs_idempotency_key_key"
+# The unique index of the keys jobs hold (migration 027; the column's UNIQUE before).
+_JOB_KEY_CONSTRAINT = "tool_jobs_held_key_idx"
 
 
 @dataclass(frozen=True)
@@ -236,27 +236,44 @@ class WorkerStore(Pruning):
         written when it returns False.
 
         Raises NextStageConflict (nothing written) when the next stage's key is held by a
-        job that is not this job's own stage (case F22); a repeated completion that meets
-        its own stage creates no second one."""
-        try:
-            row = await self.db.fetchrow(
-                Q["finish_job_if_owner"], job.id, owner_id, job.fencing_token, state, result,
-                error, event, details, result_url,
-                next_stage.tool if next_stage else None,
-                (RawJson("null") if next_stage.payload is None else next_stage.payload)
-                if next_stage else None,
-                next_stage.max_attempts if next_stage else None,
-                new_job_id() if next_stage else None, earlier or None,
-                timeout=self.timeout,
-            )
-        except asyncpg.UniqueViolationError as exc:
-            if next_stage is None or exc.constraint_name != _JOB_KEY_CONSTRAINT:
-                raise
-            key = stage_key(job.idempotency_key, job.stage + 1)
-            holder = await self.db.fetchrow(Q["find_job_by_idempotency_key"], key,
-                                            RawJson("null"), timeout=self.timeout)
-            raise NextStageConflict(key, holder["id"] if holder else None) from None
-        return row is not None
+        job that is not this job's own stage (case F22) and keeps it; one whose dedupe
+        policy lets it go (an earlier run of the same key's chain, issue 44) frees it and
+        the end is written again, once. A repeated completion that meets its own stage
+        creates no second one."""
+        for last in (False, True):
+            try:
+                row = await self.db.fetchrow(
+                    Q["finish_job_if_owner"], job.id, owner_id, job.fencing_token, state,
+                    result, error, event, details, result_url,
+                    next_stage.tool if next_stage else None,
+                    (RawJson("null") if next_stage.payload is None else next_stage.payload)
+                    if next_stage else None,
+                    next_stage.max_attempts if next_stage else None,
+                    new_job_id() if next_stage else None, earlier or None,
+                    timeout=self.timeout,
+                )
+            except asyncpg.UniqueViolationError as exc:
+                if next_stage is None or exc.constraint_name != _JOB_KEY_CONSTRAINT:
+                    raise
+                key = stage_key(job.idempotency_key, job.stage + 1)
+                if not last and await self.db.fetchval(Q["free_key"], key,
+                                                       timeout=self.timeout) is not None:
+                    continue
+                holder = await self.db.fetchrow(Q["find_job_by_idempotency_key"], key,
+                                                RawJson("null"), timeout=self.timeout)
+                raise NextStageConflict(key, holder["id"] if holder else None) from None
+            return row is not None
+        raise AssertionError("unreachable: the second try returns or raises")
+
+    async def set_dedupe_default(self, tool: str, window_seconds: float | None,
+                                 owner_id: str) -> None:
+        """The profile's DEDUPE as ``tool``'s default dedupe policy (issue 44, point 4):
+        ``window_seconds`` None = forever, 0 = active, else the window; read by an enqueue
+        that names no policy. Raises what the database raises."""
+        await self.db.execute(
+            Q["set_dedupe_default"], tool,
+            None if window_seconds is None else dt.timedelta(seconds=window_seconds),
+            owner_id, timeout=self.timeout)
 
     async def requeue_if_owner(
         self, job: ClaimedJob, owner_id: str, error: dict[str, Any], backoff_seconds: float,

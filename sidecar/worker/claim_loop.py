@@ -24,6 +24,7 @@ from sidecar.ops.health import Readiness
 from sidecar.ops.periodic import POLL_SPREAD, RESYNC_SPREAD, Periodic, spread_after, spread_period
 from sidecar.ops.tracing import OFF, Tracer
 from sidecar.protocol import clock, parsing
+from sidecar.protocol.enqueue_args import dedupe_window_seconds
 from sidecar.protocol.errors import ConfigError
 from sidecar.protocol.flow import Held
 from sidecar.protocol.masking import SECRETS, mask_url
@@ -245,6 +246,10 @@ class Worker:
         stack.push_async_callback(self._leave_idle_list)
         await store.migrate()
         await self._check_schema(store)
+        # The profile's DEDUPE as the tool's default for enqueues naming no policy (issue 44)
+        await store.set_dedupe_default(self.profile.tool,
+                                       dedupe_window_seconds(self.profile.dedupe),
+                                       self.owner_id)
         self.readiness.db_ok_at = time.monotonic()
         metrics.start_at_zero(*self.labels)
         http_addr = None

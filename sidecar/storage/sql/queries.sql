@@ -70,18 +70,33 @@ SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
 -- $11 tracestate, $12 payload limit (NULL: checked by the caller), $13 journal details,
 -- $14 an expiry time instead of $7 (turned into an interval by the database's clock),
 -- $15 concurrency key (NULL: none; migration 016), $16 session key (NULL: none;
--- migration 026).
+-- migration 026), $17 dedupe policy (NULL: the tool's default; migration 027).
 -- The JSON parameters ($2, $8, $13) are text cast here, so the statement runs the same on
 -- the sidecar's connections and on a caller's own (sidecar.client), whatever jsonb codec
 -- that one has.
 SELECT enqueued_id AS id, created
 FROM tool_job_enqueue($1, $2::text::jsonb, $3, $4, $5, $6,
                       coalesce($7::interval, $14::timestamptz - now()), $8::text::jsonb,
-                      $9, $10, $11, $12, $13::text::jsonb, $15, $16);
+                      $9, $10, $11, $12, $13::text::jsonb, $15, $16, $17);
+
+-- name: set_dedupe_default
+-- A sidecar's profile's DEDUPE as its tool's default dedupe policy (migration 027): $2
+-- the window (NULL: forever), $3 who set it (the sidecar's owner id).
+INSERT INTO tool_dedupe (tool, key_frees_after, set_by) VALUES ($1, $2, $3)
+ON CONFLICT (tool) DO UPDATE SET key_frees_after = EXCLUDED.key_frees_after,
+                                 set_by = EXCLUDED.set_by, set_at = now()
+WHERE tool_dedupe.key_frees_after IS DISTINCT FROM EXCLUDED.key_frees_after;
 
 -- name: find_job_by_idempotency_key
--- jsonb equality: the same payload whatever its key order or spacing.
-SELECT id, tool, payload = $2::jsonb AS same_payload FROM tool_jobs WHERE idempotency_key = $1;
+-- The job holding the key (a freed key names none; migration 027). jsonb equality: the
+-- same payload whatever its key order or spacing.
+SELECT id, tool, payload = $2::jsonb AS same_payload
+FROM tool_jobs WHERE idempotency_key = $1 AND key_held;
+
+-- name: free_key
+-- The job holding $1, if its dedupe policy lets it go now (finished, its window past):
+-- freed and journaled (tool_job_free_key). Returns the freed job's id, or NULL.
+SELECT tool_job_free_key($1);
 
 -- name: fail_exhausted_leases
 -- Running jobs whose lease expired with no attempt left become terminal (P16)
@@ -340,23 +355,22 @@ WITH finished AS (
     WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
       AND state = 'running' AND lease_until > now()
     RETURNING id, tool, fencing_token, attempt, result, idempotency_key, stage, priority,
-              tags, traceparent, tracestate, concurrency_key, session_key
+              tags, traceparent, tracestate, concurrency_key, session_key, key_frees_after
 ), next_stage AS (
     -- inherits the parent's priority, tags (group actions reach it), trace context,
     -- concurrency key (the same tenant's work; migration 016) and session (the same
     -- agent's: it joins its tool's session of that key, after the calls queued before it;
-    -- migration 026)
+    -- migration 026) and dedupe policy (migration 027)
     INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, parent_id, stage,
                            priority, tags, traceparent, tracestate, concurrency_key,
-                           session_key)
+                           session_key, key_frees_after)
     SELECT $13::uuid, $10::text, f.idempotency_key || ':stage:' || (f.stage + 1), $11::jsonb,
            $12::int, f.id, f.stage + 1, f.priority, f.tags, f.traceparent, f.tracestate,
-           f.concurrency_key, f.session_key
+           f.concurrency_key, f.session_key, f.key_frees_after
     FROM finished f
     WHERE $10::text IS NOT NULL
       AND NOT EXISTS (SELECT FROM tool_jobs own
-                      WHERE own.idempotency_key = f.idempotency_key || ':stage:' || (f.stage + 1)
-                        AND own.parent_id = f.id AND own.stage = f.stage + 1)
+                      WHERE own.parent_id = f.id AND own.stage = f.stage + 1)
     RETURNING id, tool, parent_id, stage, tags, traceparent
 ), next_journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)

@@ -36,7 +36,8 @@ SELECT format('REVOKE DELETE ON TABLE %I.tool_flow FROM %I', current_schema(), $
 -- their DELETEs. The fence_* tables belong to the reference receiver, not the workers. The
 -- flow tables (migration 016) are read and written by every claim of a limited tool;
 -- tool_sweeps (migration 017) by every sidecar's poll; tool_sessions (migration 026) by
--- the sidecars that hold agent sessions, and its ended rows deleted by the retention.
+-- the sidecars that hold agent sessions, and its ended rows deleted by the retention;
+-- tool_dedupe (migration 027) by each sidecar as it starts (its profile's DEDUPE).
 SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_jobs, '
@@ -47,8 +48,8 @@ UNION ALL
 SELECT format('GRANT SELECT, INSERT, DELETE ON TABLE %I.tool_job_events, '
               '%I.tool_flow_events TO %I', current_schema(), current_schema(), $1::text)
 UNION ALL
-SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %I.tool_flow TO %I', current_schema(),
-              $1::text)
+SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %I.tool_flow, %I.tool_dedupe TO %I',
+              current_schema(), current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_sweeps, '
               '%I.tool_sessions TO %I', current_schema(), current_schema(), $1::text)

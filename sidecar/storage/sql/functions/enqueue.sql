@@ -49,7 +49,11 @@ $$;
 -- never above tool_job_payload_ceiling(), which only the database's owner raises.
 -- concurrency_key (since migration 016): 1-256 printable characters, NULL is no key.
 -- session_key (the last argument since migration 026): the agent session the call
--- belongs to (docs/callers.md "Sessions"), 1-256 printable characters, NULL is none. The
+-- belongs to (docs/callers.md "Sessions"), 1-256 printable characters, NULL is none.
+-- p_dedupe (the last argument since migration 027): how long the job holds its key
+-- (tool_job_dedupe_window: forever, active or a window such as 24h); NULL is the tool's
+-- default (tool_dedupe, its sidecars' DEDUPE), forever when it has none. A key whose job
+-- lets it go (tool_job_free_key) is freed and taken by the new job. The
 -- id is time-ordered (tool_job_new_id). Inserted, journaled (job_enqueued) and, when due
 -- now, one idle sidecar of the tool woken (tool_job_wake, a NOTIFY sent at commit): a
 -- rolled-back transaction leaves none of it. p_details (the journal row's details): a
@@ -69,7 +73,7 @@ CREATE OR REPLACE FUNCTION tool_job_enqueue(
     p_run_after timestamptz, p_run_in interval, p_expires_in interval, p_tags jsonb,
     p_max_attempts integer, p_traceparent text, p_tracestate text,
     p_max_payload_bytes bigint, p_details jsonb, p_concurrency_key text,
-    p_session_key text)
+    p_session_key text, p_dedupe text)
 RETURNS TABLE (enqueued_id uuid, created boolean)
 SECURITY DEFINER SET search_path FROM CURRENT
 LANGUAGE plpgsql VOLATILE AS $$
@@ -89,6 +93,8 @@ DECLARE
     v_name text;
     v_names text[] := '{}';
     v_horizon constant interval := interval '366 days';
+    v_frees_after interval;
+    v_held boolean;
 BEGIN
     IF p_tool IS NULL OR p_tool !~ '^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$' THEN
         RAISE EXCEPTION 'tool %: use 1-63 letters, digits, ''.'', ''_'' or ''-'', starting '
@@ -140,6 +146,11 @@ BEGIN
             OR p_session_key ~ '[\x01-\x1f\x7f-\x9f]') THEN
         RAISE EXCEPTION 'session must be 1-256 printable characters, e.g. agent-run-42 '
                         '(NULL: no session)' USING ERRCODE = '22023';
+    END IF;
+    IF p_dedupe IS NULL THEN
+        SELECT d.key_frees_after INTO v_frees_after FROM tool_dedupe d WHERE d.tool = p_tool;
+    ELSE
+        v_frees_after := tool_job_dedupe_window(p_dedupe);
     END IF;
     IF v_priority NOT BETWEEN 0 AND 9 THEN
         RAISE EXCEPTION 'priority %: must be from 0 (claimed first) to 9', v_priority
@@ -230,15 +241,16 @@ BEGIN
 
     -- The insert is skipped when the key exists; a skipped insert is never taken as done:
     -- the holder of the key is read and compared, and when it vanished in between (a
-    -- pruned job) the insert is tried again.
+    -- pruned job, or one whose dedupe policy freed its key: tool_job_free_key) the insert
+    -- is tried again.
     FOR v_try IN 1..3 LOOP
         INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, priority,
                                run_after, expires_at, tags, traceparent, tracestate,
-                               concurrency_key, session_key)
+                               concurrency_key, session_key, key_frees_after)
         VALUES (v_id, p_tool, v_key, p_payload, p_max_attempts, v_priority, v_due, v_expiry,
                 v_tags, p_traceparent, p_tracestate, coalesce(p_concurrency_key, ''),
-                p_session_key)
-        ON CONFLICT (idempotency_key) DO NOTHING;
+                p_session_key, v_frees_after)
+        ON CONFLICT (idempotency_key) WHERE key_held DO NOTHING;
         IF FOUND THEN
             -- P23: the payload's sha256 and size as the tool will receive it
             INSERT INTO tool_job_events (job_id, fencing_token, event, details)
@@ -253,7 +265,8 @@ BEGIN
                            'tags', CASE WHEN v_tags <> '{}'::jsonb THEN v_tags END,
                            'traceparent', p_traceparent, 'tracestate', p_tracestate,
                            'concurrency_key', p_concurrency_key,
-                           'session_key', p_session_key)));
+                           'session_key', p_session_key,
+                           'key_frees_after_s', extract(epoch FROM v_frees_after))));
             IF v_due <= now() THEN
                 PERFORM tool_job_wake(p_tool, 1);
             END IF;
@@ -263,8 +276,12 @@ BEGIN
         SELECT j.id, j.tool, j.payload = p_payload AS same_payload, j.concurrency_key,
                j.session_key
         INTO v_existing
-        FROM tool_jobs j WHERE j.idempotency_key = v_key;
-        IF FOUND THEN
+        FROM tool_jobs j WHERE j.idempotency_key = v_key AND j.key_held;
+        v_held := FOUND;
+        IF v_held AND tool_job_free_key(v_key) IS NOT NULL THEN
+            CONTINUE;  -- its policy let the key go: this job takes it
+        END IF;
+        IF v_held THEN
             IF v_existing.tool <> p_tool OR NOT v_existing.same_payload
                     OR v_existing.concurrency_key <> coalesce(p_concurrency_key, '')
                     OR v_existing.session_key IS DISTINCT FROM p_session_key THEN
@@ -297,7 +314,8 @@ CREATE OR REPLACE FUNCTION sidecar_enqueue(
     run_after timestamptz DEFAULT NULL, expires_in interval DEFAULT NULL,
     tags jsonb DEFAULT NULL, max_attempts integer DEFAULT NULL,
     traceparent text DEFAULT NULL, tracestate text DEFAULT NULL,
-    concurrency_key text DEFAULT NULL, session_key text DEFAULT NULL)
+    concurrency_key text DEFAULT NULL, session_key text DEFAULT NULL,
+    dedupe text DEFAULT NULL)
 RETURNS uuid
 SET search_path FROM CURRENT
 LANGUAGE sql VOLATILE AS $$
@@ -305,10 +323,11 @@ LANGUAGE sql VOLATILE AS $$
         $1, $2, $3, $4, $5, NULL, $6, $7, $8, $9, $10,
         coalesce(nullif(current_setting('sidecar.max_payload_bytes', true), '')::bigint,
                  8388608),
-        '{"by": "sidecar_enqueue"}'::jsonb, $11, $12) e
+        '{"by": "sidecar_enqueue"}'::jsonb, $11, $12, $13) e
 $$;
 
 REVOKE EXECUTE ON FUNCTION tool_job_enqueue(text, jsonb, text, integer, timestamptz,
-    interval, interval, jsonb, integer, text, text, bigint, jsonb, text, text) FROM PUBLIC;
+    interval, interval, jsonb, integer, text, text, bigint, jsonb, text, text, text)
+    FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION sidecar_enqueue(text, jsonb, text, integer, timestamptz,
-    interval, jsonb, integer, text, text, text, text) FROM PUBLIC;
+    interval, jsonb, integer, text, text, text, text, text) FROM PUBLIC;
