@@ -8,7 +8,8 @@ raises ``GuardRefused`` (``.reason``: cancelled, lease_lost, ownership_unknown, 
 lease_ending) when the step must not start; stop, or for ``lease_ending`` (transient) pass
 ``retry_seconds`` to wait for the next heartbeat. ``checkpoint(obj)`` saves progress (one
 JSON value, at most 64 KiB) for the next attempt, which finds it in the file named by
-``SIDECAR_CHECKPOINT_FILE``.
+``SIDECAR_CHECKPOINT_FILE``. ``snooze(delay_seconds, reason)`` asks to run again later
+without spending an attempt: exit right after it returns.
 
     from guard_client import GuardRefused, checkpoint, guard
 
@@ -128,6 +129,16 @@ def checkpoint(obj) -> dict:
     attempt. Returns ``{"saved": true, "bytes": n}``; raises GuardRefused ("lease_lost") when
     the job is no longer ours, GuardError otherwise (413 too large, 503 database down)."""
     return _post("/v1/checkpoint", json.dumps(obj, separators=(",", ":")).encode())
+
+
+def snooze(delay_seconds: float, reason: str | None = None) -> dict:
+    """Ask to run this job again in ``delay_seconds`` (more than 0, at most 366 days)
+    without spending an attempt; ``reason``: 1-200 printable characters, journaled. Returns
+    ``{"snoozed": true, ...}``: then exit (what you print after is not kept). Raises
+    GuardRefused ("lease_lost", "cancelled") when the job is no longer ours, GuardError
+    otherwise (400 names the bad field)."""
+    body = {"delay_seconds": delay_seconds, **({"reason": reason} if reason else {})}
+    return _post("/v1/snooze", json.dumps(body).encode())
 
 
 def main(argv: list[str]) -> int:

@@ -15,7 +15,15 @@ from typing import get_args
 
 import pytest
 
-from sidecar.protocol.verdict import Commit, Failure, Reject, Release, Succeeded, Verdict
+from sidecar.protocol.verdict import (
+    Commit,
+    Failure,
+    Reject,
+    Release,
+    Snooze,
+    Succeeded,
+    Verdict,
+)
 from sidecar.protocol.vocabulary import LEASE_ENDINGS
 from sidecar.worker.commit import (
     _ENDERS,
@@ -30,17 +38,21 @@ pytestmark = pytest.mark.unit
 PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
 
 # The fenced statements (sidecar.storage.worker_store.WorkerStore) that write an attempt's end.
-ENDING_STATEMENTS = frozenset({"finish_if_owner", "requeue_if_owner", "release_if_owner"})
+ENDING_STATEMENTS = frozenset({"finish_if_owner", "requeue_if_owner", "release_if_owner",
+                               "snooze_if_owner"})
 # FencedCommit's own ways of writing: only end() may be called from outside.
-COMMIT_INTERNALS = frozenset({"_succeed", "_fail", "_release", "_lease_ended", "_abandon",
+COMMIT_INTERNALS = frozenset({"_succeed", "_fail", "_release", "_snooze", "_lease_ended",
+                              "_abandon",
                               "reject", "_fenced", "_write", "_count"})
 # Which fenced statements each kind of ending may run: a success commits (finish), a
 # failure requeues while attempts are left or finishes it failed, a release gives the
-# lease back; a lease that ended writes no outcome (only the journal).
+# lease back, a snooze queues the job again (past its bounds it fails, through _fail); a
+# lease that ended writes no outcome (only the journal).
 STATEMENTS_OF = {
     Succeeded: {"finish_if_owner"},
     Failure: {"requeue_if_owner", "finish_if_owner"},
     Release: {"release_if_owner"},
+    Snooze: {"snooze_if_owner"},
     Reject: set(),
 }
 

@@ -29,6 +29,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from sidecar.protocol import clock
+from sidecar.protocol.verdict import Snooze
 from sidecar.protocol.vocabulary import GuardRefusal, StopReason
 
 if TYPE_CHECKING:
@@ -92,6 +93,7 @@ class Lease:
         self._suspended_at_confirm = clock.suspended_seconds()
         self._evidence: dict[str, Any] | None = None
         self._request_id: str | None = None
+        self._snooze: Snooze | None = None
         self._unjournaled: list[tuple[str, dict[str, Any]]] = []
 
     # --- reading ----------------------------------------------------------------------
@@ -174,6 +176,12 @@ class Lease:
         return self._request_id
 
     @property
+    def snooze(self) -> Snooze | None:
+        """The snooze the tool asked through the guard (issue 44), the last one wins; None
+        when it asked none."""
+        return self._snooze
+
+    @property
     def unjournaled(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The (event, details) kept for the journal, oldest first."""
         return tuple(self._unjournaled)
@@ -230,6 +238,11 @@ class Lease:
     def note_request(self, request_id: str) -> None:
         """The tool registered the external request it is about to make (P15)."""
         self._request_id = request_id
+
+    def ask_snooze(self, delay_seconds: float, reason: str | None) -> None:
+        """The tool asked to run again in ``delay_seconds`` (POST /v1/snooze): the attempt
+        ends as a Snooze instead of committing its output (sidecar.protocol.verdict)."""
+        self._snooze = Snooze(delay_seconds, reason, "guard")
 
     def keep_for_journal(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         """Keep ``events`` ((event, details), in order) until the database answers."""

@@ -201,6 +201,11 @@ class LeaseProfile:
     # (sidecar.protocol.enqueue_args.dedupe_window_seconds); the tool's default for an
     # enqueue that names none.
     dedupe: str = "forever"
+    # Snoozes (issue 44): how many times one job may ask to run later without spending an
+    # attempt; the exit code that asks it (0: none) and its delay (s).
+    max_snoozes: int = 100
+    snooze_exit_code: int = 0
+    snooze_seconds: float = 60.0
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:

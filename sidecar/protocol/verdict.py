@@ -1,13 +1,15 @@
 """The verdict on one attempt: from what the supervisor observed once the tool's tree was
 dead (stop reason, exit status, overflow, resource usage) and the tool's profile, to one
-of: commit the output, fail (kind, message, retryable), release the lease (shutdown), or
-reject (the lease is no longer ours). No I/O: the supervisor observes, this decides, and
-``sidecar.worker.commit`` writes.
+of: commit the output, fail (kind, message, retryable), release the lease (shutdown),
+snooze (the tool asked to run again later), or reject (the lease is no longer ours). No
+I/O: the supervisor observes, this decides, and ``sidecar.worker.commit`` writes.
 
 Order of precedence, ownership first (P13): a lease that ended -> reject; shutdown ->
 release; a limit's evidence (an OOM kill, CPU time) -> that limit, whatever ended the
-attempt (case F13); then the stop reason; then the exit status (a lost status is never
-exit 0, case F9); then stdout overflow; else commit.
+attempt (case F13); a snooze the tool asked through the guard -> snooze (its output is
+not committed); then the stop reason; then the exit status (a lost status is never
+exit 0, case F9; the profile's SNOOZE_EXIT_CODE is a snooze); then stdout overflow; else
+commit.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
 from sidecar.protocol.model import LeaseProfile, NextStage, RawJson, Usage, tool_env_key
 from sidecar.protocol.vocabulary import LEASE_ENDINGS, RETRYABLE, FailureKind, StopReason
 
@@ -24,6 +28,55 @@ from sidecar.protocol.vocabulary import LEASE_ENDINGS, RETRYABLE, FailureKind, S
 # Python and C++ runtimes, libc's strerror(ENOMEM), and the dynamic loader.
 OUT_OF_MEMORY_MARKERS = ("memoryerror", "cannot allocate memory", "out of memory",
                          "bad_alloc", "failed to allocate", "failed to map segment")
+
+
+@dataclass(frozen=True)
+class Snooze:
+    """The tool asked to run again later (issue 44, point 3): the job goes back to the
+    queue for ``delay_seconds`` without spending the attempt, bounded by the profile's
+    MAX_SNOOZES and MAX_LIFETIME_SECONDS (checked by the fenced write, on the database's
+    clock). ``reason``: the tool's words (at most 200 printable characters, or None);
+    ``via``: ``guard`` (POST /v1/snooze) or ``exit_code`` (SNOOZE_EXIT_CODE)."""
+
+    delay_seconds: float
+    reason: str | None = None
+    via: str = "guard"
+
+
+# The longest snooze a tool may ask (s): the queue's own horizon for run_after.
+SNOOZE_MAX_SECONDS = 366 * 86400
+SNOOZE_BODY_LIMIT = 1024  # bytes of a POST /v1/snooze body
+SNOOZE_REASON_CHARS = 200
+
+
+def parse_snooze(body: bytes) -> Snooze:
+    """A ``POST /v1/snooze`` body, ``{"delay_seconds": S, "reason": "..."}``, as a Snooze:
+    S a number of seconds more than 0 and at most SNOOZE_MAX_SECONDS (366 days), the
+    reason optional, 1-200 printable characters; no other field. ValueError with a
+    message naming the field otherwise."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ValueError("the body must be a JSON object, e.g. "
+                         '{"delay_seconds": 60, "reason": "rate limited"}') from None
+    if not isinstance(value, dict):
+        raise ValueError('the body must be a JSON object, e.g. {"delay_seconds": 60}')
+    unknown = sorted(set(value) - {"delay_seconds", "reason"})
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0][:40]!r}: give delay_seconds and an "
+                         "optional reason")
+    delay = value.get("delay_seconds")
+    if isinstance(delay, bool) or not isinstance(delay, int | float) \
+            or not 0 < delay <= SNOOZE_MAX_SECONDS:
+        raise ValueError(f"delay_seconds: a number of seconds more than 0 and at most "
+                         f"{SNOOZE_MAX_SECONDS} (366 days)")
+    reason = value.get("reason")
+    if reason is not None and (not isinstance(reason, str) or not reason.strip()
+                               or len(reason) > SNOOZE_REASON_CHARS
+                               or not reason.isprintable()):
+        raise ValueError(f"reason: 1-{SNOOZE_REASON_CHARS} printable characters, or leave "
+                         "it out")
+    return Snooze(float(delay), reason, "guard")
 
 
 @dataclass(frozen=True)
@@ -43,6 +96,7 @@ class Observed:
     usage: Usage = field(default_factory=Usage)
     stderr_tail: str | None = None
     memory_cgroup: bool = False
+    snooze: Snooze | None = None  # what the tool asked through the guard, if it did
 
 
 @dataclass(frozen=True)
@@ -101,10 +155,10 @@ class Failure:
         return Failure(self.kind, f"{self.message}; {note}", self.retryable, self.details)
 
 
-Verdict = Commit | Release | Reject | Failure
+Verdict = Commit | Release | Reject | Failure | Snooze
 # What ends an attempt (sidecar.worker.commit.FencedCommit.end): a verdict, with a Commit's
 # output checked into Succeeded.
-Ending = Succeeded | Release | Reject | Failure
+Ending = Succeeded | Release | Reject | Failure | Snooze
 
 
 def failure(kind: FailureKind, message: str, **details: Any) -> Failure:
@@ -126,6 +180,8 @@ def decide(seen: Observed, profile: LeaseProfile) -> Verdict:
     limit = limit_failure(seen, profile)
     if limit is not None:
         return limit
+    if seen.snooze is not None:
+        return seen.snooze
     by_reason = _stopped(seen, profile)
     if by_reason is not None:
         return by_reason
@@ -166,6 +222,8 @@ def _exited(seen: Observed, profile: LeaseProfile) -> Verdict:
     if code < 0:
         return failure(FailureKind.SIGNAL, f"the tool was killed by signal {-code}",
                        signal=-code, stderr_tail=tail)
+    if code != 0 and code == profile.snooze_exit_code:
+        return Snooze(profile.snooze_seconds, None, "exit_code")
     if code != 0:
         retryable = code not in profile.non_retryable_exit_codes
         return Failure(FailureKind.EXIT_CODE,

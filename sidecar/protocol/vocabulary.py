@@ -55,6 +55,7 @@ class Outcome(StrEnum):
     FAILED = "failed"          # terminal failure committed (dead letter)
     REQUEUED = "requeued"      # failure committed, retried after backoff
     RELEASED = "released"      # shutdown: lease given back, attempt not spent
+    SNOOZED = "snoozed"        # the tool asked to run later: queued, attempt not spent
     CANCELLED = "cancelled"    # an operator cancelled the job while it ran
     LEASE_LOST = "lease_lost"  # the lease was lost before the outcome could be committed
     REJECTED = "rejected"      # the fenced commit found another owner (P6)
@@ -100,6 +101,9 @@ class FailureKind(StrEnum):
     # A call of a session for a tool whose profile is PROCESS=per-job: no process outlives
     # a call there, so no state could be kept.
     SESSION_UNSUPPORTED = "session_unsupported"
+    # The tool asked to run later (a snooze, issue 44) more often than the profile's
+    # MAX_SNOOZES allows.
+    SNOOZE_LIMIT = "snooze_limit"
 
 
 # Whether another attempt may help (P16): a transient fault is retried with backoff while
@@ -133,6 +137,8 @@ RETRYABLE: dict[FailureKind, bool] = {
     # Not retried: another attempt would find the session gone just the same.
     FailureKind.SESSION_LOST: False,
     FailureKind.SESSION_UNSUPPORTED: False,
+    # Not retried: a tool that keeps asking for later would ask again.
+    FailureKind.SNOOZE_LIMIT: False,
 }
 
 

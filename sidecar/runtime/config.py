@@ -277,6 +277,14 @@ def _extra_paths(text: str) -> tuple[tuple[str, str], ...]:
     return tuple(out.items())
 
 
+def _exit_code_or_none(text: str) -> int:
+    """An exit code from 1 to 255, or 0 for none (``SNOOZE_EXIT_CODE``)."""
+    code = _integer(text)
+    if not 0 <= code <= 255:
+        raise _Invalid("an exit code from 1 to 255, or 0 for none")
+    return code
+
+
 def _exit_codes(text: str) -> frozenset[int]:
     codes = frozenset(_integer(part) for part in _names(text))
     if any(not 1 <= code <= 255 for code in codes):
@@ -396,6 +404,15 @@ PROFILE_FIELDS: dict[str, _Field] = {
                      "how long a job holds its idempotency key when its enqueue names no "
                      "policy: forever, active (until it finishes) or a window such as 24h "
                      "(until it finishes and that long after its enqueue)"),
+    # Snoozes: a tool asks to run later without spending an attempt (issue 44, point 3;
+    # docs/side-effects.md "Snooze").
+    "MAX_SNOOZES": _Field(_non_negative_int, "100", "count",
+                          "times one job may snooze; one more fails it snooze_limit"),
+    "SNOOZE_EXIT_CODE": _Field(_exit_code_or_none, "0", "code",
+                               "an exit code that means \"run me again later\" (after "
+                               "SNOOZE_SECONDS, the attempt not spent); 0 = none"),
+    "SNOOZE_SECONDS": _Field(_number, "60", "s",
+                             "the delay of a snooze asked by SNOOZE_EXIT_CODE"),
 }
 
 # Every profile field is one field of model.LeaseProfile, in its order (as_dict's order).
@@ -596,7 +613,11 @@ def _build_profile(
     if not 1 <= p["max_sessions"] <= 1000:
         raise ConfigError(f"{src['MAX_SESSIONS']}={p['max_sessions']}: use 1 to 1000 sessions "
                           "per sidecar")
-    for name in ("WARM_IDLE_SECONDS", "SESSION_IDLE_SECONDS"):
+    if p["snooze_exit_code"] and p["snooze_exit_code"] in p["non_retryable_exit_codes"]:
+        raise ConfigError(f"{src['SNOOZE_EXIT_CODE']}={p['snooze_exit_code']} is also in "
+                          f"{src['NON_RETRYABLE_EXIT_CODES']}: an exit code either asks to run "
+                          "later or fails the job; name it in one of them")
+    for name in ("WARM_IDLE_SECONDS", "SESSION_IDLE_SECONDS", "SNOOZE_SECONDS"):
         if p[name.lower()] <= 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must be a positive number of "
                               "seconds")

@@ -287,6 +287,21 @@ class WorkerStore(Pruning):
         )
         return row["run_after"] if row else None
 
+    async def snooze_if_owner(
+        self, job: ClaimedJob, owner_id: str, delay_seconds: float, max_snoozes: int,
+        lifetime_seconds: float | None, details: dict[str, Any],
+        earlier: list[dict[str, Any]] | None = None,
+    ) -> asyncpg.Record | None:
+        """The tool asked to run again in ``delay_seconds`` (issue 44): back to queued, the
+        attempt not spent, if this attempt owns the job, it snoozed fewer than
+        ``max_snoozes`` times and (``lifetime_seconds`` from its first claim, None: no
+        cap) it would run again within its lifetime. Returns ``outcome`` (``snoozed``,
+        ``snooze_limit``, ``past_lifetime``), ``run_after`` and ``snoozes``; None when not
+        the owner. ``earlier`` as for ``finish_if_owner``."""
+        return await self.db.fetchrow(
+            Q["snooze_job_if_owner"], job.id, owner_id, job.fencing_token, delay_seconds,
+            max_snoozes, lifetime_seconds, details, earlier or None, timeout=self.timeout)
+
     async def release_if_owner(
         self, job: ClaimedJob, owner_id: str, details: dict[str, Any],
         earlier: list[dict[str, Any]] | None = None,

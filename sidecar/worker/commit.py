@@ -30,7 +30,17 @@ from sidecar.ops.tracing import NO_TRACE, AttemptTrace
 from sidecar.protocol import clock
 from sidecar.protocol.errors import NextStageConflict, OwnershipUnknown
 from sidecar.protocol.model import ClaimedJob, JobState, LeaseProfile
-from sidecar.protocol.verdict import Ending, Failure, Reject, Release, Succeeded, failure
+from sidecar.protocol.verdict import (
+    Ending,
+    Failure,
+    Reject,
+    Release,
+    Snooze,
+    Succeeded,
+    failure,
+    lifetime_failure,
+    profile_var,
+)
 from sidecar.protocol.vocabulary import FailureKind, Outcome, StopReason
 from sidecar.runtime.log import log, log_fields
 from sidecar.storage import db
@@ -292,6 +302,41 @@ class FencedCommit:
         return Outcome.FAILED, How.FAILED, {
             "reason": error["kind"], "duration_s": duration, "exit_code": error.get("exit_code")}
 
+    async def _snooze(self, ending: Snooze) -> Ended:
+        """The tool asked to run again later (issue 44, point 3): back to the queue after
+        its delay, the attempt not spent, while the job snoozed fewer than MAX_SNOOZES
+        times and would run again within MAX_LIFETIME_SECONDS of its first claim (both
+        checked by the fenced write, on the database's clock); past either, the job fails
+        ``snooze_limit`` or ``max_lifetime_exceeded`` (not retried)."""
+        profile = self.ctx.profile
+        details = {"delay_s": ending.delay_seconds, "via": ending.via,
+                   "duration_s": self._duration(), **self.resources,
+                   **({"reason": ending.reason} if ending.reason else {})}
+        earlier = await self._take_noted()
+        try:
+            row = await self._fenced(lambda: self.ctx.store.snooze_if_owner(
+                self.job, self.ctx.owner_id, ending.delay_seconds, profile.max_snoozes,
+                profile.max_lifetime_seconds or None, details, earlier), "job_snoozed")
+        except OwnershipUnknown:
+            self._give_back(earlier)
+            return await self._abandon(None)
+        if row is None:
+            self._give_back(earlier)
+            await self.reject(None, "not the owner at snooze")
+            return Outcome.REJECTED, How.REJECTED, {}
+        if row["outcome"] == "snoozed":
+            return Outcome.SNOOZED, How.SNOOZED, {
+                "delay_s": ending.delay_seconds, "via": ending.via,
+                "run_after": row["run_after"], "snoozes": row["snoozes"]}
+        self._give_back(earlier)  # written with the failure instead
+        if row["outcome"] == "snooze_limit":
+            return await self._fail(failure(
+                FailureKind.SNOOZE_LIMIT,
+                f"the tool asked to run later more than {profile.max_snoozes} times (its "
+                f"MAX_SNOOZES); raise {profile_var(profile, 'MAX_SNOOZES')} or let it "
+                "finish", delay_s=ending.delay_seconds))
+        return await self._fail(lifetime_failure(profile, delay_s=ending.delay_seconds))
+
     async def _release(self, ending: Release) -> Ended:
         """Give the lease back without spending the attempt: at shutdown, or (reason
         "shortage", case F19) when the host ran short of something before the tool ran."""
@@ -433,6 +478,7 @@ class How(StrEnum):
     REQUEUED = "requeued"                   # a retryable failure, attempts left
     FAILED = "failed"                       # for good (P16)
     RELEASED = "released"                   # the lease given back, the attempt not spent
+    SNOOZED = "snoozed"                     # queued again later at the tool's ask
     NOT_RELEASED = "not_released"           # the release found the job no longer ours
     LEASE_ENDED = "lease_ended"             # lost, cancelled or given up before any write
     ABANDONED_AT_COMMIT = "abandoned_at_commit"  # the write not done by the local deadline
@@ -457,6 +503,7 @@ ENDING_REPORTS: dict[How, OutcomeReport] = {
     How.REQUEUED: OutcomeReport("job_retry_scheduled", "warning", "job_retry_scheduled"),
     How.FAILED: OutcomeReport("job_failed", "warning", "job_failed"),
     How.RELEASED: OutcomeReport("lease_released", "info", "lease_released"),
+    How.SNOOZED: OutcomeReport("job_snoozed", "info", "job_snoozed"),
     How.NOT_RELEASED: OutcomeReport("lease_lost", "warning", None),
     How.LEASE_ENDED: OutcomeReport("lease_lost", "warning", None),
     How.ABANDONED_AT_COMMIT: OutcomeReport("lease_abandoned", "error", None),
@@ -468,5 +515,6 @@ _ENDERS: dict[type, Callable[[FencedCommit, Any], Awaitable[Ended]]] = {
     Succeeded: FencedCommit._succeed,
     Failure: FencedCommit._fail,
     Release: FencedCommit._release,
+    Snooze: FencedCommit._snooze,
     Reject: FencedCommit._lease_ended,
 }

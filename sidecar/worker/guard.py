@@ -131,6 +131,7 @@ from sidecar.protocol import clock, jsontext
 from sidecar.protocol.lease_state import Lease, guard_refusal
 from sidecar.protocol.masking import SECRETS
 from sidecar.protocol.model import LeaseProfile, RawJson
+from sidecar.protocol.verdict import SNOOZE_BODY_LIMIT, parse_snooze
 from sidecar.protocol.vocabulary import AttemptId, ConnectionRefusal, GuardRefusal, StopReason
 from sidecar.runtime.log import log, log_fields, payload_digest
 from sidecar.storage import db
@@ -147,6 +148,7 @@ from sidecar.worker.progress import (
 GUARD_PATH = "/v1/guard"
 CHECKPOINT_PATH = "/v1/checkpoint"
 PROGRESS_PATH = "/v1/progress"
+SNOOZE_PATH = "/v1/snooze"
 CHECKPOINT_LIMIT = 65536          # bytes of one checkpoint body
 GUARD_BODY_LIMIT = 4096           # bytes of a guard request body
 MAX_REQUEST_ID = 200              # characters
@@ -243,7 +245,8 @@ class GuardServer:
             raise RuntimeError("the guard server is already started")
         http = HttpServer({("POST", GUARD_PATH): self._guard,
                            ("POST", CHECKPOINT_PATH): self._checkpoint,
-                           ("POST", PROGRESS_PATH): self._progress},
+                           ("POST", PROGRESS_PATH): self._progress,
+                           ("POST", SNOOZE_PATH): self._snooze},
                           keepalive_timeout=IDLE_SECONDS, header_timeout=self.body_timeout,
                           limits=self.limits, on_refuse=self._refused)
         _, port = await http.start("127.0.0.1", 0)
@@ -567,6 +570,38 @@ class GuardServer:
         if log.enabled("debug"):
             log.emit("checkpoint_saved", "debug", **fields, bytes=digest["bytes"])
         return _json({"saved": True, "bytes": digest["bytes"]})
+
+    async def _snooze(self, request: Request) -> Response:
+        """POST /v1/snooze (issue 44, point 3): the tool asks to run again later. Kept on
+        the attempt's lease; the attempt then ends as a snooze, whatever the tool does
+        next (its output is not committed), when the tool exits."""
+        registration = self._authenticate(request)
+        if registration is None:
+            return _unauthorized()
+        if isinstance(registration, Response):
+            return registration
+        body = await self._read_body(request, SNOOZE_BODY_LIMIT,
+                                     {"error": "body_too_large", "limit": SNOOZE_BODY_LIMIT})
+        if isinstance(body, Response):
+            return body
+        try:
+            asked = parse_snooze(body)
+        except ValueError as exc:
+            return _json({"error": "bad_request", "message": str(exc)}, 400)
+        lease = registration.lease
+        if lease.lost.is_set() or lease.settling or registration.fenced_out:
+            cancelled = lease.lost.is_set() and lease.reason is StopReason.CANCELLED
+            return _json({"reason": GuardRefusal.CANCELLED if cancelled
+                          else GuardRefusal.LEASE_LOST}, 409)
+        if asked.reason is not None and SECRETS.labels_in(asked.reason.encode()):
+            return _json({"error": "secret_in_output", "message": "the reason holds a "
+                          "secret the sidecar knows; say why without it"}, 400)
+        lease.ask_snooze(asked.delay_seconds, asked.reason)
+        log.emit("snooze_asked", **log_fields(lease.job), delay_s=asked.delay_seconds)
+        return _json({"snoozed": True, "delay_seconds": asked.delay_seconds,
+                      "max_snoozes": self.profile.max_snoozes,
+                      "message": "exit now: the job runs again after the delay, this "
+                                 "attempt not spent; its output is not kept"})
 
     async def _progress(self, request: Request) -> Response:
         registration = self._authenticate(request)

@@ -41,6 +41,7 @@ from sidecar.protocol.verdict import (
     Observed,
     Reject,
     Release,
+    Snooze,
     Succeeded,
     decide,
     failure,
@@ -912,6 +913,8 @@ class JobSupervisor:
                          pid=child.pid, reason="more than one line for one request")
                 self.ctx.warm.retire(process, "broken")
                 return ending
+            elif self.lease.snooze is not None:
+                ending = self.lease.snooze  # it asked to run later: its answer is not kept
             else:
                 ending = checked[0]
             if process.retired:
@@ -945,9 +948,10 @@ class JobSupervisor:
                            stderr_tail=stderr_tail)
         seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
                         child.stdout_bytes, usage, stderr_tail,
-                        sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)
+                        sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None,
+                        self.lease.snooze)
         verdict = decide(seen, profile)
-        if isinstance(verdict, Reject | Release | Failure):
+        if isinstance(verdict, Reject | Release | Failure | Snooze):
             return verdict
         return failure(FailureKind.BAD_RESULT, "the warm process ended without answering "
                        "the job's request line", stderr_tail=stderr_tail)
@@ -1034,18 +1038,18 @@ class JobSupervisor:
                 digest = await asyncio.get_running_loop().run_in_executor(
                     None, self._output_digest, child, sandbox) if returned else None
                 return Reject(ending, digest)
-            case Release() | Failure():
+            case Release() | Failure() | Snooze():
                 return verdict
             case Commit():
                 return await self._commit_output(child, sandbox, stderr_tail)
         raise AssertionError(f"no verdict handled: {verdict!r}")
 
-    @staticmethod
-    def _observed(reason: StopReason, child: Child, sandbox: Sandbox, usage: Usage,
+    def _observed(self, reason: StopReason, child: Child, sandbox: Sandbox, usage: Usage,
                   stderr_tail: str | None) -> Observed:
         return Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
                         child.stdout_bytes, usage, stderr_tail,
-                        sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None)
+                        sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None,
+                        self.lease.snooze)
 
     async def _commit_output(self, child: Child, sandbox: Sandbox,
                              stderr_tail: str | None) -> Succeeded | Failure:

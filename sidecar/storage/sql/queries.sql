@@ -415,6 +415,46 @@ WITH requeued AS (
 )
 SELECT id, run_after FROM requeued;
 
+-- name: snooze_job_if_owner
+-- The tool asked to run again in $4 seconds (issue 44, point 3): back to queued with
+-- run_after = now() + $4, the attempt given back (as a release) and snoozes + 1, if this
+-- attempt still owns the job, the job has snoozed fewer than $5 times, and (with a
+-- lifetime cap, $6 seconds from its first claim; NULL: none) it would run again before
+-- that cap, by the database's clock. Journals job_snoozed after the attempt's earlier
+-- events ($8) with $7 plus run_after and snoozes. Returns one row (outcome 'snoozed',
+-- 'snooze_limit' or 'past_lifetime'; run_after and snoozes when snoozed), none when the
+-- attempt does not own the job.
+WITH job AS (
+    SELECT id, snoozes, first_claimed_at
+    FROM tool_jobs
+    WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
+      AND state = 'running' AND lease_until > now()
+    FOR UPDATE
+), verdict AS (
+    SELECT id, CASE
+        WHEN snoozes >= $5::int THEN 'snooze_limit'
+        WHEN $6::float8 IS NOT NULL AND coalesce(first_claimed_at, now())
+             + $6::float8 * interval '1 second' < now() + $4::float8 * interval '1 second'
+            THEN 'past_lifetime'
+        ELSE 'snoozed' END AS outcome
+    FROM job
+), snoozed AS (
+    UPDATE tool_jobs j
+    SET state = 'queued', owner_id = NULL, lease_until = NULL, attempt = j.attempt - 1,
+        run_after = now() + $4::float8 * interval '1 second', snoozes = j.snoozes + 1
+    FROM verdict v
+    WHERE j.id = v.id AND v.outcome = 'snoozed'
+    RETURNING j.id, j.fencing_token, j.run_after, j.snoozes
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, at, details)
+    SELECT s.id, s.fencing_token, e.event, e.at, e.details
+    FROM snoozed s CROSS JOIN LATERAL tool_job_journal_rows(
+        $8::jsonb, 'job_snoozed',
+        $7::jsonb || jsonb_build_object('run_after', s.run_after, 'snoozes', s.snoozes)) e
+    ORDER BY e.n
+)
+SELECT v.outcome, s.run_after, s.snoozes FROM verdict v LEFT JOIN snoozed s ON s.id = v.id;
+
 -- name: release_lease_if_owner
 -- Shutdown: give the job back at once without spending the attempt.
 WITH released AS (
