@@ -204,7 +204,7 @@ def cmd_enqueue(args, settings: Settings) -> int:
     options = enqueue_args.enqueue_options(args.priority, args.run_after, args.expires_in,
                                            args.tag, args.traceparent, args.tracestate,
                                            args.concurrency_key, session=args.session,
-                                           dedupe=args.dedupe)
+                                           dedupe=args.dedupe, interest=args.interest)
     payload, raw = _read_payload(args, settings.max_payload_bytes)
     # None: the profile (MAX_ATTEMPTS) of the sidecar that claims the job decides.
     max_attempts = enqueue_args.check_max_attempts(args.max_attempts)
@@ -381,6 +381,30 @@ def cmd_show(args, settings: Settings) -> int:
     if job is None:
         raise SidecarError(f"no job {job_id}")
     _print_json(job)
+    return 0
+
+
+def cmd_interest(args, settings: Settings) -> int:
+    """Hold (or renew) a caller's interest for ``--ttl`` from now, for shells (issue 44,
+    point 2): run it again before the ttl ends for as long as the calls enqueued with
+    ``--interest KEY`` are wanted; once nobody renews it, they stop. Prints ``{"interest",
+    "generation", "expires_at"}``. ``--release`` lets go of it now and prints each call
+    that stopped. Exit 2 with one line for a bad key or ttl."""
+    key = enqueue_args.enqueue_options(interest=args.key).interest
+    assert key is not None
+    ttl = parsing.parse_duration(args.ttl, "--ttl", 86400.0, positive=True)
+    if not args.release and ttl < 1.0:
+        raise UsageError(f"--ttl {args.ttl}: from 1s to 1d, e.g. 30s")
+
+    async def go():
+        async with open_store(settings, CallerStore) as store:
+            if args.release:
+                return [dict(r) for r in await store.release_interest(key)]
+            row = await store.hold_interest(key, ttl, args.holder)
+            return [{"interest": key, **dict(row)}]
+
+    for row in run_async(settings, go()):
+        _print_json(row)
     return 0
 
 
@@ -1064,6 +1088,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the agent session of the call: a session's calls run one at a "
                         "time, in order, in one warm process that keeps its state "
                         "(PROCESS=warm; docs/callers.md \"Sessions\")")
+    p.add_argument("--interest", metavar="KEY",
+                   help="the caller's interest the call belongs to (held now: sidecar "
+                        "interest KEY): it stops once nobody renews the interest "
+                        "(docs/callers.md \"Interest\")")
     p.add_argument("--dedupe", metavar="POLICY",
                    help="how long the job holds its idempotency key: forever, active "
                         "(until it finishes: the key then frees for a new job) or a window "
@@ -1095,6 +1123,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
     p = add("show", cmd_show, "one job as JSON, with its journal")
     p.add_argument("job_id", metavar="JOB_ID")
+    p = add("interest", cmd_interest, "hold or renew a caller's interest for --ttl (its "
+            "calls stop once nobody renews it), or let go of it")
+    p.add_argument("key", metavar="KEY")
+    p.add_argument("--ttl", default="30s", metavar="DURATION",
+                   help="how long from now it is held (1s to 1d; default 30s)")
+    p.add_argument("--holder", metavar="NAME", help="who holds it, kept for operators")
+    p.add_argument("--release", action="store_true",
+                   help="let go of it now: its unfinished calls stop")
     p = add("sessions", cmd_sessions, "the live agent sessions as JSON lines, newest first")
     p.add_argument("--tool")
     p.add_argument("--limit", type=_int_from(1, LIMIT_MAX), default=50)

@@ -41,7 +41,8 @@ CALLER_PRIVILEGES = {
     ("column", "sidecar_mcp_sessions.last_seen_at", "UPDATE"),
     *(("function", f, "EXECUTE") for f in ("tool_job_enqueue", "sidecar_enqueue",
                                            "tool_job_cancel", "tool_job_expire",
-                                           "tool_job_wait_reasons")),
+                                           "tool_job_wait_reasons", "tool_job_interest_hold",
+                                           "tool_job_interest_lapse")),
 }
 
 # Every privilege granted to one role by name (not through PUBLIC), columns included.

@@ -46,6 +46,8 @@ updating this list):
   as a start.
 - ``queries.sql`` ``set_dedupe_default``: ``ON CONFLICT (tool) DO UPDATE ... WHERE`` the
   policy differs: a skip means the tool's default is already the one written.
+- ``functions/interests.sql`` ``tool_job_interest_hold``: ``ON CONFLICT (interest_key) DO
+  UPDATE``: never skips; it renews the live interest or starts its next generation.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ AUDITED = {
     ("storage/sql/queries.sql", "sample_tool"),
     ("storage/sql/functions/sessions.sql", "?"),  # a session's first call
     ("storage/sql/queries.sql", "set_dedupe_default"),  # the same default already
+    ("storage/sql/functions/interests.sql", "?"),  # an interest held again: updated
 }
 
 

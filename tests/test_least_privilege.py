@@ -36,7 +36,7 @@ pytestmark = pytest.mark.database
 KINDS = ("worker", "scaler", "caller", "web")
 TABLES = ("tool_jobs", "tool_job_events", "tool_job_outbox", "tool_idle_sidecars",
           "tool_flow", "tool_flow_keys", "tool_flow_events", "tool_sweeps", "tool_sessions",
-          "tool_dedupe")
+          "tool_dedupe", "tool_interests")
 
 # Direct writes, each with the roles (besides the owner) that may make it. $1 is an
 # existing job's id. A statement is run only as a role that must be refused it.
@@ -81,6 +81,14 @@ WRITES: dict[str, set[str]] = {
     "UPDATE tool_dedupe SET key_frees_after = NULL": {"worker"},
     "DELETE FROM tool_dedupe": set(),
     "SELECT tool_job_free_key('k')": {"worker"},
+    # callers' interests (migration 029): only through the checked functions
+    "INSERT INTO tool_interests (interest_key, state, expires_at) "
+    "VALUES ('forged', 'live', now() + interval '1 day')": set(),
+    "UPDATE tool_interests SET expires_at = now() + interval '1 year'": set(),
+    "DELETE FROM tool_interests": set(),
+    "SELECT * FROM tool_job_interest_hold('k', interval '30 seconds', NULL)":
+        {"worker", "caller"},
+    "SELECT * FROM tool_job_interest_lapse('k')": {"worker", "caller"},
     **{f"TRUNCATE {table}": set() for table in TABLES},
     "INSERT INTO sidecar_schema_migrations (version, name) VALUES (999, 'x')": set(),
     "DELETE FROM sidecar_schema_repeatables": set(),
@@ -102,7 +110,7 @@ WRITES: dict[str, set[str]] = {
     "SELECT tool_job_wake('pt', 1)": {"worker"},
     "SELECT sidecar_enqueue('pt', '{}')": {"worker", "caller"},
     "SELECT * FROM tool_job_enqueue('pt', '{}', NULL, NULL, NULL, NULL, NULL, NULL, NULL, "
-    "NULL, NULL, NULL, NULL, NULL, NULL, NULL)": {"worker", "caller"},
+    "NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)": {"worker", "caller"},
     "SELECT * FROM tool_job_cancel($1, NULL, NULL)": {"worker", "caller", "web"},
     "SELECT * FROM tool_job_retry($1, NULL, NULL, NULL, NULL)": {"worker", "web"},
     "SELECT * FROM tool_flow_pause('pt', NULL, NULL)": {"worker", "web"},
@@ -121,11 +129,12 @@ READS = {
     "scaler": set(),
     "caller": {"tool_jobs"},
     "web": {"tool_jobs", "tool_job_events", "tool_job_outbox", "tool_flow",
-            "tool_idle_sidecars", "tool_sessions"},
+            "tool_idle_sidecars", "tool_sessions", "tool_interests"},
 }
 
 # The SECURITY DEFINER functions, the only writes the callers and the web view make.
 DEFINERS = {"tool_job_enqueue", "tool_job_wake", "tool_job_cancel", "tool_job_retry",
+            "tool_job_interest_hold", "tool_job_interest_lapse",
             "tool_flow_pause", "tool_flow_resume", "tool_job_demand", "tool_job_expire",
             "tool_job_wait_reasons"}
 
@@ -240,7 +249,8 @@ def test_a_caller_writes_only_through_the_checked_functions(dsn, roles):
                 with pytest.raises(asyncpg.InvalidParameterValueError, match="details"):
                     await own.fetch(
                         "SELECT * FROM tool_job_enqueue('pt', '{}', NULL, NULL, NULL, NULL, "
-                        "NULL, NULL, NULL, NULL, NULL, NULL, $1::jsonb, NULL, NULL, NULL)",
+                        "NULL, NULL, NULL, NULL, NULL, NULL, $1::jsonb, NULL, NULL, NULL, "
+                        "NULL)",
                         '{"by": "' + "x" * 5000 + '"}')
                 with pytest.raises(asyncpg.InvalidParameterValueError, match="by"):
                     await own.fetch("SELECT * FROM tool_job_cancel($1, NULL, $2)",
@@ -517,9 +527,11 @@ def test_a_caller_cannot_lift_the_databases_payload_ceiling(dsn, roles):
             refused = []
             for sql, payload in (
                     ("SELECT * FROM tool_job_enqueue('pt', $1::text::jsonb, NULL, NULL, NULL, "
-                     "NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL)", big),
+                     "NULL, NULL, NULL, NULL, NULL, NULL, 0, NULL, NULL, NULL, NULL, NULL)",
+                     big),
                     ("SELECT * FROM tool_job_enqueue('pt', $1::text::jsonb, NULL, NULL, NULL, "
-                     "NULL, NULL, NULL, NULL, NULL, NULL, 999999999, NULL, NULL, NULL, NULL)",
+                     "NULL, NULL, NULL, NULL, NULL, NULL, 999999999, NULL, NULL, NULL, NULL, "
+                     "NULL)",
                      bomb),
                     ("SELECT sidecar_enqueue('pt', $1::text::jsonb)", big)):
                 await conn.execute("SET sidecar.max_payload_bytes = '0'")

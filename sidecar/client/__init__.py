@@ -193,7 +193,8 @@ def enqueue_options(*, priority: int = 0,
                     tracestate: str | None = None,
                     concurrency_key: str | None = None,
                     session: str | None = None,
-                    dedupe: str | None = None) -> enqueue_args.EnqueueOptions:
+                    dedupe: str | None = None,
+                    interest: str | None = None) -> enqueue_args.EnqueueOptions:
     """The client's options as EnqueueOptions: the one parser of the CLI's options
     (sidecar.protocol.enqueue_args.enqueue_options), errors naming the Python arguments.
     ``run_after`` an aware datetime (not claimed before) or a delay (seconds, a timedelta
@@ -202,7 +203,7 @@ def enqueue_options(*, priority: int = 0,
     it). UsageError for the first that is not allowed."""
     return enqueue_args.enqueue_options(
         priority, run_after, expires_in, tags, traceparent, tracestate, concurrency_key,
-        session=session, dedupe=dedupe, names=enqueue_args.PYTHON_NAMES)
+        session=session, dedupe=dedupe, interest=interest, names=enqueue_args.PYTHON_NAMES)
 
 
 class Client:
@@ -366,6 +367,7 @@ class Client:
                       traceparent: str | None = None, tracestate: str | None = None,
                       concurrency_key: str | None = None,
                       session: str | None = None, dedupe: str | None = None,
+                      interest: str | None = None,
                       connection: asyncpg.Connection | None = None,
                       gateway_tags: bool = False) -> JobRef:
         """Queue one call of ``tool`` with ``payload`` (any JSON value, None is ``{}``; a
@@ -387,6 +389,8 @@ class Client:
         long the job holds ``idempotency_key``: ``"forever"``, ``"active"`` (until it
         finishes; the key then frees for a new job, the old row kept) or a window such as
         ``"24h"``; None: the tool's DEDUPE (docs/callers.md "Idempotency keys").
+        ``interest``: the key of an interest held now (``Client.interest``): the call
+        belongs to it and stops when it lapses (docs/callers.md "Interest").
 
         ``connection``: your own asyncpg connection, in a transaction you opened: the job
         is written in it and exists only if that transaction commits; the wake-up of an
@@ -407,7 +411,7 @@ class Client:
                                   expires_in=expires_in, tags=tags, traceparent=traceparent,
                                   tracestate=tracestate, concurrency_key=concurrency_key,
                                   session=session if session is not None else self.session,
-                                  dedupe=dedupe)
+                                  dedupe=dedupe, interest=interest)
         enqueue_args.check_max_attempts(max_attempts, "max_attempts")
         if idempotency_key is not None:
             check_producer_key(enqueue_args.check_idempotency_key(idempotency_key,
@@ -420,6 +424,43 @@ class Client:
         job_id, created = await store.enqueue(tool, text, idempotency_key, max_attempts,
                                               {"by": ENQUEUED_BY}, options, conn=connection)
         return JobRef(uuid.UUID(str(job_id)), bool(created))
+
+    # --- interest (issue 44, point 2) ---------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def interest(self, key: str, ttl: float | dt.timedelta = 30.0, *,
+                       holder: str | None = None) -> AsyncIterator[str]:
+        """Hold the interest ``key`` (1-256 printable characters) while the block runs:
+        held for ``ttl`` seconds (1 s to 1 day) and renewed every third of it by a task of
+        this client; calls enqueued with ``interest=key`` belong to it. Leaving the block
+        lets it go: its calls still unfinished stop (queued ones end expired, running ones
+        are cancelled with kind ``abandoned_by_caller``), as they do when this process
+        dies and the renewals stop (then within ``ttl`` plus a poll period). Yields
+        ``key``. UsageError for a bad key, ttl or holder (docs/callers.md "Interest")."""
+        store = self._opened()
+        seconds = ttl.total_seconds() if isinstance(ttl, dt.timedelta) else float(ttl)
+        if not isinstance(key, str):
+            raise UsageError("interest must be a string, e.g. 'agent-run-42'")
+        if not 1.0 <= seconds <= 86400.0:
+            raise UsageError(f"ttl {seconds:g}: from 1 second to 1 day, e.g. 30")
+        await store.hold_interest(key, seconds, holder)
+
+        async def renew() -> None:
+            while True:
+                await asyncio.sleep(seconds / 3)
+                try:
+                    await store.hold_interest(key, seconds, holder)
+                except (asyncpg.PostgresError, OSError, TimeoutError):
+                    continue  # the next renewal tries again; the ttl is the slack
+
+        renewer = asyncio.create_task(renew(), name=f"interest {key[:40]}")
+        try:
+            yield key
+        finally:
+            renewer.cancel()
+            await asyncio.gather(renewer, return_exceptions=True)
+            with contextlib.suppress(asyncpg.PostgresError, OSError, TimeoutError):
+                await store.release_interest(key)
 
     # --- waiting ----------------------------------------------------------------
 
@@ -488,7 +529,7 @@ class Client:
                    tags: Mapping[str, str] | None = None, max_attempts: int | None = None,
                    traceparent: str | None = None, tracestate: str | None = None,
                    concurrency_key: str | None = None, session: str | None = None,
-                   dedupe: str | None = None) -> Any:
+                   dedupe: str | None = None, interest: str | None = None) -> Any:
         """Enqueue ``tool`` with ``payload`` (options as ``enqueue``'s; no ``connection``:
         a job in an open transaction could not run before it commits) and wait for it;
         return its result (the JSON the tool printed, decoded).
@@ -504,7 +545,7 @@ class Client:
                                  expires_in=expires_in, tags=tags, max_attempts=max_attempts,
                                  traceparent=traceparent, tracestate=tracestate,
                                  concurrency_key=concurrency_key, session=session,
-                                 dedupe=dedupe)
+                                 dedupe=dedupe, interest=interest)
         end = await self.wait(ref, timeout=seconds)
         assert isinstance(end, JobEnd)
         if not end.succeeded:

@@ -56,7 +56,8 @@ class EnqueueOptions:
     ``session``: the agent session the call belongs to (issue 43: its calls run one at a
     time, in order, in one warm process; docs/callers.md "Sessions"); ``dedupe``: how long
     the job holds its idempotency key (forever, active or a window; None: the tool's
-    default, issue 44). The defaults change nothing."""
+    default, issue 44); ``interest``: the caller's interest the job belongs to (held now;
+    its lapse stops the job, issue 44). The defaults change nothing."""
 
     priority: int = 0
     run_in: dt.timedelta | None = None
@@ -69,6 +70,7 @@ class EnqueueOptions:
     concurrency_key: str | None = None
     session: str | None = None
     dedupe: str | None = None
+    interest: str | None = None
 
 
 @dataclass(frozen=True)
@@ -87,14 +89,15 @@ class OptionNames:
     max_attempts: str
     session: str
     dedupe: str
+    interest: str
 
 
 CLI_NAMES = OptionNames("--priority", "--run-after", "--expires-in", "--tag", "--traceparent",
                         "--tracestate", "--concurrency-key", "--idempotency-key",
-                        "--max-attempts", "--session", "--dedupe")
+                        "--max-attempts", "--session", "--dedupe", "--interest")
 PYTHON_NAMES = OptionNames("priority", "run_after", "expires_in", "tags", "traceparent",
                            "tracestate", "concurrency_key", "idempotency_key", "max_attempts",
-                           "session", "dedupe")
+                           "session", "dedupe", "interest")
 
 
 def parse_duration(text: str, what: str) -> dt.timedelta:
@@ -328,6 +331,7 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
                     tracestate: str | None = None,
                     concurrency_key: str | None = None, *,
                     session: str | None = None, dedupe: str | None = None,
+                    interest: str | None = None,
                     names: OptionNames = CLI_NAMES) -> EnqueueOptions:
     """The one parser of the enqueue options, for the command line (text as given, None
     when absent) and the client (Python values; ``names=PYTHON_NAMES``) alike.
@@ -338,7 +342,8 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
     (same forms) or an aware datetime (no attempt starts after it); ``tags`` ``KEY=VALUE``
     strings or a mapping; ``traceparent``/``tracestate`` W3C trace context (a tracestate
     needs a traceparent); ``concurrency_key`` and ``session`` 1-256 printable
-    characters each; ``dedupe`` a policy (dedupe_window_seconds). Returns
+    characters each; ``dedupe`` a policy (dedupe_window_seconds); ``interest`` 1-256
+    printable characters. Returns
     EnqueueOptions; UsageError, naming the option as ``names`` spells it, for the first
     value that is not allowed."""
     when = _moment(run_after, names.run_after, False) if run_after is not None else None
@@ -361,6 +366,8 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
         raise UsageError(f"{names.session} must be a string, e.g. 'agent-run-42'")
     if dedupe is not None:
         dedupe_window_seconds(dedupe, names.dedupe)  # refused here as the database would
+    if interest is not None and not isinstance(interest, str):
+        raise UsageError(f"{names.interest} must be a string, e.g. 'agent-run-42'")
     return EnqueueOptions(
         priority=check_priority(priority, names.priority) if priority is not None else 0,
         run_in=when if isinstance(when, dt.timedelta) else None,
@@ -376,4 +383,6 @@ def enqueue_options(priority: int | None = None, run_after: Moment | None = None
                          if concurrency_key is not None else None),
         session=(check_concurrency_key(session, names.session, "agent-run-42")
                  if session is not None else None),
-        dedupe=dedupe)
+        dedupe=dedupe,
+        interest=(check_concurrency_key(interest, names.interest, "agent-run-42")
+                  if interest is not None else None))

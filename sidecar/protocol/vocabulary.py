@@ -104,6 +104,10 @@ class FailureKind(StrEnum):
     # The tool asked to run later (a snooze, issue 44) more often than the profile's
     # MAX_SNOOZES allows.
     SNOOZE_LIMIT = "snooze_limit"
+    # Written by SQL (tool_job_interest_lapse): the caller's interest in a running call
+    # lapsed or was let go (issue 44, point 2); the call was cancelled through the fenced
+    # path.
+    ABANDONED_BY_CALLER = "abandoned_by_caller"
 
 
 # Whether another attempt may help (P16): a transient fault is retried with backoff while
@@ -139,6 +143,7 @@ RETRYABLE: dict[FailureKind, bool] = {
     FailureKind.SESSION_UNSUPPORTED: False,
     # Not retried: a tool that keeps asking for later would ask again.
     FailureKind.SNOOZE_LIMIT: False,
+    FailureKind.ABANDONED_BY_CALLER: False,
 }
 
 

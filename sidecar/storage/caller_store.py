@@ -54,7 +54,7 @@ class CallerStore(JobAccess):
         args = (tool, db.encode_json(value), key, o.priority, o.run_after, o.run_in,
                 o.expires_in, db.encode_json(o.tags), max_attempts, o.traceparent,
                 o.tracestate, max_payload_bytes, db.encode_json(details), o.expires_at,
-                o.concurrency_key, o.session, o.dedupe)
+                o.concurrency_key, o.session, o.dedupe, o.interest)
         try:
             if conn is None:
                 row = await self.db.fetchrow(Q["enqueue_job"], *args, timeout=self.timeout)
@@ -73,6 +73,27 @@ class CallerStore(JobAccess):
             raise UsageError(f"the payload cannot be stored as jsonb: {message}"
                              + (f"; {detail}" if detail else "")) from None
         return row["id"], row["created"]
+
+    # --- interest leases (issue 44, point 2; migration 029) ----------------------------
+
+    async def hold_interest(self, key: str, ttl_seconds: float,
+                            holder: str | None) -> asyncpg.Record:
+        """Hold or renew the interest ``key`` for ``ttl_seconds`` (1 s to 1 day) from now
+        by the database's clock; ``generation`` and ``expires_at``. UsageError for a bad key,
+        ttl or holder (the database's 22023, naming the field)."""
+        try:
+            return await self.db.fetchrow(Q["hold_interest"], key, ttl_seconds, holder,
+                                          timeout=self.timeout)
+        except asyncpg.InvalidParameterValueError as exc:
+            raise UsageError(exc.args[0] if exc.args else str(exc)) from None
+
+    async def release_interest(self, key: str) -> list[asyncpg.Record]:
+        """Let go of the interest ``key`` now: its unfinished calls stop (queued ones end
+        expired, running ones are cancelled, kind abandoned_by_caller). The calls ended."""
+        try:
+            return await self.db.fetch(Q["release_interest"], key, timeout=self.timeout)
+        except asyncpg.InvalidParameterValueError as exc:
+            raise UsageError(exc.args[0] if exc.args else str(exc)) from None
 
     async def unfinished_jobs_tagged(self, tags: dict[str, str], up_to: int) -> int:
         """How many queued or running jobs carry all of ``tags``, counted up to ``up_to``

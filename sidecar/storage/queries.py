@@ -84,7 +84,8 @@ def migrations() -> list[Migration]:
 # tool_job_expiry_refunded), flow before claimable (tool_flow_occupied), claimable before
 # demand; within a file, a function before the SQL ones calling it.
 REPEATABLE_ORDER = ("journal", "retention", "wake", "expiry", "waiting", "dedupe", "enqueue",
-                    "flow", "claimable", "claim", "demand", "cancel", "actions", "sessions")
+                    "flow", "claimable", "claim", "demand", "cancel", "actions", "sessions",
+                    "interests")
 
 
 @dataclass(frozen=True)

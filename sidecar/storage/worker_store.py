@@ -130,6 +130,13 @@ class WorkerStore(Pruning):
         return await self.db.fetchval(Q["session_call_queued"], tool, key,
                                       timeout=self.timeout)
 
+    async def lapse_interests(self) -> list[asyncpg.Record]:
+        """Every caller's interest whose time ran out lapses (issue 44, point 2), of any
+        tool: its queued calls end expired, its running ones are cancelled (kind
+        abandoned_by_caller; their owners told at once). ``job_id, tool, previous_state,
+        interest_key`` of each call ended."""
+        return await self.db.fetch(Q["lapse_interests"], timeout=self.timeout)
+
     async def lose_expired_sessions(self, tool: str) -> list[asyncpg.Record]:
         """Live sessions of ``tool`` whose lease ran out -> lost (their holder is gone);
         ``session_key, owner_id, generation`` of each."""

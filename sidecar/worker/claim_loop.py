@@ -546,7 +546,8 @@ class Worker:
         """The fleet's sweep, on this sidecar's turn: expired leases of the tool with no
         attempt left end failed (P16); jobs of any tool whose expiry passed before an
         attempt started end ``expired`` (issue 26; a job whose tool has no sidecar running
-        expires too); live sessions of a warm tool whose lease ran out end lost (issue 43).
+        expires too); live sessions of a warm tool whose lease ran out end lost (issue 43);
+        callers' interests that ran out lapse and their calls stop (issue 44, any tool).
         Each logged. Raises what the store raises."""
         tool = self.profile.tool
         for row in await store.fail_exhausted_leases(tool):
@@ -564,6 +565,10 @@ class Worker:
                          generation=row["generation"], state="lost",
                          reason=f"its lease ran out (held by {row['owner_id']})",
                          written=True)
+        # Calls nobody waits for any more (issue 44): of any tool, as expiries are.
+        for row in await store.lapse_interests():
+            log.emit("interest_lapsed", "warning", job_id=str(row["job_id"]), tool=row["tool"],
+                     interest=row["interest_key"], previous_state=row["previous_state"])
 
     async def _settle_claims(self, store: WorkerStore) -> None:
         """Case F16: a claim whose answer was lost may have committed, leaving a job running

@@ -70,14 +70,27 @@ SELECT coalesce(max(version), 0) FROM sidecar_schema_migrations;
 -- $11 tracestate, $12 payload limit (NULL: checked by the caller), $13 journal details,
 -- $14 an expiry time instead of $7 (turned into an interval by the database's clock),
 -- $15 concurrency key (NULL: none; migration 016), $16 session key (NULL: none;
--- migration 026), $17 dedupe policy (NULL: the tool's default; migration 027).
+-- migration 026), $17 dedupe policy (NULL: the tool's default; migration 027), $18
+-- the caller's interest (NULL: none; migration 029).
 -- The JSON parameters ($2, $8, $13) are text cast here, so the statement runs the same on
 -- the sidecar's connections and on a caller's own (sidecar.client), whatever jsonb codec
 -- that one has.
 SELECT enqueued_id AS id, created
 FROM tool_job_enqueue($1, $2::text::jsonb, $3, $4, $5, $6,
                       coalesce($7::interval, $14::timestamptz - now()), $8::text::jsonb,
-                      $9, $10, $11, $12, $13::text::jsonb, $15, $16, $17);
+                      $9, $10, $11, $12, $13::text::jsonb, $15, $16, $17, $18);
+
+-- name: hold_interest
+-- Hold or renew the caller's interest $1 for $2 seconds from now, by $3 (migration 029).
+SELECT generation, expires_at FROM tool_job_interest_hold($1, $2::float8 * interval '1 second', $3);
+
+-- name: release_interest
+-- Let go of the interest $1 now: its unfinished calls stop (tool_job_interest_lapse).
+SELECT job_id, tool, previous_state FROM tool_job_interest_lapse($1);
+
+-- name: lapse_interests
+-- The sweep: every interest whose time ran out lapses and its unfinished calls stop.
+SELECT job_id, tool, previous_state, interest_key FROM tool_job_interest_lapse(NULL);
 
 -- name: set_dedupe_default
 -- A sidecar's profile's DEDUPE as its tool's default dedupe policy (migration 027): $2

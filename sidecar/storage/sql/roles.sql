@@ -55,8 +55,8 @@ SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_sweeps, '
               '%I.tool_sessions TO %I', current_schema(), current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
-              '%I.sidecar_schema_repeatables TO %I', current_schema(), current_schema(),
-              $1::text)
+              '%I.sidecar_schema_repeatables, %I.tool_interests TO %I', current_schema(),
+              current_schema(), current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT USAGE ON SEQUENCE %s, %s, %I.tool_jobs_session_seq TO %I',
               pg_get_serial_sequence(format('%I.tool_job_events', current_schema()), 'id'),
@@ -130,7 +130,8 @@ UNION ALL
  FROM pg_proc p
  WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
    AND p.proname IN ('tool_job_enqueue', 'sidecar_enqueue', 'tool_job_cancel',
-                     'tool_job_expire', 'tool_job_wait_reasons')
+                     'tool_job_expire', 'tool_job_wait_reasons', 'tool_job_interest_hold',
+                     'tool_job_interest_lapse')
  ORDER BY p.oid::regprocedure::text);
 
 -- name: web_grants
@@ -148,10 +149,10 @@ SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
               '%I.sidecar_schema_repeatables, %I.tool_jobs, %I.tool_job_events, '
-              '%I.tool_job_outbox, %I.tool_flow, %I.tool_idle_sidecars, %I.tool_sessions '
-              'TO %I', current_schema(), current_schema(), current_schema(),
+              '%I.tool_job_outbox, %I.tool_flow, %I.tool_idle_sidecars, %I.tool_sessions, '
+              '%I.tool_interests TO %I', current_schema(), current_schema(),
               current_schema(), current_schema(), current_schema(), current_schema(),
-              current_schema(), $1::text)
+              current_schema(), current_schema(), current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.sidecar_web_sessions, '
               '%I.sidecar_web_login_failures TO %I', current_schema(), current_schema(),

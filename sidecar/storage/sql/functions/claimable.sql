@@ -21,6 +21,8 @@ CREATE OR REPLACE FUNCTION tool_job_queued_due(j tool_jobs) RETURNS boolean
 LANGUAGE sql STABLE AS $$
     SELECT j.state = 'queued' AND j.run_after <= now()
        AND (j.expires_at IS NULL OR j.expires_at > now())
+       -- a call of an interest nobody renewed is not started (migration 029)
+       AND (j.interest_until IS NULL OR j.interest_until > now())
 $$;
 
 -- Whether job j has an attempt left (P16): fewer attempts than its max_attempts (or, for a

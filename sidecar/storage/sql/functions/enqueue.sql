@@ -53,7 +53,9 @@ $$;
 -- p_dedupe (the last argument since migration 027): how long the job holds its key
 -- (tool_job_dedupe_window: forever, active or a window such as 24h); NULL is the tool's
 -- default (tool_dedupe, its sidecars' DEDUPE), forever when it has none. A key whose job
--- lets it go (tool_job_free_key) is freed and taken by the new job. The
+-- lets it go (tool_job_free_key) is freed and taken by the new job. p_interest_key (the
+-- last argument since migration 029): the caller's interest the job belongs to, which
+-- must be held now (tool_job_interest_hold); its lapse stops the job. The
 -- id is time-ordered (tool_job_new_id). Inserted, journaled (job_enqueued) and, when due
 -- now, one idle sidecar of the tool woken (tool_job_wake, a NOTIFY sent at commit): a
 -- rolled-back transaction leaves none of it. p_details (the journal row's details): a
@@ -73,7 +75,7 @@ CREATE OR REPLACE FUNCTION tool_job_enqueue(
     p_run_after timestamptz, p_run_in interval, p_expires_in interval, p_tags jsonb,
     p_max_attempts integer, p_traceparent text, p_tracestate text,
     p_max_payload_bytes bigint, p_details jsonb, p_concurrency_key text,
-    p_session_key text, p_dedupe text)
+    p_session_key text, p_dedupe text, p_interest_key text)
 RETURNS TABLE (enqueued_id uuid, created boolean)
 SECURITY DEFINER SET search_path FROM CURRENT
 LANGUAGE plpgsql VOLATILE AS $$
@@ -95,6 +97,7 @@ DECLARE
     v_horizon constant interval := interval '366 days';
     v_frees_after interval;
     v_held boolean;
+    v_interest_until timestamptz;
 BEGIN
     IF p_tool IS NULL OR p_tool !~ '^[A-Za-z0-9][A-Za-z0-9._-]{0,62}$' THEN
         RAISE EXCEPTION 'tool %: use 1-63 letters, digits, ''.'', ''_'' or ''-'', starting '
@@ -146,6 +149,16 @@ BEGIN
             OR p_session_key ~ '[\x01-\x1f\x7f-\x9f]') THEN
         RAISE EXCEPTION 'session must be 1-256 printable characters, e.g. agent-run-42 '
                         '(NULL: no session)' USING ERRCODE = '22023';
+    END IF;
+    IF p_interest_key IS NOT NULL THEN
+        PERFORM tool_job_interest_check_key(p_interest_key);
+        SELECT i.expires_at INTO v_interest_until FROM tool_interests i
+        WHERE i.interest_key = p_interest_key AND i.state = 'live' AND i.expires_at > now();
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'interest %: not held now (never, or it lapsed); hold it first '
+                            '(Client.interest, sidecar interest, tool_job_interest_hold)',
+                            quote_literal(p_interest_key) USING ERRCODE = '22023';
+        END IF;
     END IF;
     IF p_dedupe IS NULL THEN
         SELECT d.key_frees_after INTO v_frees_after FROM tool_dedupe d WHERE d.tool = p_tool;
@@ -246,10 +259,11 @@ BEGIN
     FOR v_try IN 1..3 LOOP
         INSERT INTO tool_jobs (id, tool, idempotency_key, payload, max_attempts, priority,
                                run_after, expires_at, tags, traceparent, tracestate,
-                               concurrency_key, session_key, key_frees_after)
+                               concurrency_key, session_key, key_frees_after, interest_key,
+                               interest_until)
         VALUES (v_id, p_tool, v_key, p_payload, p_max_attempts, v_priority, v_due, v_expiry,
                 v_tags, p_traceparent, p_tracestate, coalesce(p_concurrency_key, ''),
-                p_session_key, v_frees_after)
+                p_session_key, v_frees_after, p_interest_key, v_interest_until)
         ON CONFLICT (idempotency_key) WHERE key_held DO NOTHING;
         IF FOUND THEN
             -- P23: the payload's sha256 and size as the tool will receive it
@@ -266,7 +280,8 @@ BEGIN
                            'traceparent', p_traceparent, 'tracestate', p_tracestate,
                            'concurrency_key', p_concurrency_key,
                            'session_key', p_session_key,
-                           'key_frees_after_s', extract(epoch FROM v_frees_after))));
+                           'key_frees_after_s', extract(epoch FROM v_frees_after),
+                           'interest', p_interest_key)));
             IF v_due <= now() THEN
                 PERFORM tool_job_wake(p_tool, 1);
             END IF;
@@ -315,7 +330,7 @@ CREATE OR REPLACE FUNCTION sidecar_enqueue(
     tags jsonb DEFAULT NULL, max_attempts integer DEFAULT NULL,
     traceparent text DEFAULT NULL, tracestate text DEFAULT NULL,
     concurrency_key text DEFAULT NULL, session_key text DEFAULT NULL,
-    dedupe text DEFAULT NULL)
+    dedupe text DEFAULT NULL, interest text DEFAULT NULL)
 RETURNS uuid
 SET search_path FROM CURRENT
 LANGUAGE sql VOLATILE AS $$
@@ -323,11 +338,11 @@ LANGUAGE sql VOLATILE AS $$
         $1, $2, $3, $4, $5, NULL, $6, $7, $8, $9, $10,
         coalesce(nullif(current_setting('sidecar.max_payload_bytes', true), '')::bigint,
                  8388608),
-        '{"by": "sidecar_enqueue"}'::jsonb, $11, $12, $13) e
+        '{"by": "sidecar_enqueue"}'::jsonb, $11, $12, $13, $14) e
 $$;
 
 REVOKE EXECUTE ON FUNCTION tool_job_enqueue(text, jsonb, text, integer, timestamptz,
-    interval, interval, jsonb, integer, text, text, bigint, jsonb, text, text, text)
+    interval, interval, jsonb, integer, text, text, bigint, jsonb, text, text, text, text)
     FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION sidecar_enqueue(text, jsonb, text, integer, timestamptz,
-    interval, jsonb, integer, text, text, text, text, text) FROM PUBLIC;
+    interval, jsonb, integer, text, text, text, text, text, text) FROM PUBLIC;
