@@ -471,6 +471,38 @@ def _flow_line(row) -> str:
     return "  ".join(parts)
 
 
+def cmd_approve(args, settings: Settings) -> int:
+    """Answer the approval request a job's tool waits on (issue 44, point 1): approve, or
+    ``--deny``. The answer names the attempt and fencing token of the request open now
+    (or ``--attempt``/``--token``). Prints ``{"id", "outcome"}``; exit 0 when the answer
+    was taken, 5 when it was refused (no request, already answered, expired, or the
+    attempt that asked no longer owns the job; journaled either way)."""
+    job_id = _job_id(args.job_id)
+    if (args.attempt is None) != (args.token is None):
+        raise UsageError("give both --attempt and --token, or neither (the open request's)")
+
+    async def go():
+        async with open_store(settings, CallerStore) as store:
+            attempt, token, request = args.attempt, args.token, None
+            if attempt is None:
+                request = await store.open_approval(job_id)
+                if request is None:
+                    return None, "no_request"
+                attempt, token = request["attempt"], request["fencing_token"]
+            outcome = await store.answer_approval(
+                job_id, attempt, token, not args.deny, args.reason,
+                _operator("approve"))
+            return request, outcome
+
+    request, outcome = run_async(settings, go())
+    out: dict[str, Any] = {"id": str(job_id), "outcome": outcome}
+    if request is not None:
+        out.update(action=request["action"], summary=request["summary"],
+                   attempt=request["attempt"], fencing_token=request["fencing_token"])
+    _print_json(out)
+    return 0 if outcome in ("approved", "denied") else 5
+
+
 def cmd_cancel(args, settings: Settings) -> int:
     if (args.job_id is None) == (not args.tag):
         raise UsageError("give one JOB_ID, or --tag KEY=VALUE (repeatable) for every queued "
@@ -1123,6 +1155,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("command", nargs=argparse.REMAINDER, metavar="-- COMMAND [ARG...]")
     p = add("show", cmd_show, "one job as JSON, with its journal")
     p.add_argument("job_id", metavar="JOB_ID")
+    p = add("approve", cmd_approve, "answer the approval request a job's tool waits on "
+            "(exit 5 when the answer is refused)")
+    p.add_argument("job_id", metavar="JOB_ID")
+    p.add_argument("--deny", action="store_true", help="deny it: the job fails denied")
+    p.add_argument("--reason", metavar="TEXT", help="why, journaled and shown to the tool")
+    p.add_argument("--attempt", type=int, metavar="N",
+                   help="the attempt the answer is for (default: the open request's)")
+    p.add_argument("--token", type=int, metavar="N",
+                   help="the fencing token the answer is for (with --attempt)")
     p = add("interest", cmd_interest, "hold or renew a caller's interest for --ttl (its "
             "calls stop once nobody renews it), or let go of it")
     p.add_argument("key", metavar="KEY")

@@ -36,13 +36,15 @@ CALLER_PRIVILEGES = {
     ("table", "sidecar_schema_migrations", "SELECT"),
     ("table", "sidecar_schema_repeatables", "SELECT"),
     ("table", "tool_jobs", "SELECT"),
+    ("table", "tool_approvals", "SELECT"),  # the open request an answer names (issue 44)
     # the MCP gateway's sessions, shared by its replicas (issue 41, point 15)
     *(("table", "sidecar_mcp_sessions", p) for p in ("SELECT", "INSERT", "DELETE")),
     ("column", "sidecar_mcp_sessions.last_seen_at", "UPDATE"),
     *(("function", f, "EXECUTE") for f in ("tool_job_enqueue", "sidecar_enqueue",
                                            "tool_job_cancel", "tool_job_expire",
                                            "tool_job_wait_reasons", "tool_job_interest_hold",
-                                           "tool_job_interest_lapse")),
+                                           "tool_job_interest_lapse",
+                                           "tool_job_approval_answer")),
 }
 
 # Every privilege granted to one role by name (not through PUBLIC), columns included.

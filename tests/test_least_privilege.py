@@ -36,7 +36,7 @@ pytestmark = pytest.mark.database
 KINDS = ("worker", "scaler", "caller", "web")
 TABLES = ("tool_jobs", "tool_job_events", "tool_job_outbox", "tool_idle_sidecars",
           "tool_flow", "tool_flow_keys", "tool_flow_events", "tool_sweeps", "tool_sessions",
-          "tool_dedupe", "tool_interests")
+          "tool_dedupe", "tool_interests", "tool_approvals")
 
 # Direct writes, each with the roles (besides the owner) that may make it. $1 is an
 # existing job's id. A statement is run only as a role that must be refused it.
@@ -89,6 +89,11 @@ WRITES: dict[str, set[str]] = {
     "SELECT * FROM tool_job_interest_hold('k', interval '30 seconds', NULL)":
         {"worker", "caller"},
     "SELECT * FROM tool_job_interest_lapse('k')": {"worker", "caller"},
+    # approvals (migration 030): an answer only through the function that binds it to the
+    # attempt that asked
+    "UPDATE tool_approvals SET state = 'approved'": {"worker"},
+    "DELETE FROM tool_approvals": {"worker"},
+    "SELECT tool_job_approval_answer($1, 1, 1, true, NULL, 'me')": {"worker", "caller"},
     **{f"TRUNCATE {table}": set() for table in TABLES},
     "INSERT INTO sidecar_schema_migrations (version, name) VALUES (999, 'x')": set(),
     "DELETE FROM sidecar_schema_repeatables": set(),
@@ -127,14 +132,14 @@ WRITES: dict[str, set[str]] = {
 READS = {
     "worker": set(TABLES),
     "scaler": set(),
-    "caller": {"tool_jobs"},
+    "caller": {"tool_jobs", "tool_approvals"},
     "web": {"tool_jobs", "tool_job_events", "tool_job_outbox", "tool_flow",
-            "tool_idle_sidecars", "tool_sessions", "tool_interests"},
+            "tool_idle_sidecars", "tool_sessions", "tool_interests", "tool_approvals"},
 }
 
 # The SECURITY DEFINER functions, the only writes the callers and the web view make.
 DEFINERS = {"tool_job_enqueue", "tool_job_wake", "tool_job_cancel", "tool_job_retry",
-            "tool_job_interest_hold", "tool_job_interest_lapse",
+            "tool_job_interest_hold", "tool_job_interest_lapse", "tool_job_approval_answer",
             "tool_flow_pause", "tool_flow_resume", "tool_job_demand", "tool_job_expire",
             "tool_job_wait_reasons"}
 

@@ -19,7 +19,8 @@ from kit import base_env, cli, enqueue, job_row, query, run, scalar
 WORKER_PRIVILEGES = {
     ("schema", "public", "USAGE"),
     *(("table", t, p) for t in ("tool_jobs", "tool_job_outbox", "tool_idle_sidecars",
-                                "tool_flow_keys", "tool_sweeps", "tool_sessions")
+                                "tool_flow_keys", "tool_sweeps", "tool_sessions",
+                                "tool_approvals")
       for p in ("SELECT", "INSERT", "UPDATE", "DELETE")),
     # the journals are appended and pruned, never rewritten (issue 41, point 2)
     *(("table", t, p) for t in ("tool_job_events", "tool_flow_events")
@@ -47,6 +48,7 @@ WORKER_PRIVILEGES = {
     ("function", "tool_job_interest_check_key", "EXECUTE"),
     ("function", "tool_job_interest_hold", "EXECUTE"),
     ("function", "tool_job_interest_lapse", "EXECUTE"),
+    ("function", "tool_job_approval_answer", "EXECUTE"),
     ("function", "tool_job_keyed_flow", "EXECUTE"),
     ("function", "tool_job_slot_freed", "EXECUTE"),
     ("function", "tool_job_claim_flow", "EXECUTE"),

@@ -607,6 +607,29 @@ class Client:
                                       by[:200] if by else None)
         return await store.cancel(_job_id(job_id), by=by[:200] if by else None)
 
+    async def approve(self, job_id: JobId, *, approve: bool = True, reason: str | None = None,
+                      attempt: int | None = None, token: int | None = None,
+                      by: str = "sidecar.client") -> str:
+        """Answer the approval request a tool of job ``job_id`` is waiting on (issue 44,
+        point 1): approve it, or with ``approve=False`` deny it (the job then fails
+        ``denied``), with ``reason`` (1-500 printable characters) and ``by`` (who answers,
+        1-256). The answer names the attempt and fencing token it answers: ``attempt`` and
+        ``token``, or when not given those of the request open now. Returns ``approved``
+        or ``denied``; for a refusal, journaled on the job, the reason: ``no_request``,
+        ``already_answered``, ``expired`` or ``stale_attempt`` (the attempt that asked no
+        longer owns the job). UsageError for bad input."""
+        store = self._opened()
+        job = _job_id(job_id)
+        if (attempt is None) != (token is None):
+            raise UsageError("approve: give both attempt and token, or neither (the open "
+                             "request's)")
+        if attempt is None:
+            request = await store.open_approval(job)
+            if request is None:
+                return "no_request"
+            attempt, token = request["attempt"], request["fencing_token"]
+        return await store.answer_approval(job, attempt, token, bool(approve), reason, by)
+
     async def jobs(self, *, tags: Mapping[str, str] | None = None, state: str | None = None,
                    tool: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
         """The newest jobs first (at most ``limit``, 1-1000), filtered by ``state``,

@@ -84,6 +84,14 @@ LEASES_HELD = Gauge("sidecar_leases_held", "Leases this sidecar holds now.", _TP
 LEASES_UNKNOWN = Gauge("sidecar_leases_ownership_unknown",
                        "Leases this sidecar holds whose ownership is unknown now: the "
                        "database has not confirmed them since a renewal failed (P14b).", _TP)
+APPROVALS_WAITING = Gauge("sidecar_approvals_waiting",
+                          "Tool calls of this sidecar waiting for a person's yes now "
+                          "(POST /v1/approval, issue 44).", _TP)
+APPROVAL_ANSWER_SECONDS = Histogram(
+    "sidecar_approval_answer_seconds",
+    "Seconds from a tool's approval request to its answer, by outcome (approved, denied, "
+    "expired).", (*_TP, "outcome"),
+    buckets=(1, 5, 15, 30, 60, 120, 300, 900, 1800, 3600, 14400, 86400))
 SESSIONS_HELD = Gauge("sidecar_sessions_held",
                       "Agent sessions this sidecar holds now, each with its warm process "
                       "(issue 43), read at each scrape.", _TP)

@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from sidecar.protocol import clock
-from sidecar.protocol.verdict import Snooze
+from sidecar.protocol.verdict import Failure, Snooze
 from sidecar.protocol.vocabulary import GuardRefusal, StopReason
 
 if TYPE_CHECKING:
@@ -94,6 +94,7 @@ class Lease:
         self._evidence: dict[str, Any] | None = None
         self._request_id: str | None = None
         self._snooze: Snooze | None = None
+        self._refused: Failure | None = None
         self._unjournaled: list[tuple[str, dict[str, Any]]] = []
 
     # --- reading ----------------------------------------------------------------------
@@ -182,6 +183,12 @@ class Lease:
         return self._snooze
 
     @property
+    def refused(self) -> Failure | None:
+        """How the attempt fails because a person denied its step or nobody answered in
+        time (issue 44); None otherwise."""
+        return self._refused
+
+    @property
     def unjournaled(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The (event, details) kept for the journal, oldest first."""
         return tuple(self._unjournaled)
@@ -243,6 +250,11 @@ class Lease:
         """The tool asked to run again in ``delay_seconds`` (POST /v1/snooze): the attempt
         ends as a Snooze instead of committing its output (sidecar.protocol.verdict)."""
         self._snooze = Snooze(delay_seconds, reason, "guard")
+
+    def refuse_step(self, failure: Failure) -> None:
+        """The approval the tool asked for was denied or expired: the attempt ends as
+        ``failure`` whatever the tool does next (sidecar.protocol.verdict)."""
+        self._refused = failure
 
     def keep_for_journal(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         """Keep ``events`` ((event, details), in order) until the database answers."""

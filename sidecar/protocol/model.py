@@ -206,6 +206,8 @@ class LeaseProfile:
     max_snoozes: int = 100
     snooze_exit_code: int = 0
     snooze_seconds: float = 60.0
+    # Approvals (issue 44): how long a tool's POST /v1/approval waits for a person (s).
+    approval_wait_seconds: float = 300.0
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:

@@ -14,6 +14,7 @@ commit.
 
 from __future__ import annotations
 
+import re
 import signal
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,6 +80,60 @@ def parse_snooze(body: bytes) -> Snooze:
     return Snooze(float(delay), reason, "guard")
 
 
+APPROVAL_BODY_LIMIT = 16384  # bytes of a POST /v1/approval body
+APPROVAL_DETAILS_BYTES = 8192  # of its details, as JSON
+_ACTION = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
+
+
+@dataclass(frozen=True)
+class ApprovalAsk:
+    """A tool's request for a person's yes before an irreversible step (issue 44):
+    ``action`` (a name: 1-64 of ``a-z0-9_.-``, starting with a letter), ``summary`` (one
+    line of 1-200 printable characters) and ``details`` (a JSON object, at most 8 KiB)."""
+
+    action: str
+    summary: str
+    details: Mapping[str, Any]
+
+
+def parse_approval(body: bytes) -> ApprovalAsk:
+    """A ``POST /v1/approval`` body, ``{"action", "summary", "details"}``, as an
+    ApprovalAsk; ValueError with a message naming the field otherwise (no other field)."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        raise ValueError("the body must be a JSON object, e.g. {\"action\": \"refund\", "
+                         "\"summary\": \"refund 40 EUR to c-1048\"}") from None
+    if not isinstance(value, dict):
+        raise ValueError("the body must be a JSON object with action and summary")
+    unknown = sorted(set(value) - {"action", "summary", "details"})
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0][:40]!r}: give action, summary and "
+                         "optional details")
+    action, summary = value.get("action"), value.get("summary")
+    if not isinstance(action, str) or not _ACTION.fullmatch(action):
+        raise ValueError("action: 1-64 of a-z, 0-9, '_', '.', '-', starting with a letter, "
+                         "e.g. refund")
+    if not isinstance(summary, str) or not summary.strip() or len(summary) > 200 \
+            or not summary.isprintable():
+        raise ValueError("summary: one line of 1-200 printable characters")
+    details = value.get("details", {})
+    if not isinstance(details, dict) or len(orjson.dumps(details)) > APPROVAL_DETAILS_BYTES:
+        raise ValueError(f"details: a JSON object of at most {APPROVAL_DETAILS_BYTES} bytes")
+    return ApprovalAsk(action, summary, details)
+
+
+def approval_failure(outcome: str, action: str, by: str | None = None,
+                     reason: str | None = None) -> Failure:
+    """How an attempt whose approval was denied (``outcome`` ``denied``) or not answered in
+    time (``expired``) fails: ``denied`` / ``approval_expired``, not retried."""
+    if outcome == "denied":
+        return failure(FailureKind.DENIED, f"{by or 'a person'} denied the step {action!r}"
+                       + (f": {reason}" if reason else ""), action=action)
+    return failure(FailureKind.APPROVAL_EXPIRED, f"nobody answered the approval of the step "
+                   f"{action!r} in time (APPROVAL_WAIT_SECONDS)", action=action)
+
+
 @dataclass(frozen=True)
 class Observed:
     """One attempt as the supervisor saw it after the tree kill.
@@ -97,6 +152,7 @@ class Observed:
     stderr_tail: str | None = None
     memory_cgroup: bool = False
     snooze: Snooze | None = None  # what the tool asked through the guard, if it did
+    refused: Failure | None = None  # its approval was denied or not answered in time
 
 
 @dataclass(frozen=True)
@@ -180,6 +236,8 @@ def decide(seen: Observed, profile: LeaseProfile) -> Verdict:
     limit = limit_failure(seen, profile)
     if limit is not None:
         return limit
+    if seen.refused is not None:
+        return seen.refused
     if seen.snooze is not None:
         return seen.snooze
     by_reason = _stopped(seen, profile)

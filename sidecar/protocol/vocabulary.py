@@ -108,6 +108,10 @@ class FailureKind(StrEnum):
     # lapsed or was let go (issue 44, point 2); the call was cancelled through the fenced
     # path.
     ABANDONED_BY_CALLER = "abandoned_by_caller"
+    # A person denied the step the tool asked approval for, or nobody answered before its
+    # deadline (issue 44, point 1).
+    DENIED = "denied"
+    APPROVAL_EXPIRED = "approval_expired"
 
 
 # Whether another attempt may help (P16): a transient fault is retried with backoff while
@@ -144,6 +148,10 @@ RETRYABLE: dict[FailureKind, bool] = {
     # Not retried: a tool that keeps asking for later would ask again.
     FailureKind.SNOOZE_LIMIT: False,
     FailureKind.ABANDONED_BY_CALLER: False,
+    # Not retried: the same step would be asked for again, and the person said no (or
+    # nobody is there to say yes).
+    FailureKind.DENIED: False,
+    FailureKind.APPROVAL_EXPIRED: False,
 }
 
 

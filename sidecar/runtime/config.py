@@ -413,6 +413,12 @@ PROFILE_FIELDS: dict[str, _Field] = {
                                "SNOOZE_SECONDS, the attempt not spent); 0 = none"),
     "SNOOZE_SECONDS": _Field(_number, "60", "s",
                              "the delay of a snooze asked by SNOOZE_EXIT_CODE"),
+    # Approvals: a person's yes before an irreversible step (issue 44, point 1;
+    # docs/side-effects.md "Approval").
+    "APPROVAL_WAIT_SECONDS": _Field(_number, "300", "s",
+                                    "how long a tool's approval request waits for an "
+                                    "answer (the lease is kept meanwhile); then the job "
+                                    "fails approval_expired"),
 }
 
 # Every profile field is one field of model.LeaseProfile, in its order (as_dict's order).
@@ -617,7 +623,8 @@ def _build_profile(
         raise ConfigError(f"{src['SNOOZE_EXIT_CODE']}={p['snooze_exit_code']} is also in "
                           f"{src['NON_RETRYABLE_EXIT_CODES']}: an exit code either asks to run "
                           "later or fails the job; name it in one of them")
-    for name in ("WARM_IDLE_SECONDS", "SESSION_IDLE_SECONDS", "SNOOZE_SECONDS"):
+    for name in ("WARM_IDLE_SECONDS", "SESSION_IDLE_SECONDS", "SNOOZE_SECONDS",
+                 "APPROVAL_WAIT_SECONDS"):
         if p[name.lower()] <= 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must be a positive number of "
                               "seconds")

@@ -85,7 +85,7 @@ def migrations() -> list[Migration]:
 # demand; within a file, a function before the SQL ones calling it.
 REPEATABLE_ORDER = ("journal", "retention", "wake", "expiry", "waiting", "dedupe", "enqueue",
                     "flow", "claimable", "claim", "demand", "cancel", "actions", "sessions",
-                    "interests")
+                    "interests", "approvals")
 
 
 @dataclass(frozen=True)

@@ -294,6 +294,27 @@ class WorkerStore(Pruning):
         )
         return row["run_after"] if row else None
 
+    async def ask_approval(self, job: ClaimedJob, owner_id: str, request_id: uuid.UUID,
+                           action: str, summary: str, details: Any,
+                           wait_seconds: float) -> asyncpg.Record | None:
+        """This attempt asks for a person's yes (issue 44, point 1): older attempts' open
+        requests of the job expire, then the request is written and journaled, answerable
+        for ``wait_seconds``. ``id, attempt, deadline``; None when the attempt does not own
+        the job. asyncpg.UniqueViolationError when one of its requests is open already."""
+        return await self.db.fetchrow(Q["ask_approval"], job.id, owner_id, job.fencing_token,
+                                      action, summary, details, wait_seconds, request_id,
+                                      timeout=self.timeout)
+
+    async def approval_state(self, request_id: uuid.UUID) -> asyncpg.Record | None:
+        """``state, answered_by, reason, waited_s`` of an approval request."""
+        return await self.db.fetchrow(Q["approval_state"], request_id, timeout=self.timeout)
+
+    async def expire_approval(self, request_id: uuid.UUID) -> bool:
+        """The request got no answer by its deadline: expired, journaled; False when it was
+        answered meanwhile."""
+        return await self.db.fetchval(Q["expire_approval"], request_id,
+                                      timeout=self.timeout) is not None
+
     async def snooze_if_owner(
         self, job: ClaimedJob, owner_id: str, delay_seconds: float, max_snoozes: int,
         lifetime_seconds: float | None, details: dict[str, Any],

@@ -113,6 +113,7 @@ import hmac
 import secrets
 import socket
 import time
+import uuid
 from dataclasses import dataclass, field
 
 import asyncpg
@@ -131,7 +132,13 @@ from sidecar.protocol import clock, jsontext
 from sidecar.protocol.lease_state import Lease, guard_refusal
 from sidecar.protocol.masking import SECRETS
 from sidecar.protocol.model import LeaseProfile, RawJson
-from sidecar.protocol.verdict import SNOOZE_BODY_LIMIT, parse_snooze
+from sidecar.protocol.verdict import (
+    APPROVAL_BODY_LIMIT,
+    SNOOZE_BODY_LIMIT,
+    approval_failure,
+    parse_approval,
+    parse_snooze,
+)
 from sidecar.protocol.vocabulary import AttemptId, ConnectionRefusal, GuardRefusal, StopReason
 from sidecar.runtime.log import log, log_fields, payload_digest
 from sidecar.storage import db
@@ -149,6 +156,10 @@ GUARD_PATH = "/v1/guard"
 CHECKPOINT_PATH = "/v1/checkpoint"
 PROGRESS_PATH = "/v1/progress"
 SNOOZE_PATH = "/v1/snooze"
+APPROVAL_PATH = "/v1/approval"
+# How often a waiting approval request reads its answer (s): a bounded wait of one
+# tool, one indexed read each time.
+APPROVAL_POLL_SECONDS = 0.5
 CHECKPOINT_LIMIT = 65536          # bytes of one checkpoint body
 GUARD_BODY_LIMIT = 4096           # bytes of a guard request body
 MAX_REQUEST_ID = 200              # characters
@@ -246,7 +257,8 @@ class GuardServer:
         http = HttpServer({("POST", GUARD_PATH): self._guard,
                            ("POST", CHECKPOINT_PATH): self._checkpoint,
                            ("POST", PROGRESS_PATH): self._progress,
-                           ("POST", SNOOZE_PATH): self._snooze},
+                           ("POST", SNOOZE_PATH): self._snooze,
+                           ("POST", APPROVAL_PATH): self._approval},
                           keepalive_timeout=IDLE_SECONDS, header_timeout=self.body_timeout,
                           limits=self.limits, on_refuse=self._refused)
         _, port = await http.start("127.0.0.1", 0)
@@ -602,6 +614,102 @@ class GuardServer:
                       "max_snoozes": self.profile.max_snoozes,
                       "message": "exit now: the job runs again after the delay, this "
                                  "attempt not spent; its output is not kept"})
+
+    async def _approval(self, request: Request) -> Response:
+        """POST /v1/approval (issue 44, point 1): the tool asks a person's yes before an
+        irreversible step and waits for it, the lease kept by its heartbeats, at most
+        APPROVAL_WAIT_SECONDS. The request is bound to this attempt (job, attempt,
+        fencing token): only an answer naming them, while this attempt owns the job, is
+        taken. A denial or no answer in time ends the attempt failed (denied,
+        approval_expired) whatever the tool does next."""
+        registration = self._authenticate(request)
+        if registration is None:
+            return _unauthorized()
+        if isinstance(registration, Response):
+            return registration
+        body = await self._read_body(request, APPROVAL_BODY_LIMIT,
+                                     {"error": "body_too_large", "limit": APPROVAL_BODY_LIMIT})
+        if isinstance(body, Response):
+            return body
+        try:
+            asked = parse_approval(body)
+        except ValueError as exc:
+            return _json({"error": "bad_request", "message": str(exc)}, 400)
+        lease, job = registration.lease, registration.lease.job
+        if lease.lost.is_set() or lease.settling or registration.fenced_out:
+            cancelled = lease.lost.is_set() and lease.reason is StopReason.CANCELLED
+            return _json({"reason": GuardRefusal.CANCELLED if cancelled
+                          else GuardRefusal.LEASE_LOST}, 409)
+        labels = SECRETS.labels_in(body)
+        if labels:  # stored, it would be shown to whoever answers
+            return _json({"error": "secret_in_output", "secrets": labels}, 400)
+        fields = log_fields(job)
+        wait = self.profile.approval_wait_seconds
+        try:
+            row = await self.store.ask_approval(job, self.owner_id, uuid.uuid4(), asked.action,
+                                                asked.summary, dict(asked.details), wait)
+        except asyncpg.UniqueViolationError:
+            return _json({"error": "approval_pending",
+                          "message": "this attempt's earlier request is still open"}, 409)
+        except db.DATABASE_ERRORS as exc:
+            log.emit("approval_failed", "warning", **fields,
+                     reason=f"{type(exc).__name__}: {exc}"[:200])
+            return _json({"error": "database_unavailable"}, 503)
+        if row is None:
+            registration.fenced_out = True
+            return _json({"reason": GuardRefusal.LEASE_LOST}, 409)
+        log.emit("approval_requested", **fields, request_id=str(row["id"]),
+                 action=asked.action, wait_s=wait)
+        labels_of = (self.profile.tool, self.profile.provider)
+        metrics.APPROVALS_WAITING.labels(*labels_of).inc()
+        try:
+            return await self._await_answer(registration, row, asked.action, wait, labels_of)
+        finally:
+            metrics.APPROVALS_WAITING.labels(*labels_of).dec()
+
+    async def _await_answer(self, registration, row, action: str, wait: float,
+                            labels_of: tuple[str, str]) -> Response:
+        """Read the request's answer every APPROVAL_POLL_SECONDS until it comes, the
+        wait ends (then it expires) or the lease does."""
+        lease, fields = registration.lease, log_fields(registration.lease.job)
+        request_id = row["id"]
+        ends = time.monotonic() + wait
+        while True:
+            if lease.lost.is_set():
+                cancelled = lease.reason is StopReason.CANCELLED
+                return _json({"reason": GuardRefusal.CANCELLED if cancelled
+                              else GuardRefusal.LEASE_LOST}, 409)
+            try:
+                answer = await self.store.approval_state(request_id)
+                if answer is not None and answer["state"] == "pending" \
+                        and time.monotonic() >= ends:
+                    if await self.store.expire_approval(request_id):
+                        metrics.APPROVAL_ANSWER_SECONDS.labels(*labels_of, "expired").observe(
+                            wait)
+                        lease.refuse_step(approval_failure("expired", action))
+                        log.emit("approval_expired", "warning", **fields,
+                                 request_id=str(request_id))
+                        return _json({"reason": "approval_expired",
+                                      "message": "nobody answered in time: exit now; the "
+                                                 "job fails approval_expired"}, 409)
+                    continue  # answered just now: read it
+            except db.DATABASE_ERRORS:
+                answer = None  # asked again at the next read; the wait stays bounded
+            if answer is not None and answer["state"] in ("approved", "denied"):
+                outcome = answer["state"]
+                metrics.APPROVAL_ANSWER_SECONDS.labels(*labels_of, outcome).observe(
+                    answer["waited_s"] or 0.0)
+                said = {"by": answer["answered_by"], "reason": answer["reason"]}
+                if outcome == "denied":
+                    lease.refuse_step(approval_failure("denied", action, **said))
+                    return _json({"approved": False, **said,
+                                  "message": "denied: do not take the step; exit now, the "
+                                             "job fails denied"}, 403)
+                return _json({"approved": True, "fencing_token": lease.job.fencing_token,
+                              **said})
+            if answer is None and time.monotonic() >= ends + self.store.timeout:
+                return _json({"error": "database_unavailable"}, 503)
+            await asyncio.sleep(APPROVAL_POLL_SECONDS)
 
     async def _progress(self, request: Request) -> Response:
         registration = self._authenticate(request)

@@ -913,6 +913,8 @@ class JobSupervisor:
                          pid=child.pid, reason="more than one line for one request")
                 self.ctx.warm.retire(process, "broken")
                 return ending
+            elif self.lease.refused is not None:
+                ending = self.lease.refused  # its step was denied: its answer is not kept
             elif self.lease.snooze is not None:
                 ending = self.lease.snooze  # it asked to run later: its answer is not kept
             else:
@@ -949,7 +951,7 @@ class JobSupervisor:
         seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
                         child.stdout_bytes, usage, stderr_tail,
                         sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None,
-                        self.lease.snooze)
+                        self.lease.snooze, self.lease.refused)
         verdict = decide(seen, profile)
         if isinstance(verdict, Reject | Release | Failure | Snooze):
             return verdict
@@ -1049,7 +1051,7 @@ class JobSupervisor:
         return Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
                         child.stdout_bytes, usage, stderr_tail,
                         sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None,
-                        self.lease.snooze)
+                        self.lease.snooze, self.lease.refused)
 
     async def _commit_output(self, child: Child, sandbox: Sandbox,
                              stderr_tail: str | None) -> Succeeded | Failure:

@@ -468,6 +468,70 @@ WITH job AS (
 )
 SELECT v.outcome, s.run_after, s.snoozes FROM verdict v LEFT JOIN snoozed s ON s.id = v.id;
 
+-- name: ask_approval
+-- An attempt that owns its job ($1 job, $2 owner, $3 token; running, lease not ended)
+-- asks for a person's yes: request $8 with action $4, summary $5, details $6, answered
+-- within $7 seconds by the database's clock; journaled approval_requested. The open
+-- requests of older attempts of the job can no longer be answered: expired first (the
+-- insert reads their count, so it runs after). Returns id, attempt and deadline; no row
+-- when the attempt does not own the job; a unique violation (tool_approvals_pending_idx)
+-- when one of its own requests is open already.
+WITH job AS (
+    SELECT id, attempt, fencing_token FROM tool_jobs
+    WHERE id = $1 AND owner_id = $2 AND fencing_token = $3
+      AND state = 'running' AND lease_until > now()
+), stale AS (
+    UPDATE tool_approvals a SET state = 'expired'
+    FROM job
+    WHERE a.job_id = job.id AND a.state = 'pending' AND a.fencing_token <> job.fencing_token
+    RETURNING a.id
+), asked AS (
+    INSERT INTO tool_approvals (id, job_id, attempt, fencing_token, action, summary, details,
+                                deadline)
+    SELECT $8::uuid, id, attempt, fencing_token, $4, $5, $6::jsonb,
+           now() + $7::float8 * interval '1 second'
+    FROM job CROSS JOIN (SELECT count(*) FROM stale) expired_first
+    RETURNING id, job_id, attempt, fencing_token, action, summary, deadline
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT job_id, fencing_token, 'approval_requested',
+           jsonb_build_object('request_id', id, 'attempt', attempt, 'action', action,
+                              'summary', summary, 'deadline', deadline)
+    FROM asked
+)
+SELECT id, attempt, deadline FROM asked;
+
+-- name: approval_state
+-- One approval request's state and answer; waited_s from the ask to the answer.
+SELECT state, answered_by, reason,
+       extract(epoch FROM answered_at - asked_at)::float8 AS waited_s
+FROM tool_approvals WHERE id = $1;
+
+-- name: expire_approval
+-- The request $1 got no answer by its deadline: expired (if still open), journaled
+-- approval_expired. Returns its id, none when it was answered meanwhile.
+WITH expired AS (
+    UPDATE tool_approvals SET state = 'expired'
+    WHERE id = $1 AND state = 'pending'
+    RETURNING id, job_id, fencing_token, attempt, deadline
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT job_id, fencing_token, 'approval_expired',
+           jsonb_build_object('request_id', id, 'attempt', attempt, 'deadline', deadline)
+    FROM expired
+)
+SELECT id FROM expired;
+
+-- name: open_approval_of_job
+-- The job's open approval request, if any: what an answer names (attempt, token).
+SELECT id, job_id, attempt, fencing_token, action, summary, details, asked_at, deadline
+FROM tool_approvals WHERE job_id = $1 AND state = 'pending';
+
+-- name: answer_approval
+-- A person's answer (tool_job_approval_answer): $1 job, $2 attempt, $3 token, $4 approve,
+-- $5 reason, $6 who. Returns the outcome.
+SELECT tool_job_approval_answer($1::uuid, $2::int, $3::bigint, $4::boolean, $5, $6);
+
 -- name: release_lease_if_owner
 -- Shutdown: give the job back at once without spending the attempt.
 WITH released AS (

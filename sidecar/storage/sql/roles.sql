@@ -52,7 +52,8 @@ SELECT format('GRANT SELECT, INSERT, UPDATE ON TABLE %I.tool_flow, %I.tool_dedup
               current_schema(), current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_sweeps, '
-              '%I.tool_sessions TO %I', current_schema(), current_schema(), $1::text)
+              '%I.tool_sessions, %I.tool_approvals TO %I', current_schema(), current_schema(),
+              current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
               '%I.sidecar_schema_repeatables, %I.tool_interests TO %I', current_schema(),
@@ -118,8 +119,9 @@ SELECT format('REVOKE EXECUTE ON FUNCTION %I.tool_job_wake(text, bigint), '
 SELECT format('GRANT USAGE ON SCHEMA %I TO %I', current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
-              '%I.sidecar_schema_repeatables, %I.tool_jobs TO %I', current_schema(),
-              current_schema(), current_schema(), $1::text)
+              '%I.sidecar_schema_repeatables, %I.tool_jobs, %I.tool_approvals TO %I',
+              current_schema(), current_schema(), current_schema(), current_schema(),
+              $1::text)
 UNION ALL
 -- The MCP gateway's sessions, shared by its replicas (issue 41, point 15; migration 024):
 -- open, look up (and mark used), close, and delete the expired ones.
@@ -131,7 +133,7 @@ UNION ALL
  WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
    AND p.proname IN ('tool_job_enqueue', 'sidecar_enqueue', 'tool_job_cancel',
                      'tool_job_expire', 'tool_job_wait_reasons', 'tool_job_interest_hold',
-                     'tool_job_interest_lapse')
+                     'tool_job_interest_lapse', 'tool_job_approval_answer')
  ORDER BY p.oid::regprocedure::text);
 
 -- name: web_grants
@@ -150,9 +152,10 @@ UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
               '%I.sidecar_schema_repeatables, %I.tool_jobs, %I.tool_job_events, '
               '%I.tool_job_outbox, %I.tool_flow, %I.tool_idle_sidecars, %I.tool_sessions, '
-              '%I.tool_interests TO %I', current_schema(), current_schema(),
+              '%I.tool_interests, %I.tool_approvals TO %I', current_schema(), current_schema(),
               current_schema(), current_schema(), current_schema(), current_schema(),
-              current_schema(), current_schema(), current_schema(), $1::text)
+              current_schema(), current_schema(), current_schema(), current_schema(),
+              $1::text)
 UNION ALL
 SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.sidecar_web_sessions, '
               '%I.sidecar_web_login_failures TO %I', current_schema(), current_schema(),

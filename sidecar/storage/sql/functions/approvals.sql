@@ -1,0 +1,75 @@
+-- Approvals (issue 44, point 1; migration 030, docs/side-effects.md "Approval"): the
+-- answer a person gives to a tool's request, bound to the attempt that asked.
+
+-- Answer the approval request of job p_job asked by attempt p_attempt with fencing token
+-- p_token: approve (p_approve true) or deny, with p_reason (NULL or 1-500 printable
+-- characters) and who answered, p_by (1-256 printable characters). Accepted only while
+-- that request is pending and before its deadline, and that attempt still owns the job
+-- (running, its token, its lease not ended): then the request says so and the journal
+-- says approval_answered. Otherwise nothing changes but the journal (approval_refused,
+-- with why: no_request, already_answered, expired, stale_attempt). Returns the outcome:
+-- approved, denied, or the refusal's reason. Callers and the web view may run it
+-- (SECURITY DEFINER); bad input raises 22023 naming the field.
+CREATE OR REPLACE FUNCTION tool_job_approval_answer(p_job uuid, p_attempt integer,
+                                                    p_token bigint, p_approve boolean,
+                                                    p_reason text, p_by text)
+RETURNS text
+SECURITY DEFINER SET search_path FROM CURRENT
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_request tool_approvals;
+    v_job tool_jobs;
+    v_outcome text;
+    v_details jsonb;
+BEGIN
+    IF p_job IS NULL OR p_attempt IS NULL OR p_token IS NULL OR p_approve IS NULL THEN
+        RAISE EXCEPTION 'an answer names the job, the attempt and the fencing token it '
+                        'answers, and whether it approves' USING ERRCODE = '22023';
+    END IF;
+    IF p_by IS NULL OR length(p_by) NOT BETWEEN 1 AND 256 OR p_by ~ '[\x01-\x1f\x7f-\x9f]' THEN
+        RAISE EXCEPTION 'by must be 1-256 printable characters: who answers'
+            USING ERRCODE = '22023';
+    END IF;
+    IF p_reason IS NOT NULL AND (length(p_reason) NOT BETWEEN 1 AND 500
+                                 OR p_reason ~ '[\x01-\x09\x0b-\x1f\x7f-\x9f]') THEN
+        RAISE EXCEPTION 'reason must be 1-500 printable characters (NULL: none)'
+            USING ERRCODE = '22023';
+    END IF;
+    SELECT * INTO v_job FROM tool_jobs WHERE id = p_job FOR UPDATE;
+    SELECT * INTO v_request FROM tool_approvals a
+    WHERE a.job_id = p_job AND a.attempt = p_attempt AND a.fencing_token = p_token
+    ORDER BY a.asked_at DESC LIMIT 1 FOR UPDATE;
+    IF v_job.id IS NULL OR v_request.id IS NULL THEN
+        v_outcome := 'no_request';
+    ELSIF v_request.state <> 'pending' THEN
+        v_outcome := CASE WHEN v_request.state = 'expired' THEN 'expired'
+                          ELSE 'already_answered' END;
+    ELSIF v_request.deadline <= now() THEN
+        v_outcome := 'expired';
+    ELSIF v_job.state <> 'running' OR v_job.fencing_token <> p_token
+          OR v_job.lease_until IS NULL OR v_job.lease_until <= now() THEN
+        v_outcome := 'stale_attempt';
+    ELSE
+        v_outcome := CASE WHEN p_approve THEN 'approved' ELSE 'denied' END;
+        UPDATE tool_approvals SET state = v_outcome, answered_at = now(), answered_by = p_by,
+                                  reason = p_reason
+        WHERE id = v_request.id;
+    END IF;
+    v_details := jsonb_strip_nulls(jsonb_build_object(
+        'request_id', v_request.id, 'attempt', p_attempt, 'outcome', v_outcome,
+        'approve', p_approve, 'by', p_by, 'reason', p_reason));
+    IF v_job.id IS NOT NULL AND v_outcome IN ('approved', 'denied') THEN
+        INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+        SELECT p_job, p_token, 'approval_answered',
+               v_details || jsonb_build_object('waited_s', round(extract(
+                   epoch FROM now() - v_request.asked_at)::numeric, 3));
+    ELSIF v_job.id IS NOT NULL THEN
+        INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+        SELECT p_job, p_token, 'approval_refused', v_details;
+    END IF;
+    RETURN v_outcome;
+END
+$$;
+
+REVOKE EXECUTE ON FUNCTION tool_job_approval_answer(uuid, integer, bigint, boolean, text, text)
+    FROM PUBLIC;

@@ -1,0 +1,223 @@
+"""Issue 44, point 1: a person's yes before an irreversible step, bound to the attempt
+that asked.
+
+A tool asks through the guard (``POST /v1/approval {"action", "summary", "details"}``) and
+waits, its lease kept, at most APPROVAL_WAIT_SECONDS. An answer names the job, the attempt
+and the fencing token it answers (``sidecar approve``, ``Client.approve``); one for an
+attempt that no longer owns the job, a second answer, or one past the deadline is refused
+and journaled. A denial or no answer in time fails the job (``denied``,
+``approval_expired``), whatever the tool prints after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import uuid
+from pathlib import Path
+
+import asyncpg
+import orjson
+import pytest
+
+from kit import SidecarProcess, base_env, cli, enqueue, job_row, query, run, wait_until
+from sidecar.client import Client
+from sidecar.protocol.errors import UsageError
+from sidecar.protocol.verdict import (
+    ApprovalAsk,
+    Failure,
+    Observed,
+    Reject,
+    approval_failure,
+    decide,
+    parse_approval,
+)
+from sidecar.protocol.vocabulary import FailureKind, StopReason
+from sidecar.runtime.config import load_settings
+from sidecar.storage.caller_store import CallerStore
+from sidecar.storage.db import init_connection
+from sidecar.storage.worker_store import WorkerStore
+
+TOOL = [sys.executable, str(Path(__file__).parent / "tools" / "approval_tool.py")]
+ASK = {"action": "refund", "summary": "refund 40 EUR to c-1048"}
+
+
+# --- the pure rules ------------------------------------------------------------------
+
+@pytest.mark.unit
+def test_an_approval_body_is_an_action_a_summary_and_bounded_details():
+    assert parse_approval(b'{"action": "refund", "summary": "refund 40 EUR"}') \
+        == ApprovalAsk("refund", "refund 40 EUR", {})
+    asked = parse_approval(b'{"action": "case.create", "summary": "s", "details": {"a": 1}}')
+    assert asked.details == {"a": 1}
+    refused = {
+        b"": "JSON object", b"[]": "JSON object", b"{}": "action",
+        b'{"action": "Refund", "summary": "s"}': "action",
+        b'{"action": "1x", "summary": "s"}': "action",
+        ('{"action": "' + "a" * 65 + '", "summary": "s"}').encode(): "action",
+        b'{"action": "refund"}': "summary",
+        b'{"action": "refund", "summary": ""}': "summary",
+        b'{"action": "refund", "summary": "two\\nlines"}': "summary",
+        ('{"action": "refund", "summary": "' + "s" * 201 + '"}').encode(): "summary",
+        b'{"action": "refund", "summary": "s", "details": []}': "details",
+        ('{"action": "refund", "summary": "s", "details": {"x": "' + "d" * 9000 + '"}}')
+        .encode(): "details",
+        b'{"action": "refund", "summary": "s", "token": 7}': "unknown field 'token'",
+    }
+    for body, field in refused.items():
+        with pytest.raises(ValueError, match=field):
+            parse_approval(body)
+
+
+@pytest.mark.unit
+def test_a_denied_step_fails_the_attempt_but_a_lost_lease_still_comes_first():
+    profile = load_settings({"SIDECAR_DATABASE_URL": "postgresql://127.0.0.1/x"}).profile("ap")
+    denied = approval_failure("denied", "refund", by="alice", reason="not this one")
+    assert denied.kind is FailureKind.DENIED and not denied.retryable
+    assert "alice denied the step 'refund': not this one" in denied.message
+    expired = approval_failure("expired", "refund")
+    assert expired.kind is FailureKind.APPROVAL_EXPIRED and not expired.retryable
+    verdict = decide(Observed(StopReason.EXITED, 0, refused=denied), profile)
+    assert isinstance(verdict, Failure) and verdict.kind is FailureKind.DENIED
+    assert isinstance(decide(Observed(StopReason.LEASE_LOST, 0, refused=denied), profile),
+                      Reject)
+
+
+# --- the answer, bound to the attempt ------------------------------------------------
+
+@pytest.mark.database
+def test_every_answer_path_is_bound_to_the_attempt_that_asked(dsn):
+    """Taken while the asking attempt owns the job; refused and journaled for a second
+    answer, an answer for a previous attempt, one arriving as the lease is lost, one
+    past the deadline and one with no request."""
+    async def go():
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=3, init=init_connection)
+        store, caller = WorkerStore(pool, 10), CallerStore(pool, 10)
+        try:
+            out = {}
+            job_id, _ = await caller.enqueue("ap", {}, None, 5, {})
+            out["none"] = await caller.answer_approval(job_id, 1, 1, True, None, "alice")
+            first = await store.claim("ap", "w1", 60)
+            asked = await store.ask_approval(first, "w1", uuid.uuid4(), "refund", "s", {}, 60)
+            with pytest.raises(asyncpg.UniqueViolationError):  # one open request at a time
+                await store.ask_approval(first, "w1", uuid.uuid4(), "refund", "s", {}, 60)
+            out["approved"] = await caller.answer_approval(job_id, first.attempt,
+                                                           first.fencing_token, True,
+                                                           "ok", "alice")
+            out["second"] = await caller.answer_approval(job_id, first.attempt,
+                                                         first.fencing_token, False, None,
+                                                         "bob")
+            # attempt 1 asks again, then its lease ends and attempt 2 takes the job
+            await store.ask_approval(first, "w1", uuid.uuid4(), "refund", "again", {}, 60)
+            await pool.execute("UPDATE tool_jobs SET lease_until = now() - interval '1 s' "
+                               "WHERE id = $1", job_id)
+            out["as_lost"] = await caller.answer_approval(job_id, first.attempt,
+                                                          first.fencing_token, True, None,
+                                                          "alice")
+            second = await store.claim("ap", "w2", 60)
+            out["previous"] = await caller.answer_approval(job_id, first.attempt,
+                                                           first.fencing_token, True, None,
+                                                           "alice")
+            late = await store.ask_approval(second, "w2", uuid.uuid4(), "refund", "s", {}, 0.2)
+            await asyncio.sleep(0.4)
+            out["late"] = await caller.answer_approval(job_id, second.attempt,
+                                                       second.fencing_token, True, None,
+                                                       "alice")
+            with pytest.raises(UsageError, match="by must be"):
+                await caller.answer_approval(job_id, 1, 1, True, None, "a\tb")
+            with pytest.raises(UsageError, match="reason must be"):
+                await caller.answer_approval(job_id, 1, 1, True, "x" * 501, "alice")
+            return job_id, asked, late, first, second, out
+        finally:
+            await pool.close()
+
+    job_id, asked, late, first, second, out = run(go())
+    assert out == {"none": "no_request", "approved": "approved", "second": "already_answered",
+                   "as_lost": "stale_attempt", "previous": "stale_attempt", "late": "expired"}
+    assert asked["attempt"] == first.attempt and second.fencing_token > first.fencing_token
+    states = {r["fencing_token"]: r["state"] for r in query(
+        dsn, "SELECT fencing_token, state FROM tool_approvals WHERE summary = 'again'")}
+    # never approved by a stale answer; expired once the next attempt asked its own
+    assert states == {first.fencing_token: "expired"}
+    events = query(dsn, "SELECT event, fencing_token, details FROM tool_job_events "
+                        "WHERE job_id = $1 AND event LIKE 'approval_%' ORDER BY id", job_id)
+    refused = [e["details"]["outcome"] for e in events if e["event"] == "approval_refused"]
+    assert refused == ["no_request", "already_answered", "stale_attempt", "stale_attempt",
+                       "expired"]
+    answered = [e for e in events if e["event"] == "approval_answered"]
+    assert len(answered) == 1 and answered[0]["details"]["by"] == "alice"
+    assert answered[0]["fencing_token"] == first.fencing_token
+
+
+# --- end to end, with a real tool waiting --------------------------------------------
+
+def _open_request(dsn, job_id):
+    rows = query(dsn, "SELECT attempt, fencing_token FROM tool_approvals "
+                      "WHERE job_id = $1 AND state = 'pending'", job_id)
+    return rows[0] if rows else None
+
+
+@pytest.mark.e2e
+def test_a_tool_waits_for_sidecar_approve_and_takes_its_step_with_its_token(dsn, tmp_path):
+    env = base_env(dsn, SIDECAR_PROFILE_AP_APPROVAL_WAIT_SECONDS="120")
+    job = enqueue(dsn, "ap", ASK)
+    sidecar = SidecarProcess(dsn, TOOL, "--tool", "ap", env=env, tmp=tmp_path)
+    try:
+        wait_until(lambda: _open_request(dsn, job), 60, what="the tool's approval request")
+        done = cli(dsn, "approve", job, "--reason", "checked the invoice", env=env)
+        assert done.returncode == 0, done.stderr.decode()
+        said = orjson.loads(done.stdout)
+        assert said["outcome"] == "approved" and said["action"] == "refund"
+        wait_until(lambda: job_row(dsn, job)["state"] == "succeeded", 60, what="the job")
+        again = cli(dsn, "approve", job, "--attempt", "1", "--token", "1", env=env)
+        assert again.returncode == 5
+        assert orjson.loads(again.stdout)["outcome"] == "already_answered"
+    finally:
+        sidecar.stop()
+    result = job_row(dsn, job)["result"]
+    assert result["status"] == 200 and result["step_taken"] is True
+    assert result["answer"]["fencing_token"] == 1
+    assert result["answer"]["reason"] == "checked the invoice"
+    assert result["answer"]["by"].startswith("sidecar approve (")
+
+
+@pytest.mark.e2e
+def test_a_denial_or_silence_fails_the_job_though_the_tool_exits_0(dsn, tmp_path):
+    env = base_env(dsn, SIDECAR_PROFILE_AP_APPROVAL_WAIT_SECONDS="3")
+    denied = enqueue(dsn, "ap", ASK)
+    silent = enqueue(dsn, "ap", {**ASK, "summary": "nobody answers this"})
+    sidecar = SidecarProcess(dsn, TOOL, "--tool", "ap", "--concurrency", "2", env=env,
+                             tmp=tmp_path)
+    try:
+        wait_until(lambda: _open_request(dsn, denied), 60, what="the approval request")
+
+        async def deny():
+            async with Client(dsn) as client:
+                return await client.approve(denied, approve=False, reason="wrong customer",
+                                            by="alice")
+
+        assert run(deny()) == "denied"
+        wait_until(lambda: job_row(dsn, denied)["state"] == "failed"
+                   and job_row(dsn, silent)["state"] == "failed", 60, what="both jobs")
+    finally:
+        sidecar.stop()
+    row = job_row(dsn, denied)
+    assert row["error"]["kind"] == "denied" and "alice denied" in row["error"]["message"]
+    assert row["attempt"] == 1 and row["result"] is None
+    row = job_row(dsn, silent)
+    assert row["error"]["kind"] == "approval_expired" and row["attempt"] == 1
+    assert query(dsn, "SELECT state FROM tool_approvals WHERE job_id = $1", silent)[0][
+        "state"] == "expired"
+
+
+@pytest.mark.e2e
+def test_the_guard_refuses_hostile_approval_bodies_and_stores_none(dsn):
+    bodies = ["", "[]", '{"action": "refund"}', '{"action": "DROP TABLE", "summary": "s"}',
+              '{"action": "refund", "summary": "s", "fencing_token": 9}',
+              '{"action": "refund", "summary": "' + "s" * 300 + '"}', "{" * 20000]
+    job = enqueue(dsn, "ap", {"probe": bodies})
+    done = cli(dsn, "run", "--tool", "ap", "--drain", "--", *TOOL, env=base_env(dsn),
+               timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-3000:]
+    assert job_row(dsn, job)["result"]["statuses"] == [400] * 6 + [413]
+    assert query(dsn, "SELECT id FROM tool_approvals") == []

@@ -1,0 +1,37 @@
+#!/usr/bin/env python3
+"""Test tool that asks a person's yes before its "irreversible" step (issue 44, point 1):
+POST /v1/approval with the payload's action and summary, then prints what the guard
+answered and whether it took the step: {"status": S, "answer": {...}, "step_taken": bool,
+"attempt": N}. It exits 0 whatever the answer (a denial must still fail the job).
+
+Payload: {"action": A, "summary": S} or {"probe": [BODY, ...]} (each sent as is; the
+statuses printed: {"statuses": [...]})."""
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+
+opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+
+def post(body: bytes) -> tuple[int, dict]:
+    request = urllib.request.Request(
+        os.environ["SIDECAR_GUARD_URL"] + "/v1/approval", data=body, method="POST",
+        headers={"Authorization": "Bearer " + os.environ["SIDECAR_GUARD_TOKEN"]})
+    try:
+        with opener.open(request, timeout=600) as answer:
+            return answer.status, json.loads(answer.read() or b"{}")
+    except urllib.error.HTTPError as refused:
+        return refused.code, json.loads(refused.read() or b"{}")
+
+
+payload = json.load(sys.stdin)
+if "probe" in payload:
+    print(json.dumps({"statuses": [post(body.encode())[0] for body in payload["probe"]]}))
+    sys.exit(0)
+status, answer = post(json.dumps({"action": payload["action"], "summary": payload["summary"],
+                                  "details": payload.get("details", {})}).encode())
+print(json.dumps({"status": status, "answer": answer,
+                  "step_taken": status == 200 and answer.get("approved") is True,
+                  "attempt": int(os.environ["SIDECAR_ATTEMPT"])}))
