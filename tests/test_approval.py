@@ -221,3 +221,60 @@ def test_the_guard_refuses_hostile_approval_bodies_and_stores_none(dsn):
     assert done.returncode == 0, done.stderr.decode()[-3000:]
     assert job_row(dsn, job)["result"]["statuses"] == [400] * 6 + [413]
     assert query(dsn, "SELECT id FROM tool_approvals") == []
+
+
+# --- the park shape ------------------------------------------------------------------
+
+@pytest.mark.e2e
+def test_a_parked_job_frees_its_slot_and_runs_again_with_the_answer_once_approved(dsn,
+                                                                                   tmp_path):
+    env = base_env(dsn, SIDECAR_PROFILE_AP_APPROVAL_MODE="park", SIDECAR_POLL_SECONDS="0.5")
+    parked = enqueue(dsn, "ap", ASK)
+    sidecar = SidecarProcess(dsn, TOOL, "--tool", "ap", env=env, tmp=tmp_path)  # 1 slot
+    try:
+        wait_until(lambda: job_row(dsn, parked)["state"] == "waiting", 60, what="the park")
+        row = job_row(dsn, parked)
+        assert row["owner_id"] is None and row["lease_until"] is None and row["attempt"] == 0
+        other = enqueue(dsn, "ap", {"probe": []})  # the one slot is free for it
+        wait_until(lambda: job_row(dsn, other)["state"] == "succeeded", 60, what="another job")
+        assert job_row(dsn, parked)["state"] == "waiting"
+        done = cli(dsn, "approve", parked, "--reason", "go", env=env)
+        assert done.returncode == 0 and orjson.loads(done.stdout)["outcome"] == "approved"
+        wait_until(lambda: job_row(dsn, parked)["state"] == "succeeded", 60, what="the rerun")
+        late = cli(dsn, "approve", parked, "--attempt", "1", "--token", "1", env=env)
+        assert late.returncode == 5
+        assert orjson.loads(late.stdout)["outcome"] == "already_answered"
+    finally:
+        sidecar.stop()
+    row = job_row(dsn, parked)
+    result = row["result"]
+    assert result["step_taken"] is True and result["attempt"] == 1 and result["token"] == 2
+    assert result["resumed"]["approved"] is True and result["resumed"]["reason"] == "go"
+    assert result["resumed"]["action"] == "refund"
+    assert result["checkpoint"] == {"asked": result["resumed"]["request_id"]}
+    events = [r["event"] for r in query(dsn, "SELECT event FROM tool_job_events WHERE "
+                                             "job_id = $1 ORDER BY id", parked)]
+    assert events.index("approval_requested") < events.index("job_parked") \
+        < events.index("approval_answered") < events.index("job_succeeded")
+
+
+@pytest.mark.e2e
+def test_a_parked_job_denied_fails_at_once_and_one_unanswered_expires(dsn, tmp_path):
+    env = base_env(dsn, SIDECAR_PROFILE_AP_APPROVAL_MODE="park", SIDECAR_POLL_SECONDS="0.5",
+                   SIDECAR_PROFILE_AP_APPROVAL_PARK_SECONDS="3")
+    denied = enqueue(dsn, "ap", ASK)
+    silent = enqueue(dsn, "ap", {**ASK, "summary": "nobody answers this"})
+    sidecar = SidecarProcess(dsn, TOOL, "--tool", "ap", "--concurrency", "2", env=env,
+                             tmp=tmp_path)
+    try:
+        wait_until(lambda: job_row(dsn, denied)["state"] == "waiting", 60, what="the park")
+        done = cli(dsn, "approve", denied, "--deny", "--reason", "no", env=env)
+        assert done.returncode == 0 and orjson.loads(done.stdout)["outcome"] == "denied"
+        assert job_row(dsn, denied)["state"] == "failed"  # by the answer itself
+        wait_until(lambda: job_row(dsn, silent)["state"] == "failed", 60, what="the expiry")
+    finally:
+        sidecar.stop()
+    row = job_row(dsn, denied)
+    assert row["error"]["kind"] == "denied" and row["approval"]["approved"] is False
+    row = job_row(dsn, silent)
+    assert row["error"]["kind"] == "approval_expired" and row["attempt"] == 0

@@ -18,6 +18,7 @@ import pytest
 from sidecar.protocol.verdict import (
     Commit,
     Failure,
+    Park,
     Reject,
     Release,
     Snooze,
@@ -39,9 +40,10 @@ PACKAGE = Path(__file__).resolve().parent.parent / "sidecar"
 
 # The fenced statements (sidecar.storage.worker_store.WorkerStore) that write an attempt's end.
 ENDING_STATEMENTS = frozenset({"finish_if_owner", "requeue_if_owner", "release_if_owner",
-                               "snooze_if_owner"})
+                               "snooze_if_owner", "park_if_owner"})
 # FencedCommit's own ways of writing: only end() may be called from outside.
-COMMIT_INTERNALS = frozenset({"_succeed", "_fail", "_release", "_snooze", "_lease_ended",
+COMMIT_INTERNALS = frozenset({"_succeed", "_fail", "_release", "_snooze", "_park",
+                              "_lease_ended",
                               "_abandon",
                               "reject", "_fenced", "_write", "_count"})
 # Which fenced statements each kind of ending may run: a success commits (finish), a
@@ -53,6 +55,7 @@ STATEMENTS_OF = {
     Failure: {"requeue_if_owner", "finish_if_owner"},
     Release: {"release_if_owner"},
     Snooze: {"snooze_if_owner"},
+    Park: {"park_if_owner"},
     Reject: set(),
 }
 

@@ -29,7 +29,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from sidecar.protocol import clock
-from sidecar.protocol.verdict import Failure, Snooze
+from sidecar.protocol.verdict import Failure, Park, Snooze
 from sidecar.protocol.vocabulary import GuardRefusal, StopReason
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ class Lease:
         self._request_id: str | None = None
         self._snooze: Snooze | None = None
         self._refused: Failure | None = None
+        self._park: Park | None = None
         self._unjournaled: list[tuple[str, dict[str, Any]]] = []
 
     # --- reading ----------------------------------------------------------------------
@@ -189,6 +190,12 @@ class Lease:
         return self._refused
 
     @property
+    def park(self) -> Park | None:
+        """The parked approval request the attempt ends on (APPROVAL_MODE=park); None
+        when it asked none."""
+        return self._park
+
+    @property
     def unjournaled(self) -> tuple[tuple[str, dict[str, Any]], ...]:
         """The (event, details) kept for the journal, oldest first."""
         return tuple(self._unjournaled)
@@ -255,6 +262,11 @@ class Lease:
         """The approval the tool asked for was denied or expired: the attempt ends as
         ``failure`` whatever the tool does next (sidecar.protocol.verdict)."""
         self._refused = failure
+
+    def park_for(self, request_id: str, action: str) -> None:
+        """The tool asked a person's yes in park mode: the attempt ends by parking its job
+        until the answer (sidecar.protocol.verdict.Park)."""
+        self._park = Park(request_id, action)
 
     def keep_for_journal(self, events: list[tuple[str, dict[str, Any]]]) -> None:
         """Keep ``events`` ((event, details), in order) until the database answers."""

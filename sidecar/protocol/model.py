@@ -28,13 +28,15 @@ class JobState(StrEnum):
     """The ``state`` of a ``tool_jobs`` row (its CHECK constraint, migration 001).
 
     A job is ``queued`` until claimed, ``running`` while a lease is held on it (or until
-    a sweep notices the lease expired), and ends ``succeeded``, ``failed`` (dead letter)
-    or ``cancelled``. Values are the strings the database stores. Being a ``str``, a
+    a sweep notices the lease expired), ``waiting`` while parked for a person's answer
+    (issue 44: no slot, no lease), and ends ``succeeded``, ``failed`` (dead letter) or
+    ``cancelled``. Values are the strings the database stores. Being a ``str``, a
     member passes as a text parameter as is; it is not a valid ``orjson`` dict key
     (use ``.value`` there)."""
 
     QUEUED = "queued"
     RUNNING = "running"
+    WAITING = "waiting"  # parked until a person answers its tool's approval (issue 44)
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -83,6 +85,9 @@ class ClaimedJob:
     tracestate: str | None = None
     trace_context_ignored: tuple[str, ...] = ()
     session_key: str | None = None
+    # The answer to the approval request that parked the job (issue 44), as JSON text:
+    # handed to the tool as SIDECAR_APPROVAL. None when it never parked.
+    approval_text: str | None = None
 
     @property
     def attempt_id(self) -> AttemptId:
@@ -208,6 +213,10 @@ class LeaseProfile:
     snooze_seconds: float = 60.0
     # Approvals (issue 44): how long a tool's POST /v1/approval waits for a person (s).
     approval_wait_seconds: float = 300.0
+    # ``wait`` (the tool blocks, the lease kept) or ``park`` (the job waits, no slot, up to
+    # approval_park_seconds for the answer).
+    approval_mode: str = "wait"
+    approval_park_seconds: float = 604800.0
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def as_dict(self) -> dict[str, object]:

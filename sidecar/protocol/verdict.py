@@ -86,6 +86,16 @@ _ACTION = re.compile(r"[a-z][a-z0-9_.-]{0,63}")
 
 
 @dataclass(frozen=True)
+class Park:
+    """The tool asked a person's yes with APPROVAL_MODE=park (issue 44): its job waits for
+    the answer to request ``request_id`` (of step ``action``) as ``waiting``, with neither
+    a slot nor a lease, its attempt not spent."""
+
+    request_id: str
+    action: str
+
+
+@dataclass(frozen=True)
 class ApprovalAsk:
     """A tool's request for a person's yes before an irreversible step (issue 44):
     ``action`` (a name: 1-64 of ``a-z0-9_.-``, starting with a letter), ``summary`` (one
@@ -153,6 +163,7 @@ class Observed:
     memory_cgroup: bool = False
     snooze: Snooze | None = None  # what the tool asked through the guard, if it did
     refused: Failure | None = None  # its approval was denied or not answered in time
+    park: Park | None = None  # it asked a person's yes and parks until the answer
 
 
 @dataclass(frozen=True)
@@ -211,10 +222,10 @@ class Failure:
         return Failure(self.kind, f"{self.message}; {note}", self.retryable, self.details)
 
 
-Verdict = Commit | Release | Reject | Failure | Snooze
+Verdict = Commit | Release | Reject | Failure | Snooze | Park
 # What ends an attempt (sidecar.worker.commit.FencedCommit.end): a verdict, with a Commit's
 # output checked into Succeeded.
-Ending = Succeeded | Release | Reject | Failure | Snooze
+Ending = Succeeded | Release | Reject | Failure | Snooze | Park
 
 
 def failure(kind: FailureKind, message: str, **details: Any) -> Failure:
@@ -238,6 +249,8 @@ def decide(seen: Observed, profile: LeaseProfile) -> Verdict:
         return limit
     if seen.refused is not None:
         return seen.refused
+    if seen.park is not None:
+        return seen.park
     if seen.snooze is not None:
         return seen.snooze
     by_reason = _stopped(seen, profile)

@@ -56,6 +56,7 @@ class Outcome(StrEnum):
     REQUEUED = "requeued"      # failure committed, retried after backoff
     RELEASED = "released"      # shutdown: lease given back, attempt not spent
     SNOOZED = "snoozed"        # the tool asked to run later: queued, attempt not spent
+    PARKED = "parked"          # waiting for a person's answer: no slot, attempt not spent
     CANCELLED = "cancelled"    # an operator cancelled the job while it ran
     LEASE_LOST = "lease_lost"  # the lease was lost before the outcome could be committed
     REJECTED = "rejected"      # the fenced commit found another owner (P6)

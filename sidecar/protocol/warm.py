@@ -65,8 +65,9 @@ def request_line(job: ClaimedJob, guard: Mapping[str, str] | None = None,
     identity, the fencing token and idempotency key for its side effects, its payload
     and last checkpoint as the JSON they were stored as, ``guard`` (token, and the
     attempt's socket and URL where it has them), ``trace`` (TRACEPARENT,
-    TRACESTATE) and ``session`` (the agent session's key, issue 43) when the job has
-    one. A newline or carriage return in stored JSON text can only be
+    TRACESTATE), ``session`` (the agent session's key, issue 43) when the job has
+    one, and ``approval`` (the answer to the request that parked it, issue 44) when it
+    was parked. A newline or carriage return in stored JSON text can only be
     whitespace between tokens (JSON escapes them inside strings), so it becomes a
     space."""
     head = {
@@ -83,7 +84,10 @@ def request_line(job: ClaimedJob, guard: Mapping[str, str] | None = None,
     payload = _one_line(job.payload_text)
     checkpoint = _one_line(job.checkpoint_text) if job.checkpoint_text is not None \
         else b"null"
-    return text + b',"payload":' + payload + b',"checkpoint":' + checkpoint + b"}\n"
+    approval = b',"approval":' + _one_line(job.approval_text) \
+        if job.approval_text is not None else b""
+    return (text + b',"payload":' + payload + b',"checkpoint":' + checkpoint + approval
+            + b"}\n")
 
 
 def _one_line(text: str) -> bytes:

@@ -227,6 +227,15 @@ def _dedupe(text: str) -> str:
     return value
 
 
+def _approval_mode(text: str) -> str:
+    """``wait`` or ``park`` (the ``APPROVAL_MODE`` profile field, docs/side-effects.md)."""
+    value = text.strip().lower()
+    if value not in ("wait", "park"):
+        raise _Invalid("use wait (the tool blocks for the answer, its lease kept) or park "
+                       "(it exits and the job waits for the answer without a slot)")
+    return value
+
+
 def _process_mode(text: str) -> str:
     """``per-job`` or ``warm`` (the ``PROCESS`` profile field, docs/child-process.md)."""
     value = text.strip().lower()
@@ -419,6 +428,13 @@ PROFILE_FIELDS: dict[str, _Field] = {
                                     "how long a tool's approval request waits for an "
                                     "answer (the lease is kept meanwhile); then the job "
                                     "fails approval_expired"),
+    "APPROVAL_MODE": _Field(_approval_mode, "wait", "mode",
+                            "wait: the tool blocks for the answer, its lease and slot "
+                            "kept (APPROVAL_WAIT_SECONDS); park: it saves its checkpoint "
+                            "and exits, the job waits without a slot (APPROVAL_PARK_SECONDS)"),
+    "APPROVAL_PARK_SECONDS": _Field(_number, "604800", "s",
+                                    "how long a parked job waits for its answer (at most "
+                                    "366 days); then it fails approval_expired"),
 }
 
 # Every profile field is one field of model.LeaseProfile, in its order (as_dict's order).
@@ -623,8 +639,11 @@ def _build_profile(
         raise ConfigError(f"{src['SNOOZE_EXIT_CODE']}={p['snooze_exit_code']} is also in "
                           f"{src['NON_RETRYABLE_EXIT_CODES']}: an exit code either asks to run "
                           "later or fails the job; name it in one of them")
+    if p["approval_park_seconds"] > 366 * 86400:
+        raise ConfigError(f"{src['APPROVAL_PARK_SECONDS']}={p['approval_park_seconds']:g}: at "
+                          "most 366 days")
     for name in ("WARM_IDLE_SECONDS", "SESSION_IDLE_SECONDS", "SNOOZE_SECONDS",
-                 "APPROVAL_WAIT_SECONDS"):
+                 "APPROVAL_WAIT_SECONDS", "APPROVAL_PARK_SECONDS"):
         if p[name.lower()] <= 0:
             raise ConfigError(f"{src[name]}={p[name.lower()]}: must be a positive number of "
                               "seconds")

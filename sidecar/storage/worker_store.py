@@ -108,7 +108,7 @@ class WorkerStore(Pruning):
                 reclaimed=row["previous_state"] == JobState.RUNNING,
                 checkpoint_text=row["checkpoint_text"], stage=row["stage"],
                 lifetime_remaining=row["lifetime_remaining"],
-                session_key=row["session_key"],
+                session_key=row["session_key"], approval_text=row["approval_text"],
                 **_trace_context(row)))
         return jobs, held
 
@@ -304,6 +304,22 @@ class WorkerStore(Pruning):
         return await self.db.fetchrow(Q["ask_approval"], job.id, owner_id, job.fencing_token,
                                       action, summary, details, wait_seconds, request_id,
                                       timeout=self.timeout)
+
+    async def park_if_owner(self, job: ClaimedJob, owner_id: str, request_id: str,
+                            details: dict[str, Any],
+                            earlier: list[dict[str, Any]] | None = None) -> dt.datetime | None:
+        """Park the job (``waiting``) until request ``request_id`` is answered, its lease
+        and slot let go and its attempt not spent (issue 44); the request's deadline, or
+        None when this attempt no longer owns the job or the request is closed.
+        ``earlier`` as for ``finish_if_owner``."""
+        return await self.db.fetchval(Q["park_job_if_owner"], job.id, owner_id,
+                                      job.fencing_token, request_id, details, earlier or None,
+                                      timeout=self.timeout)
+
+    async def expire_parked_approvals(self) -> list[asyncpg.Record]:
+        """Parked jobs (any tool) whose request passed its deadline unanswered fail
+        ``approval_expired``; ``id, tool, fencing_token`` of each."""
+        return await self.db.fetch(Q["expire_parked_approvals"], timeout=self.timeout)
 
     async def approval_state(self, request_id: uuid.UUID) -> asyncpg.Record | None:
         """``state, answered_by, reason, waited_s`` of an approval request."""

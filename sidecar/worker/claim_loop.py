@@ -565,6 +565,10 @@ class Worker:
                          generation=row["generation"], state="lost",
                          reason=f"its lease ran out (held by {row['owner_id']})",
                          written=True)
+        # Parked jobs whose approval got no answer in time (issue 44): of any tool.
+        for row in await store.expire_parked_approvals():
+            log.emit("approval_expired", "warning", job_id=str(row["id"]), tool=row["tool"],
+                     fencing_token=row["fencing_token"], parked=True)
         # Calls nobody waits for any more (issue 44): of any tool, as expiries are.
         for row in await store.lapse_interests():
             log.emit("interest_lapsed", "warning", job_id=str(row["job_id"]), tool=row["tool"],

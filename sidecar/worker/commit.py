@@ -33,6 +33,7 @@ from sidecar.protocol.model import ClaimedJob, JobState, LeaseProfile
 from sidecar.protocol.verdict import (
     Ending,
     Failure,
+    Park,
     Reject,
     Release,
     Snooze,
@@ -302,6 +303,25 @@ class FencedCommit:
         return Outcome.FAILED, How.FAILED, {
             "reason": error["kind"], "duration_s": duration, "exit_code": error.get("exit_code")}
 
+    async def _park(self, ending: Park) -> Ended:
+        """The tool asked a person's yes in park mode (issue 44): its job waits for the
+        answer as ``waiting``, its slot and lease let go, its attempt not spent."""
+        details = {"duration_s": self._duration(), **self.resources}
+        earlier = await self._take_noted()
+        try:
+            deadline = await self._fenced(lambda: self.ctx.store.park_if_owner(
+                self.job, self.ctx.owner_id, ending.request_id, details, earlier),
+                "job_parked")
+        except OwnershipUnknown:
+            self._give_back(earlier)
+            return await self._abandon(None)
+        if deadline is None:
+            self._give_back(earlier)
+            await self.reject(None, "not the owner when parking")
+            return Outcome.REJECTED, How.REJECTED, {}
+        return Outcome.PARKED, How.PARKED, {
+            "request_id": ending.request_id, "action": ending.action, "deadline": deadline}
+
     async def _snooze(self, ending: Snooze) -> Ended:
         """The tool asked to run again later (issue 44, point 3): back to the queue after
         its delay, the attempt not spent, while the job snoozed fewer than MAX_SNOOZES
@@ -479,6 +499,7 @@ class How(StrEnum):
     FAILED = "failed"                       # for good (P16)
     RELEASED = "released"                   # the lease given back, the attempt not spent
     SNOOZED = "snoozed"                     # queued again later at the tool's ask
+    PARKED = "parked"                       # waiting for a person's answer
     NOT_RELEASED = "not_released"           # the release found the job no longer ours
     LEASE_ENDED = "lease_ended"             # lost, cancelled or given up before any write
     ABANDONED_AT_COMMIT = "abandoned_at_commit"  # the write not done by the local deadline
@@ -504,6 +525,7 @@ ENDING_REPORTS: dict[How, OutcomeReport] = {
     How.FAILED: OutcomeReport("job_failed", "warning", "job_failed"),
     How.RELEASED: OutcomeReport("lease_released", "info", "lease_released"),
     How.SNOOZED: OutcomeReport("job_snoozed", "info", "job_snoozed"),
+    How.PARKED: OutcomeReport("job_parked", "info", "job_parked"),
     How.NOT_RELEASED: OutcomeReport("lease_lost", "warning", None),
     How.LEASE_ENDED: OutcomeReport("lease_lost", "warning", None),
     How.ABANDONED_AT_COMMIT: OutcomeReport("lease_abandoned", "error", None),
@@ -516,5 +538,6 @@ _ENDERS: dict[type, Callable[[FencedCommit, Any], Awaitable[Ended]]] = {
     Failure: FencedCommit._fail,
     Release: FencedCommit._release,
     Snooze: FencedCommit._snooze,
+    Park: FencedCommit._park,
     Reject: FencedCommit._lease_ended,
 }

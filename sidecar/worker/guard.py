@@ -644,7 +644,8 @@ class GuardServer:
         if labels:  # stored, it would be shown to whoever answers
             return _json({"error": "secret_in_output", "secrets": labels}, 400)
         fields = log_fields(job)
-        wait = self.profile.approval_wait_seconds
+        park = self.profile.approval_mode == "park"
+        wait = self.profile.approval_park_seconds if park else self.profile.approval_wait_seconds
         try:
             row = await self.store.ask_approval(job, self.owner_id, uuid.uuid4(), asked.action,
                                                 asked.summary, dict(asked.details), wait)
@@ -659,7 +660,14 @@ class GuardServer:
             registration.fenced_out = True
             return _json({"reason": GuardRefusal.LEASE_LOST}, 409)
         log.emit("approval_requested", **fields, request_id=str(row["id"]),
-                 action=asked.action, wait_s=wait)
+                 action=asked.action, wait_s=wait, mode=self.profile.approval_mode)
+        if park:
+            lease.park_for(str(row["id"]), asked.action)
+            return _json({"parked": True, "request_id": str(row["id"]),
+                          "deadline": row["deadline"].isoformat(),
+                          "message": "save your checkpoint and exit: the job waits for the "
+                                     "answer, and its next attempt finds it in "
+                                     "SIDECAR_APPROVAL"}, 202)
         labels_of = (self.profile.tool, self.profile.provider)
         metrics.APPROVALS_WAITING.labels(*labels_of).inc()
         try:

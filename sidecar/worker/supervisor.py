@@ -39,6 +39,7 @@ from sidecar.protocol.verdict import (
     Ending,
     Failure,
     Observed,
+    Park,
     Reject,
     Release,
     Snooze,
@@ -121,6 +122,8 @@ def job_variables(job: ClaimedJob, profile: LeaseProfile, owner_id: str,
         SIDECAR_FENCING_TOKEN=str(job.fencing_token),
         SIDECAR_IDEMPOTENCY_KEY=f"tool-job:{job.id}",
     )
+    if job.approval_text is not None:  # the answer to the request that parked it (issue 44)
+        variables["SIDECAR_APPROVAL"] = job.approval_text
     # The caller's trace context, by OpenTelemetry's environment-carrier convention.
     if job.trace_context_ignored:
         log.emit("trace_context_ignored", "warning", job_id=str(job.id),
@@ -915,6 +918,8 @@ class JobSupervisor:
                 return ending
             elif self.lease.refused is not None:
                 ending = self.lease.refused  # its step was denied: its answer is not kept
+            elif self.lease.park is not None:
+                ending = self.lease.park  # it waits for a person's yes: parked
             elif self.lease.snooze is not None:
                 ending = self.lease.snooze  # it asked to run later: its answer is not kept
             else:
@@ -951,9 +956,9 @@ class JobSupervisor:
         seen = Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
                         child.stdout_bytes, usage, stderr_tail,
                         sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None,
-                        self.lease.snooze, self.lease.refused)
+                        self.lease.snooze, self.lease.refused, self.lease.park)
         verdict = decide(seen, profile)
-        if isinstance(verdict, Reject | Release | Failure | Snooze):
+        if isinstance(verdict, Reject | Release | Failure | Snooze | Park):
             return verdict
         return failure(FailureKind.BAD_RESULT, "the warm process ended without answering "
                        "the job's request line", stderr_tail=stderr_tail)
@@ -1040,7 +1045,7 @@ class JobSupervisor:
                 digest = await asyncio.get_running_loop().run_in_executor(
                     None, self._output_digest, child, sandbox) if returned else None
                 return Reject(ending, digest)
-            case Release() | Failure() | Snooze():
+            case Release() | Failure() | Snooze() | Park():
                 return verdict
             case Commit():
                 return await self._commit_output(child, sandbox, stderr_tail)
@@ -1051,7 +1056,7 @@ class JobSupervisor:
         return Observed(reason, child.returncode, child.status_lost, child.stdout_overflow,
                         child.stdout_bytes, usage, stderr_tail,
                         sandbox.cgroup is not None and sandbox.cgroup.host.memory is not None,
-                        self.lease.snooze, self.lease.refused)
+                        self.lease.snooze, self.lease.refused, self.lease.park)
 
     async def _commit_output(self, child: Child, sandbox: Sandbox,
                              stderr_tail: str | None) -> Succeeded | Failure:

@@ -4,6 +4,10 @@ POST /v1/approval with the payload's action and summary, then prints what the gu
 answered and whether it took the step: {"status": S, "answer": {...}, "step_taken": bool,
 "attempt": N}. It exits 0 whatever the answer (a denial must still fail the job).
 
+Parked (a 202), it saves a checkpoint and exits; its next attempt, approved, finds
+SIDECAR_APPROVAL and prints {"resumed": APPROVAL, "checkpoint": ..., "step_taken": true,
+"attempt": N, "token": T}.
+
 Payload: {"action": A, "summary": S} or {"probe": [BODY, ...]} (each sent as is; the
 statuses printed: {"statuses": [...]})."""
 import json
@@ -27,11 +31,29 @@ def post(body: bytes) -> tuple[int, dict]:
 
 
 payload = json.load(sys.stdin)
+if os.environ.get("SIDECAR_APPROVAL"):  # parked, approved: the step, with this attempt's token
+    checkpoint = None
+    if os.environ.get("SIDECAR_CHECKPOINT_FILE"):
+        with open(os.environ["SIDECAR_CHECKPOINT_FILE"]) as f:
+            checkpoint = json.load(f)
+    print(json.dumps({"resumed": json.loads(os.environ["SIDECAR_APPROVAL"]),
+                      "checkpoint": checkpoint, "step_taken": True,
+                      "attempt": int(os.environ["SIDECAR_ATTEMPT"]),
+                      "token": int(os.environ["SIDECAR_FENCING_TOKEN"])}))
+    sys.exit(0)
 if "probe" in payload:
     print(json.dumps({"statuses": [post(body.encode())[0] for body in payload["probe"]]}))
     sys.exit(0)
 status, answer = post(json.dumps({"action": payload["action"], "summary": payload["summary"],
                                   "details": payload.get("details", {})}).encode())
+if status == 202:  # parked: save what the next attempt needs, and exit
+    request = urllib.request.Request(
+        os.environ["SIDECAR_GUARD_URL"] + "/v1/checkpoint", method="POST",
+        data=json.dumps({"asked": answer["request_id"]}).encode(),
+        headers={"Authorization": "Bearer " + os.environ["SIDECAR_GUARD_TOKEN"]})
+    opener.open(request, timeout=30).read()
+    print(json.dumps({"parked": answer}))
+    sys.exit(0)
 print(json.dumps({"status": status, "answer": answer,
                   "step_taken": status == 200 and answer.get("approved") is True,
                   "attempt": int(os.environ["SIDECAR_ATTEMPT"])}))

@@ -219,7 +219,8 @@ WITH flow AS (
               -- P12: seconds left of the job's lifetime cap ($4, NULL = none), counted
               -- from its first claim by the database's clock
               extract(epoch FROM j.first_claimed_at + $4::float8 * interval '1 second'
-                      - now())::float8 AS lifetime_remaining, j.session_key
+                      - now())::float8 AS lifetime_remaining, j.session_key,
+              j.approval::text AS approval_text
 ), journal AS (
     INSERT INTO tool_job_events (job_id, fencing_token, event, details)
     SELECT id, fencing_token, 'job_claimed',
@@ -231,11 +232,12 @@ WITH flow AS (
               ELSE '{}'::jsonb END
     FROM claimed
 )
--- The row in tool_job_claim_row's order (session_key last, migration 026).
+-- The row in tool_job_claim_row's order (session_key, migration 026; approval_text last,
+-- migration 031).
 SELECT id, tool, payload_text, fencing_token, attempt, max_attempts, lease_until,
        idempotency_key, previous_state, refunded, lease_remaining, checkpoint_text, stage,
        traceparent, tracestate, lifetime_remaining, NULL::text AS blocked,
-       NULL::float8 AS retry_in, session_key
+       NULL::float8 AS retry_in, session_key, approval_text
 FROM claimed
 UNION ALL
 SELECT * FROM tool_job_claim_flow_many($1, $2, $3, $4, $5, $6) WHERE EXISTS (SELECT FROM flow);
@@ -427,6 +429,58 @@ WITH requeued AS (
     ORDER BY j.n
 )
 SELECT id, run_after FROM requeued;
+
+-- name: park_job_if_owner
+-- The tool asked a person's yes in park mode (issue 44): the job waits for the answer
+-- to request $4 as `waiting`, with neither owner nor lease (its slot freed), its attempt
+-- given back, if this attempt ($1 job, $2 owner, $3 token) still owns it and the request
+-- is still open. Journals job_parked after the attempt's earlier events ($6) with $5.
+-- Returns the request's deadline; none when not the owner or the request is closed.
+WITH parked AS (
+    UPDATE tool_jobs j
+    SET state = 'waiting', owner_id = NULL, lease_until = NULL, attempt = j.attempt - 1
+    FROM tool_approvals a
+    WHERE j.id = $1 AND j.owner_id = $2 AND j.fencing_token = $3
+      AND j.state = 'running' AND j.lease_until > now()
+      AND a.id = $4::uuid AND a.job_id = j.id AND a.state = 'pending'
+    RETURNING j.id, j.fencing_token, a.deadline, a.action
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, at, details)
+    SELECT p.id, p.fencing_token, e.event, e.at, e.details
+    FROM parked p CROSS JOIN LATERAL tool_job_journal_rows(
+        $6::jsonb, 'job_parked',
+        $5::jsonb || jsonb_build_object('request_id', $4::text, 'action', p.action,
+                                        'deadline', p.deadline)) e
+    ORDER BY e.n
+)
+SELECT deadline FROM parked;
+
+-- name: expire_parked_approvals
+-- The fleet's sweep (issue 44): parked jobs whose request got no answer by its deadline
+-- fail approval_expired (not retried), the request expired; journaled approval_expired.
+WITH expired AS (
+    UPDATE tool_approvals a SET state = 'expired'
+    FROM tool_jobs j
+    WHERE a.state = 'pending' AND a.deadline <= now() AND j.id = a.job_id
+      AND j.state = 'waiting' AND j.fencing_token = a.fencing_token
+    RETURNING a.id, a.job_id, a.action, a.deadline
+), failed AS (
+    UPDATE tool_jobs j
+    SET state = 'failed', finished_at = now(),
+        error = jsonb_build_object('kind', 'approval_expired', 'message',
+            format('nobody answered the approval of the step %s by its deadline (%s)',
+                   quote_literal(e.action), e.deadline), 'action', e.action)
+    FROM expired e
+    WHERE j.id = e.job_id
+    RETURNING j.id, j.tool, j.fencing_token, e.id AS request_id, e.deadline
+), journal AS (
+    INSERT INTO tool_job_events (job_id, fencing_token, event, details)
+    SELECT f.id, f.fencing_token, 'approval_expired',
+           jsonb_build_object('request_id', f.request_id, 'deadline', f.deadline,
+                              'parked', true)
+    FROM failed f
+)
+SELECT id, tool, fencing_token FROM failed;
 
 -- name: snooze_job_if_owner
 -- The tool asked to run again in $4 seconds (issue 44, point 3): back to queued with
@@ -752,25 +806,26 @@ ORDER BY created_at DESC, id
 LIMIT $3;
 
 -- name: unfinished_jobs_tagged
--- How many queued or running jobs carry all of $1's tags (sidecar mcp's bound on a
--- principal's unfinished tasks); through tool_jobs_tags_idx. Counts at most $2 + 1.
+-- How many queued, running or waiting jobs carry all of $1's tags (sidecar mcp's bound
+-- on a principal's unfinished tasks); through tool_jobs_tags_idx. Counts at most $2 + 1.
 SELECT count(*) FROM (
   SELECT 1 FROM tool_jobs
-  WHERE tags @> $1::jsonb AND state IN ('queued', 'running')
+  WHERE tags @> $1::jsonb AND state IN ('queued', 'running', 'waiting')
   LIMIT $2::int + 1) AS found;
 
 -- name: unfinished_same_jobs
--- The oldest queued or running jobs (at most $4) of tool $2 with payload $3 whose tags
--- contain $1's (sidecar mcp, issue 41: a call sent again without an idempotency key joins
--- its job); through tool_jobs_tags_idx.
+-- The oldest unfinished jobs (at most $4) of tool $2 with payload $3 whose tags contain
+-- $1's (sidecar mcp, issue 41: a call sent again without an idempotency key joins its
+-- job); through tool_jobs_tags_idx.
 SELECT id, tags FROM tool_jobs
-WHERE tags @> $1::jsonb AND tool = $2 AND state IN ('queued', 'running')
+WHERE tags @> $1::jsonb AND tool = $2 AND state IN ('queued', 'running', 'waiting')
   AND payload = $3::jsonb
 ORDER BY created_at, id
 LIMIT $4::int;
 
 -- name: unfinished_jobs_of_tool
--- --drain waits while any job of the tool is queued or running.
+-- --drain waits while any job of the tool is queued or running (not one parked for a
+-- person's answer, which may take days: another sidecar takes it once answered).
 SELECT count(*) FROM tool_jobs WHERE tool = $1 AND state IN ('queued', 'running');
 
 -- name: expire_lease_if_owner
@@ -1042,7 +1097,7 @@ WITH gone AS (
     WHERE s.state <> 'live' AND s.ended_at < now() - $1::float8 * interval '1 second'
       AND NOT EXISTS (SELECT FROM tool_jobs j
                       WHERE j.tool = s.tool AND j.session_key = s.session_key
-                        AND j.state IN ('queued', 'running'))
+                        AND j.state IN ('queued', 'running', 'waiting'))
     RETURNING 1
 )
 SELECT count(*) FROM gone;

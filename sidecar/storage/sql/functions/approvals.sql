@@ -5,8 +5,10 @@
 -- p_token: approve (p_approve true) or deny, with p_reason (NULL or 1-500 printable
 -- characters) and who answered, p_by (1-256 printable characters). Accepted only while
 -- that request is pending and before its deadline, and that attempt still owns the job
--- (running, its token, its lease not ended): then the request says so and the journal
--- says approval_answered. Otherwise nothing changes but the journal (approval_refused,
+-- (running, its token, its lease not ended) or parked it (waiting, its token): then the
+-- request says so and the journal says approval_answered; a parked job is queued again
+-- with the answer (tool_jobs.approval, the next attempt's SIDECAR_APPROVAL; a sidecar of
+-- its tool woken) or, denied, fails `denied`. Otherwise nothing changes but the journal (approval_refused,
 -- with why: no_request, already_answered, expired, stale_attempt). Returns the outcome:
 -- approved, denied, or the refusal's reason. Callers and the web view may run it
 -- (SECURITY DEFINER); bad input raises 22023 naming the field.
@@ -21,6 +23,7 @@ DECLARE
     v_job tool_jobs;
     v_outcome text;
     v_details jsonb;
+    v_answer jsonb;
 BEGIN
     IF p_job IS NULL OR p_attempt IS NULL OR p_token IS NULL OR p_approve IS NULL THEN
         RAISE EXCEPTION 'an answer names the job, the attempt and the fencing token it '
@@ -46,14 +49,35 @@ BEGIN
                           ELSE 'already_answered' END;
     ELSIF v_request.deadline <= now() THEN
         v_outcome := 'expired';
-    ELSIF v_job.state <> 'running' OR v_job.fencing_token <> p_token
-          OR v_job.lease_until IS NULL OR v_job.lease_until <= now() THEN
+    ELSIF v_job.fencing_token <> p_token
+          OR NOT ((v_job.state = 'running' AND v_job.lease_until > now())
+                  OR v_job.state = 'waiting') THEN
         v_outcome := 'stale_attempt';
     ELSE
         v_outcome := CASE WHEN p_approve THEN 'approved' ELSE 'denied' END;
         UPDATE tool_approvals SET state = v_outcome, answered_at = now(), answered_by = p_by,
                                   reason = p_reason
         WHERE id = v_request.id;
+        IF v_job.state = 'waiting' THEN
+            v_answer := jsonb_strip_nulls(jsonb_build_object(
+                'request_id', v_request.id, 'action', v_request.action,
+                'summary', v_request.summary, 'approved', p_approve, 'by', p_by,
+                'reason', p_reason, 'answered_at', now()));
+            IF p_approve THEN
+                UPDATE tool_jobs SET state = 'queued', run_after = now(), approval = v_answer
+                WHERE id = p_job;
+                PERFORM tool_job_wake(v_job.tool, 1);
+            ELSE
+                UPDATE tool_jobs
+                SET state = 'failed', finished_at = now(), approval = v_answer,
+                    error = jsonb_strip_nulls(jsonb_build_object(
+                        'kind', 'denied', 'action', v_request.action,
+                        'message', format('%s denied the step %s', p_by,
+                                          quote_literal(v_request.action))
+                                   || coalesce(': ' || p_reason, '')))
+                WHERE id = p_job;
+            END IF;
+        END IF;
     END IF;
     v_details := jsonb_strip_nulls(jsonb_build_object(
         'request_id', v_request.id, 'attempt', p_attempt, 'outcome', v_outcome,

@@ -68,12 +68,12 @@ WITH RECURSIVE chain AS (
     UNION
     SELECT id FROM tool_jobs
     WHERE p_tags IS NOT NULL AND tags @> p_tags AND tags <> '{}'::jsonb
-      AND state IN ('queued', 'running')
+      AND state IN ('queued', 'running', 'waiting')
     UNION ALL
     SELECT c.id FROM tool_jobs c JOIN chain ON c.parent_id = chain.id
 ), target AS (
     SELECT j.id, j.state AS previous_state FROM tool_jobs j
-    WHERE j.id IN (SELECT id FROM chain) AND j.state IN ('queued', 'running')
+    WHERE j.id IN (SELECT id FROM chain) AND j.state IN ('queued', 'running', 'waiting')
     FOR UPDATE
 ), cancelled AS (
     UPDATE tool_jobs j

@@ -259,7 +259,7 @@ BEGIN
         RETURNING j.id, j.tool, j.payload::text AS payload_text, j.fencing_token, j.attempt,
                   j.max_attempts, j.lease_until, j.idempotency_key, j.checkpoint::text AS
                   checkpoint_text, j.stage, j.traceparent, j.tracestate,
-                  j.first_claimed_at, j.concurrency_key, j.session_key
+                  j.first_claimed_at, j.concurrency_key, j.session_key, j.approval
     ), journal AS (
         INSERT INTO tool_job_events (job_id, fencing_token, event, details)
         SELECT c.id, c.fencing_token, 'job_claimed',
@@ -283,7 +283,7 @@ BEGIN
            c.checkpoint_text, c.stage, c.traceparent, c.tracestate,
            extract(epoch FROM c.first_claimed_at + p_lifetime * interval '1 second'
                    - now())::float8,
-           NULL::text, NULL::float8, c.session_key
+           NULL::text, NULL::float8, c.session_key, c.approval::text
     FROM claimed c;
 END
 $$;

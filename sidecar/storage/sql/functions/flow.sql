@@ -69,7 +69,7 @@ LANGUAGE sql IMMUTABLE AS $$
     SELECT NULL::uuid, p_tool, NULL::text, NULL::bigint, NULL::integer, NULL::integer,
            NULL::timestamptz, NULL::text, NULL::text, NULL::boolean, NULL::float8,
            NULL::text, NULL::integer, NULL::text, NULL::text, NULL::float8, p_reason,
-           p_retry_in, NULL::text
+           p_retry_in, NULL::text, NULL::text
 $$;
 
 -- Whether a set_tool_limits call ($3: the fields it sets) changes the bucket of the row

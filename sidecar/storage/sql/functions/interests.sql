@@ -90,7 +90,7 @@ BEGIN
         FROM tool_jobs j
         JOIN tool_interests i ON i.interest_key = j.interest_key
         LEFT JOIN ended e ON e.interest_key = j.interest_key
-        WHERE j.interest_key IS NOT NULL AND j.state IN ('queued', 'running')
+        WHERE j.interest_key IS NOT NULL AND j.state IN ('queued', 'running', 'waiting')
           AND (p_key IS NULL OR j.interest_key = p_key)
           AND (e.interest_key IS NOT NULL OR i.state <> 'live' OR i.expires_at <= now())
         FOR UPDATE OF j

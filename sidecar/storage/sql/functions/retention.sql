@@ -9,7 +9,7 @@ LANGUAGE sql STABLE AS $$
             SELECT c.id, c.state FROM tool_jobs c WHERE c.parent_id = job
             UNION ALL
             SELECT c.id, c.state FROM tool_jobs c JOIN later l ON c.parent_id = l.id)
-        SELECT FROM later WHERE later.state IN ('queued', 'running'))
+        SELECT FROM later WHERE later.state IN ('queued', 'running', 'waiting'))
     OR EXISTS (SELECT FROM tool_job_outbox o WHERE o.job_id = job AND o.state = 'pending')
 $$;
 

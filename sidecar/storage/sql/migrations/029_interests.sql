@@ -34,7 +34,7 @@ ALTER TABLE tool_jobs ADD CONSTRAINT tool_jobs_interest_key_check
     CHECK (length(interest_key) BETWEEN 1 AND 256) NOT VALID;
 -- An interest's unfinished calls: what its lapse ends.
 CREATE INDEX tool_jobs_interest_calls_idx ON tool_jobs (interest_key)
-    WHERE interest_key IS NOT NULL AND state IN ('queued', 'running');
+    WHERE interest_key IS NOT NULL AND state IN ('queued', 'running', 'waiting');
 
 DROP FUNCTION IF EXISTS sidecar_enqueue(text, jsonb, text, integer, timestamptz, interval,
                                         jsonb, integer, text, text, text, text, text);
