@@ -389,12 +389,12 @@ async def enqueue_one(conn: asyncpg.Connection, tool: str, payload: str = "{}",
     from sidecar.storage.queries import Q
 
     # The query's JSON parameters are text ($2, $8, $13); $14 an expiry time (none); $15
-    # the concurrency key; $16 the session (none).
+    # the concurrency key; $16 the session, $17 the dedupe policy, $18 the interest (none).
     row = await conn.fetchrow(Q["enqueue_job"], tool, payload, None, None, None,
                               None, None, None, max_attempts, None, None, None,
                               orjson.dumps(details if details is not None
                                            else {"by": "bench"}).decode(), None,
-                              concurrency_key, None)
+                              concurrency_key, None, None, None)
     return row["id"]
 
 

@@ -93,7 +93,8 @@ WRITES: dict[str, set[str]] = {
     # attempt that asked
     "UPDATE tool_approvals SET state = 'approved'": {"worker"},
     "DELETE FROM tool_approvals": {"worker"},
-    "SELECT tool_job_approval_answer($1, 1, 1, true, NULL, 'me')": {"worker", "caller"},
+    "SELECT tool_job_approval_answer($1, 1, 1, true, NULL, 'me')":
+        {"worker", "caller", "web"},
     **{f"TRUNCATE {table}": set() for table in TABLES},
     "INSERT INTO sidecar_schema_migrations (version, name) VALUES (999, 'x')": set(),
     "DELETE FROM sidecar_schema_repeatables": set(),
@@ -303,16 +304,21 @@ def test_the_web_role_reads_and_acts_only_through_the_functions(dsn, roles):
                     "web_jobs_page": (None, None, None, None, None, 51),
                     "web_job": (job,), "web_job_content": (job, "payload", 1000),
                     "web_job_events": (job, 200), "web_job_event_count": (job,),
-                    "web_session_of_job": (job,), "web_sessions": (None, 100)}
+                    "web_session_of_job": (job,), "web_sessions": (None, 100),
+                    "web_open_approval": (job,)}
             assert reads == set(args), "a read of web.py this test does not run"
             for name, values in args.items():
                 await store.web_read(name, *values)
             done = {"get_job", "outbox_of_job", "children", "cancel",
                     "retry_when_acknowledged", "pause", "resume", "web_session",
                     "web_session_create", "web_session_delete", "web_login_lock",
-                    "web_login_failed", "known_tools"}
+                    "web_login_failed", "known_tools", "open_approval", "answer_approval"}
             assert calls == done, "a call of web.py this test does not make"
             await store.get_job(job)
+            # an approval's answer, through its definer function (issue 44)
+            assert await store.open_approval(job) is None
+            assert await store.answer_approval(job, 1, 1, True, None,
+                                               "sidecar web (alice)") == "no_request"
             await store.outbox_of_job(job)
             await store.children(job)
             assert (await store.known_tools("pt", 20))[0] is True  # a pause checks it

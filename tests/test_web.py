@@ -435,13 +435,58 @@ def test_cancel_through_the_page_is_journaled_with_the_principal(world, server, 
     assert "by=sidecar web (alice)" in _text(browser, '#timeline tr[data-event="job_cancelled"]')
 
 
+@pytest.mark.e2e
+def test_an_approval_is_answered_through_the_page_for_the_attempt_that_asked(world, server,
+                                                                             browser):
+    """Issue 44: the job page shows the request a tool waits on (its text escaped), and
+    its approve button answers it naming the attempt and token the page showed; a second
+    answer, or one naming another attempt, is refused and journaled."""
+    from selenium.webdriver.common.by import By
+
+    job, request = str(uuid.uuid4()), str(uuid.uuid4())
+    kit.query(world.dsn, "INSERT INTO tool_jobs (id, tool, idempotency_key, payload, state, "
+                         "owner_id, lease_until, fencing_token, attempt) VALUES ($1, "
+                         "'web-approval', $2, '{}', 'running', 'w-test', now() + "
+                         "interval '1 hour', 3, 2)", uuid.UUID(job), job)
+    kit.query(world.dsn, "INSERT INTO tool_approvals (id, job_id, attempt, fencing_token, "
+                         "action, summary, details, deadline) VALUES ($1, $2, 2, 3, 'refund',"
+                         " 'refund 40 EUR <b id=\"bold\">now</b>', '{\"amount\": 40}', "
+                         "now() + interval '1 hour')", uuid.UUID(request), uuid.UUID(job))
+    _login(browser, server)
+    browser.get(f"{server.url}/jobs/{job}")
+    assert "refund 40 EUR <b id=\"bold\">now</b>" in _text(browser, "#approval")
+    assert not browser.find_elements(By.ID, "bold")
+    assert "attempt 2, fencing token 3" in _text(browser, "#approval")
+    browser.find_element(By.ID, "approve").click()
+    kit.wait_until(lambda: browser.find_elements(By.ID, "confirm"), 10, what="the confirmation")
+    browser.find_element(By.NAME, "reason").send_keys("checked")
+    browser.find_element(By.ID, "confirm").click()
+    kit.wait_until(lambda: browser.find_elements(By.ID, "done"), 10, what="the done banner")
+    assert "approved" in _text(browser, "#done")
+    [row] = kit.query(world.dsn, "SELECT state, answered_by, reason FROM tool_approvals "
+                                 "WHERE id = $1", uuid.UUID(request))
+    assert dict(row) == {"state": "approved", "answered_by": "sidecar web (alice)",
+                         "reason": "checked"}
+    bearer = {"Authorization": f"Bearer {ALICE}"}
+    for fields in ({"attempt": "2", "token": "3"}, {"attempt": "1", "token": "1"}):
+        status, _, headers = _post(f"{server.url}/jobs/{job}/deny", fields, headers=bearer)
+        assert status == 303 and headers["Location"].endswith("done=refused"), fields
+    status, body, _ = _post(f"{server.url}/jobs/{job}/approve", {"attempt": "x", "token": "3"},
+                            headers=bearer)
+    assert status == 400 and body.startswith("form field attempt")
+    outcomes = [d["outcome"] for d in kit.journal_details(world.dsn, job, "approval_refused")]
+    assert outcomes == ["already_answered", "no_request"]
+    [answered] = kit.journal_details(world.dsn, job, "approval_answered")
+    assert answered["by"] == "sidecar web (alice)" and answered["attempt"] == 2
+
+
 # --- plain HTTP: refusals and bounds --------------------------------------------------------
 
 @pytest.mark.e2e
 def test_a_read_only_server_refuses_every_action(world, readonly):
     job = world.jobs["queued"]
-    for path in (f"/jobs/{job}/cancel", f"/jobs/{job}/retry", "/tools/web-idle/pause",
-                 "/login"):
+    for path in (f"/jobs/{job}/cancel", f"/jobs/{job}/retry", f"/jobs/{job}/approve",
+                 f"/jobs/{job}/deny", "/tools/web-idle/pause", "/login"):
         status, body, _ = _post(readonly.url + path, headers={
             "Authorization": f"Bearer {ALICE}"})
         assert status == 403 and body.startswith("read-only"), (path, status, body)

@@ -131,6 +131,10 @@ DONE = {
     "paused": "The tool is paused: no claim starts until it is resumed.",
     "resumed": "The tool is resumed: its idle sidecars were woken.",
     "nothing": "Nothing was changed: the job or tool was not in a state the action takes.",
+    "approved": "The step was approved for the attempt that asked.",
+    "denied": "The step was denied: the job fails denied.",
+    "refused": "The answer was refused and journaled: the request was answered already, "
+               "expired, or the attempt that asked no longer owns the job.",
 }
 
 
@@ -476,7 +480,7 @@ def _require_admin(request: web.Request, form: dict[str, str]) -> str:
 def _plain(status: int, line: str) -> web.HTTPException:
     """An HTTP error whose body is one line of text."""
     kinds = {400: web.HTTPBadRequest, 401: web.HTTPUnauthorized, 403: web.HTTPForbidden,
-             404: web.HTTPNotFound, 429: web.HTTPTooManyRequests,
+             404: web.HTTPNotFound, 409: web.HTTPConflict, 429: web.HTTPTooManyRequests,
              503: web.HTTPServiceUnavailable}
     return kinds[status](text=line + "\n", content_type="text/plain")
 
@@ -686,10 +690,12 @@ async def job_page(request: web.Request) -> web.Response:
     children = await state.store.children(job_id)
     session = await state.store.web_read("web_session_of_job", job_id, method="fetchrow") \
         if job["session_key"] is not None else None
+    approval = await state.store.web_read("web_open_approval", job_id, method="fetchrow") \
+        if job["state"] in ("running", "waiting") else None
     error = job["error"] if isinstance(job["error"], dict) else None
     return _render(
         request, "job.html", job=job, error=error, timeline=timeline, total_events=total,
-        session=session,
+        session=session, approval=approval,
         forwarding=forwarding, children=children, show=show, content=content,
         content_limit=MAX_CONTENT_CHARS, deadline_s=_stage_deadline(state.settings,
                                                                     job["tool"]),
@@ -698,7 +704,8 @@ async def job_page(request: web.Request) -> web.Response:
 
 # --- actions (admin) ------------------------------------------------------------------------
 
-JOB_ACTIONS = {"cancel": "Cancel", "retry": "Retry"}
+JOB_ACTIONS = {"cancel": "Cancel", "retry": "Retry", "approve": "Approve the step of",
+               "deny": "Deny the step of"}
 TOOL_ACTIONS = {"pause": "Pause", "resume": "Resume"}
 
 
@@ -715,13 +722,24 @@ async def confirm_page(request: web.Request) -> web.Response:
         if job is None:
             raise _plain(404, f"no job {target}")
         detail = f"{job['tool']}, {job['state']}, attempt {job['attempt']}"
+        if action in ("approve", "deny"):
+            # The answer names the request this page shows: its attempt and token.
+            asked = await state.store.open_approval(uuid.UUID(target))
+            if asked is None:
+                raise _plain(409, f"job {target} waits on no approval request now")
+            who, _ = principal(request)
+            if who is None:
+                raise web.HTTPSeeOther("/login?" + urlencode({"next": request.path}))
+            return _render(request, "confirm.html", action=action, kind=kind,
+                           target=target, detail=f"{asked['action']}: {asked['summary']}",
+                           label=JOB_ACTIONS[action], asked=asked)
     else:
         target, kind, detail = _tool(request), "tool", ""
     who, _ = principal(request)
     if who is None:
         raise web.HTTPSeeOther("/login?" + urlencode({"next": request.path}))
     return _render(request, "confirm.html", action=action, kind=kind, target=target,
-                   detail=detail, label=(JOB_ACTIONS | TOOL_ACTIONS)[action])
+                   detail=detail, label=(JOB_ACTIONS | TOOL_ACTIONS)[action], asked=None)
 
 
 def _by(who: str) -> str:
@@ -735,6 +753,15 @@ async def job_action(request: web.Request) -> web.Response:
     state = request.app[STATE]
     job_id = _job_id(request)
     action = request.match_info["action"]
+    if action in ("approve", "deny"):
+        attempt, token = _form_int(form, "attempt"), _form_int(form, "token")
+        reason = form.get("reason") or None
+        outcome = await state.store.answer_approval(job_id, attempt, token,
+                                                    action == "approve", reason, _by(who))
+        changed = outcome in ("approved", "denied")
+        log_mod.log.emit("web_action", action=action, principal=who, job_id=str(job_id),
+                         changed=changed, outcome=outcome)
+        raise web.HTTPSeeOther(f"/jobs/{job_id}?done={outcome if changed else 'refused'}")
     if action == "cancel":
         changed = bool(await state.store.cancel(job_id, by=_by(who)))
         done = "cancelled"
@@ -746,6 +773,14 @@ async def job_action(request: web.Request) -> web.Response:
     log_mod.log.emit("web_action", action=action, principal=who, job_id=str(job_id),
                      changed=changed)
     raise web.HTTPSeeOther(f"/jobs/{job_id}?done={done if changed else 'nothing'}")
+
+
+def _form_int(form: dict[str, str], name: str) -> int:
+    """A form field that must be a whole number (an approval's attempt and token)."""
+    text = form.get(name, "")
+    if not text.isascii() or not text.isdigit() or len(text) > 18:
+        raise BadInput(f"form field {name}: a whole number (the request's {name})")
+    return int(text)
 
 
 async def tool_action(request: web.Request) -> web.Response:
@@ -922,8 +957,8 @@ def make_app(store: OperatorStore, settings: Settings, admin_tokens: dict[str, s
     app.router.add_get("/jobs", jobs_page)
     app.router.add_get("/sessions", sessions_page)
     app.router.add_get("/jobs/{job_id}", job_page)
-    app.router.add_get("/jobs/{job_id}/{action:cancel|retry}", confirm_page)
-    app.router.add_post("/jobs/{job_id}/{action:cancel|retry}", job_action)
+    app.router.add_get("/jobs/{job_id}/{action:cancel|retry|approve|deny}", confirm_page)
+    app.router.add_post("/jobs/{job_id}/{action:cancel|retry|approve|deny}", job_action)
     app.router.add_get("/tools/{tool}/{action:pause|resume}", confirm_page)
     app.router.add_post("/tools/{tool}/{action:pause|resume}", tool_action)
     app.router.add_get("/login", login_page)

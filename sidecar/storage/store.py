@@ -277,6 +277,25 @@ class JobAccess(StoreBase):
     """What a caller and an operator both do to jobs: read one, list them, cancel them
     (CallerStore and OperatorStore have it; the worker's store has not)."""
 
+    # --- approvals (issue 44, point 1; migration 030) -----------------------------------
+
+    async def open_approval(self, job_id: uuid.UUID) -> asyncpg.Record | None:
+        """The job's open approval request (``id, job_id, attempt, fencing_token, action,
+        summary, details, asked_at, deadline``), or None."""
+        return await self.db.fetchrow(Q["open_approval_of_job"], job_id, timeout=self.timeout)
+
+    async def answer_approval(self, job_id: uuid.UUID, attempt: int, token: int, approve: bool,
+                              reason: str | None, by: str) -> str:
+        """Answer the request of ``job_id`` asked by ``attempt`` with fencing ``token``:
+        ``approved`` or ``denied`` when taken, else why it was refused (``no_request``,
+        ``already_answered``, ``expired``, ``stale_attempt``), journaled either way.
+        UsageError for a bad reason or ``by``."""
+        try:
+            return await self.db.fetchval(Q["answer_approval"], job_id, attempt, token, approve,
+                                          reason, by, timeout=self.timeout)
+        except asyncpg.InvalidParameterValueError as exc:
+            raise UsageError(exc.args[0] if exc.args else str(exc)) from None
+
     # --- jobs ---------------------------------------------------------------------
 
     async def get_job(self, job_id: uuid.UUID) -> dict[str, Any] | None:

@@ -1212,6 +1212,12 @@ SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, atte
        octet_length(checkpoint::text) AS checkpoint_bytes
 FROM tool_jobs WHERE id = $1;
 
+-- name: web_open_approval
+-- Issue 44: the approval request job $1's tool waits on, for its page (no row: none).
+SELECT id, attempt, fencing_token, action, summary, details, asked_at, deadline,
+       extract(epoch FROM deadline - now())::float8 AS left_s
+FROM tool_approvals WHERE job_id = $1 AND state = 'pending';
+
 -- name: web_session_of_job
 -- Issue 43: the agent session of job $1 for its page (no row: none, or not started yet).
 SELECT s.session_key, s.state, s.owner_id, s.generation, s.calls, s.started_at,

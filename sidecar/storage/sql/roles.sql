@@ -164,6 +164,7 @@ UNION ALL
 (SELECT format('GRANT EXECUTE ON FUNCTION %s TO %I', p.oid::regprocedure, $1::text)
  FROM pg_proc p
  WHERE p.pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())
-   AND p.proname IN ('tool_job_cancel', 'tool_job_retry', 'tool_flow_pause',
+   AND p.proname IN ('tool_job_cancel', 'tool_job_retry', 'tool_job_approval_answer',
+                     'tool_flow_pause',
                      'tool_flow_resume', 'tool_job_expire')
  ORDER BY p.oid::regprocedure::text);
