@@ -384,6 +384,14 @@ def cmd_show(args, settings: Settings) -> int:
     return 0
 
 
+def _interest_ttl(text: str) -> float:
+    """``--interest-ttl``: 1 s to 1 day."""
+    seconds = parsing.parse_duration(text, "--interest-ttl", 86400.0, positive=True)
+    if seconds < 1.0:
+        raise UsageError(f"--interest-ttl {text}: from 1s to 1d, e.g. 2m")
+    return seconds
+
+
 def cmd_interest(args, settings: Settings) -> int:
     """Hold (or renew) a caller's interest for ``--ttl`` from now, for shells (issue 44,
     point 2): run it again before the ttl ends for as long as the calls enqueued with
@@ -825,7 +833,8 @@ def cmd_mcp(args, settings: Settings) -> int:
             positive=True),
         allowed_hosts=tuple(args.allowed_host or ()),
         allowed_origins=tuple(args.allowed_origin or ()),
-        secret=mcp_catalog.load_secret(settings.mcp_secret_file, settings.mcp_token_file))
+        secret=mcp_catalog.load_secret(settings.mcp_secret_file, settings.mcp_token_file),
+        interest_seconds=_interest_ttl(args.interest_ttl))
     mcp_gateway.check_catalog(catalog)  # each schema valid in its draft, before any I/O
 
     return run_async(settings, mcp_gateway.serve(settings, catalog, options, stdio=args.stdio,
@@ -1262,6 +1271,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-request-bytes", type=_int_from(1024, 64 * 1024 * 1024),
                    default=1024 * 1024, metavar="N",
                    help="largest HTTP request body (default 1048576)")
+    p.add_argument("--interest-ttl", default="2m", metavar="DURATION",
+                   help="a call stops once its client shows no sign this long: no request "
+                        "of its MCP session, no poll of its task, its own request gone "
+                        "(1s to 1d; docs/mcp.md)")
     p.add_argument("--start-deadline", default="10m", metavar="DURATION",
                    help="a call's job that has not started this long after the call ends "
                         "failed, kind expired, and the call returns that error (default "

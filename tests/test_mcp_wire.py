@@ -348,3 +348,53 @@ def test_a_dropped_stream_is_resumed_from_the_job_on_another_replica(
     [answer] = [orjson.loads(e["data"]) for e in events if e.get("data")]
     assert answer["id"] == 5 and answer["result"]["structuredContent"]["done"] is True, answer
     assert scalar(dsn, "SELECT count(*) FROM tool_job_events WHERE event = 'job_claimed'") == 1
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_a_task_nobody_polls_any_more_stops_and_one_still_polled_runs_on(
+        dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """Issue 44, point 2: an MCP call belongs to an interest its client renews by its
+    signs (here: polling its task). Two tasks run; the client keeps polling one and walks
+    away from the other: after --interest-ttl the abandoned one is cancelled through the
+    fenced path (kind abandoned_by_caller, its tree killed), the polled one runs on."""
+    env = _gateway_env(dsn, tmp_path, SIDECAR_POLL_SECONDS="0.5")
+    sidecars(dsn, [str(TOOLS / "progress_tool.py")], "--tool", "pt", "--concurrency", "2",
+             env=env)
+    g = gateway("--interest-ttl", "2s")
+    release = tmp_path / "release"
+
+    async def main():
+        async with g.client(extensions=[TasksExtension()]) as client:
+            kept = await client.session.call_tool(
+                "pt", {"steps": [{"wait_for": str(release)}]}, allow_claimed=True)
+            left = await client.session.call_tool(
+                "pt", {"steps": [{"wait_for": str(release)}]}, allow_claimed=True)
+            ids = {}
+            for handle, name in ((kept, "kept"), (left, "left")):
+                ids[name] = (await get_task(client.session, handle.task_id))["taskId"]
+            jobs = {}
+            for name, task in ids.items():
+                rows = await asyncio.to_thread(
+                    query, dsn, "SELECT id FROM tool_jobs WHERE tags->>'mcp.task' = $1", task)
+                jobs[name] = rows[0]["id"]
+            for _ in range(60):  # 6 s or more: three times the ttl, polling one task only
+                await get_task(client.session, kept.task_id)
+                left = await asyncio.to_thread(job_row, dsn, jobs["left"])
+                if left["state"] == "cancelled":
+                    break
+                await asyncio.sleep(0.1)
+            kept_task = await get_task(client.session, kept.task_id)
+            return jobs, kept_task
+
+    try:
+        jobs, kept_task = asyncio.run(main())
+    finally:
+        release.touch()
+    left = job_row(dsn, jobs["left"])
+    assert left["state"] == "cancelled" and left["error"]["kind"] == "abandoned_by_caller"
+    assert kept_task["status"] == "working", kept_task
+    wait_until(lambda: job_row(dsn, jobs["kept"])["state"] == "succeeded", 60,
+               what="the polled task's job")
+    assert scalar(dsn, "SELECT count(*) FROM tool_job_events WHERE event = 'interest_lapsed' "
+                       "AND job_id = $1", jobs["left"]) == 1

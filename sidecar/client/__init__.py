@@ -161,6 +161,7 @@ class Job:
     fencing_token: int
     heartbeat_at: dt.datetime | None
     checkpoint: Any
+    interest_key: str | None = None  # the caller's interest it belongs to (issue 44)
 
     @property
     def finished(self) -> bool:
@@ -426,6 +427,13 @@ class Client:
         return JobRef(uuid.UUID(str(job_id)), bool(created))
 
     # --- interest (issue 44, point 2) ---------------------------------------------
+
+    async def hold_interest(self, key: str, ttl: float, holder: str | None = None) -> None:
+        """Hold or renew the interest ``key`` for ``ttl`` seconds (1 s to 1 day) from now,
+        once: what ``interest`` does in its block, for a caller that renews on its own
+        schedule (the MCP gateway renews on its clients' requests). UsageError for a bad
+        key, ttl or holder."""
+        await self._opened().hold_interest(key, ttl, holder)
 
     @contextlib.asynccontextmanager
     async def interest(self, key: str, ttl: float | dt.timedelta = 30.0, *,

@@ -195,6 +195,14 @@ def agent_session_key(secret: bytes, principal: str, session_id: str | None) -> 
     return f"mcp:{_mac(secret, ['session', principal, session_id])}"
 
 
+def interest_key(secret: bytes, principal: str, owner: list[str]) -> str:
+    """The interest (issue 44; docs/callers.md "Interest") an MCP call belongs to: its
+    client's MCP session, else its task, else its request (``owner``: ``["session", id]``,
+    ``["task", id]`` or ``["call", random]``), scoped to the principal. A MAC under
+    ``secret``: the session id (a bearer value) is never stored."""
+    return f"mcp:{_mac(secret, ['interest', principal, *owner])}"
+
+
 def client_idempotency_key(secret: bytes, principal: str, key: str) -> str:
     """A key the client gave (in ``_meta``), scoped to its principal: two principals
     using the same key get two jobs, and neither can reach the other's through it; keyed

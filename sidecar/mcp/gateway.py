@@ -32,6 +32,7 @@ import hashlib
 import logging
 import re
 import secrets
+import time
 import uuid
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -93,6 +94,13 @@ SSE_RETRY_MS = 1000
 CANCEL_BOUND_SECONDS = 10.0
 
 
+# An MCP call's interest lives this long without a sign of its client (seconds).
+DEFAULT_INTEREST_SECONDS = 120.0
+# Interests one replica remembers it renewed (an LRU bound; a forgotten one is renewed
+# again at its next sign).
+INTEREST_MEMORY = 4096
+
+
 @dataclass(frozen=True)
 class GatewayOptions:
     """How ``sidecar mcp`` serves: ``max_calls_per_principal`` (calls in flight at once
@@ -115,6 +123,9 @@ class GatewayOptions:
     # What the gateway's mcp.* tags and mcp: keys are signed with
     # (sidecar.mcp.catalog.gateway_secret); empty: a random one per process.
     secret: bytes = b""
+    # Issue 44: how long a call's interest lives without a sign of its client (a request
+    # of its session, a poll of its task, or its own request still waiting), seconds.
+    interest_seconds: float = DEFAULT_INTEREST_SECONDS
 
 
 class Gateway:
@@ -133,6 +144,8 @@ class Gateway:
         self.principal_of = principal_of
         self.secret = options.secret or mcp_catalog.gateway_secret(None)
         self.in_flight: dict[str, int] = {}
+        # interest key -> monotonic time this replica last renewed it (issue 44)
+        self._renewed: dict[str, float] = {}
         # How results carry exact numbers: marked for ExactWire over HTTP (build_http_app
         # sets it), plain ints and floats over stdio (sidecar.mcp.wire).
         self.marks: wire.Marks | None = None
@@ -178,13 +191,14 @@ class Gateway:
         key = self._idempotency_key(ctx, principal, meta)
         dedupe = _dedupe(meta)
         as_task = _wants_task(ctx)
+        task_id = secrets.token_urlsafe(24) if as_task else None
         with self._slot(principal):
             tags = {"mcp.principal": principal, "mcp.tool_call": _tag_id(ctx.request_id)}
             if session := _session_id(ctx):
                 tags["mcp.session"] = session[:256]
             if as_task:  # the task id: 192 random bits, not the job id
                 await self._check_task_bound(principal)
-                tags["mcp.task"] = secrets.token_urlsafe(24)
+                tags["mcp.task"] = task_id
                 tags["mcp.kind"] = "task"
             tags = mcp_catalog.sign_tags(self.secret, tags)
             try:
@@ -192,11 +206,12 @@ class Gateway:
                 if key is None and not as_task:  # no session: a retry finds its job
                     ref = await self._unfinished_call(tool.name, tags, arguments)
                 if ref is None:
+                    interest = await self._hold_call_interest(ctx, principal, task_id)
                     ref = await self.client.enqueue(
                         tool.name, arguments, idempotency_key=key, tags=tags,
                         expires_in=self.options.start_deadline_seconds, gateway_tags=True,
                         session=self._agent_session(tool.name, principal, ctx),
-                        dedupe=dedupe)
+                        dedupe=dedupe, interest=interest)
             except IdempotencyConflict as exc:
                 raise MCPError(code=INVALID_PARAMS,
                                message=_conflict(str(exc), meta, key)) from None
@@ -230,8 +245,67 @@ class Gateway:
         return masking.mask_database(one_line(str(exc)), dsns)
 
     async def _clear_validation(self, ctx: Any, call_next: Any) -> Any:
-        """Server middleware (_clear_validation), its database errors masked (_said)."""
+        """Server middleware (_clear_validation), its database errors masked (_said); a
+        request of an MCP session whose calls this replica holds an interest for renews
+        it (issue 44: the client is still there)."""
+        session = _session_id(ctx)
+        if session:
+            known = mcp_catalog.interest_key(self.secret, self.principal_of(ctx),
+                                             ["session", session])
+            if known in self._renewed:
+                await self._renew(known)
         return await _clear_validation(ctx, call_next, self._said)
+
+    # --- interests (issue 44, point 2) ---------------------------------------------
+
+    async def _hold_call_interest(self, ctx: Any, principal: str,
+                                  task_id: str | None) -> str:
+        """The interest a new call belongs to, held now: its MCP session's, else its
+        task's, else its own request's. Renewed while its client shows signs (a request
+        of the session, a poll of the task, the request itself still waiting); once they
+        stop for interest_seconds, the call stops (its sidecar kills its tree)."""
+        session = _session_id(ctx)
+        owner = ["session", session] if session else \
+            ["task", task_id] if task_id else ["call", secrets.token_urlsafe(18)]
+        key = mcp_catalog.interest_key(self.secret, principal, owner)
+        await self._renew(key, force=True)
+        return key
+
+    async def _renew(self, key: str | None, force: bool = False) -> None:
+        """Renew interest ``key`` for interest_seconds, at most every third of it per
+        replica (``force``: now). A database error is left to the next sign: the ttl is
+        the slack."""
+        if key is None:
+            return
+        ttl = self.options.interest_seconds
+        now = time.monotonic()
+        last = self._renewed.get(key)
+        if not force and last is not None and now - last < ttl / 3:
+            return
+        try:
+            await self.client.hold_interest(key, ttl, "sidecar mcp")
+        except (SidecarError, *db.DATABASE_ERRORS) as exc:
+            if force:
+                raise
+            log.warning("mcp: renewing an interest failed: %s", one_line(str(exc)))
+            return
+        self._renewed.pop(key, None)
+        self._renewed[key] = now
+        while len(self._renewed) > INTEREST_MEMORY:
+            self._renewed.pop(next(iter(self._renewed)))
+
+    async def _keep_interest(self, job_id: uuid.UUID) -> None:
+        """While a request waits for job ``job_id``, renew the interest it belongs to
+        (its client is connected); until cancelled."""
+        try:
+            key = (await self.client.get(job_id)).interest_key
+        except (SidecarError, *db.DATABASE_ERRORS):
+            return
+        if key is None:
+            return
+        while True:
+            await self._renew(key)
+            await asyncio.sleep(self.options.interest_seconds / 3)
 
     async def _unfinished_call(self, tool: str, tags: Mapping[str, str],
                                arguments: Any) -> JobRef | None:
@@ -292,6 +366,7 @@ class Gateway:
         """``_follow``; a cancelled request cancels the job (``cancel_on_cancel``, unless
         the gateway is stopping); losing sight of the job (the database away longer than
         the waiter's reconnects) is INTERNAL_ERROR saying the job goes on."""
+        keeper = asyncio.create_task(self._keep_interest(job_id))
         try:
             return await self._follow(ctx, job_id, progress_token)
         except asyncio.CancelledError:
@@ -307,6 +382,8 @@ class Gateway:
                 f"the gateway lost sight of job {job_id}, which goes on; ask again (the "
                 f"same request or task) to wait for it: {self._said(exc)[:200]}")) \
                 from None
+        finally:
+            keeper.cancel()
 
     async def _follow(self, ctx: Any, job_id: uuid.UUID,
                       progress_token: str | int | None) -> JobEnd:
@@ -424,6 +501,7 @@ class Gateway:
 
     async def _task_get(self, ctx: Any, params: TaskParams) -> dict[str, Any]:
         job = await self._own_task(ctx, params.task_id)
+        await self._renew(job.interest_key)  # its client still polls it
         task = self._task(job)
         if job.state == "queued":  # why it waits (one statement; ends it if expired)
             reason = await self.client.waiting_reason(job.id)

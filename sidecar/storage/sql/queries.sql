@@ -786,7 +786,8 @@ SELECT state, owner_id, fencing_token FROM tool_jobs WHERE id = $1;
 SELECT id, tool, state, owner_id, lease_until, fencing_token, heartbeat_at, attempt,
        max_attempts, idempotency_key, payload, result, error, run_after, created_at,
        first_claimed_at, finished_at, parent_id, stage, checkpoint, priority, expires_at, tags,
-       traceparent, tracestate, progress, concurrency_key, session_key
+       traceparent, tracestate, progress, concurrency_key, session_key, interest_key,
+       snoozes, key_held, key_frees_after
 FROM tool_jobs WHERE id = $1;
 
 -- name: job_events
