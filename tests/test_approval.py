@@ -19,6 +19,7 @@ from pathlib import Path
 import asyncpg
 import orjson
 import pytest
+from test_mcp_gateway import gateway  # noqa: F401 - the fixture
 
 from kit import SidecarProcess, base_env, cli, enqueue, job_row, query, run, wait_until
 from sidecar.client import Client
@@ -278,3 +279,63 @@ def test_a_parked_job_denied_fails_at_once_and_one_unanswered_expires(dsn, tmp_p
     assert row["error"]["kind"] == "denied" and row["approval"]["approved"] is False
     row = job_row(dsn, silent)
     assert row["error"]["kind"] == "approval_expired" and row["attempt"] == 0
+
+
+# --- through the MCP gateway ----------------------------------------------------------
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_an_mcp_client_is_asked_by_elicitation_and_a_task_shows_input_required(
+        dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """A client that declares elicitation is asked while its call waits, and its answer
+    is the job's, for the attempt that asked, journaled with its principal. A task of a
+    client that cannot be asked says input_required with the request until someone
+    answers (here `sidecar approve`)."""
+    import mcp_types as types
+    from test_mcp_gateway import _gateway_env
+
+    from sidecar.mcp.tasks import TasksExtension, get_task
+
+    env = _gateway_env(dsn, tmp_path, SIDECAR_PROFILE_PT_APPROVAL_WAIT_SECONDS="60")
+    sidecars(dsn, TOOL, "--tool", "pt", "--concurrency", "2", env=env)
+    g = gateway()
+    asked: list[str] = []
+
+    async def answer(context, params):
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"approve": True,
+                                                            "reason": "looks right"})
+
+    async def main():
+        async with g.client(elicitation_callback=answer, mode="legacy") as client:
+            called = await client.call_tool("pt", {"steps": []})
+        async with g.client(extensions=[TasksExtension()]) as client:
+            handle = await client.session.call_tool("pt", {"steps": []}, allow_claimed=True)
+            for _ in range(300):
+                task = await get_task(client.session, handle.task_id)
+                if task["status"] == "input_required":
+                    break
+                await asyncio.sleep(0.1)
+            rows = await asyncio.to_thread(
+                query, dsn, "SELECT job_id FROM tool_approvals WHERE state = 'pending'")
+            done = await asyncio.to_thread(cli, dsn, "approve", str(rows[0]["job_id"]),
+                                           "--reason", "ok", env=env)
+            for _ in range(300):
+                finished = await get_task(client.session, handle.task_id)
+                if finished["status"] == "completed":
+                    break
+                await asyncio.sleep(0.1)
+            return called, task, done, finished
+
+    called, task, done, finished = asyncio.run(main())
+    assert asked and "'refund'" in asked[0] and "refund 40 EUR to c-1048" in asked[0]
+    assert called.structured_content["step_taken"] is True, called
+    assert called.structured_content["answer"]["by"] == "sidecar mcp (alice)"
+    assert called.structured_content["answer"]["reason"] == "looks right"
+    assert task["status"] == "input_required" and "sidecar approve" in task["statusMessage"]
+    assert done.returncode == 0, done.stderr.decode()
+    assert finished["status"] == "completed", finished
+    answered = query(dsn, "SELECT details FROM tool_job_events WHERE event = "
+                          "'approval_answered' ORDER BY id")
+    assert [a["details"]["by"].split(" (")[0] for a in answered] == ["sidecar mcp",
+                                                                     "sidecar approve"]

@@ -615,6 +615,13 @@ class Client:
                                       by[:200] if by else None)
         return await store.cancel(_job_id(job_id), by=by[:200] if by else None)
 
+    async def approval_request(self, job_id: JobId) -> dict[str, Any] | None:
+        """The approval request the job's tool waits on now (issue 44): ``id, job_id,
+        attempt, fencing_token, action, summary, details, asked_at, deadline``; None when
+        there is none."""
+        row = await self._opened().open_approval(_job_id(job_id))
+        return dict(row) if row is not None else None
+
     async def approve(self, job_id: JobId, *, approve: bool = True, reason: str | None = None,
                       attempt: int | None = None, token: int | None = None,
                       by: str = "sidecar.client") -> str:

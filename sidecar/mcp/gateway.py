@@ -81,8 +81,13 @@ TASK_POLL_MS = 1000
 # tasks/list: the newest tasks of the principal, at most this many.
 TASK_LIST_LIMIT = 100
 TASK_ID = re.compile(r"[A-Za-z0-9_-]{32}")
-_TASK_STATUS = {"queued": "working", "running": "working", "succeeded": "completed",
-                "failed": "completed", "cancelled": "cancelled"}
+_TASK_STATUS = {"queued": "working", "running": "working", "waiting": "input_required",
+                "succeeded": "completed", "failed": "completed", "cancelled": "cancelled"}
+# What a client is asked when a call's tool waits for a person's yes (issue 44).
+APPROVAL_SCHEMA = {"type": "object", "properties": {
+    "approve": {"type": "boolean", "title": "Approve this step"},
+    "reason": {"type": "string", "title": "Why", "maxLength": 500}},
+    "required": ["approve"]}
 # Defaults of the command's bounds.
 DEFAULT_MAX_CALLS_PER_PRINCIPAL = 64
 DEFAULT_MAX_REQUEST_BYTES = 1024 * 1024
@@ -392,15 +397,23 @@ class Gateway:
         message) as ``notifications/progress``, whose ``progress`` only grows
         (wire.ProgressClock)."""
         clock = wire.ProgressClock()
-        async for event in self.client.follow(job_id, reasons=progress_token is not None):
-            if isinstance(event, JobEnd):
-                return event
-            if progress_token is not None and isinstance(event, JobProgress):
-                value = 0.0 if event.waiting is not None else event.value
-                progress, total = clock.next(value, event.attempt)
-                await ctx.session.send_progress_notification(
-                    progress_token, progress, total=total, message=event.message,
-                    related_request_id=_text_id(ctx.request_id))
+        asking = _Elicitations(self, ctx, job_id) if _can_elicit(ctx) else None
+        try:
+            async for event in self.client.follow(job_id,
+                                                  reasons=progress_token is not None):
+                if isinstance(event, JobEnd):
+                    return event
+                if asking is not None and isinstance(event, JobProgress):
+                    await asking.check()
+                if progress_token is not None and isinstance(event, JobProgress):
+                    value = 0.0 if event.waiting is not None else event.value
+                    progress, total = clock.next(value, event.attempt)
+                    await ctx.session.send_progress_notification(
+                        progress_token, progress, total=total, message=event.message,
+                        related_request_id=_text_id(ctx.request_id))
+        finally:
+            if asking is not None:
+                await asking.close()
         raise MCPError(code=INTERNAL_ERROR, message=f"job {job_id}: its events ended early")
 
     async def replay(self, session_id: str, request: str) -> dict[str, Any] | None:
@@ -503,6 +516,14 @@ class Gateway:
         job = await self._own_task(ctx, params.task_id)
         await self._renew(job.interest_key)  # its client still polls it
         task = self._task(job)
+        if job.state in ("running", "waiting"):  # its tool waits for a person's yes
+            request = await self.client.approval_request(job.id)
+            if request is not None:
+                task["status"] = "input_required"
+                task["statusMessage"] = (
+                    f"waiting for a person's yes before the step {request['action']!r}: "
+                    f"{request['summary']} (answer with sidecar approve {job.id}, "
+                    f"attempt {request['attempt']}, token {request['fencing_token']})")
         if job.state == "queued":  # why it waits (one statement; ends it if expired)
             reason = await self.client.waiting_reason(job.id)
             if reason is not None:
@@ -561,6 +582,81 @@ class TaskParams(types.RequestParams):
     """Params of tasks/get, tasks/result and tasks/cancel: ``taskId``."""
 
     task_id: str
+
+
+def _can_elicit(ctx: Any) -> bool:
+    """Whether the client of this request declared the elicitation capability."""
+    check = getattr(getattr(ctx, "session", None), "check_client_capability", None)
+    if check is None:
+        return False
+    try:
+        return bool(check(types.ClientCapabilities(elicitation=types.ElicitationCapability())))
+    except Exception:  # noqa: BLE001 - a client we cannot read is asked nothing
+        return False
+
+
+class _Elicitations:
+    """The approval requests (issue 44, point 1) of the job a tools/call waits on, put to
+    its client as elicitation/create requests, each once: the answer it gives (accept with
+    approve true or false, or decline) is the job's answer, named for the attempt and
+    fencing token that asked and journaled with the principal; a cancelled elicitation
+    leaves the request open for another answer path (sidecar approve, the web view)."""
+
+    def __init__(self, gateway: Gateway, ctx: Any, job_id: uuid.UUID):
+        self.gateway, self.ctx, self.job_id = gateway, ctx, job_id
+        self.asked: set[str] = set()
+        self.tasks: set[asyncio.Task] = set()
+
+    async def check(self) -> None:
+        """Ask the client about the job's open request, if any and not asked yet."""
+        try:
+            request = await self.gateway.client.approval_request(self.job_id)
+        except (SidecarError, *db.DATABASE_ERRORS):
+            return
+        if request is None or str(request["id"]) in self.asked:
+            return
+        self.asked.add(str(request["id"]))
+        task = asyncio.create_task(self._ask(request))
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def _ask(self, request: dict[str, Any]) -> None:
+        gateway, ctx = self.gateway, self.ctx
+        principal = gateway.principal_of(ctx)
+        try:
+            answer = await ctx.session.elicit_form(
+                f"The tool asks your yes before the step {request['action']!r}: "
+                f"{request['summary']}", APPROVAL_SCHEMA,
+                related_request_id=_text_id(ctx.request_id))
+        except Exception as exc:  # noqa: BLE001 - no answer here: the request stays open
+            log.info("mcp: elicitation for job %s got no answer: %s", self.job_id,
+                     one_line(str(exc))[:200])
+            return
+        content = answer.content if isinstance(answer.content, dict) else {}
+        if answer.action == "accept" and isinstance(content.get("approve"), bool):
+            approve, reason = content["approve"], content.get("reason")
+        elif answer.action == "decline":
+            approve, reason = False, "declined in the MCP client"
+        else:
+            return  # cancelled, or an answer without a yes or no: left open
+        if not (isinstance(reason, str) and 1 <= len(reason) <= 500
+                and reason.isprintable()):
+            reason = None
+        try:
+            outcome = await gateway.client.approve(
+                self.job_id, approve=approve, reason=reason, attempt=request["attempt"],
+                token=request["fencing_token"], by=cancelled_by(principal))
+        except (SidecarError, *db.DATABASE_ERRORS) as exc:
+            log.warning("mcp: the answer for job %s was not written: %s", self.job_id,
+                        one_line(str(exc))[:200])
+            return
+        log.info("mcp: job %s approval %s by %s", self.job_id, outcome, principal)
+
+    async def close(self) -> None:
+        """Stop asking: the call ended or its request went away."""
+        for task in list(self.tasks):
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
 def _wants_task(ctx: Any) -> bool:

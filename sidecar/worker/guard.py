@@ -108,6 +108,7 @@ pool at a time, and give up (503) rather than wait longer than the store's timeo
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import hmac
 import secrets
@@ -661,6 +662,12 @@ class GuardServer:
             return _json({"reason": GuardRefusal.LEASE_LOST}, 409)
         log.emit("approval_requested", **fields, request_id=str(row["id"]),
                  action=asked.action, wait_s=wait, mode=self.profile.approval_mode)
+        if registration.progress is not None:
+            # Its waiters hear it (a NOTIFY), and the MCP gateway asks its client.
+            with contextlib.suppress(NotOwner, *db.DATABASE_ERRORS):
+                await registration.progress.report(
+                    None, f"waiting for a person's yes before {asked.action}: "
+                          f"{asked.summary}", "http")
         if park:
             lease.park_for(str(row["id"]), asked.action)
             return _json({"parked": True, "request_id": str(row["id"]),

@@ -8,7 +8,8 @@ Parked (a 202), it saves a checkpoint and exits; its next attempt, approved, fin
 SIDECAR_APPROVAL and prints {"resumed": APPROVAL, "checkpoint": ..., "step_taken": true,
 "attempt": N, "token": T}.
 
-Payload: {"action": A, "summary": S} or {"probe": [BODY, ...]} (each sent as is; the
+Payload: {"action": A, "summary": S} (default refund, "refund 40 EUR to c-1048"; other
+fields are ignored) or {"probe": [BODY, ...]} (each sent as is; the
 statuses printed: {"statuses": [...]})."""
 import json
 import os
@@ -44,8 +45,10 @@ if os.environ.get("SIDECAR_APPROVAL"):  # parked, approved: the step, with this 
 if "probe" in payload:
     print(json.dumps({"statuses": [post(body.encode())[0] for body in payload["probe"]]}))
     sys.exit(0)
-status, answer = post(json.dumps({"action": payload["action"], "summary": payload["summary"],
-                                  "details": payload.get("details", {})}).encode())
+status, answer = post(json.dumps({
+    "action": payload.get("action", "refund"),
+    "summary": payload.get("summary", "refund 40 EUR to c-1048"),
+    "details": payload.get("details", {})}).encode())
 if status == 202:  # parked: save what the next attempt needs, and exit
     request = urllib.request.Request(
         os.environ["SIDECAR_GUARD_URL"] + "/v1/checkpoint", method="POST",
