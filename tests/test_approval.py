@@ -339,3 +339,32 @@ def test_an_mcp_client_is_asked_by_elicitation_and_a_task_shows_input_required(
                           "'approval_answered' ORDER BY id")
     assert [a["details"]["by"].split(" (")[0] for a in answered] == ["sidecar mcp",
                                                                      "sidecar approve"]
+
+
+@pytest.mark.e2e
+def test_a_tool_without_http_asks_by_a_file_and_its_job_parks(dsn, tmp_path):
+    """$SIDECAR_APPROVAL_REQUEST_FILE holds the body of a POST /v1/approval: once the tool
+    exits, its request is written for that attempt and the job parks (whatever
+    APPROVAL_MODE says); approved, the next attempt finds SIDECAR_APPROVAL. A file that
+    is not a request fails the job bad_result, naming the file."""
+    env = base_env(dsn, SIDECAR_POLL_SECONDS="0.5")
+    asked = enqueue(dsn, "ap", {"via": "file"})
+    bad = enqueue(dsn, "ap", {"via": "file", "raw": '{"action": "Bad Name", "summary": "s"}'})
+    sidecar = SidecarProcess(dsn, TOOL, "--tool", "ap", env=env, tmp=tmp_path)
+    try:
+        wait_until(lambda: job_row(dsn, asked)["state"] == "waiting", 60, what="the park")
+        wait_until(lambda: job_row(dsn, bad)["state"] == "failed", 60, what="the bad file")
+
+        async def approve():
+            async with Client(dsn) as client:
+                return await client.approve(asked, reason="by file", by="bob")
+
+        assert run(approve()) == "approved"
+        wait_until(lambda: job_row(dsn, asked)["state"] == "succeeded", 60, what="the rerun")
+    finally:
+        sidecar.stop()
+    result = job_row(dsn, asked)["result"]
+    assert result["resumed"]["by"] == "bob" and result["resumed"]["approved"] is True
+    error = job_row(dsn, bad)["error"]
+    assert error["kind"] == "bad_result" and "SIDECAR_APPROVAL_REQUEST_FILE" in error["message"]
+    assert "action" in error["message"]

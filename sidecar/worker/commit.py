@@ -173,6 +173,15 @@ class FencedCommit:
                     if outcome in (Outcome.FAILED, Outcome.REQUEUED) else None)
         return outcome
 
+    async def ask_approval(self, request_id: Any, action: str, summary: str,
+                           details: dict[str, Any], seconds: float) -> Any:
+        """Write this attempt's approval request (issue 44; a tool without HTTP asked by
+        its file): ``id, attempt, deadline``, or None when the attempt no longer owns the
+        job. Not an end: the attempt then ends parked through ``end``. Raises what the
+        store raises (asyncpg.UniqueViolationError for an open request of its own)."""
+        return await self.ctx.store.ask_approval(self.job, self.ctx.owner_id, request_id,
+                                                 action, summary, details, seconds)
+
     async def acknowledge_cancel(self, outcome: Outcome) -> None:
         """After ``end``, once the attempt's tree is dead: an attempt that ended without
         writing its outcome (``ACKNOWLEDGING_OUTCOMES``) says so if the job was cancelled

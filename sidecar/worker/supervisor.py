@@ -15,14 +15,17 @@ import contextlib
 import dataclasses
 import os
 import time
+import uuid
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any
 
+import asyncpg
 import psutil
 
 from sidecar.ops import metrics
 from sidecar.ops.tracing import NO_TRACE, AttemptTrace
 from sidecar.protocol import clock, jsontext
+from sidecar.protocol.errors import one_line
 from sidecar.protocol.masking import SECRETS
 from sidecar.protocol.model import ClaimedJob, LeaseProfile, NextStage, RawJson, Usage
 from sidecar.protocol.results import (
@@ -35,6 +38,7 @@ from sidecar.protocol.results import (
 )
 from sidecar.protocol.shortage import shortage_errno
 from sidecar.protocol.verdict import (
+    APPROVAL_BODY_LIMIT,
     Commit,
     Ending,
     Failure,
@@ -48,6 +52,7 @@ from sidecar.protocol.verdict import (
     failure,
     lifetime_failure,
     limit_failure,
+    parse_approval,
     profile_var,
 )
 from sidecar.protocol.vocabulary import LEASE_ENDINGS, FailureKind, KillSignal, Outcome, StopReason
@@ -55,6 +60,7 @@ from sidecar.protocol.warm import Answer, BadAnswer, read_answer, request_line, 
 from sidecar.runtime.config import Settings
 from sidecar.runtime.log import log, log_fields, payload_digest
 from sidecar.storage import db
+from sidecar.worker import safefs
 from sidecar.worker.child import (
     STDERR_LINE_BYTES,
     STDERR_TAIL_BYTES,
@@ -82,6 +88,11 @@ from sidecar.worker.prepared import (
 from sidecar.worker.progress import PROGRESS_FILE_NAME, ProgressReporter
 from sidecar.worker.warm import PROCESS_ID_VARIABLE, Session, WarmProcess
 
+# The file a tool without HTTP asks a person's yes through (issue 44): the body of a
+# POST /v1/approval, read once the tool has exited.
+APPROVAL_FILE_NAME = "approval-request.json"
+
+
 if TYPE_CHECKING:
     pass
 
@@ -105,6 +116,7 @@ def attempt_variables(profile: LeaseProfile, owner_id: str, sandbox: Sandbox
         SIDECAR_JOB_DIR=sandbox.job_dir,
         SIDECAR_RESULT_FILE=sandbox.result_file,
         SIDECAR_PROGRESS_FILE=os.path.join(sandbox.job_dir, PROGRESS_FILE_NAME),
+        SIDECAR_APPROVAL_REQUEST_FILE=os.path.join(sandbox.job_dir, APPROVAL_FILE_NAME),
     )
     variables.update(dict.fromkeys(TMPDIR_VARIABLES, sandbox.job_dir))
     variables.update(sandbox.home_variables())
@@ -278,7 +290,8 @@ async def start_warm_process(ctx: WorkerContext, serial: int, process_id: str
         variables = attempt_variables(profile, ctx.owner_id, sandbox)
         # A warm job's result is its response line and its progress goes to the guard:
         # no per-job file a warm process could mistake for a way to answer.
-        for name in ("SIDECAR_RESULT_FILE", "SIDECAR_PROGRESS_FILE"):
+        for name in ("SIDECAR_RESULT_FILE", "SIDECAR_PROGRESS_FILE",
+                     "SIDECAR_APPROVAL_REQUEST_FILE"):
             variables.pop(name, None)
         env = child_environment(ctx.base_env, profile, variables)
         env[PROCESS_ID_VARIABLE] = process_id
@@ -1010,7 +1023,12 @@ class JobSupervisor:
                                        child.stderr_bytes > len(child.stderr_tail),
                                        STDERR_TAIL_BYTES)
         checked = None
-        if not self.lease.lost.is_set() \
+        if reason is StopReason.EXITED and not self.lease.lost.is_set() \
+                and not child.sandbox_failed:
+            # A tool without HTTP asks a person's yes by a file (issue 44): while the
+            # lease is still renewed, the request is written and the job parks.
+            checked = await self._approval_file(sandbox)
+        if checked is None and not self.lease.lost.is_set() \
                 and not (child.sandbox_failed and reason is StopReason.EXITED) \
                 and isinstance(decide(self._observed(reason, child, sandbox, usage,
                                                      stderr_tail), self.ctx.profile), Commit):
@@ -1050,6 +1068,45 @@ class JobSupervisor:
             case Commit():
                 return await self._commit_output(child, sandbox, stderr_tail)
         raise AssertionError(f"no verdict handled: {verdict!r}")
+
+    async def _approval_file(self, sandbox: Sandbox) -> Failure | Release | None:
+        """``$SIDECAR_APPROVAL_REQUEST_FILE``, if the exited tool wrote it: the body of a
+        ``POST /v1/approval`` (issue 44). Its request is written for this attempt,
+        answerable for APPROVAL_PARK_SECONDS, and the attempt ends parked (the lease's
+        park, read by decide) whatever APPROVAL_MODE says: a tool without HTTP cannot wait
+        in place. None when there is no file or the request was kept; a Failure
+        (bad_result, not retried) for a file that cannot be used; a Release (the attempt
+        not spent) when the database did not take the request."""
+        try:
+            found = safefs.read_small_file(sandbox.dir_lock, APPROVAL_FILE_NAME,
+                                           APPROVAL_BODY_LIMIT,
+                                           sandbox.ids[0] if sandbox.ids else None)
+            if found is None:
+                return None
+            if SECRETS.labels_in(found[0]):
+                raise ValueError("it holds a secret the sidecar knows")
+            asked = parse_approval(found[0])
+        except (ValueError, OSError) as exc:
+            return failure(FailureKind.BAD_RESULT, "SIDECAR_APPROVAL_REQUEST_FILE: "
+                           f"{one_line(str(exc))[:300]}")
+        profile = self.ctx.profile
+        try:
+            row = await self.commit.ask_approval(
+                uuid.uuid4(), asked.action, asked.summary, dict(asked.details),
+                profile.approval_park_seconds)
+        except asyncpg.UniqueViolationError:
+            return failure(FailureKind.BAD_RESULT, "SIDECAR_APPROVAL_REQUEST_FILE: this "
+                           "attempt's request through the guard is still open")
+        except db.DATABASE_ERRORS as exc:  # not written: the attempt is given back
+            log.emit("approval_failed", "warning", **log_fields(self.job),
+                     reason=db.describe_error(exc))
+            return Release("approval_unwritten")
+        if row is None:
+            return None  # no longer ours: the lease's loss decides
+        log.emit("approval_requested", **log_fields(self.job), request_id=str(row["id"]),
+                 action=asked.action, wait_s=profile.approval_park_seconds, mode="file")
+        self.lease.park_for(str(row["id"]), asked.action)
+        return None
 
     def _observed(self, reason: StopReason, child: Child, sandbox: Sandbox, usage: Usage,
                   stderr_tail: str | None) -> Observed:

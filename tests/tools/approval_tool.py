@@ -42,6 +42,12 @@ if os.environ.get("SIDECAR_APPROVAL"):  # parked, approved: the step, with this 
                       "attempt": int(os.environ["SIDECAR_ATTEMPT"]),
                       "token": int(os.environ["SIDECAR_FENCING_TOKEN"])}))
     sys.exit(0)
+if payload.get("via") == "file":  # a tool without HTTP: the request as a file, then exit
+    with open(os.environ["SIDECAR_APPROVAL_REQUEST_FILE"], "w") as f:
+        f.write(payload.get("raw") or json.dumps({"action": "refund",
+                                                  "summary": "refund 40 EUR to c-1048"}))
+    print(json.dumps({"asked_by_file": True}))
+    sys.exit(0)
 if "probe" in payload:
     print(json.dumps({"statuses": [post(body.encode())[0] for body in payload["probe"]]}))
     sys.exit(0)
