@@ -21,7 +21,19 @@ import orjson
 import pytest
 from test_mcp_gateway import gateway  # noqa: F401 - the fixture
 
-from kit import SidecarProcess, base_env, cli, enqueue, job_row, query, run, wait_until
+from kit import (
+    SidecarProcess,
+    base_env,
+    cli,
+    enqueue,
+    free_port,
+    job_row,
+    metric_total,
+    metrics_text,
+    query,
+    run,
+    wait_until,
+)
 from sidecar.client import Client
 from sidecar.protocol.errors import UsageError
 from sidecar.protocol.verdict import (
@@ -229,11 +241,16 @@ def test_the_guard_refuses_hostile_approval_bodies_and_stores_none(dsn):
 @pytest.mark.e2e
 def test_a_parked_job_frees_its_slot_and_runs_again_with_the_answer_once_approved(dsn,
                                                                                    tmp_path):
-    env = base_env(dsn, SIDECAR_PROFILE_AP_APPROVAL_MODE="park", SIDECAR_POLL_SECONDS="0.5")
+    port = free_port()
+    env = base_env(dsn, SIDECAR_PROFILE_AP_APPROVAL_MODE="park", SIDECAR_POLL_SECONDS="0.5",
+                   SIDECAR_HTTP_ADDR=f"127.0.0.1:{port}")
     parked = enqueue(dsn, "ap", ASK)
     sidecar = SidecarProcess(dsn, TOOL, "--tool", "ap", env=env, tmp=tmp_path)  # 1 slot
     try:
         wait_until(lambda: job_row(dsn, parked)["state"] == "waiting", 60, what="the park")
+        wait_until(lambda: metric_total(metrics_text(f"http://127.0.0.1:{port}"),
+                                        "sidecar_jobs_waiting_approval") == 1, 30,
+                   what="the parked job counted")
         row = job_row(dsn, parked)
         assert row["owner_id"] is None and row["lease_until"] is None and row["attempt"] == 0
         other = enqueue(dsn, "ap", {"probe": []})  # the one slot is free for it

@@ -87,6 +87,10 @@ LEASES_UNKNOWN = Gauge("sidecar_leases_ownership_unknown",
 APPROVALS_WAITING = Gauge("sidecar_approvals_waiting",
                           "Tool calls of this sidecar waiting for a person's yes now "
                           "(POST /v1/approval, issue 44).", _TP)
+JOBS_WAITING_APPROVAL = Gauge("sidecar_jobs_waiting_approval",
+                              "Jobs of the tool parked for a person's answer (state "
+                              "waiting, APPROVAL_MODE=park; issue 44), sampled each poll.",
+                              _TP)
 APPROVAL_ANSWER_SECONDS = Histogram(
     "sidecar_approval_answer_seconds",
     "Seconds from a tool's approval request to its answer, by outcome (approved, denied, "
@@ -192,7 +196,8 @@ def start_at_zero(tool: str, provider: str) -> None:
     for metric in (JOBS_CLAIMED, POLLS, JOBS_RECLAIMED, ATTEMPT_DURATION, HEARTBEAT_SECONDS,
                    LEASE_SLACK, LAST_HEARTBEAT, LEASES_HELD, LEASES_EXPIRED, OWNERSHIP_UNKNOWN,
                    PROCESSES_LEFT, COMPLETIONS_REJECTED, QUEUE_DEPTH, LISTENING, KILL_DURATION,
-                   LEASES_UNKNOWN, QUEUE_AGE, FORWARD_BACKLOG):
+                   LEASES_UNKNOWN, QUEUE_AGE, FORWARD_BACKLOG, JOBS_WAITING_APPROVAL,
+                   APPROVALS_WAITING):
         metric.labels(tool, provider)
     UP.labels(tool, provider).set(1)
     for kind in FAILURE_KINDS:

@@ -436,6 +436,8 @@ class Worker:
                     metrics.QUEUE_DEPTH.labels(*self.labels).set(sample["depth"])
                     metrics.QUEUE_AGE.labels(*self.labels).set(sample["queue_age"])
                     metrics.FORWARD_BACKLOG.labels(*self.labels).set(sample["forward_backlog"])
+                    metrics.JOBS_WAITING_APPROVAL.labels(*self.labels).set(
+                        sample["waiting_approval"])
                     self._sample_flow(sample if sample["has_flow"] else None)
                     if sample["sweep"]:
                         await self._sweep(store)

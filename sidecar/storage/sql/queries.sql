@@ -845,7 +845,8 @@ RETURNING id;
 -- limits are not applied here: the claim says which one holds a job back, and the
 -- scaler's tool_job_demand counts them), how long the oldest of those queued jobs has
 -- been due (queue_age, seconds; 0 when none), the results waiting in
--- the outbox (forward_backlog, issue 30) and the tool's flow row with its slots taken
+-- the outbox (forward_backlog, issue 30), the jobs parked for a person's answer
+-- (waiting_approval, issue 44; tool_jobs_waiting_idx) and the tool's flow row with its slots taken
 -- (has_flow false and NULLs without one), in one round trip, in place of the four
 -- statements a poll used to cost. The turn moves with a plain UPDATE: a concurrent sample waits for it, then finds it taken,
 -- so one sidecar of the fleet sweeps per period. The first sample of a tool makes its row.
@@ -866,6 +867,8 @@ SELECT EXISTS (SELECT FROM turn) OR EXISTS (SELECT FROM first_turn) AS sweep,
         FROM tool_jobs j WHERE tool = $1 AND tool_job_queued_due(j)) AS queue_age,
        (SELECT count(*) FROM tool_job_outbox WHERE tool = $1 AND state = 'pending')
            AS forward_backlog,
+       (SELECT count(*) FROM tool_jobs WHERE tool = $1 AND state = 'waiting')
+           AS waiting_approval,
        f.tool IS NOT NULL AS has_flow,
        f.max_running, f.max_running_per_key, f.rate, f.rate_per_key, f.burst,
        f.rate_per_second, f.key_rate_per_second, f.paused_at, f.pause_reason,

@@ -62,7 +62,9 @@ BEGIN
             v_answer := jsonb_strip_nulls(jsonb_build_object(
                 'request_id', v_request.id, 'action', v_request.action,
                 'summary', v_request.summary, 'approved', p_approve, 'by', p_by,
-                'reason', p_reason, 'answered_at', now()));
+                'reason', p_reason, 'answered_at', now(),
+                'waited_s', round(extract(epoch FROM now() - v_request.asked_at)::numeric,
+                                  3)));
             IF p_approve THEN
                 UPDATE tool_jobs SET state = 'queued', run_after = now(), approval = v_answer
                 WHERE id = p_job;

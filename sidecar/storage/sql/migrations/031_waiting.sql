@@ -12,5 +12,7 @@ ALTER TABLE tool_jobs ADD CONSTRAINT tool_jobs_state_check
     NOT VALID;
 ALTER TABLE tool_jobs ADD COLUMN approval jsonb;
 ALTER TYPE tool_job_claim_row ADD ATTRIBUTE approval_text text;
+-- Each poll counts its tool's parked jobs (sidecar_jobs_waiting_approval).
+CREATE INDEX tool_jobs_waiting_idx ON tool_jobs (tool) WHERE state = 'waiting';
 -- The sweep's read: open requests by deadline.
 CREATE INDEX tool_approvals_deadline_idx ON tool_approvals (deadline) WHERE state = 'pending';
