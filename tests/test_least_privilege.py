@@ -85,7 +85,7 @@ WRITES: dict[str, set[str]] = {
     "INSERT INTO tool_interests (interest_key, state, expires_at) "
     "VALUES ('forged', 'live', now() + interval '1 day')": set(),
     "UPDATE tool_interests SET expires_at = now() + interval '1 year'": set(),
-    "DELETE FROM tool_interests": set(),
+    "DELETE FROM tool_interests": {"worker"},  # the retention's interests kind
     "SELECT * FROM tool_job_interest_hold('k', interval '30 seconds', NULL)":
         {"worker", "caller"},
     "SELECT * FROM tool_job_interest_lapse('k')": {"worker", "caller"},

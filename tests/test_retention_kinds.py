@@ -27,6 +27,7 @@ OLD = {
     "idle_sidecars": (1, "SELECT count(*) FROM tool_idle_sidecars WHERE owner_id = 'old'"),
     "sweeps": (1, "SELECT count(*) FROM tool_sweeps WHERE tool = 'old'"),
     "sessions": (1, "SELECT count(*) FROM tool_sessions WHERE session_key = 'old'"),
+    "interests": (1, "SELECT count(*) FROM tool_interests WHERE interest_key = 'old'"),
 }
 # the recent rows of each kind, which stay
 RECENT = {
@@ -40,6 +41,7 @@ RECENT = {
     "idle_sidecars": "SELECT count(*) FROM tool_idle_sidecars WHERE owner_id = 'new'",
     "sweeps": "SELECT count(*) FROM tool_sweeps WHERE tool = 'new'",
     "sessions": "SELECT count(*) FROM tool_sessions WHERE session_key = 'new'",
+    "interests": "SELECT count(*) FROM tool_interests WHERE interest_key = 'new'",
 }
 
 
@@ -76,6 +78,10 @@ def _rows_of_every_kind(dsn: str) -> None:
     query(dsn, "INSERT INTO tool_sessions (tool, session_key, state, ended_at, end_reason) "
                "VALUES ('ret', 'old', 'ended', now() - interval '40 days', 'idle'), "
                "('ret', 'new', 'lost', now() - interval '1 day', 'exited')")
+    query(dsn, "INSERT INTO tool_interests (interest_key, state, expires_at, ended_at) "
+               "VALUES ('old', 'lapsed', now() - interval '40 days', now() - interval "
+               "'40 days'), ('new', 'released', now() - interval '1 day', now() - interval "
+               "'1 day')")
 
 
 def _left(dsn: str) -> dict[str, int]:

@@ -30,6 +30,7 @@ WORKER_PRIVILEGES = {
     ("table", "sidecar_schema_migrations", "SELECT"),
     ("table", "sidecar_schema_repeatables", "SELECT"),
     ("table", "tool_interests", "SELECT"),
+    ("table", "tool_interests", "DELETE"),
     ("sequence", "tool_job_events_id_seq", "USAGE"),
     ("sequence", "tool_job_outbox_id_seq", "USAGE"),
     ("sequence", "tool_jobs_session_seq", "USAGE"),

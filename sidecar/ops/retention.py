@@ -74,6 +74,9 @@ RETENTION: tuple[Kind, ...] = (
     Kind("sessions", "tool_sessions", "agent sessions that ended or were lost longer ago "
          "than the longest retention, none of whose calls is queued or running (a later "
          "call of the key starts a new session)", "prune_ended_sessions", aged=True),
+    Kind("interests", "tool_interests", "callers' interests that lapsed or were let go "
+         "longer ago than the longest retention, none of whose calls is unfinished (a key "
+         "held again starts anew)", "prune_ended_interests", aged=True),
 )
 # The kinds the finished jobs' batches remove (statement None), by their report keys.
 JOB_KINDS: tuple[Kind, ...] = tuple(kind for kind in RETENTION if kind.statement is None)

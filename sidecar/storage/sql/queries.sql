@@ -1092,6 +1092,20 @@ WITH gone AS (
 )
 SELECT count(*) FROM gone;
 
+-- name: prune_ended_interests
+-- Retention (issue 44): callers' interests that lapsed or were let go more than $1
+-- seconds ago (the longest retention of finished jobs), none of whose calls is still
+-- queued, running or waiting. A key held again then starts at generation 1.
+WITH gone AS (
+    DELETE FROM tool_interests i
+    WHERE i.state <> 'live' AND i.ended_at < now() - $1::float8 * interval '1 second'
+      AND NOT EXISTS (SELECT FROM tool_jobs j
+                      WHERE j.interest_key = i.interest_key
+                        AND j.state IN ('queued', 'running', 'waiting'))
+    RETURNING 1
+)
+SELECT count(*) FROM gone;
+
 -- name: prune_ended_sessions
 -- Retention (issue 43): agent sessions that ended or were lost more than $1 seconds ago
 -- (the longest retention of finished jobs), none of whose calls is still queued or

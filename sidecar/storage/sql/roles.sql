@@ -56,8 +56,13 @@ SELECT format('GRANT SELECT, INSERT, UPDATE, DELETE ON TABLE %I.tool_sweeps, '
               current_schema(), $1::text)
 UNION ALL
 SELECT format('GRANT SELECT ON TABLE %I.sidecar_schema_migrations, '
-              '%I.sidecar_schema_repeatables, %I.tool_interests TO %I', current_schema(),
-              current_schema(), current_schema(), $1::text)
+              '%I.sidecar_schema_repeatables TO %I', current_schema(), current_schema(),
+              $1::text)
+UNION ALL
+-- callers' interests (migration 029): read by the claim's rules, their ended rows deleted
+-- by the retention; held and lapsed only through the definer functions
+SELECT format('GRANT SELECT, DELETE ON TABLE %I.tool_interests TO %I', current_schema(),
+              $1::text)
 UNION ALL
 SELECT format('GRANT USAGE ON SEQUENCE %s, %s, %I.tool_jobs_session_seq TO %I',
               pg_get_serial_sequence(format('%I.tool_job_events', current_schema()), 'id'),
