@@ -385,3 +385,64 @@ def test_a_tool_without_http_asks_by_a_file_and_its_job_parks(dsn, tmp_path):
     error = job_row(dsn, bad)["error"]
     assert error["kind"] == "bad_result" and "SIDECAR_APPROVAL_REQUEST_FILE" in error["message"]
     assert "action" in error["message"]
+
+
+@pytest.mark.database
+def test_an_answer_given_as_the_tool_exits_is_applied_when_the_job_parks(dsn):
+    """Review of issue 44: in park mode the job is still running between the guard's 202
+    and the tool's exit. An answer in that window is kept on the request, and the park
+    applies it: approved -> queued again with the answer; denied -> failed denied; a
+    request past its deadline -> failed approval_expired. Never parked for good."""
+    async def go():
+        pool = await asyncpg.create_pool(dsn, min_size=1, max_size=3, init=init_connection)
+        store, caller = WorkerStore(pool, 10), CallerStore(pool, 10)
+        try:
+            out = {}
+            for case in ("approved", "denied", "expired", "open"):
+                job_id, _ = await caller.enqueue(f"pk-{case}", {}, None, 3, {})
+                job = await store.claim(f"pk-{case}", "w1", 60)
+                wait = 0.2 if case == "expired" else 600
+                asked = await store.ask_approval(job, "w1", uuid.uuid4(), "refund", "s", {},
+                                                 wait)
+                if case in ("approved", "denied"):
+                    said = await caller.answer_approval(job_id, job.attempt,
+                                                        job.fencing_token,
+                                                        case == "approved", None, "alice")
+                    assert said == case
+                if case == "expired":
+                    await asyncio.sleep(0.4)
+                row = await store.park_if_owner(job, "w1", str(asked["id"]), {})
+                out[case] = (job_id, row["outcome"])
+            return out
+        finally:
+            await pool.close()
+
+    out = run(go())
+    assert {case: outcome for case, (_, outcome) in out.items()} == {
+        "approved": "approved", "denied": "denied", "expired": "expired", "open": "parked"}
+    rows = {case: job_row(dsn, job_id) for case, (job_id, _) in out.items()}
+    assert rows["approved"]["state"] == "queued" and rows["approved"]["approval"]["by"] == "alice"
+    assert rows["approved"]["attempt"] == 0 and rows["approved"]["owner_id"] is None
+    assert rows["denied"]["state"] == "failed" and rows["denied"]["error"]["kind"] == "denied"
+    assert rows["expired"]["error"]["kind"] == "approval_expired"
+    assert rows["open"]["state"] == "waiting" and rows["open"]["expires_at"] is None
+
+
+@pytest.mark.e2e
+def test_a_tool_killed_while_it_waits_for_an_answer_ends_the_guards_wait(dsn, tmp_path):
+    """Review of issue 44: the guard's wait for an answer ends with its attempt (here the
+    stage deadline kills the tool first): the wait is not left polling, and the gauge of
+    waiting calls goes back to 0."""
+    port = free_port()
+    env = base_env(dsn, SIDECAR_PROFILE_AP_STAGE_TIMEOUT_SECONDS="3",
+                   SIDECAR_PROFILE_AP_MAX_ATTEMPTS="1", SIDECAR_HTTP_ADDR=f"127.0.0.1:{port}")
+    job = enqueue(dsn, "ap", ASK)
+    sidecar = SidecarProcess(dsn, TOOL, "--tool", "ap", env=env, tmp=tmp_path)
+    try:
+        wait_until(lambda: job_row(dsn, job)["state"] == "failed", 60, what="the deadline")
+        wait_until(lambda: metric_total(metrics_text(f"http://127.0.0.1:{port}"),
+                                        "sidecar_approvals_waiting") == 0, 15,
+                   what="the guard's wait to end")
+    finally:
+        sidecar.stop()
+    assert job_row(dsn, job)["error"]["kind"] == "stage_timeout"

@@ -268,3 +268,27 @@ def test_a_renewal_keeps_queued_calls_claimable_and_a_call_a_lapse_missed_is_swe
     assert claimed is not None and claimed.id == kept_id
     assert [(r["job_id"], r["previous_state"]) for r in swept] == [(missed_id, "queued")]
     assert job_row(dsn, missed_id)["error"]["kind"] == "expired"
+
+
+@pytest.mark.database
+def test_a_call_queued_again_carries_its_interests_end_as_it_is_now(dsn):
+    """Review of issue 44: a renewal moves the end only on queued calls; a running call
+    that goes back to the queue (a retry) takes the interest's current end, so the claim
+    does not skip it as if the interest had lapsed."""
+    async def go():
+        pool, caller, store = await _stores(dsn)
+        try:
+            await caller.hold_interest("moving", 2, None)
+            job_id, _ = await caller.enqueue("it", {}, None, 3, {},
+                                             EnqueueOptions(interest="moving"))
+            job = await store.claim("it", "w1", 60)
+            await caller.hold_interest("moving", 60, None)  # renewed while it runs
+            await store.requeue_if_owner(job, "w1", {"kind": "exit_code"}, 0.0, {})
+            await asyncio.sleep(2.3)  # past the end it was enqueued with
+            again = await store.claim("it", "w1", 60)
+            return job_id, again
+        finally:
+            await pool.close()
+
+    job_id, again = run(go())
+    assert again is not None and again.id == job_id and again.attempt == 2

@@ -76,7 +76,9 @@ def test_a_snooze_wins_over_a_result_but_not_over_ownership_shutdown_or_a_limit(
     profile = _profile(SNOOZE_EXIT_CODE=75, SNOOZE_SECONDS=30, MEMORY_BYTES=1 << 30)
     asked = Snooze(5.0, "later", "guard")
     assert decide(Observed(StopReason.EXITED, 0, snooze=asked), profile) == asked
-    assert decide(Observed(StopReason.STAGE_TIMEOUT, -9, snooze=asked), profile) == asked
+    # asked, then hung until its deadline: the deadline's failure, the attempt spent
+    hung = decide(Observed(StopReason.STAGE_TIMEOUT, -9, snooze=asked), profile)
+    assert isinstance(hung, Failure) and hung.kind is FailureKind.STAGE_TIMEOUT
     assert isinstance(decide(Observed(StopReason.LEASE_LOST, 0, snooze=asked), profile), Reject)
     assert isinstance(decide(Observed(StopReason.CANCELLED, 0, snooze=asked), profile), Reject)
     assert isinstance(decide(Observed(StopReason.SHUTDOWN, 0, snooze=asked), profile), Release)
@@ -103,6 +105,10 @@ def test_a_profile_refuses_a_snooze_code_that_also_fails_the_job_or_a_bad_one():
         _profile(SNOOZE_SECONDS=0)
     with pytest.raises(ConfigError, match="MAX_SNOOZES"):
         _profile(MAX_SNOOZES=-1)
+    with pytest.raises(ConfigError, match="SNOOZE_SECONDS=4e\\+07: at most 366 days"):
+        _profile(SNOOZE_SECONDS=40000000)
+    with pytest.raises(ConfigError, match="APPROVAL_WAIT_SECONDS=90000: at most 1 day"):
+        _profile(APPROVAL_WAIT_SECONDS=90000)
 
 
 # --- the fenced write ----------------------------------------------------------------

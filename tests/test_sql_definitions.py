@@ -113,7 +113,7 @@ def test_fresh_and_upgraded_databases_hold_the_same_definitions(databases):
                                  "definitions": ALL_DEFINITIONS, "version": ALL_VERSIONS[-1]}
 
     expected = _definitions(fresh)
-    assert len(expected["functions"]) >= 21 and len(expected["triggers"]) == 5
+    assert len(expected["functions"]) >= 21 and len(expected["triggers"]) == 6
     for upgraded in (from_9, from_19):
         got = _definitions(upgraded)
         for kind in CATALOG:

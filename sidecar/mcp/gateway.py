@@ -83,6 +83,9 @@ TASK_LIST_LIMIT = 100
 TASK_ID = re.compile(r"[A-Za-z0-9_-]{32}")
 _TASK_STATUS = {"queued": "working", "running": "working", "waiting": "input_required",
                 "succeeded": "completed", "failed": "completed", "cancelled": "cancelled"}
+# The progress message the guard reports when a tool asks a person's yes (issue 44,
+# sidecar.worker.guard): the one progress event that makes a waiting call look.
+APPROVAL_PROGRESS = "waiting for a person's yes"
 # What a client is asked when a call's tool waits for a person's yes (issue 44).
 APPROVAL_SCHEMA = {"type": "object", "properties": {
     "approve": {"type": "boolean", "title": "Approve this step"},
@@ -403,7 +406,8 @@ class Gateway:
                                                   reasons=progress_token is not None):
                 if isinstance(event, JobEnd):
                     return event
-                if asking is not None and isinstance(event, JobProgress):
+                if asking is not None and isinstance(event, JobProgress) \
+                        and (event.message or "").startswith(APPROVAL_PROGRESS):
                     await asking.check()
                 if progress_token is not None and isinstance(event, JobProgress):
                     value = 0.0 if event.waiting is not None else event.value
@@ -446,7 +450,7 @@ class Gateway:
         count = await self.client.count_unfinished(wanted, limit)
         if count >= limit:  # some may be planted: count only the signed ones
             found = set()
-            for state in ("queued", "running"):
+            for state in ("queued", "running", "waiting"):
                 for row in await self.client.jobs(tags=wanted, state=state,
                                                   limit=min(limit + 1, 1000)):
                     if self._signed(row["tags"]):

@@ -756,8 +756,11 @@ async def job_action(request: web.Request) -> web.Response:
     if action in ("approve", "deny"):
         attempt, token = _form_int(form, "attempt"), _form_int(form, "token")
         reason = form.get("reason") or None
-        outcome = await state.store.answer_approval(job_id, attempt, token,
-                                                    action == "approve", reason, _by(who))
+        try:
+            outcome = await state.store.answer_approval(job_id, attempt, token,
+                                                        action == "approve", reason, _by(who))
+        except UsageError as exc:  # the database's check of the reason, one line
+            raise BadInput(f"form field reason: {exc}") from None
         changed = outcome in ("approved", "denied")
         log_mod.log.emit("web_action", action=action, principal=who, job_id=str(job_id),
                          changed=changed, outcome=outcome)

@@ -6,8 +6,9 @@ I/O: the supervisor observes, this decides, and ``sidecar.worker.commit`` writes
 
 Order of precedence, ownership first (P13): a lease that ended -> reject; shutdown ->
 release; a limit's evidence (an OOM kill, CPU time) -> that limit, whatever ended the
-attempt (case F13); a snooze the tool asked through the guard -> snooze (its output is
-not committed); then the stop reason; then the exit status (a lost status is never
+attempt (case F13); a denied or unanswered approval -> that failure; a park or a snooze
+the tool asked through the guard, when it then exited -> that (its output is not
+committed); then the stop reason; then the exit status (a lost status is never
 exit 0, case F9; the profile's SNOOZE_EXIT_CODE is a snooze); then stdout overflow; else
 commit.
 """
@@ -249,9 +250,12 @@ def decide(seen: Observed, profile: LeaseProfile) -> Verdict:
         return limit
     if seen.refused is not None:
         return seen.refused
-    if seen.park is not None:
+    # A park or a snooze the tool asked is taken when it then exited: one that hung until
+    # a deadline killed it is that deadline's failure (an attempt spent), so a tool that
+    # asks and hangs cannot run its deadlines without end.
+    if seen.park is not None and seen.reason is StopReason.EXITED:
         return seen.park
-    if seen.snooze is not None:
+    if seen.snooze is not None and seen.reason is StopReason.EXITED:
         return seen.snooze
     by_reason = _stopped(seen, profile)
     if by_reason is not None:

@@ -639,9 +639,11 @@ def _build_profile(
         raise ConfigError(f"{src['SNOOZE_EXIT_CODE']}={p['snooze_exit_code']} is also in "
                           f"{src['NON_RETRYABLE_EXIT_CODES']}: an exit code either asks to run "
                           "later or fails the job; name it in one of them")
-    if p["approval_park_seconds"] > 366 * 86400:
-        raise ConfigError(f"{src['APPROVAL_PARK_SECONDS']}={p['approval_park_seconds']:g}: at "
-                          "most 366 days")
+    for name, cap, said in (("APPROVAL_PARK_SECONDS", 366 * 86400, "366 days"),
+                            ("APPROVAL_WAIT_SECONDS", 86400, "1 day"),
+                            ("SNOOZE_SECONDS", 366 * 86400, "366 days")):
+        if p[name.lower()] > cap:
+            raise ConfigError(f"{src[name]}={p[name.lower()]:g}: at most {said}")
     for name in ("WARM_IDLE_SECONDS", "SESSION_IDLE_SECONDS", "SNOOZE_SECONDS",
                  "APPROVAL_WAIT_SECONDS", "APPROVAL_PARK_SECONDS"):
         if p[name.lower()] <= 0:

@@ -307,12 +307,15 @@ class WorkerStore(Pruning):
 
     async def park_if_owner(self, job: ClaimedJob, owner_id: str, request_id: str,
                             details: dict[str, Any],
-                            earlier: list[dict[str, Any]] | None = None) -> dt.datetime | None:
+                            earlier: list[dict[str, Any]] | None = None
+                            ) -> asyncpg.Record | None:
         """Park the job (``waiting``) until request ``request_id`` is answered, its lease
-        and slot let go and its attempt not spent (issue 44); the request's deadline, or
-        None when this attempt no longer owns the job or the request is closed.
-        ``earlier`` as for ``finish_if_owner``."""
-        return await self.db.fetchval(Q["park_job_if_owner"], job.id, owner_id,
+        and slot let go and its attempt not spent (issue 44; functions/approvals.sql
+        tool_job_park): ``outcome`` (``parked``; or ``approved``, ``denied``, ``expired``
+        when the request was settled as the tool exited, the answer applied at once) and
+        ``deadline``; None when this attempt no longer owns the job. ``earlier`` as for
+        ``finish_if_owner``."""
+        return await self.db.fetchrow(Q["park_job_if_owner"], job.id, owner_id,
                                       job.fencing_token, request_id, details, earlier or None,
                                       timeout=self.timeout)
 

@@ -318,18 +318,20 @@ class FencedCommit:
         details = {"duration_s": self._duration(), **self.resources}
         earlier = await self._take_noted()
         try:
-            deadline = await self._fenced(lambda: self.ctx.store.park_if_owner(
+            row = await self._fenced(lambda: self.ctx.store.park_if_owner(
                 self.job, self.ctx.owner_id, ending.request_id, details, earlier),
                 "job_parked")
         except OwnershipUnknown:
             self._give_back(earlier)
             return await self._abandon(None)
-        if deadline is None:
+        if row is None:
             self._give_back(earlier)
             await self.reject(None, "not the owner when parking")
             return Outcome.REJECTED, How.REJECTED, {}
+        # parked; or answered as the tool exited, applied by the same statement
         return Outcome.PARKED, How.PARKED, {
-            "request_id": ending.request_id, "action": ending.action, "deadline": deadline}
+            "request_id": ending.request_id, "action": ending.action,
+            "deadline": row["deadline"], "outcome": row["outcome"]}
 
     async def _snooze(self, ending: Snooze) -> Ended:
         """The tool asked to run again later (issue 44, point 3): back to the queue after

@@ -690,8 +690,12 @@ class GuardServer:
         request_id = row["id"]
         ends = time.monotonic() + wait
         while True:
-            if lease.lost.is_set():
-                cancelled = lease.reason is StopReason.CANCELLED
+            if lease.lost.is_set() or lease.settling or lease.stopping is not None \
+                    or registration.fenced_out \
+                    or self._by_attempt.get(lease.job.attempt_id) is not registration:
+                # lost, ending (stopped, its outcome being written) or unregistered: the
+                # attempt that asked waits no more
+                cancelled = lease.lost.is_set() and lease.reason is StopReason.CANCELLED
                 return _json({"reason": GuardRefusal.CANCELLED if cancelled
                               else GuardRefusal.LEASE_LOST}, 409)
             try:
@@ -710,6 +714,11 @@ class GuardServer:
                     continue  # answered just now: read it
             except db.DATABASE_ERRORS:
                 answer = None  # asked again at the next read; the wait stays bounded
+            if answer is not None and answer["state"] == "expired":
+                # expired by a newer attempt's request, or by the sweep: final
+                lease.refuse_step(approval_failure("expired", action))
+                return _json({"reason": "approval_expired",
+                              "message": "the request expired: exit now"}, 409)
             if answer is not None and answer["state"] in ("approved", "denied"):
                 outcome = answer["state"]
                 metrics.APPROVAL_ANSWER_SECONDS.labels(*labels_of, outcome).observe(

@@ -431,38 +431,27 @@ WITH requeued AS (
 SELECT id, run_after FROM requeued;
 
 -- name: park_job_if_owner
--- The tool asked a person's yes in park mode (issue 44): the job waits for the answer
--- to request $4 as `waiting`, with neither owner nor lease (its slot freed), its attempt
--- given back, if this attempt ($1 job, $2 owner, $3 token) still owns it and the request
--- is still open. Journals job_parked after the attempt's earlier events ($6) with $5.
--- Returns the request's deadline; none when not the owner or the request is closed.
-WITH parked AS (
-    UPDATE tool_jobs j
-    SET state = 'waiting', owner_id = NULL, lease_until = NULL, attempt = j.attempt - 1
-    FROM tool_approvals a
-    WHERE j.id = $1 AND j.owner_id = $2 AND j.fencing_token = $3
-      AND j.state = 'running' AND j.lease_until > now()
-      AND a.id = $4::uuid AND a.job_id = j.id AND a.state = 'pending'
-    RETURNING j.id, j.fencing_token, a.deadline, a.action
-), journal AS (
-    INSERT INTO tool_job_events (job_id, fencing_token, event, at, details)
-    SELECT p.id, p.fencing_token, e.event, e.at, e.details
-    FROM parked p CROSS JOIN LATERAL tool_job_journal_rows(
-        $6::jsonb, 'job_parked',
-        $5::jsonb || jsonb_build_object('request_id', $4::text, 'action', p.action,
-                                        'deadline', p.deadline)) e
-    ORDER BY e.n
-)
-SELECT deadline FROM parked;
+-- The tool asked a person's yes in park mode (issue 44): tool_job_park ($1 job, $2 owner,
+-- $3 token, $4 request, $5 details, $6 the attempt's earlier events). Its outcome and the
+-- request's deadline; no row when the attempt does not own the job.
+SELECT outcome, deadline FROM tool_job_park($1, $2, $3, $4::uuid, $5::jsonb, $6::jsonb);
 
 -- name: expire_parked_approvals
 -- The fleet's sweep (issue 44): parked jobs whose request got no answer by its deadline
 -- fail approval_expired (not retried), the request expired; journaled approval_expired.
-WITH expired AS (
+-- The jobs are locked first (SKIP LOCKED: one an answer holds is left to the next
+-- sweep), then their requests: the order the answer and the park take.
+WITH parked AS (
+    SELECT j.id FROM tool_jobs j
+    WHERE j.state = 'waiting'
+      AND EXISTS (SELECT FROM tool_approvals a WHERE a.job_id = j.id AND a.state = 'pending'
+                    AND a.deadline <= now() AND a.fencing_token = j.fencing_token)
+    FOR UPDATE SKIP LOCKED
+), expired AS (
     UPDATE tool_approvals a SET state = 'expired'
-    FROM tool_jobs j
-    WHERE a.state = 'pending' AND a.deadline <= now() AND j.id = a.job_id
-      AND j.state = 'waiting' AND j.fencing_token = a.fencing_token
+    FROM parked p, tool_jobs j
+    WHERE a.job_id = p.id AND j.id = p.id AND a.state = 'pending' AND a.deadline <= now()
+      AND a.fencing_token = j.fencing_token
     RETURNING a.id, a.job_id, a.action, a.deadline
 ), failed AS (
     UPDATE tool_jobs j
@@ -577,9 +566,12 @@ WITH expired AS (
 SELECT id FROM expired;
 
 -- name: open_approval_of_job
--- The job's open approval request, if any: what an answer names (attempt, token).
-SELECT id, job_id, attempt, fencing_token, action, summary, details, asked_at, deadline
-FROM tool_approvals WHERE job_id = $1 AND state = 'pending';
+-- The job's open approval request, if any, while the job can still take an answer
+-- (running or parked): what an answer names (attempt, token).
+SELECT a.id, a.job_id, a.attempt, a.fencing_token, a.action, a.summary, a.details,
+       a.asked_at, a.deadline
+FROM tool_approvals a JOIN tool_jobs j ON j.id = a.job_id
+WHERE a.job_id = $1 AND a.state = 'pending' AND j.state IN ('running', 'waiting');
 
 -- name: answer_approval
 -- A person's answer (tool_job_approval_answer): $1 job, $2 attempt, $3 token, $4 approve,

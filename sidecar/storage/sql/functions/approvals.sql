@@ -99,3 +99,84 @@ $$;
 
 REVOKE EXECUTE ON FUNCTION tool_job_approval_answer(uuid, integer, bigint, boolean, text, text)
     FROM PUBLIC;
+
+-- Park job p_job (issue 44): the attempt (p_owner, p_token; running, its lease not
+-- ended) asked a person's yes in park mode (request p_request) and its tool exited. Locks
+-- the job, then the request (the order tool_job_approval_answer and the expiry sweep take
+-- too). Still open: the job waits (`waiting`: no owner, no lease, its slot freed, its
+-- attempt given back, its start deadline lifted: the request's deadline bounds the wait).
+-- Answered while the tool was exiting: the answer is applied now, as it would have been
+-- to the parked job (approved: queued again with it; denied: failed `denied`); expired:
+-- failed `approval_expired`. Journals job_parked after p_earlier (the attempt's earlier
+-- events) with p_details. Returns the outcome (parked, approved, denied, expired) and the
+-- request's deadline; no row when the attempt no longer owns the job.
+CREATE OR REPLACE FUNCTION tool_job_park(p_job uuid, p_owner text, p_token bigint,
+                                         p_request uuid, p_details jsonb, p_earlier jsonb)
+RETURNS TABLE (outcome text, deadline timestamptz)
+SET search_path FROM CURRENT
+LANGUAGE plpgsql VOLATILE AS $$
+DECLARE
+    v_job tool_jobs;
+    v_request tool_approvals;
+    v_outcome text;
+BEGIN
+    SELECT * INTO v_job FROM tool_jobs j
+    WHERE j.id = p_job AND j.owner_id = p_owner AND j.fencing_token = p_token
+      AND j.state = 'running' AND j.lease_until > now()
+    FOR UPDATE;
+    IF v_job.id IS NULL THEN
+        RETURN;
+    END IF;
+    SELECT * INTO v_request FROM tool_approvals a
+    WHERE a.id = p_request AND a.job_id = p_job FOR UPDATE;
+    IF v_request.id IS NULL THEN
+        RETURN;
+    END IF;
+    v_outcome := CASE WHEN v_request.state = 'pending' AND v_request.deadline <= now()
+                      THEN 'expired' WHEN v_request.state = 'pending' THEN 'parked'
+                      ELSE v_request.state END;
+    INSERT INTO tool_job_events (job_id, fencing_token, event, at, details)
+    SELECT p_job, p_token, e.event, e.at, e.details
+    FROM tool_job_journal_rows(p_earlier, 'job_parked', p_details || jsonb_build_object(
+        'request_id', p_request, 'action', v_request.action, 'deadline', v_request.deadline,
+        'outcome', v_outcome)) e
+    ORDER BY e.n;
+    IF v_outcome = 'parked' THEN
+        UPDATE tool_jobs SET state = 'waiting', owner_id = NULL, lease_until = NULL,
+                             attempt = attempt - 1, expires_at = NULL
+        WHERE id = p_job;
+    ELSIF v_outcome = 'approved' THEN
+        UPDATE tool_jobs
+        SET state = 'queued', owner_id = NULL, lease_until = NULL, attempt = attempt - 1,
+            expires_at = NULL, run_after = now(),
+            approval = jsonb_strip_nulls(jsonb_build_object(
+                'request_id', v_request.id, 'action', v_request.action,
+                'summary', v_request.summary, 'approved', true, 'by', v_request.answered_by,
+                'reason', v_request.reason, 'answered_at', v_request.answered_at,
+                'waited_s', round(extract(epoch FROM v_request.answered_at
+                                          - v_request.asked_at)::numeric, 3)))
+        WHERE id = p_job;
+        PERFORM tool_job_wake(v_job.tool, 1);
+    ELSE
+        IF v_outcome = 'expired' THEN
+            UPDATE tool_approvals SET state = 'expired' WHERE id = v_request.id;
+        END IF;
+        UPDATE tool_jobs
+        SET state = 'failed', owner_id = NULL, lease_until = NULL, finished_at = now(),
+            error = CASE WHEN v_outcome = 'denied' THEN jsonb_strip_nulls(jsonb_build_object(
+                    'kind', 'denied', 'action', v_request.action,
+                    'message', format('%s denied the step %s', v_request.answered_by,
+                                      quote_literal(v_request.action))
+                               || coalesce(': ' || v_request.reason, '')))
+                ELSE jsonb_build_object('kind', 'approval_expired', 'action', v_request.action,
+                    'message', format('nobody answered the approval of the step %s by its '
+                                      'deadline (%s)', quote_literal(v_request.action),
+                                      v_request.deadline))
+                END
+        WHERE id = p_job;
+    END IF;
+    RETURN QUERY SELECT v_outcome, v_request.deadline;
+END
+$$;
+
+REVOKE EXECUTE ON FUNCTION tool_job_park(uuid, text, bigint, uuid, jsonb, jsonb) FROM PUBLIC;

@@ -176,7 +176,7 @@ LANGUAGE sql STABLE AS $$
     SELECT j.session_key IS NULL OR (
         NOT EXISTS (SELECT FROM tool_jobs o
                     WHERE o.tool = j.tool AND o.session_key = j.session_key
-                      AND o.id <> j.id AND o.state = 'running')
+                      AND o.id <> j.id AND o.state IN ('running', 'waiting'))
         AND NOT EXISTS (SELECT FROM tool_jobs o
                         WHERE o.tool = j.tool AND o.session_key = j.session_key
                           AND o.state = 'queued' AND o.session_seq < j.session_seq)

@@ -296,6 +296,10 @@ BEGIN
         IF v_held AND tool_job_free_key(v_key) IS NOT NULL THEN
             CONTINUE;  -- its policy let the key go: this job takes it
         END IF;
+        IF v_held AND NOT EXISTS (SELECT FROM tool_jobs j
+                                  WHERE j.id = v_existing.id AND j.key_held) THEN
+            CONTINUE;  -- a concurrent enqueue freed it first: read the new holder
+        END IF;
         IF v_held THEN
             IF v_existing.tool <> p_tool OR NOT v_existing.same_payload
                     OR v_existing.concurrency_key <> coalesce(p_concurrency_key, '')

@@ -37,6 +37,13 @@ BEGIN
         RAISE EXCEPTION 'holder must be 1-256 printable characters (NULL: not said)'
             USING ERRCODE = '22023';
     END IF;
+    IF EXISTS (SELECT FROM tool_interests i
+               WHERE i.interest_key = p_key AND (i.state <> 'live' OR i.expires_at <= now()))
+    THEN
+        -- held again after it ran out: the calls of the old one end first (a sweep of
+        -- every interest that ran out), never revived by this renewal
+        PERFORM tool_job_interest_lapse(NULL);
+    END IF;
     RETURN QUERY
     INSERT INTO tool_interests AS i (interest_key, state, holder, expires_at)
     VALUES (p_key, 'live', p_holder, now() + p_ttl)
@@ -126,6 +133,28 @@ BEGIN
     WHERE tool_job_tell_owner(CASE WHEN s.cancel_pending THEN s.owner_id END, s.id);
 END
 $$;
+
+-- A call of an interest that goes back to the queue (a retry, a snooze, a release, an
+-- approved park) carries its interest's end as it is now, not as it was at its enqueue:
+-- the claim reads it on the row (claimable.sql). An interest not live: now (not started;
+-- the sweep ends it).
+CREATE OR REPLACE FUNCTION tool_job_interest_requeued() RETURNS trigger
+SET search_path FROM CURRENT
+LANGUAGE plpgsql AS $$
+BEGIN
+    NEW.interest_until := coalesce(
+        (SELECT CASE WHEN i.state = 'live' THEN i.expires_at ELSE now() END
+         FROM tool_interests i WHERE i.interest_key = NEW.interest_key), now());
+    RETURN NEW;
+END
+$$;
+
+DROP TRIGGER IF EXISTS tool_jobs_interest_requeued ON tool_jobs;
+CREATE TRIGGER tool_jobs_interest_requeued
+    BEFORE UPDATE OF state ON tool_jobs
+    FOR EACH ROW
+    WHEN (NEW.interest_key IS NOT NULL AND NEW.state = 'queued' AND OLD.state <> 'queued')
+    EXECUTE FUNCTION tool_job_interest_requeued();
 
 REVOKE EXECUTE ON FUNCTION tool_job_interest_hold(text, interval, text) FROM PUBLIC;
 REVOKE EXECUTE ON FUNCTION tool_job_interest_lapse(text) FROM PUBLIC;

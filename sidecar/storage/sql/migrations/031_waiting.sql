@@ -12,6 +12,11 @@ ALTER TABLE tool_jobs ADD CONSTRAINT tool_jobs_state_check
     NOT VALID;
 ALTER TABLE tool_jobs ADD COLUMN approval jsonb;
 ALTER TYPE tool_job_claim_row ADD ATTRIBUTE approval_text text;
+-- A session's unfinished calls, parked ones too: one parked for an answer holds its
+-- session's turn (claimable.sql tool_job_session_free; replaces migration 026's).
+DROP INDEX tool_jobs_session_calls_idx;
+CREATE INDEX tool_jobs_session_calls_idx ON tool_jobs (tool, session_key, created_at, id)
+    WHERE session_key IS NOT NULL AND state IN ('queued', 'running', 'waiting');
 -- Each poll counts its tool's parked jobs (sidecar_jobs_waiting_approval).
 CREATE INDEX tool_jobs_waiting_idx ON tool_jobs (tool) WHERE state = 'waiting';
 -- The sweep's read: open requests by deadline.
