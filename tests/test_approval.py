@@ -446,3 +446,45 @@ def test_a_tool_killed_while_it_waits_for_an_answer_ends_the_guards_wait(dsn, tm
     finally:
         sidecar.stop()
     assert job_row(dsn, job)["error"]["kind"] == "stage_timeout"
+
+
+@pytest.mark.e2e
+@pytest.mark.server
+def test_a_2026_client_is_asked_in_band_and_a_forged_request_state_is_refused(
+        dsn, sidecars, gateway, tmp_path):  # noqa: F811 - the fixture
+    """A client of the 2026-07-28 revision that lists elicitation gets an input_required
+    result asking the person's yes (the job goes on); its retry carries the answer, which
+    is written for the attempt that asked, and the call returns the job's result. A
+    requestState the gateway did not issue is refused."""
+    import mcp_types as types
+    from test_mcp_gateway import _gateway_env
+
+    from sidecar.mcp.gateway import MCPError
+
+    env = _gateway_env(dsn, tmp_path, SIDECAR_PROFILE_PT_APPROVAL_WAIT_SECONDS="60")
+    sidecars(dsn, TOOL, "--tool", "pt", env=env)
+    g = gateway()
+    asked: list[str] = []
+
+    async def answer(context, params):
+        asked.append(params.message)
+        return types.ElicitResult(action="accept", content={"approve": False,
+                                                            "reason": "not today"})
+
+    async def main():
+        async with g.client(elicitation_callback=answer) as client:
+            called = await client.call_tool("pt", {"steps": []})
+            with pytest.raises(MCPError, match="requestState"):
+                await client.session.call_tool(
+                    "pt", {"steps": []}, request_state="a1.forged.state.x",
+                    input_responses={})
+            return called
+
+    called = asyncio.run(main())
+    assert asked and "refund 40 EUR to c-1048" in asked[0]
+    assert called.is_error  # denied: the job failed
+    [job] = query(dsn, "SELECT id, error FROM tool_jobs")
+    assert job["error"]["kind"] == "denied" and "not today" in job["error"]["message"]
+    [answered] = [r["details"] for r in query(
+        dsn, "SELECT details FROM tool_job_events WHERE event = 'approval_answered'")]
+    assert answered["by"] == "sidecar mcp (alice)" and answered["approve"] is False

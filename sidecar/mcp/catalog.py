@@ -152,6 +152,11 @@ def _mac(secret: bytes, value: Any) -> str:
                     hashlib.sha256).hexdigest()
 
 
+def mac_of(secret: bytes, value: Any) -> str:
+    """The gateway's MAC of ``value`` (canonical JSON) under ``secret``: 64 hex digits."""
+    return _mac(secret, value)
+
+
 def sign_tags(secret: bytes, tags: Mapping[str, str]) -> dict[str, str]:
     """``tags`` with ``mcp.sig`` added: the HMAC of every other ``mcp.*`` tag (names and
     values), so a job another producer tagged ``mcp.*`` carries no valid one."""

@@ -29,6 +29,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import hashlib
+import hmac
 import logging
 import re
 import secrets
@@ -185,6 +186,8 @@ class Gateway:
             raise MCPError(code=INVALID_PARAMS, message=(
                 f"unknown tool {params.name[:80]!r}: this server exposes "
                 f"{', '.join(sorted(self.tools))}"))
+        if params.request_state is not None:  # the retry of an in-band ask (2026-07-28)
+            return await self._resume_with_answer(ctx, params)
         arguments = params.arguments if params.arguments is not None else {}
         _check_arguments(tool.name, self.validators[tool.name], arguments)
         try:  # the arguments as written, every digit (the SDK's parse rounds decimals)
@@ -241,7 +244,10 @@ class Gateway:
             progress_token = meta.get("progressToken")
             if isinstance(progress_token, bool) or not isinstance(progress_token, str | int):
                 progress_token = None
-            end = await self._wait(ctx, ref.id, progress_token, cancel_on_cancel=True)
+            end = await self._wait(ctx, ref.id, progress_token, cancel_on_cancel=True,
+                                   ask_in_band=True)
+        if isinstance(end, types.InputRequiredResult):
+            return end  # a person's yes is asked in-band; the client retries with it
         return _tool_result(end, self.marks)
 
     def _said(self, exc: BaseException) -> str:
@@ -263,6 +269,86 @@ class Gateway:
             if known in self._renewed:
                 await self._renew(known)
         return await _clear_validation(ctx, call_next, self._said)
+
+    # --- approvals (issue 44, point 1) ---------------------------------------------
+
+    async def answer_from(self, job_id: uuid.UUID, request: Mapping[str, Any], answer: Any,
+                          principal: str) -> str | None:
+        """Write the client's elicitation ``answer`` (an ElicitResult, or its JSON) as
+        the answer to ``request`` of job ``job_id``, for the attempt and token that asked,
+        by ``sidecar mcp (PRINCIPAL)``: accept with ``approve`` true or false, or decline
+        (a no). A cancel, or an answer without a yes or no, leaves the request open (None
+        returned). The outcome otherwise (approved, denied, or why it was refused)."""
+        if isinstance(answer, Mapping):
+            action, content = answer.get("action"), answer.get("content")
+        else:
+            action, content = getattr(answer, "action", None), getattr(answer, "content", None)
+        content = content if isinstance(content, Mapping) else {}
+        if action == "accept" and isinstance(content.get("approve"), bool):
+            approve, reason = content["approve"], content.get("reason")
+        elif action == "decline":
+            approve, reason = False, "declined in the MCP client"
+        else:
+            return None
+        if not (isinstance(reason, str) and 1 <= len(reason) <= 500 and reason.isprintable()):
+            reason = None
+        try:
+            outcome = await self.client.approve(
+                job_id, approve=approve, reason=reason, attempt=request["attempt"],
+                token=request["fencing_token"], by=cancelled_by(principal))
+        except (SidecarError, *db.DATABASE_ERRORS) as exc:
+            log.warning("mcp: the answer for job %s was not written: %s", job_id,
+                        one_line(str(exc))[:200])
+            return None
+        log.info("mcp: job %s approval %s by %s", job_id, outcome, principal)
+        return outcome
+
+    def _approval_state(self, principal: str, job_id: uuid.UUID, request_id: Any) -> str:
+        """The requestState of an in-band ask (2026-07-28): the job and request it is
+        about, under a MAC of this gateway's secret and the principal (the client echoes
+        it; it is never trusted unverified)."""
+        mac = mcp_catalog.mac_of(self.secret, ["approval-state", principal, str(job_id),
+                                               str(request_id)])
+        return f"a1.{job_id}.{request_id}.{mac}"
+
+    def _verified_state(self, principal: str, state: str) -> tuple[uuid.UUID, str]:
+        """``(job id, request id)`` of a requestState this gateway issued to
+        ``principal``; INVALID_PARAMS for any other."""
+        parts = state.split(".") if isinstance(state, str) and len(state) <= 300 else []
+        try:
+            if len(parts) != 4 or parts[0] != "a1":
+                raise ValueError("format")
+            job_id, request_id = uuid.UUID(parts[1]), str(uuid.UUID(parts[2]))
+        except ValueError:
+            raise MCPError(code=INVALID_PARAMS, message="requestState: not one this "
+                           "gateway issued") from None
+        if not hmac.compare_digest(parts[3], self._approval_state(principal, job_id,
+                                                                  request_id).split(".")[3]):
+            raise MCPError(code=INVALID_PARAMS, message="requestState: not one this "
+                           "gateway issued")
+        return job_id, request_id
+
+    async def _resume_with_answer(self, ctx: Any,
+                                  params: types.CallToolRequestParams) -> types.CallToolResult:
+        """A 2026-07-28 client retries a tools/call with its answer to the approval the
+        gateway asked in-band: write it for the request the state names (if that request
+        is still the open one), then wait for the job as the first request did."""
+        principal = self.principal_of(ctx)
+        job_id, request_id = self._verified_state(principal, params.request_state)
+        responses = params.input_responses or {}
+        answer = responses.get("approval") if isinstance(responses, Mapping) else None
+        request = await self.client.approval_request(job_id)
+        if answer is not None and request is not None and str(request["id"]) == request_id:
+            await self.answer_from(job_id, request, answer, principal)
+        progress_token = _wire_meta(ctx).get("progressToken")
+        if isinstance(progress_token, bool) or not isinstance(progress_token, str | int):
+            progress_token = None
+        with self._slot(principal):
+            end = await self._wait(ctx, job_id, progress_token, cancel_on_cancel=True,
+                                   ask_in_band=True)
+        if isinstance(end, types.InputRequiredResult):
+            return end  # a person's yes is asked in-band; the client retries with it
+        return _tool_result(end, self.marks)
 
     # --- interests (issue 44, point 2) ---------------------------------------------
 
@@ -370,13 +456,23 @@ class Gateway:
                 del self.in_flight[principal]
 
     async def _wait(self, ctx: Any, job_id: uuid.UUID, progress_token: str | int | None,
-                    cancel_on_cancel: bool) -> JobEnd:
+                    cancel_on_cancel: bool, ask_in_band: bool = False) -> Any:
         """``_follow``; a cancelled request cancels the job (``cancel_on_cancel``, unless
         the gateway is stopping); losing sight of the job (the database away longer than
         the waiter's reconnects) is INTERNAL_ERROR saying the job goes on."""
         keeper = asyncio.create_task(self._keep_interest(job_id))
         try:
-            return await self._follow(ctx, job_id, progress_token)
+            return await self._follow(ctx, job_id, progress_token,
+                                      ask_in_band and _modern_elicits(ctx))
+        except _AskInBand as asking:  # the job goes on; the client answers and retries
+            principal = self.principal_of(ctx)
+            request = asking.request
+            return types.InputRequiredResult(
+                input_requests={"approval": types.ElicitRequest(
+                    params=types.ElicitRequestFormParams(
+                        message=_approval_message(request),
+                        requested_schema=APPROVAL_SCHEMA))},
+                request_state=self._approval_state(principal, job_id, request["id"]))
         except asyncio.CancelledError:
             if cancel_on_cancel and not self.stopping:
                 await self._cancel(job_id, self.principal_of(ctx))
@@ -394,21 +490,30 @@ class Gateway:
             keeper.cancel()
 
     async def _follow(self, ctx: Any, job_id: uuid.UUID,
-                      progress_token: str | int | None) -> JobEnd:
+                      progress_token: str | int | None, in_band: bool = False) -> JobEnd:
         """The job's end; meanwhile, when the client sent a progress token, each progress
         report and, while the job is queued, why it waits (each time that changes, as its
         message) as ``notifications/progress``, whose ``progress`` only grows
         (wire.ProgressClock)."""
         clock = wire.ProgressClock()
         asking = _Elicitations(self, ctx, job_id) if _can_elicit(ctx) else None
+        if in_band:  # a parked job's request may be open already
+            request = await self.client.approval_request(job_id)
+            if request is not None:
+                raise _AskInBand(request)
         try:
             async for event in self.client.follow(job_id,
                                                   reasons=progress_token is not None):
                 if isinstance(event, JobEnd):
                     return event
-                if asking is not None and isinstance(event, JobProgress) \
+                if isinstance(event, JobProgress) \
                         and (event.message or "").startswith(APPROVAL_PROGRESS):
-                    await asking.check()
+                    if in_band:
+                        request = await self.client.approval_request(job_id)
+                        if request is not None:
+                            raise _AskInBand(request)
+                    elif asking is not None:
+                        await asking.check()
                 if progress_token is not None and isinstance(event, JobProgress):
                     value = 0.0 if event.waiting is not None else event.value
                     progress, total = clock.next(value, event.attempt)
@@ -588,6 +693,34 @@ class TaskParams(types.RequestParams):
     task_id: str
 
 
+class _AskInBand(Exception):  # noqa: N818 - a signal, not an error
+    """The job a 2026-07-28 tools/call waits on asks a person's yes: the request ends with
+    an input_required result asking it (the job goes on)."""
+
+    def __init__(self, request: dict[str, Any]):
+        super().__init__(str(request["id"]))
+        self.request = request
+
+
+def _approval_message(request: Mapping[str, Any]) -> str:
+    """What the client's person is asked."""
+    return (f"The tool asks your yes before the step {request['action']!r}: "
+            f"{request['summary']}")
+
+
+def _modern_elicits(ctx: Any) -> bool:
+    """The request is on a 2026-07-28 connection and its client lists elicitation in its
+    per-request capabilities (it can answer an input_required result)."""
+    from mcp_types import CLIENT_CAPABILITIES_META_KEY
+    from mcp_types.version import MODERN_PROTOCOL_VERSIONS
+
+    if ctx.protocol_version not in MODERN_PROTOCOL_VERSIONS:
+        return False
+    capabilities = _wire_meta(ctx).get(CLIENT_CAPABILITIES_META_KEY)
+    return isinstance(capabilities, Mapping) and isinstance(capabilities.get("elicitation"),
+                                                              Mapping)
+
+
 def _can_elicit(ctx: Any) -> bool:
     """Whether the client of this request declared the elicitation capability."""
     check = getattr(getattr(ctx, "session", None), "check_client_capability", None)
@@ -629,32 +762,13 @@ class _Elicitations:
         principal = gateway.principal_of(ctx)
         try:
             answer = await ctx.session.elicit_form(
-                f"The tool asks your yes before the step {request['action']!r}: "
-                f"{request['summary']}", APPROVAL_SCHEMA,
+                _approval_message(request), APPROVAL_SCHEMA,
                 related_request_id=_text_id(ctx.request_id))
         except Exception as exc:  # noqa: BLE001 - no answer here: the request stays open
             log.info("mcp: elicitation for job %s got no answer: %s", self.job_id,
                      one_line(str(exc))[:200])
             return
-        content = answer.content if isinstance(answer.content, dict) else {}
-        if answer.action == "accept" and isinstance(content.get("approve"), bool):
-            approve, reason = content["approve"], content.get("reason")
-        elif answer.action == "decline":
-            approve, reason = False, "declined in the MCP client"
-        else:
-            return  # cancelled, or an answer without a yes or no: left open
-        if not (isinstance(reason, str) and 1 <= len(reason) <= 500
-                and reason.isprintable()):
-            reason = None
-        try:
-            outcome = await gateway.client.approve(
-                self.job_id, approve=approve, reason=reason, attempt=request["attempt"],
-                token=request["fencing_token"], by=cancelled_by(principal))
-        except (SidecarError, *db.DATABASE_ERRORS) as exc:
-            log.warning("mcp: the answer for job %s was not written: %s", self.job_id,
-                        one_line(str(exc))[:200])
-            return
-        log.info("mcp: job %s approval %s by %s", self.job_id, outcome, principal)
+        await gateway.answer_from(self.job_id, request, answer, principal)
 
     async def close(self) -> None:
         """Stop asking: the call ended or its request went away."""
