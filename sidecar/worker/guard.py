@@ -70,7 +70,22 @@ the job's waiters, and counted as activity by the idle watchdog:
 - ``400 {"error": "bad_json" | "bad_request" | "secret_in_output", "message"}``; ``413
   {"error": "body_too_large", "limit": 4096}``; ``503 {"error": "database_unavailable"}``.
 
-All three: a missing, malformed, unknown or no longer registered secret gets ``401
+``POST /v1/snooze``, body ``{"delay_seconds": S, "reason": "..."}`` (issue 44,
+sidecar.protocol.verdict.parse_snooze): ``200 {"snoozed": true, ...}``, kept on the lease;
+once the tool exits the job is queued again after S seconds, its attempt not spent
+(bounded by MAX_SNOOZES and MAX_LIFETIME_SECONDS). ``400`` naming the field, ``409``
+when the attempt no longer owns the job.
+
+``POST /v1/approval``, body ``{"action", "summary", "details"}`` (issue 44,
+sidecar.protocol.verdict.parse_approval): the request is written bound to this attempt
+(job, attempt, fencing token). APPROVAL_MODE=wait: the call waits for the answer (at most
+APPROVAL_WAIT_SECONDS, the lease kept): ``200 {"approved": true, "fencing_token": N}``,
+``403 {"approved": false}`` (the job then fails denied), ``409 {"reason":
+"approval_expired" | "lease_lost" | "cancelled"}``. APPROVAL_MODE=park: ``202 {"parked":
+true, "request_id", "deadline"}`` and the attempt ends parked once the tool exits.
+``409 {"error": "approval_pending"}`` for a second open request of the attempt.
+
+All of them: a missing, malformed, unknown or no longer registered secret gets ``401
 {"error": "unauthorized"}`` with ``WWW-Authenticate: Bearer`` (the same answer for every
 case: the caller learns nothing); a body not complete within ``body_timeout`` seconds
 gets ``408 {"error": "body_timeout"}``.
