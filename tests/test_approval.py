@@ -172,16 +172,25 @@ def _open_request(dsn, job_id):
 
 @pytest.mark.e2e
 def test_a_tool_waits_for_sidecar_approve_and_takes_its_step_with_its_token(dsn, tmp_path):
-    env = base_env(dsn, SIDECAR_PROFILE_AP_APPROVAL_WAIT_SECONDS="120")
+    port = free_port()
+    env = base_env(dsn, SIDECAR_PROFILE_AP_APPROVAL_WAIT_SECONDS="120",
+                   SIDECAR_HTTP_ADDR=f"127.0.0.1:{port}")
     job = enqueue(dsn, "ap", ASK)
     sidecar = SidecarProcess(dsn, TOOL, "--tool", "ap", env=env, tmp=tmp_path)
     try:
         wait_until(lambda: _open_request(dsn, job), 60, what="the tool's approval request")
+        wait_until(lambda: metric_total(metrics_text(f"http://127.0.0.1:{port}"),
+                                        "sidecar_approvals_waiting") == 1, 30,
+                   what="the waiting call counted")
         done = cli(dsn, "approve", job, "--reason", "checked the invoice", env=env)
         assert done.returncode == 0, done.stderr.decode()
         said = orjson.loads(done.stdout)
         assert said["outcome"] == "approved" and said["action"] == "refund"
         wait_until(lambda: job_row(dsn, job)["state"] == "succeeded", 60, what="the job")
+        scraped = metrics_text(f"http://127.0.0.1:{port}")
+        assert metric_total(scraped, "sidecar_approval_answer_seconds_count",
+                            outcome="approved") == 1
+        assert metric_total(scraped, "sidecar_approvals_waiting") == 0
         again = cli(dsn, "approve", job, "--attempt", "1", "--token", "1", env=env)
         assert again.returncode == 5
         assert orjson.loads(again.stdout)["outcome"] == "already_answered"
