@@ -444,7 +444,13 @@ def test_concurrent_jobs_each_get_their_own_cgroup_limits_and_figures(dsn, tmp_p
     assert _row(dsn, spin)["error"]["kind"] == "cpu_limit", _row(dsn, spin)["error"]
     row = _row(dsn, calm)
     assert row["state"] == "succeeded", row["error"]
-    assert f".job-{calm}-1" in row["result"]["cgroup"]
+    # Its own cgroup: the one its attempt's journal names (named after the job, or the
+    # slot's prepared one, job-p<slot>-<n>, when a prepared attempt took it), which is
+    # neither the hog's nor the spinner's.
+    cgroups = {job: _journal(dsn, job, "tool_request_started")[0]["cgroup"]
+               for job in (hog, spin, calm)}
+    assert len(set(cgroups.values())) == 3, cgroups
+    assert cgroups[calm] in row["result"]["cgroup"], (cgroups, row["result"]["cgroup"])
     [hog_summary] = _journal(dsn, hog, "job_failed")
     [spin_summary] = _journal(dsn, spin, "job_failed")
     [calm_summary] = _journal(dsn, calm, "job_succeeded")
