@@ -51,22 +51,30 @@ SNOOZE_BODY_LIMIT = 1024  # bytes of a POST /v1/snooze body
 SNOOZE_REASON_CHARS = 200
 
 
+def _body_object(body: bytes, fields: tuple[str, ...], example: str,
+                 wanted: str) -> dict[str, Any]:
+    """A guard request's body as a JSON object of ``fields`` only; ValueError naming the
+    problem (not an object, with ``example``; an unknown field, saying ``wanted``)."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        value = None
+    if not isinstance(value, dict):
+        raise ValueError(f"the body must be a JSON object, e.g. {example}")
+    unknown = sorted(set(value) - set(fields))
+    if unknown:
+        raise ValueError(f"unknown field {unknown[0][:40]!r}: give {wanted}")
+    return value
+
+
 def parse_snooze(body: bytes) -> Snooze:
     """A ``POST /v1/snooze`` body, ``{"delay_seconds": S, "reason": "..."}``, as a Snooze:
     S a number of seconds more than 0 and at most SNOOZE_MAX_SECONDS (366 days), the
     reason optional, 1-200 printable characters; no other field. ValueError with a
     message naming the field otherwise."""
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise ValueError("the body must be a JSON object, e.g. "
-                         '{"delay_seconds": 60, "reason": "rate limited"}') from None
-    if not isinstance(value, dict):
-        raise ValueError('the body must be a JSON object, e.g. {"delay_seconds": 60}')
-    unknown = sorted(set(value) - {"delay_seconds", "reason"})
-    if unknown:
-        raise ValueError(f"unknown field {unknown[0][:40]!r}: give delay_seconds and an "
-                         "optional reason")
+    value = _body_object(body, ("delay_seconds", "reason"),
+                         '{"delay_seconds": 60, "reason": "rate limited"}',
+                         "delay_seconds and an optional reason")
     delay = value.get("delay_seconds")
     if isinstance(delay, bool) or not isinstance(delay, int | float) \
             or not 0 < delay <= SNOOZE_MAX_SECONDS:
@@ -110,17 +118,9 @@ class ApprovalAsk:
 def parse_approval(body: bytes) -> ApprovalAsk:
     """A ``POST /v1/approval`` body, ``{"action", "summary", "details"}``, as an
     ApprovalAsk; ValueError with a message naming the field otherwise (no other field)."""
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        raise ValueError("the body must be a JSON object, e.g. {\"action\": \"refund\", "
-                         "\"summary\": \"refund 40 EUR to c-1048\"}") from None
-    if not isinstance(value, dict):
-        raise ValueError("the body must be a JSON object with action and summary")
-    unknown = sorted(set(value) - {"action", "summary", "details"})
-    if unknown:
-        raise ValueError(f"unknown field {unknown[0][:40]!r}: give action, summary and "
-                         "optional details")
+    value = _body_object(body, ("action", "summary", "details"),
+                         '{"action": "refund", "summary": "refund 40 EUR to c-1048"}',
+                         "action, summary and optional details")
     action, summary = value.get("action"), value.get("summary")
     if not isinstance(action, str) or not _ACTION.fullmatch(action):
         raise ValueError("action: 1-64 of a-z, 0-9, '_', '.', '-', starting with a letter, "
